@@ -1,0 +1,43 @@
+// DeviceMesh: how ranks are arranged for sharding. 1-D: parameters are sharded over all ranks.
+// 2-D (replicate x shard), for hybrid sharding: rank = replicate_index * shard_size + shard_index;
+// parameters are sharded within a row of `shard_size` ranks and replicated across rows.
+#pragma once
+
+#include <memory>
+
+#include "fsdp/comm.h"
+#include "fsdp/dist.h"
+
+namespace fsdp {
+
+class DeviceMesh {
+ public:
+  // 1-D mesh over every rank.
+  explicit DeviceMesh(std::shared_ptr<Dist> dist);
+  // 2-D mesh; replicate_size * shard_size must equal the world size.
+  DeviceMesh(std::shared_ptr<Dist> dist, int replicate_size, int shard_size);
+
+  bool is_hybrid() const { return replicate_size_ > 1 && shard_size_ < dist_->world_size(); }
+  int shard_rank() const { return shard_rank_; }
+  int shard_size() const { return shard_size_; }
+  int replicate_rank() const { return replicate_rank_; }
+  int replicate_size() const { return replicate_size_; }
+
+  Dist& dist() const { return *dist_; }
+  const std::shared_ptr<Dist>& dist_ptr() const { return dist_; }
+  // The ranks a parameter is sharded over.
+  Communicator& shard_group() const { return *shard_group_; }
+  // The ranks holding the same shard (size 1 on a 1-D mesh).
+  Communicator& replicate_group() const { return *replicate_group_; }
+
+ private:
+  std::shared_ptr<Dist> dist_;
+  int replicate_size_ = 1;
+  int shard_size_ = 1;
+  int replicate_rank_ = 0;
+  int shard_rank_ = 0;
+  std::shared_ptr<Communicator> shard_group_;
+  std::shared_ptr<Communicator> replicate_group_;
+};
+
+}  // namespace fsdp

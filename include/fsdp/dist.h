@@ -1,0 +1,96 @@
+// Process-group set-up: reading the launch environment (torchrun, Slurm, OpenMPI), TCPStore
+// rendezvous, and the `Dist` context that owns the world communicator. Nothing here is global:
+// a `Dist` is passed explicitly to the mesh and everything built on it.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+
+#include "fsdp/comm.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp {
+
+// Where this process sits in the job, as read from the environment.
+struct DistEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr;
+  int master_port = 0;
+  // "torchrun", "slurm", "openmpi", or "none" (no variables: a single process).
+  std::string launcher = "none";
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// Reads the launch environment. Precedence: torchrun's RANK/WORLD_SIZE, then OpenMPI's
+// OMPI_COMM_WORLD_*, then Slurm's SLURM_PROCID/SLURM_NTASKS; none of them means one process.
+// Throws EnvError naming the variable when one is missing, not an integer, or out of range.
+// Touches no network, so a bad environment fails at once.
+DistEnv parse_dist_env(const EnvLookup& lookup);
+DistEnv parse_dist_env();  // from the process environment
+
+struct InitOptions {
+  // Bound on the rendezvous and on every collective; errors name what timed out.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(60);
+  // Gloo threads per process group.
+  TORCH_ARG(int, gloo_threads) = 2;
+};
+
+// One process's membership in a job: its rank, the store, and the world communicator.
+class Dist {
+ public:
+  // Joins with an existing store (tests use a FileStore; ranks may be threads of one process).
+  static std::shared_ptr<Dist> from_store(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                          int world_size, const InitOptions& options = {});
+  // A single process: every collective is a local copy.
+  static std::shared_ptr<Dist> single(const InitOptions& options = {});
+
+  ~Dist();
+  Dist(const Dist&) = delete;
+  Dist& operator=(const Dist&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  int local_rank() const { return env_.local_rank; }
+  const DistEnv& env() const { return env_; }
+  const InitOptions& options() const { return options_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  Communicator& world() { return *world_; }
+  // A communicator over `ranks` (global ranks, ascending); call on every member, in the same order
+  // on all of them. `name` must be unique per group and the same on every member.
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name);
+
+ private:
+  Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options);
+
+  DistEnv env_;
+  int rank_;
+  int world_size_;
+  InitOptions options_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<Communicator> world_;
+
+  friend std::shared_ptr<Dist> init_process_group(const DistEnv&, const InitOptions&);
+};
+
+// Joins the job described by `env`: TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it), a join
+// check that names the ranks that never arrived within the timeout, then the world process group.
+std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options = {});
+
+// parse_dist_env() + init_process_group().
+std::shared_ptr<Dist> init_from_env(const InitOptions& options = {});
+
+}  // namespace fsdp

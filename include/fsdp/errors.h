@@ -1,0 +1,40 @@
+// Exception types thrown by fsdp. Library code never exits or aborts on a user error: it throws one
+// of these, with a message that names the thing that is wrong and, where there is one, the fix.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace fsdp {
+
+// Base of every fsdp exception.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// A bad or incomplete launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+class EnvError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A failed rendezvous or collective: a dead or stopped peer, a timeout, a transport error.
+class DistError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A collective that did not finish within its timeout.
+class TimeoutError : public DistError {
+ public:
+  using DistError::DistError;
+};
+
+// Invalid user options or configuration.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace fsdp

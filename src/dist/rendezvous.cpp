@@ -1,0 +1,189 @@
+// Rendezvous: TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it), a join check that names the
+// ranks that never arrived, and the world communicator over Gloo.
+#include <chrono>
+#include <sstream>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dist/transport.h"
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace {
+
+std::string first_line(const std::exception& e) {
+  std::string s = e.what();
+  auto nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+double as_seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
+
+std::string seconds_text(std::chrono::milliseconds ms) {
+  std::ostringstream s;
+  s << as_seconds(ms) << " s";
+  return s.str();
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+// Every rank announces itself, then waits for all others; on timeout the error lists who is missing.
+void join_check(c10d::Store& store, int rank, int world_size, std::chrono::milliseconds timeout) {
+  store.set("fsdp/joined/" + std::to_string(rank), std::vector<uint8_t>{1});
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<int> missing;
+  for (;;) {
+    missing.clear();
+    for (int r = 0; r < world_size; ++r) {
+      if (!store.check({"fsdp/joined/" + std::to_string(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) return;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::ostringstream msg;
+  msg << "fsdp: rendezvous timed out after " << seconds_text(timeout) << " on rank " << rank << ": rank"
+      << (missing.size() > 1 ? "s " : " ");
+  for (size_t i = 0; i < missing.size() && i < 16; ++i) msg << (i ? ", " : "") << missing[i];
+  if (missing.size() > 16) msg << ", ...";
+  msg << " of " << world_size << " never joined (check that every rank was started with the same "
+      << "MASTER_ADDR/MASTER_PORT and WORLD_SIZE)";
+  throw TimeoutError(msg.str());
+}
+
+std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
+                                         int group_size, const std::vector<int>& global_ranks,
+                                         const std::string& name, const InitOptions& options,
+                                         const std::string& hostname) {
+  CommunicatorOptions copts;
+  copts.name = name;
+  copts.timeout = options.timeout();
+  copts.global_ranks = global_ranks;
+  if (group_size == 1) return std::make_shared<Communicator>(make_local_transport(), copts);
+  GlooTransportOptions gopts;
+  gopts.timeout = options.timeout();
+  gopts.threads = options.gloo_threads();
+  gopts.hostname = hostname;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + name, store);
+  std::unique_ptr<Transport> transport;
+  try {
+    transport = make_gloo_transport(prefixed, group_rank, group_size, gopts);
+  } catch (const std::exception& e) {
+    throw DistError("fsdp: creating process group '" + name + "' failed on group rank " +
+                    std::to_string(group_rank) + " of " + std::to_string(group_size) + " within " +
+                    seconds_text(options.timeout()) + ": " + first_line(e));
+  }
+  return std::make_shared<Communicator>(std::move(transport), copts);
+}
+
+}  // namespace
+
+Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options)
+    : env_(std::move(env)), rank_(env_.rank), world_size_(env_.world_size), options_(options),
+      store_(std::move(store)) {}
+
+Dist::~Dist() = default;
+
+std::shared_ptr<Dist> Dist::single(const InitOptions& options) {
+  auto dist = std::shared_ptr<Dist>(new Dist(DistEnv{}, c10::make_intrusive<c10d::HashStore>(), options));
+  std::vector<int> ranks{0};
+  dist->world_ = make_group(dist->store_, 0, 1, ranks, "world", options, "");
+  return dist;
+}
+
+std::shared_ptr<Dist> Dist::from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                       const InitOptions& options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw ConfigError("fsdp: Dist::from_store: rank " + std::to_string(rank) + " is not in [0, " +
+                      std::to_string(world_size) + ")");
+  }
+  DistEnv env;
+  env.rank = rank;
+  env.world_size = world_size;
+  env.local_rank = rank;
+  env.local_world_size = world_size;
+  env.launcher = "store";
+  auto dist = std::shared_ptr<Dist>(new Dist(env, std::move(store), options));
+  std::vector<int> ranks;
+  for (int r = 0; r < world_size; ++r) ranks.push_back(r);
+  join_check(*dist->store_, rank, world_size, options.timeout());
+  dist->world_ = make_group(dist->store_, rank, world_size, ranks, "world", options, "127.0.0.1");
+  return dist;
+}
+
+std::shared_ptr<Communicator> Dist::new_group(const std::vector<int>& ranks, const std::string& name) {
+  int group_rank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0 && ranks[i] <= ranks[i - 1]) {
+      throw ConfigError("fsdp: new_group '" + name + "': ranks must be ascending and distinct");
+    }
+    if (ranks[i] < 0 || ranks[i] >= world_size_) {
+      throw ConfigError("fsdp: new_group '" + name + "': rank " + std::to_string(ranks[i]) +
+                        " is not in the world of size " + std::to_string(world_size_));
+    }
+    if (ranks[i] == rank_) group_rank = static_cast<int>(i);
+  }
+  if (group_rank < 0) {
+    throw ConfigError("fsdp: new_group '" + name + "': rank " + std::to_string(rank_) +
+                      " is not a member; only members create a group");
+  }
+  const std::string host = env_.launcher == "store" || is_loopback(env_.master_addr) ? "127.0.0.1" : "";
+  return make_group(store_, group_rank, static_cast<int>(ranks.size()), ranks, name, options_, host);
+}
+
+std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
+  if (options.timeout().count() <= 0) {
+    throw ConfigError("fsdp: InitOptions::timeout must be positive, got " +
+                      std::to_string(options.timeout().count()) + " ms");
+  }
+  if (env.world_size == 1) {
+    auto dist = Dist::single(options);
+    dist->env_ = env;
+    return dist;
+  }
+  c10d::TCPStoreOptions sopts;
+  sopts.port = static_cast<uint16_t>(env.master_port);
+  sopts.isServer = env.rank == 0;
+  sopts.numWorkers = env.world_size;
+  sopts.waitWorkers = false;  // join_check names the missing ranks instead
+  sopts.timeout = options.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
+  } catch (const std::exception& e) {
+    if (env.rank == 0) {
+      throw DistError("fsdp: rank 0 could not host the rendezvous store on " + where +
+                      " (MASTER_ADDR/MASTER_PORT; is the port already in use?): " + first_line(e));
+    }
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the rendezvous store on " +
+                    where + " within " + seconds_text(options.timeout()) +
+                    " (MASTER_ADDR/MASTER_PORT; is rank 0 running?): " + first_line(e));
+  }
+  auto dist = std::shared_ptr<Dist>(new Dist(env, store, options));
+  try {
+    join_check(*store, env.rank, env.world_size, options.timeout());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistError("fsdp: rendezvous on " + where + " failed on rank " + std::to_string(env.rank) +
+                    ": " + first_line(e));
+  }
+  std::vector<int> ranks;
+  for (int r = 0; r < env.world_size; ++r) ranks.push_back(r);
+  const std::string host = is_loopback(env.master_addr) ? "127.0.0.1" : "";
+  dist->world_ = make_group(store, env.rank, env.world_size, ranks, "world", options, host);
+  return dist;
+}
+
+std::shared_ptr<Dist> init_from_env(const InitOptions& options) {
+  return init_process_group(parse_dist_env(), options);
+}
+
+}  // namespace fsdp

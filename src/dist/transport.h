@@ -1,0 +1,65 @@
+// Transport: the backend interface under Communicator. A transport runs one collective to
+// completion on the calling thread (the communicator's worker) and reports the bytes it moved.
+// Implementations: LocalTransport (one rank), GlooRingTransport (CPU: bandwidth-optimal rings
+// over Gloo point-to-point), NcclTransport (CUDA builds: NCCL's native collectives).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "fsdp/comm.h"
+#include "fsdp/errors.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp {
+
+struct TransferCount {
+  uint64_t sent = 0;
+  uint64_t received = 0;
+};
+
+// A transport failure that involves a known peer (a group rank).
+class PeerError : public DistError {
+ public:
+  PeerError(int peer, const std::string& what) : DistError(what), peer_(peer) {}
+  int peer() const { return peer_; }
+
+ private:
+  int peer_;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend_name() const = 0;
+
+  virtual void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) = 0;
+  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                              TransferCount& count) = 0;
+  virtual void all_reduce(const at::Tensor& tensor, ReduceOp op, TransferCount& count) = 0;
+  virtual void broadcast(const at::Tensor& tensor, int root, TransferCount& count) = 0;
+  virtual void barrier(TransferCount& count) = 0;
+};
+
+struct GlooTransportOptions {
+  std::chrono::milliseconds timeout{60000};
+  int threads = 2;
+  // Address this rank's Gloo device binds to; empty = from GLOO_SOCKET_IFNAME or the hostname.
+  std::string hostname;
+};
+
+std::unique_ptr<Transport> make_local_transport();
+std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                               int size, const GlooTransportOptions& options);
+
+}  // namespace fsdp

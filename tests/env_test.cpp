@@ -1,0 +1,192 @@
+// Launch-environment parsing and rendezvous errors: every bad or partial environment names its
+// variable at once; a port in use and a rank that never joins fail within the timeout.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+#include "support/ranks.h"
+
+namespace fsdp {
+namespace {
+using Vars = std::map<std::string, std::string>;
+using Clock = std::chrono::steady_clock;
+
+DistEnv parse(const Vars& vars) {
+  return parse_dist_env([&](const std::string& k) -> std::optional<std::string> {
+    auto it = vars.find(k);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+// Asserts parse throws EnvError whose message contains `needle`.
+void expect_env_error(const Vars& vars, const std::string& needle) {
+  try {
+    parse(vars);
+    ADD_FAILURE() << "no error; expected one naming " << needle;
+  } catch (const EnvError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+const Vars kTorchrun = {{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}};
+
+Vars with(Vars v, const std::string& k, const std::string& val) {
+  v[k] = val;
+  return v;
+}
+Vars without(Vars v, const std::string& k) {
+  v.erase(k);
+  return v;
+}
+
+TEST(Env, NoVariablesMeansOneProcess) {
+  auto env = parse({});
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(env.rank, 0);
+  EXPECT_EQ(env.launcher, "none");
+}
+
+TEST(Env, Torchrun) {
+  auto env = parse(kTorchrun);
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 2);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST(Env, Slurm) {
+  auto env = parse({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                    {"MASTER_ADDR", "node1"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(env.launcher, "slurm");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 8);
+  EXPECT_EQ(env.local_rank, 1);
+  expect_env_error({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "8"}, {"MASTER_PORT", "1"}}, "MASTER_ADDR");
+  expect_env_error({{"SLURM_PROCID", "8"}, {"SLURM_NTASKS", "8"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}},
+                   "SLURM_PROCID=8");
+}
+
+TEST(Env, OpenMpi) {
+  auto env = parse({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "99"}});
+  EXPECT_EQ(env.launcher, "openmpi");
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 3);
+  expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
+                   "MASTER_PORT");
+  expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_SIZE");
+}
+
+TEST(Env, TorchrunPrecedesOtherLaunchers) {
+  auto env = parse(with(with(kTorchrun, "SLURM_PROCID", "0"), "SLURM_NTASKS", "1"));
+  EXPECT_EQ(env.launcher, "torchrun");
+}
+
+TEST(Env, EveryBadVariableIsNamed) {
+  const auto t0 = Clock::now();
+  expect_env_error(without(kTorchrun, "MASTER_ADDR"), "MASTER_ADDR is not set");
+  expect_env_error(without(kTorchrun, "MASTER_PORT"), "MASTER_PORT is not set");
+  expect_env_error(without(kTorchrun, "RANK"), "RANK is not set");
+  expect_env_error(without(kTorchrun, "WORLD_SIZE"), "WORLD_SIZE is not set");
+  expect_env_error(with(kTorchrun, "RANK", "abc"), "RANK='abc' is not an integer");
+  expect_env_error(with(kTorchrun, "RANK", "1x"), "RANK='1x' is not an integer");
+  expect_env_error(with(kTorchrun, "RANK", ""), "RANK is set but empty");
+  expect_env_error(with(kTorchrun, "RANK", "4"), "RANK=4 must be less than WORLD_SIZE=4");
+  expect_env_error(with(kTorchrun, "RANK", "-1"), "RANK=-1 is out of range");
+  expect_env_error(with(kTorchrun, "WORLD_SIZE", "0"), "WORLD_SIZE=0 is out of range");
+  expect_env_error(with(kTorchrun, "WORLD_SIZE", "99999999999999"), "WORLD_SIZE=99999999999999 is out of range");
+  expect_env_error(with(kTorchrun, "MASTER_PORT", "70000"), "MASTER_PORT=70000 is out of range");
+  expect_env_error(with(kTorchrun, "MASTER_PORT", "http"), "MASTER_PORT='http' is not an integer");
+  expect_env_error(with(kTorchrun, "LOCAL_RANK", "x"), "LOCAL_RANK='x'");
+  expect_env_error(with(kTorchrun, "LOCAL_RANK", "2"), "local rank 2 must be less than");
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.0);
+}
+
+TEST(Env, SingleRankTorchrunNeedsNoMaster) {
+  auto env = parse({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+  EXPECT_EQ(env.world_size, 1);
+  auto dist = init_process_group(env);
+  EXPECT_EQ(dist->world().size(), 1);
+  auto t = at::ones({3});
+  auto out = at::empty({3});
+  dist->world().all_gather(out, t, "x").wait();
+  EXPECT_TRUE(at::equal(out, t));
+}
+
+TEST(Rendezvous, PortInUseFailsWithAMessage) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  DistEnv env;
+  env.rank = 0;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = ntohs(addr.sin_port);
+  const auto t0 = Clock::now();
+  try {
+    init_process_group(env, InitOptions().timeout(std::chrono::seconds(3)));
+    ADD_FAILURE() << "rank 0 started a store on a port in use";
+  } catch (const DistError& e) {
+    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(env.master_port)), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 3.0 + 2.0);
+  ::close(fd);
+}
+
+TEST(Rendezvous, RankThatNeverJoinsIsNamedWithinTheTimeout) {
+  DistEnv env;
+  env.rank = 0;
+  env.world_size = 3;
+  env.master_addr = "127.0.0.1";
+  env.master_port = testing::free_port();
+  const auto t0 = Clock::now();
+  try {
+    init_process_group(env, InitOptions().timeout(std::chrono::seconds(2)));
+    ADD_FAILURE() << "rendezvous succeeded with ranks missing";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 1, 2 of 3 never joined"), std::string::npos) << e.what();
+  }
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_GE(s, 1.9);
+  EXPECT_LT(s, 2.0 + 3.0);
+}
+
+TEST(Rendezvous, UnreachableStoreFailsWithinTheTimeout) {
+  DistEnv env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = testing::free_port();  // nobody listens
+  const auto t0 = Clock::now();
+  try {
+    init_process_group(env, InitOptions().timeout(std::chrono::seconds(2)));
+    ADD_FAILURE() << "rank 1 joined without a store";
+  } catch (const DistError& e) {
+    EXPECT_NE(std::string(e.what()).find("could not reach the rendezvous store"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0 + 5.0);
+}
+
+}  // namespace
+}  // namespace fsdp

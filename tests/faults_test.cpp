@@ -1,0 +1,98 @@
+// Process tier: each rank is a re-executed copy of this binary. A killed or stopped peer must make
+// every surviving rank fail within the timeout with an error naming the collective, its tag and,
+// when known, the peer.
+#include <signal.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+#include "support/ranks.h"
+
+namespace fsdp {
+namespace {
+using namespace std::chrono_literals;
+using testing::RankResult;
+
+constexpr auto kTimeout = 3s;
+
+std::shared_ptr<Dist> join() { return init_from_env(InitOptions().timeout(kTimeout)); }
+
+void expect_survivors_fail(const std::vector<RankResult>& results, int victim, const std::string& needle) {
+  for (const auto& r : results) {
+    if (r.rank == victim) continue;
+    EXPECT_EQ(r.exit_code, 3) << testing::describe(results);
+    EXPECT_FALSE(r.killed_by_parent) << "rank " << r.rank << " hung\n" << testing::describe(results);
+    EXPECT_LT(r.seconds, std::chrono::duration<double>(kTimeout).count() + 10) << testing::describe(results);
+    EXPECT_NE(r.output.find(needle), std::string::npos) << testing::describe(results);
+  }
+}
+
+TEST(ProcessTier, HealthyRanksAllGather) {
+  auto results = testing::run_processes(3, [](int rank) {
+    auto dist = join();
+    auto out = at::empty({6});
+    dist->world().all_gather(out, at::full({2}, static_cast<float>(rank)), "ok").wait();
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(out[2 * r].item<float>(), r);
+  });
+  testing::expect_all_ok(results);
+}
+
+TEST(ProcessTier, PeerKilledDuringAllGather) {
+  auto results = testing::run_processes(3, [](int rank) {
+    auto dist = join();
+    dist->world().barrier("warm-up");
+    if (rank == 2) ::raise(SIGKILL);
+    auto out = at::empty({3 * 100000});
+    dist->world().all_gather(out, at::ones({100000}), "layers.0").wait();
+  });
+  EXPECT_EQ(results[2].term_signal, SIGKILL);
+  expect_survivors_fail(results, 2, "all_gather 'layers.0'");
+}
+
+TEST(ProcessTier, PeerKilledDuringReduceScatter) {
+  auto results = testing::run_processes(2, [](int rank) {
+    auto dist = join();
+    auto in = at::ones({2 * 4000000});
+    auto out = at::empty({4000000});
+    dist->world().reduce_scatter(out, in, ReduceOp::kSum, "grads").wait();
+    if (rank == 0) ::raise(SIGKILL);
+    dist->world().reduce_scatter(out, at::ones({2 * 4000000}), ReduceOp::kSum, "grads.2").wait();
+  });
+  EXPECT_EQ(results[0].term_signal, SIGKILL);
+  expect_survivors_fail(results, 0, "reduce_scatter 'grads.2'");
+  EXPECT_NE(results[1].output.find("peer rank 0"), std::string::npos) << testing::describe(results);
+}
+
+TEST(ProcessTier, StoppedPeerTimesOut) {
+  testing::ProcessOptions opts;
+  opts.may_hang = {1};
+  auto results = testing::run_processes(3, [](int rank) {
+    auto dist = join();
+    dist->world().barrier("warm-up");
+    if (rank == 1) ::raise(SIGSTOP);
+    auto out = at::empty({3 * 1000});
+    dist->world().all_gather(out, at::ones({1000}), "stopped").wait();
+  }, opts);
+  expect_survivors_fail(results, 1, "all_gather 'stopped'");
+}
+
+TEST(ProcessTier, FailureBreaksTheCommunicator) {
+  auto results = testing::run_processes(2, [](int rank) {
+    auto dist = join();
+    if (rank == 1) ::raise(SIGKILL);
+    auto out = at::empty({2});
+    auto h1 = dist->world().all_gather(out, at::ones({1}), "first");
+    auto h2 = dist->world().all_gather(out, at::ones({1}), "second");
+    try {
+      h1.wait();
+    } catch (const DistError&) {
+    }
+    h2.wait();  // must fail fast, naming the earlier failure
+  });
+  expect_survivors_fail(results, 1, "unusable after an earlier failure");
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,191 @@
+// Implementation of the two multi-rank test tiers. See ranks.h.
+#include "support/ranks.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+
+namespace fsdp::testing {
+namespace {
+using Clock = std::chrono::steady_clock;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+}  // namespace
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string temp_path(const std::string& stem) {
+  static std::atomic<int> counter{0};
+  const char* dir = std::getenv("TMPDIR");
+  std::ostringstream p;
+  p << (dir ? dir : "/tmp") << "/fsdp-test-" << stem << "-" << ::getpid() << "-" << counter++;
+  return p.str();
+}
+
+void run_threads(int world, const std::function<void(Dist&)>& fn, std::chrono::milliseconds timeout) {
+  const std::string path = temp_path("filestore");
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  std::vector<std::string> errors;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto store = c10::make_intrusive<c10d::FileStore>(path, world);
+        auto dist = Dist::from_store(store, r, world, InitOptions().timeout(timeout));
+        fn(*dist);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        errors.push_back("rank " + std::to_string(r) + ": " + e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ::unlink(path.c_str());
+  for (const auto& e : errors) ADD_FAILURE() << e;
+}
+
+std::vector<RankResult> run_processes(int world, const std::function<void(int)>& body,
+                                      const ProcessOptions& options) {
+  if (const char* child = std::getenv("FSDP_TEST_CHILD"); child && *child) {
+    const int rank = std::atoi(std::getenv("RANK"));
+    int code = 0;
+    try {
+      body(rank);
+      if (::testing::Test::HasFailure()) code = 1;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d threw: %s\n", rank, e.what());
+      code = 3;
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    ::_exit(code);
+  }
+
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string filter = std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
+  const int port = free_port();
+  std::vector<pid_t> pids(world);
+  std::vector<std::string> logs(world);
+  std::vector<RankResult> results(world);
+  const auto t0 = Clock::now();
+  for (int r = 0; r < world; ++r) {
+    logs[r] = temp_path("rank" + std::to_string(r) + ".log");
+    results[r].rank = r;
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      const int fd = ::open(logs[r].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::close(fd);
+      ::setenv("FSDP_TEST_CHILD", "1", 1);
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      for (const auto& [k, v] : options.extra_env) ::setenv(k.c_str(), v.c_str(), 1);
+      char exe[] = "/proc/self/exe";
+      char* argv[] = {exe, const_cast<char*>(filter.c_str()), nullptr};
+      ::execv("/proc/self/exe", argv);
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);
+    pids[r] = pid;
+  }
+  int alive = world;
+  std::vector<bool> done(world, false);
+  const auto deadline = t0 + options.timeout;
+  while (alive > 0) {
+    for (int r = 0; r < world; ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
+      if (got == pids[r]) {
+        done[r] = true;
+        --alive;
+        results[r].seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (WIFEXITED(status)) results[r].exit_code = WEXITSTATUS(status);
+        if (WIFSIGNALED(status)) results[r].term_signal = WTERMSIG(status);
+      }
+    }
+    if (alive == 0) break;
+    bool only_hangers = true;
+    for (int r = 0; r < world; ++r) {
+      const bool hanger = std::find(options.may_hang.begin(), options.may_hang.end(), r) != options.may_hang.end();
+      if (!done[r] && !hanger) only_hangers = false;
+    }
+    if (only_hangers || Clock::now() >= deadline) {
+      for (int r = 0; r < world; ++r) {
+        if (done[r]) continue;
+        ::kill(-pids[r], SIGKILL);
+        ::kill(pids[r], SIGKILL);
+        int status = 0;
+        ::waitpid(pids[r], &status, 0);
+        done[r] = true;
+        results[r].killed_by_parent = true;
+        results[r].term_signal = SIGKILL;
+        results[r].seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int r = 0; r < world; ++r) {
+    results[r].output = read_file(logs[r]);
+    ::unlink(logs[r].c_str());
+  }
+  return results;
+}
+
+std::string describe(const std::vector<RankResult>& results) {
+  std::ostringstream s;
+  for (const auto& r : results) {
+    s << "---- rank " << r.rank << ": exit " << r.exit_code << " signal " << r.term_signal
+      << (r.killed_by_parent ? " (killed by the harness at the timeout)" : "") << " after " << r.seconds
+      << " s\n"
+      << r.output << "\n";
+  }
+  return s.str();
+}
+
+void expect_all_ok(const std::vector<RankResult>& results) {
+  bool ok = true;
+  for (const auto& r : results) ok = ok && r.ok();
+  EXPECT_TRUE(ok) << describe(results);
+}
+
+}  // namespace fsdp::testing

@@ -1,0 +1,54 @@
+// Multi-rank test harness, two tiers (see DESIGN section 12):
+//  - run_threads: ranks as threads of this process, a FileStore on a temp file, Gloo on 127.0.0.1.
+//    Fast; for collectives and sharding logic.
+//  - run_processes: the test binary re-executed once per rank (only the current test runs in each
+//    child), torchrun-style variables, a timeout enforced by the parent, every rank's output kept,
+//    stragglers killed. For autograd, global state and fault tests.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fsdp/dist.h"
+
+namespace fsdp::testing {
+
+using namespace std::chrono_literals;
+
+// Runs fn(dist) on `world` threads. Exceptions from any rank become test failures naming the rank.
+void run_threads(int world, const std::function<void(Dist&)>& fn,
+                 std::chrono::milliseconds timeout = 20s);
+
+struct RankResult {
+  int rank = -1;
+  int exit_code = -1;    // when exited normally
+  int term_signal = 0;   // when killed by a signal
+  bool killed_by_parent = false;
+  double seconds = 0;    // from spawn to exit
+  std::string output;    // stdout and stderr
+  bool ok() const { return term_signal == 0 && exit_code == 0; }
+};
+
+struct ProcessOptions {
+  std::chrono::milliseconds timeout = 60s;  // the parent kills every rank after this
+  std::vector<std::pair<std::string, std::string>> extra_env;
+  // Ranks expected to hang (e.g. SIGSTOPped): once every other rank has exited they are killed.
+  std::vector<int> may_hang;
+};
+
+// In the parent: spawns `world` children running this test and returns their results (the caller
+// asserts on them). In a child (FSDP_TEST_CHILD set): runs body(rank) and exits: 0 when it returns
+// without a test failure, 1 on a failure, 3 when it throws (the message goes to stderr).
+std::vector<RankResult> run_processes(int world, const std::function<void(int rank)>& body,
+                                      const ProcessOptions& options = {});
+
+// Asserts every rank exited 0; on failure prints every rank's output.
+void expect_all_ok(const std::vector<RankResult>& results);
+std::string describe(const std::vector<RankResult>& results);
+
+int free_port();
+std::string temp_path(const std::string& stem);
+
+}  // namespace fsdp::testing
