@@ -5,3 +5,8 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/init.h"
+#include "fsdp/memory.h"
+#include "fsdp/optim.h"
+#include "fsdp/options.h"

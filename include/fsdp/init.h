@@ -1,0 +1,32 @@
+// Deterministic, range-addressable parameter initialisers for deferred (meta-device) init.
+//
+// Element i of parameter `name` depends only on (seed, name, i): values are drawn in blocks of
+// kInitBlock elements, each block from its own generator seeded by (seed, name, block index). Any
+// rank can therefore generate exactly its shard, and an unsharded model initialised with the same
+// function holds exactly the same values.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "fsdp/options.h"
+
+namespace fsdp::init {
+
+constexpr int64_t kInitBlock = 4096;
+
+// N(0, std^2) per element.
+ParamInitFn normal(double std, uint64_t seed);
+// Every element `value`.
+ParamInitFn constant(double value);
+// The first rule whose name suffix matches `name` (e.g. "norm.weight"), else `fallback`.
+ParamInitFn by_suffix(std::vector<std::pair<std::string, ParamInitFn>> rules, ParamInitFn fallback);
+
+// Allocates every parameter of `module` on the CPU (fp32) and fills it with `fn`; parameters on
+// the meta device are replaced in place (set_data), keeping identity and requires_grad.
+void materialize(torch::nn::Module& module, const ParamInitFn& fn);
+
+}  // namespace fsdp::init

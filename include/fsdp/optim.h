@@ -1,0 +1,151 @@
+// Optimizers that step the flat fp32 master shards of a sharded model, their state in the same
+// flat layout (so a checkpoint can name every element), an LR schedule, and gradient clipping by
+// the global norm across every shard of every unit.
+//
+//   fsdp::AdamW optim(root, fsdp::AdamWOptions(3e-4).weight_decay(0.1));
+//   loss.backward(); fsdp::clip_grad_norm(*root, 1.0); optim.step(); optim.zero_grad();
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include "fsdp/fully_shard.h"
+
+namespace fsdp {
+
+class FlatParam;
+
+// Hyper-parameters that differ per optimizer group (see FullyShardOptions::param_group).
+struct GroupOptions {
+  TORCH_ARG(double, lr_scale) = 1.0;
+  // Unset: the optimizer's weight_decay for group 0 and 0 for every other group.
+  TORCH_ARG(std::optional<double>, weight_decay) = std::nullopt;
+};
+
+struct AdamWOptions {
+  explicit AdamWOptions(double lr = 1e-3) : lr_(lr) {}
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, beta1) = 0.9;
+  TORCH_ARG(double, beta2) = 0.999;
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 1e-2;
+};
+
+struct SGDOptions {
+  explicit SGDOptions(double lr) : lr_(lr) {}
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, momentum) = 0.0;
+  TORCH_ARG(double, dampening) = 0.0;
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(bool, nesterov) = false;
+};
+
+// The optimizer state of one flat param: tensors in the flat shard layout, plus its step count.
+struct ShardState {
+  FlatParam* flat = nullptr;
+  std::map<std::string, at::Tensor> tensors;
+  int64_t step = 0;
+};
+
+class ShardedOptimizer {
+ public:
+  explicit ShardedOptimizer(const std::shared_ptr<FSDPModule>& root);
+  virtual ~ShardedOptimizer() = default;
+
+  // Steps every flat param that has a gradient shard (one with none, e.g. a unit unused so far,
+  // is skipped and its step count stays).
+  void step();
+  // Zeroes the gradient shards in place (the buffers stay).
+  void zero_grad();
+
+  double lr() const { return lr_; }
+  void set_lr(double lr);
+  void set_group_options(int group, const GroupOptions& options);
+
+  // Names of the per-element state tensors, e.g. {"exp_avg", "exp_avg_sq"}.
+  virtual std::vector<std::string> state_names() const = 0;
+  std::vector<ShardState>& states() { return states_; }
+  int64_t state_bytes() const;
+
+ protected:
+  virtual void init_state(ShardState& state) = 0;
+  virtual void step_shard(ShardState& state, at::Tensor& param, const at::Tensor& grad, double lr,
+                          double weight_decay) = 0;
+  double default_weight_decay_ = 0;
+
+ private:
+  double group_lr(int group) const;
+  double group_weight_decay(int group) const;
+
+  std::shared_ptr<FSDPModule> root_;
+  std::vector<ShardState> states_;
+  std::map<int, GroupOptions> groups_;
+  double lr_ = 0;
+  friend class AdamW;
+  friend class SGD;
+};
+
+// AdamW with decoupled weight decay: p -= lr*wd*p; then the Adam update with bias correction.
+class AdamW : public ShardedOptimizer {
+ public:
+  AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options);
+  std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  const AdamWOptions& options() const { return options_; }
+
+ protected:
+  void init_state(ShardState& state) override;
+  void step_shard(ShardState& state, at::Tensor& param, const at::Tensor& grad, double lr,
+                  double weight_decay) override;
+
+ private:
+  AdamWOptions options_;
+};
+
+// SGD with optional momentum, dampening, Nesterov and (coupled) weight decay, as torch.optim.SGD.
+class SGD : public ShardedOptimizer {
+ public:
+  SGD(const std::shared_ptr<FSDPModule>& root, const SGDOptions& options);
+  std::vector<std::string> state_names() const override;
+  const SGDOptions& options() const { return options_; }
+
+ protected:
+  void init_state(ShardState& state) override;
+  void step_shard(ShardState& state, at::Tensor& param, const at::Tensor& grad, double lr,
+                  double weight_decay) override;
+
+ private:
+  SGDOptions options_;
+};
+
+// Learning-rate schedules: a pure function of the step, so resuming needs only the step.
+class LRScheduler {
+ public:
+  virtual ~LRScheduler() = default;
+  virtual double lr_at(int64_t step) const = 0;
+  // Sets the optimizer's LR for `step` (the number of optimizer steps taken so far).
+  void apply(ShardedOptimizer& optim, int64_t step) const { optim.set_lr(lr_at(step)); }
+};
+
+// Linear warmup from 0 to base_lr over warmup_steps, then cosine decay to min_lr at total_steps.
+class WarmupCosine : public LRScheduler {
+ public:
+  WarmupCosine(double base_lr, int64_t warmup_steps, int64_t total_steps, double min_lr = 0.0);
+  double lr_at(int64_t step) const override;
+
+ private:
+  double base_lr_, min_lr_;
+  int64_t warmup_steps_, total_steps_;
+};
+
+// Scales every gradient shard under `root` so that the global L2 norm (across all ranks and units)
+// is at most max_norm. Returns the norm before clipping. Collective: call on every rank.
+double clip_grad_norm(FSDPModule& root, double max_norm);
+
+}  // namespace fsdp

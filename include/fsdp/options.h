@@ -1,0 +1,52 @@
+// User options for fully_shard, LibTorch style: chained TORCH_ARG setters, validated once when
+// fully_shard is called, with messages that name the bad value.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+namespace fsdp {
+
+enum class ShardingStrategy {
+  kFullShard,     // ZeRO-3: params, grads and optimizer state sharded; params freed after use
+  kShardGradOp,   // ZeRO-2: like kFullShard but params stay gathered from forward to backward
+  kNoShard,       // DDP-equivalent: every rank keeps everything; gradients all-reduced
+  kHybridShard,   // kFullShard within a row of a 2-D mesh, replicated (all-reduce) across rows
+};
+
+const char* strategy_name(ShardingStrategy s);
+ShardingStrategy parse_strategy(const std::string& name);  // "FULL_SHARD", "full_shard", ...
+
+// Which optimizer group a parameter belongs to. Parameters of different groups live in different
+// flat buffers, so a group's hyper-parameters (e.g. no weight decay) apply to whole buffers.
+// The default puts parameters with fewer than 2 dims (norm weights, biases) in group 1 (no decay)
+// and the rest in group 0.
+using ParamGroupFn = std::function<int(const std::string& name, const at::Tensor& param)>;
+int default_param_group(const std::string& name, const at::Tensor& param);
+
+// Deferred initialisation: fills `out` with elements [offset, offset + out.numel()) of the
+// row-major flattened parameter `name` of shape `shape`. Must give the same values whatever the
+// range, so that every rank can materialise only its shard. See fsdp/init.h for ready-made ones.
+using ParamInitFn = std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset,
+                                       at::Tensor& out)>;
+
+struct FullyShardOptions {
+  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
+  // Default: true for kFullShard and kHybridShard, false for kShardGradOp and kNoShard.
+  TORCH_ARG(std::optional<bool>, reshard_after_forward) = std::nullopt;
+  // Mixed precision: params gathered and computed in param_dtype; gradients reduced in
+  // reduce_dtype (default: param_dtype); outputs cast to output_dtype. Master shards stay fp32.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
+  TORCH_ARG(std::optional<at::ScalarType>, output_dtype) = std::nullopt;
+  TORCH_ARG(ParamGroupFn, param_group) = default_param_group;
+  // Required when the module's parameters are on the meta device (deferred init).
+  TORCH_ARG(ParamInitFn, init) = nullptr;
+};
+
+}  // namespace fsdp

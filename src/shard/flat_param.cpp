@@ -1,0 +1,196 @@
+// FlatParam: layout, master shard, and the gather / free / reduce cycle of one flat buffer.
+// See Note [Flat buffer lifetime] in flat_param.h.
+#include "shard/flat_param.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+
+#include "fsdp/errors.h"
+#include "shard/param_data.h"
+
+namespace fsdp {
+namespace {
+
+// Grows or frees a buffer's memory without touching its sizes, so views of it stay valid.
+void set_storage_alive(const at::Tensor& t, bool alive) {
+  const size_t bytes = alive ? static_cast<size_t>(t.numel()) * t.element_size() : 0;
+  if (t.storage().nbytes() == bytes) return;
+  if (!t.device().is_cpu()) {
+    throw ConfigError("fsdp: freeing flat buffers on " + t.device().str() +
+                      " is not supported in this build; shard CPU parameters");
+  }
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+}
+
+}  // namespace
+
+FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config, Communicator& shard_group,
+                     Communicator& replicate_group)
+    : entries_(std::move(entries)), config_(std::move(config)), shard_group_(shard_group),
+      replicate_group_(replicate_group) {
+  const int64_t world = shard_group_.size();
+  for (auto& e : entries_) {
+    e.shape = e.param.sizes().vec();
+    e.numel = e.param.numel();
+    e.offset = numel_;
+    numel_ += e.numel;
+  }
+  padded_numel_ = (numel_ + world - 1) / world * world;
+  shard_numel_ = padded_numel_ / world;
+  shard_offset_ = shard_numel_ * shard_group_.rank();
+
+  const bool meta = entries_.front().param.is_meta();
+  for (const auto& e : entries_) {
+    if (e.param.is_meta() != meta) {
+      throw ConfigError("fsdp: parameter '" + e.name + "' is " + (meta ? "not " : "") +
+                        "on the meta device while others of its unit are; initialise all or none lazily");
+    }
+    if (!meta && !e.param.device().is_cpu()) {
+      throw ConfigError("fsdp: parameter '" + e.name + "' is on " + e.param.device().str() +
+                        "; this build shards CPU parameters");
+    }
+  }
+  const auto device = meta ? at::Device(at::kCPU) : entries_.front().param.device();
+  sharded_param_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  needs_materialize_ = meta;
+  if (!meta) {
+    // Copy each parameter's overlap with this rank's shard; the full flat buffer is never built.
+    const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
+    c10::NoGradGuard no_grad;
+    for (const auto& e : entries_) {
+      const int64_t a = std::max(lo, e.offset), b = std::min(hi, e.offset + e.numel);
+      if (a >= b) continue;
+      sharded_param_.narrow(0, a - lo, b - a).copy_(e.param.detach().reshape({-1}).narrow(0, a - e.offset, b - a));
+    }
+  }
+  aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat;
+  if (aliases_master_) {
+    unsharded_ = sharded_param_;
+  } else {
+    unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(device));
+  }
+  use_unsharded_views();  // views are created while the storage has its bytes (bounds-checked)
+  if (!aliases_master_) set_storage_alive(unsharded_, false);
+  state_ = aliases_master_ ? ShardedState::kUnsharded : ShardedState::kSharded;
+}
+
+void FlatParam::use_unsharded_views() {
+  for (auto& e : entries_) rebind_param_data(e.param, unsharded_.narrow(0, e.offset, e.numel).view(e.shape));
+}
+
+void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) {
+  if (!needs_materialize_) return;
+  if (!init) {
+    throw ConfigError("fsdp: parameter '" + prefix + entries_.front().name +
+                      "' is on the meta device but FullyShardOptions::init is not set");
+  }
+  const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
+  c10::NoGradGuard no_grad;
+  for (const auto& e : entries_) {
+    const int64_t a = std::max(lo, e.offset), b = std::min(hi, e.offset + e.numel);
+    if (a >= b) continue;
+    at::Tensor out = sharded_param_.narrow(0, a - lo, b - a);
+    init(prefix + e.name, e.shape, a - e.offset, out);
+  }
+  needs_materialize_ = false;
+}
+
+void FlatParam::unshard() {
+  if (needs_materialize_) {
+    throw ConfigError("fsdp: unit '" + config_.tag + "' was never materialised: run the root's lazy init "
+                      "(a forward through fsdp::call on the root) before using it");
+  }
+  if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
+  set_storage_alive(unsharded_, true);
+  gather_input_ = config_.compute_dtype == at::kFloat ? sharded_param_ : sharded_param_.to(config_.compute_dtype);
+  if (shard_group_.size() == 1) {
+    unsharded_.copy_(gather_input_);
+    gather_input_ = at::Tensor();
+    state_ = ShardedState::kUnsharded;
+    return;
+  }
+  gather_handle_ = shard_group_.all_gather(unsharded_, gather_input_, config_.tag);
+  gather_pending_ = true;
+}
+
+void FlatParam::wait_for_unshard() {
+  if (!gather_pending_) return;
+  gather_pending_ = false;
+  gather_handle_.wait();
+  gather_handle_ = CommHandle();
+  gather_input_ = at::Tensor();
+  state_ = ShardedState::kUnsharded;
+}
+
+void FlatParam::reshard() {
+  if (aliases_master_) return;
+  wait_for_unshard();  // never free memory a collective is still writing
+  set_storage_alive(unsharded_, false);
+  state_ = ShardedState::kSharded;
+}
+
+void FlatParam::prepare_gradients() {
+  if (!config_.requires_grad || grads_prepared_) return;
+  if (!unsharded_grad_.defined()) {
+    unsharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
+  } else {
+    set_storage_alive(unsharded_grad_, true);
+    unsharded_grad_.zero_();
+  }
+  for (auto& e : entries_) {
+    e.param.mutable_grad() = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
+  }
+  grads_prepared_ = true;
+}
+
+void FlatParam::reduce_scatter_grads() {
+  if (!grads_prepared_ || reduce_issued_) return;
+  // The buffer now belongs to the collective: detach the params' views from it.
+  for (auto& e : entries_) e.param.mutable_grad() = at::Tensor();
+  reduce_input_ = config_.reduce_dtype == unsharded_grad_.scalar_type() ? unsharded_grad_
+                                                                        : unsharded_grad_.to(config_.reduce_dtype);
+  if (shard_group_.size() == 1) {
+    reduce_output_ = reduce_input_;
+  } else {
+    reduce_output_ = at::empty({shard_numel_}, reduce_input_.options());
+    reduce_handle_ = shard_group_.reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, config_.tag);
+  }
+  reduce_issued_ = true;
+}
+
+void FlatParam::finalize_grads() {
+  if (!reduce_issued_) return;
+  reduce_handle_.wait();
+  reduce_handle_ = CommHandle();
+  if (replicate_group_.size() > 1) {
+    replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, config_.tag).wait();
+  }
+  if (sharded_grad_.defined()) {
+    sharded_grad_.add_(reduce_output_);
+  } else {
+    sharded_grad_ = reduce_output_.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  }
+  reduce_input_ = at::Tensor();
+  reduce_output_ = at::Tensor();
+  set_storage_alive(unsharded_grad_, false);
+  reduce_issued_ = false;
+  grads_prepared_ = false;
+}
+
+void FlatParam::zero_grad() {
+  if (sharded_grad_.defined()) sharded_grad_.zero_();
+}
+
+int64_t FlatParam::unsharded_bytes() const {
+  return aliases_master_ ? 0 : static_cast<int64_t>(unsharded_.storage().nbytes());
+}
+
+int64_t FlatParam::unsharded_grad_bytes() const {
+  return unsharded_grad_.defined() ? static_cast<int64_t>(unsharded_grad_.storage().nbytes()) : 0;
+}
+
+}  // namespace fsdp

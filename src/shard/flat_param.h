@@ -1,0 +1,124 @@
+// FlatParam: the parameters of one unit that share (dtype, requires_grad, optimizer group),
+// concatenated in registration order into one flat buffer padded to a multiple of the shard group
+// size. Rank r of the shard group owns elements [r*S, (r+1)*S) as an fp32 master shard.
+//
+// Note [Flat buffer lifetime]
+// The unsharded buffer is allocated once. Each parameter is a leaf whose data is a view of it
+// (Tensor::set_data keeps the parameter's identity, hooks and autograd metadata). Resharding frees
+// the memory by resizing the buffer's storage to zero bytes; unsharding grows it back and
+// all-gathers into it. Views see the new memory because they share the storage object. While
+// resharded, parameter data must not be read (it has no bytes). Gradients are views of an
+// unsharded gradient buffer managed the same way, assigned before the unit's backward so that
+// AccumulateGrad adds into them in place, and reduce-scattered without a copy.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "fsdp/comm.h"
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+// One parameter's place in a flat buffer. The layout that checkpoints use.
+struct FlatParamEntry {
+  std::string name;                  // relative to the unit's module, e.g. "mlp.up_proj.weight"
+  std::vector<std::string> aliases;  // other names of the same tensor (tied weights)
+  at::Tensor param;                  // the user's parameter (identity preserved)
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t offset = 0;                // in the flat (unpadded) buffer
+};
+
+struct FlatParamConfig {
+  at::ScalarType compute_dtype = at::kFloat;  // dtype of the unsharded buffer (param_dtype)
+  at::ScalarType reduce_dtype = at::kFloat;   // dtype gradients are reduced in
+  bool requires_grad = true;
+  int group = 0;                               // optimizer group
+  std::string tag;                             // "layers.0/0": shows in collective errors
+};
+
+enum class ShardedState { kSharded, kUnsharded };
+
+class FlatParam {
+ public:
+  // Lays out `entries` and builds this rank's master shard from the parameters' current values;
+  // parameters on the meta device wait for materialize().
+  FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config, Communicator& shard_group,
+            Communicator& replicate_group);
+
+  // Deferred init: fills the master shard from `init`. Names passed are `prefix + entry.name`.
+  void materialize(const ParamInitFn& init, const std::string& prefix);
+  bool needs_materialize() const { return needs_materialize_; }
+
+  // ---- layout
+  const std::vector<FlatParamEntry>& entries() const { return entries_; }
+  const FlatParamConfig& config() const { return config_; }
+  void set_tag(std::string tag) { config_.tag = std::move(tag); }
+  int64_t numel() const { return numel_; }
+  int64_t padded_numel() const { return padded_numel_; }
+  int64_t shard_numel() const { return shard_numel_; }
+  int64_t shard_offset() const { return shard_offset_; }  // first flat element of this rank's shard
+
+  Communicator& shard_group() const { return shard_group_; }
+  Communicator& replicate_group() const { return replicate_group_; }
+
+  // ---- state
+  ShardedState state() const { return state_; }
+  at::Tensor& sharded_param() { return sharded_param_; }  // fp32 master shard
+  at::Tensor& sharded_grad() { return sharded_grad_; }    // fp32, undefined until the first reduce
+
+  // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
+  void unshard();
+  void wait_for_unshard();
+  void reshard();
+
+  // Before the unit's backward: the gradient buffer exists and params' .grad are views of it.
+  void prepare_gradients();
+  bool gradients_prepared() const { return grads_prepared_; }
+  // Issues the reduction of the gradient buffer (reduce-scatter over the shard group).
+  void reduce_scatter_grads();
+  // Waits for the reduction, all-reduces across replicas when hybrid, and adds the result to the
+  // fp32 gradient shard. Frees the gradient buffer unless `keep_unsharded` (no-sync accumulation).
+  void finalize_grads();
+  bool reduce_issued() const { return reduce_issued_; }
+  // Drops this rank's gradient shard values to zero (keeps the buffer).
+  void zero_grad();
+
+  // Bytes currently held.
+  int64_t unsharded_bytes() const;
+  int64_t unsharded_grad_bytes() const;
+
+ private:
+  void use_unsharded_views();
+  void alloc_storage(at::Tensor& t, bool alive);
+
+  std::vector<FlatParamEntry> entries_;
+  FlatParamConfig config_;
+  Communicator& shard_group_;
+  Communicator& replicate_group_;
+  int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, shard_offset_ = 0;
+  bool needs_materialize_ = false;
+  // The unsharded buffer is the master shard itself: one rank per shard, fp32 compute.
+  bool aliases_master_ = false;
+
+  ShardedState state_ = ShardedState::kSharded;
+  at::Tensor sharded_param_;
+  at::Tensor sharded_grad_;
+  at::Tensor unsharded_;       // [padded] compute dtype; storage freed while sharded
+  at::Tensor gather_input_;    // the shard in compute dtype, kept alive during the all-gather
+  CommHandle gather_handle_;
+  bool gather_pending_ = false;
+
+  at::Tensor unsharded_grad_;  // [padded] compute dtype; storage freed between backwards
+  at::Tensor reduce_input_;    // unsharded_grad_ or its cast to reduce dtype
+  at::Tensor reduce_output_;   // [shard] reduce dtype
+  CommHandle reduce_handle_;
+  bool reduce_issued_ = false;
+  bool grads_prepared_ = false;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,193 @@
+// Sharded optimizers (AdamW, SGD), the warmup-cosine schedule and global-norm clipping. Each
+// optimizer steps one flat fp32 master shard at a time with whole-tensor ATen ops, so a shard's
+// update is element for element the update of the same elements of the unsharded parameter.
+#include "fsdp/optim.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "fsdp/errors.h"
+#include "shard/sharded_unit.h"
+
+namespace fsdp {
+
+ShardedOptimizer::ShardedOptimizer(const std::shared_ptr<FSDPModule>& root) : root_(root) {
+  if (!root_) throw ConfigError("fsdp: optimizer got a null module; pass the FSDPModule fully_shard returned");
+  for (const auto& unit : root_->units()) {
+    for (auto& fp : unit->flat_params()) {
+      if (!fp->config().requires_grad) continue;  // frozen: no optimizer state
+      ShardState s;
+      s.flat = fp.get();
+      states_.push_back(std::move(s));
+    }
+  }
+}
+
+void ShardedOptimizer::set_lr(double lr) {
+  if (!(lr >= 0)) throw ConfigError("fsdp: invalid learning rate: " + std::to_string(lr));
+  lr_ = lr;
+}
+
+void ShardedOptimizer::set_group_options(int group, const GroupOptions& options) {
+  if (!(options.lr_scale() >= 0)) throw ConfigError("fsdp: invalid lr_scale for group " + std::to_string(group));
+  groups_[group] = options;
+}
+
+double ShardedOptimizer::group_lr(int group) const {
+  auto it = groups_.find(group);
+  return lr_ * (it == groups_.end() ? 1.0 : it->second.lr_scale());
+}
+
+double ShardedOptimizer::group_weight_decay(int group) const {
+  auto it = groups_.find(group);
+  if (it != groups_.end() && it->second.weight_decay()) return *it->second.weight_decay();
+  return group == 0 ? default_weight_decay_ : 0.0;
+}
+
+void ShardedOptimizer::step() {
+  c10::NoGradGuard no_grad;
+  for (auto& s : states_) {
+    auto& grad = s.flat->sharded_grad();
+    if (!grad.defined()) continue;
+    if (s.tensors.empty()) init_state(s);
+    ++s.step;
+    const int group = s.flat->config().group;
+    step_shard(s, s.flat->sharded_param(), grad, group_lr(group), group_weight_decay(group));
+  }
+}
+
+void ShardedOptimizer::zero_grad() {
+  for (auto& s : states_) s.flat->zero_grad();
+}
+
+int64_t ShardedOptimizer::state_bytes() const {
+  int64_t total = 0;
+  for (const auto& s : states_) {
+    for (const auto& [name, t] : s.tensors) total += t.numel() * t.element_size();
+  }
+  return total;
+}
+
+AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options)
+    : ShardedOptimizer(root), options_(options) {
+  set_lr(options.lr());
+  if (!(options.beta1() >= 0 && options.beta1() < 1)) throw ConfigError("fsdp: invalid beta1: " + std::to_string(options.beta1()));
+  if (!(options.beta2() >= 0 && options.beta2() < 1)) throw ConfigError("fsdp: invalid beta2: " + std::to_string(options.beta2()));
+  if (!(options.eps() >= 0)) throw ConfigError("fsdp: invalid eps: " + std::to_string(options.eps()));
+  if (!(options.weight_decay() >= 0)) {
+    throw ConfigError("fsdp: invalid weight_decay: " + std::to_string(options.weight_decay()));
+  }
+  default_weight_decay_ = options.weight_decay();
+}
+
+void AdamW::init_state(ShardState& s) {
+  s.tensors["exp_avg"] = at::zeros_like(s.flat->sharded_param());
+  s.tensors["exp_avg_sq"] = at::zeros_like(s.flat->sharded_param());
+}
+
+void AdamW::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& g, double lr, double wd) {
+  auto& m = s.tensors["exp_avg"];
+  auto& v = s.tensors["exp_avg_sq"];
+  const double b1 = options_.beta1(), b2 = options_.beta2();
+  if (wd != 0) p.mul_(1 - lr * wd);
+  m.lerp_(g, 1 - b1);
+  v.mul_(b2).addcmul_(g, g, 1 - b2);
+  const double bc1 = 1 - std::pow(b1, static_cast<double>(s.step));
+  const double bc2 = 1 - std::pow(b2, static_cast<double>(s.step));
+  auto denom = (v.sqrt() / std::sqrt(bc2)).add_(options_.eps());
+  p.addcdiv_(m, denom, -lr / bc1);
+}
+
+SGD::SGD(const std::shared_ptr<FSDPModule>& root, const SGDOptions& options)
+    : ShardedOptimizer(root), options_(options) {
+  set_lr(options.lr());
+  if (!(options.momentum() >= 0)) throw ConfigError("fsdp: invalid momentum: " + std::to_string(options.momentum()));
+  if (!(options.weight_decay() >= 0)) {
+    throw ConfigError("fsdp: invalid weight_decay: " + std::to_string(options.weight_decay()));
+  }
+  if (options.nesterov() && (options.momentum() <= 0 || options.dampening() != 0)) {
+    throw ConfigError("fsdp: Nesterov momentum requires a momentum and zero dampening");
+  }
+  default_weight_decay_ = options.weight_decay();
+}
+
+std::vector<std::string> SGD::state_names() const {
+  if (options_.momentum() == 0) return {};
+  return {"momentum_buffer"};
+}
+
+void SGD::init_state(ShardState& s) {
+  if (options_.momentum() != 0) s.tensors["momentum_buffer"] = at::Tensor();
+}
+
+void SGD::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& grad, double lr, double wd) {
+  at::Tensor g = wd != 0 ? grad.add(p, wd) : grad;
+  if (options_.momentum() != 0) {
+    auto& buf = s.tensors["momentum_buffer"];
+    if (!buf.defined()) {
+      buf = g.clone();
+    } else {
+      buf.mul_(options_.momentum()).add_(g, 1 - options_.dampening());
+    }
+    g = options_.nesterov() ? g.add(buf, options_.momentum()) : buf;
+  }
+  p.add_(g, -lr);
+}
+
+WarmupCosine::WarmupCosine(double base_lr, int64_t warmup_steps, int64_t total_steps, double min_lr)
+    : base_lr_(base_lr), min_lr_(min_lr), warmup_steps_(warmup_steps), total_steps_(total_steps) {
+  if (warmup_steps < 0 || total_steps < 0) {
+    throw ConfigError("fsdp: WarmupCosine needs warmup_steps >= 0 and total_steps >= 0, got " +
+                      std::to_string(warmup_steps) + " and " + std::to_string(total_steps));
+  }
+}
+
+double WarmupCosine::lr_at(int64_t step) const {
+  if (step < warmup_steps_) return base_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_steps_);
+  if (total_steps_ <= warmup_steps_) return base_lr_;
+  const double progress = std::min(1.0, static_cast<double>(step - warmup_steps_) /
+                                            static_cast<double>(total_steps_ - warmup_steps_));
+  return min_lr_ + 0.5 * (base_lr_ - min_lr_) * (1.0 + std::cos(M_PI * progress));
+}
+
+double clip_grad_norm(FSDPModule& root, double max_norm) {
+  if (!(max_norm > 0)) throw ConfigError("fsdp: clip_grad_norm needs max_norm > 0, got " + std::to_string(max_norm));
+  // Sum of squares per shard group: elements are distinct within a shard group and identical
+  // across replicas, so each group is reduced once and replicas are not counted twice. Groups are
+  // kept in unit order, which is the same on every rank, so the all-reduces are too; every rank
+  // reduces every group, with or without gradients of its own.
+  std::vector<std::pair<Communicator*, at::Tensor>> partial;
+  std::vector<at::Tensor> grads;
+  for (const auto& unit : root.units()) {
+    for (auto& fp : unit->flat_params()) {
+      if (!fp->config().requires_grad) continue;
+      Communicator* group = fp->shard_group().size() > 1 ? &fp->shard_group() : nullptr;
+      auto it = std::find_if(partial.begin(), partial.end(), [&](const auto& p) { return p.first == group; });
+      if (it == partial.end()) {
+        partial.emplace_back(group, at::zeros({1}, at::kDouble));
+        it = partial.end() - 1;
+      }
+      auto& g = fp->sharded_grad();
+      if (!g.defined()) continue;
+      grads.push_back(g);
+      it->second.add_(g.to(at::kDouble).pow(2).sum());
+    }
+  }
+  double total_sq = 0;
+  for (auto& [group, sq] : partial) {
+    if (group != nullptr) group->all_reduce(sq, ReduceOp::kSum, "clip_grad_norm").wait();
+    total_sq += sq.item<double>();
+  }
+  const double norm = std::sqrt(total_sq);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace fsdp

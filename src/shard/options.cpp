@@ -1,0 +1,33 @@
+// Names of sharding strategies and the default optimizer grouping.
+#include <algorithm>
+#include <cctype>
+
+#include "fsdp/errors.h"
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+const char* strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kFullShard: return "FULL_SHARD";
+    case ShardingStrategy::kShardGradOp: return "SHARD_GRAD_OP";
+    case ShardingStrategy::kNoShard: return "NO_SHARD";
+    case ShardingStrategy::kHybridShard: return "HYBRID_SHARD";
+  }
+  return "UNKNOWN";
+}
+
+ShardingStrategy parse_strategy(const std::string& name) {
+  std::string up = name;
+  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return std::toupper(c); });
+  for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                 ShardingStrategy::kHybridShard}) {
+    if (up == strategy_name(s)) return s;
+  }
+  throw ConfigError("fsdp: unknown sharding strategy '" + name +
+                    "' (expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)");
+}
+
+int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }
+
+}  // namespace fsdp

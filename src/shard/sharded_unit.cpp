@@ -1,0 +1,408 @@
+// ShardedUnit: parameter collection, the forward/backward lifecycle, and the root's lazy init.
+// See the state diagram in sharded_unit.h.
+#include "shard/sharded_unit.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <map>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "dist/transport.h"
+#include "fsdp/errors.h"
+#include "fsdp/fully_shard.h"
+
+namespace fsdp {
+namespace {
+
+constexpr const char* kAnchorName = "_fsdp_unit";
+
+// Registered as a child of a sharded module: how fsdp::call finds the unit, and what keeps the
+// unit alive as long as its module. It holds no parameters or buffers, so state dicts and
+// named_parameters() are unchanged.
+class UnitAnchor : public torch::nn::Module {
+ public:
+  explicit UnitAnchor(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
+  ShardedUnit* unit() const { return unit_.get(); }
+
+ private:
+  std::shared_ptr<ShardedUnit> unit_;
+};
+
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+// Parameters owned by units nested under `module` (not counting `module`'s own unit).
+void collect_nested_params(const torch::nn::Module& module, std::unordered_set<const void*>& out, bool top) {
+  if (!top) {
+    if (ShardedUnit* unit = unit_of(module)) {
+      for (auto& fp : unit->flat_params()) {
+        for (auto& e : fp->entries()) out.insert(e.param.unsafeGetTensorImpl());
+      }
+      return;
+    }
+  }
+  for (const auto& child : module.named_children()) {
+    if (child.key() != kAnchorName) collect_nested_params(*child.value(), out, false);
+  }
+}
+
+struct Found {
+  std::string name;
+  at::Tensor param;
+  std::vector<std::string> aliases;
+};
+
+// This unit's parameters in registration order, tied ones once, skipping nested units' subtrees.
+void collect_own_params(const torch::nn::Module& module, const std::string& prefix, bool top,
+                        std::vector<Found>& out, std::unordered_map<const void*, size_t>& index) {
+  if (!top && unit_of(module) != nullptr) return;
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    const void* key = p.value().unsafeGetTensorImpl();
+    auto it = index.find(key);
+    if (it != index.end()) {
+      out[it->second].aliases.push_back(prefix + p.key());
+      continue;
+    }
+    index[key] = out.size();
+    out.push_back({prefix + p.key(), p.value(), {}});
+  }
+  for (const auto& child : module.named_children()) {
+    if (child.key() == kAnchorName) continue;
+    collect_own_params(*child.value(), prefix + child.key() + ".", false, out, index);
+  }
+}
+
+}  // namespace
+
+ShardedUnit* unit_of(const torch::nn::Module& module) {
+  const auto children = module.named_children();
+  const auto* anchor = children.find(kAnchorName);
+  if (anchor == nullptr) return nullptr;
+  const auto* typed = dynamic_cast<const UnitAnchor*>(anchor->get());
+  return typed ? typed->unit() : nullptr;
+}
+
+ShardedUnit::ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const DeviceMesh& mesh,
+                         FullyShardOptions options)
+    : module_(module), mesh_(mesh), options_(std::move(options)) {
+  const auto strategy = options_.strategy();
+  reshard_after_forward_ = options_.reshard_after_forward().value_or(
+      strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard);
+  switch (strategy) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      shard_group_ = &mesh_.shard_group();
+      replicate_group_ = &mesh_.replicate_group();
+      break;
+    case ShardingStrategy::kHybridShard:
+      if (!mesh_.is_hybrid()) {
+        throw ConfigError("fsdp: HYBRID_SHARD needs a 2-D mesh with more than one replica: build it with "
+                          "DeviceMesh(dist, replicate_size, shard_size); this mesh has replicate_size=" +
+                          std::to_string(mesh_.replicate_size()) + ", shard_size=" +
+                          std::to_string(mesh_.shard_size()));
+      }
+      shard_group_ = &mesh_.shard_group();
+      replicate_group_ = &mesh_.replicate_group();
+      break;
+    case ShardingStrategy::kNoShard: {
+      CommunicatorOptions copts;
+      copts.name = "no_shard/" + std::to_string(mesh_.dist().rank());
+      copts.global_ranks = {mesh_.dist().rank()};
+      no_shard_group_ = std::make_shared<Communicator>(make_local_transport(), copts);
+      shard_group_ = no_shard_group_.get();
+      replicate_group_ = &mesh_.dist().world();
+      reshard_after_forward_ = false;
+      break;
+    }
+  }
+  if (options_.param_dtype() && !at::isFloatingType(*options_.param_dtype())) {
+    throw ConfigError("fsdp: param_dtype must be a floating type, got " +
+                      std::string(c10::toString(*options_.param_dtype())));
+  }
+  if (options_.reduce_dtype() && !at::isFloatingType(*options_.reduce_dtype())) {
+    throw ConfigError("fsdp: reduce_dtype must be a floating type, got " +
+                      std::string(c10::toString(*options_.reduce_dtype())));
+  }
+}
+
+ShardedUnit::~ShardedUnit() = default;
+
+std::string ShardedUnit::name() const {
+  if (prefix_.empty()) return "<root>";
+  return prefix_.substr(0, prefix_.size() - 1);
+}
+
+void ShardedUnit::build() {
+  auto module = module_.lock();
+  std::unordered_set<const void*> nested;
+  collect_nested_params(*module, nested, /*top=*/true);
+  std::vector<Found> found;
+  std::unordered_map<const void*, size_t> index;
+  collect_own_params(*module, "", /*top=*/true, found, index);
+
+  // One flat param per (dtype, requires_grad, optimizer group), in first-seen order.
+  std::map<std::tuple<int, bool, int>, size_t> slot;
+  std::vector<std::vector<FlatParamEntry>> groups;
+  std::vector<FlatParamConfig> configs;
+  for (auto& f : found) {
+    if (nested.count(f.param.unsafeGetTensorImpl())) {
+      throw ConfigError("fsdp: parameter '" + f.name + "' is shared with a nested unit; tied parameters must "
+                        "belong to one unit: shard their common ancestor instead of each user");
+    }
+    if (!f.param.is_floating_point()) {
+      throw ConfigError("fsdp: parameter '" + f.name + "' has dtype " + std::string(c10::toString(f.param.scalar_type())) +
+                        "; only floating-point parameters can be sharded");
+    }
+    const int group = options_.param_group()(f.name, f.param);
+    const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group);
+    auto it = slot.find(key);
+    if (it == slot.end()) {
+      it = slot.emplace(key, groups.size()).first;
+      groups.emplace_back();
+      FlatParamConfig c;
+      c.compute_dtype = options_.param_dtype().value_or(f.param.scalar_type());
+      c.reduce_dtype = options_.reduce_dtype().value_or(c.compute_dtype);
+      c.requires_grad = f.param.requires_grad();
+      c.group = group;
+      configs.push_back(c);
+    }
+    FlatParamEntry e;
+    e.name = f.name;
+    e.aliases = f.aliases;
+    e.param = f.param;
+    groups[it->second].push_back(std::move(e));
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    configs[i].tag = "unit/" + std::to_string(i);
+    flat_params_.push_back(std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *shard_group_, *replicate_group_));
+    has_frozen_ = has_frozen_ || !configs[i].requires_grad;
+  }
+  grads_landed_.assign(flat_params_.size(), 0);
+  post_backward_done_.assign(flat_params_.size(), false);
+
+  // Count each parameter's gradient as AccumulateGrad finishes with it. The accumulators are held
+  // here: autograd keeps only a weak reference to them.
+  std::weak_ptr<ShardedUnit> weak = weak_from_this();
+  for (size_t i = 0; i < flat_params_.size(); ++i) {
+    if (!flat_params_[i]->config().requires_grad) continue;
+    for (const auto& e : flat_params_[i]->entries()) {
+      auto acc = torch::autograd::impl::grad_accumulator(e.param);
+      acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i] {
+        if (auto unit = weak.lock()) unit->on_grad_ready(i);
+      }));
+      grad_accumulators_.push_back(std::move(acc));
+    }
+  }
+  module->register_module(kAnchorName, std::make_shared<UnitAnchor>(shared_from_this()));
+}
+
+void ShardedUnit::lazy_init() {
+  if (root_ == this) return;
+  auto module = module_.lock();
+  root_state_ = std::make_unique<RootState>();
+  root_ = this;
+  prefix_ = "";
+  for (const auto& item : module->named_modules("", /*include_self=*/true)) {
+    ShardedUnit* unit = unit_of(*item.value());
+    if (unit == nullptr) continue;
+    if (unit != this) {
+      unit->root_ = this;
+      unit->root_state_.reset();
+      unit->prefix_ = item.key() + ".";
+    }
+    root_state_->units.push_back(unit);
+  }
+  for (ShardedUnit* unit : root_state_->units) {
+    for (size_t i = 0; i < unit->flat_params_.size(); ++i) {
+      auto& fp = unit->flat_params_[i];
+      fp->set_tag(unit->name() + "/" + std::to_string(i));
+      fp->materialize(unit->options_.init(), unit->prefix_);
+    }
+  }
+}
+
+void ShardedUnit::unshard() {
+  for (auto& fp : flat_params_) fp->unshard();
+}
+
+void ShardedUnit::wait_for_unshard() {
+  for (auto& fp : flat_params_) fp->wait_for_unshard();
+  note_memory();
+}
+
+void ShardedUnit::reshard() {
+  for (auto& fp : flat_params_) fp->reshard();
+}
+
+void ShardedUnit::pre_forward() {
+  if (root_ == nullptr) lazy_init();
+  unshard();
+  wait_for_unshard();
+  state_ = TrainingState::kForward;
+}
+
+void ShardedUnit::post_forward() {
+  // The root's backward starts right after its forward: keep its params. A recomputation inside
+  // backward (activation checkpointing) keeps them too: its backward follows at once.
+  const bool in_backward = root_state().in_backward;
+  if (reshard_after_forward_ && !is_root() && !in_backward) reshard();
+  state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
+}
+
+void ShardedUnit::pre_backward() {
+  RootState& rs = root_state();
+  if (!rs.callback_queued) {
+    rs.callback_queued = true;
+    rs.in_backward = true;
+    ShardedUnit* root = root_;
+    torch::autograd::Engine::get_default_engine().queue_callback([root] { root->finalize_backward(); });
+  }
+  unshard();
+  wait_for_unshard();
+  for (auto& fp : flat_params_) fp->prepare_gradients();
+  note_memory();
+  state_ = TrainingState::kPreBackward;
+}
+
+void ShardedUnit::on_grad_ready(size_t i) {
+  if (++grads_landed_[i] == flat_params_[i]->entries().size()) post_backward(i);
+}
+
+void ShardedUnit::post_backward(size_t i) {
+  if (post_backward_done_[i]) return;
+  post_backward_done_[i] = true;
+  if (requires_gradient_sync_) flat_params_[i]->reduce_scatter_grads();
+  // Free the params once every trainable flat param is done. Frozen params may still be read by
+  // backward nodes that produce no parameter gradient: those wait for finalize_backward.
+  bool all_done = !has_frozen_;
+  for (size_t k = 0; k < flat_params_.size() && all_done; ++k) {
+    all_done = post_backward_done_[k] || !flat_params_[k]->config().requires_grad;
+  }
+  if (all_done) {
+    reshard();
+    state_ = TrainingState::kPostBackward;
+  }
+}
+
+void ShardedUnit::finalize_backward() {
+  RootState& rs = root_state();
+  // Units whose gradients did not all land (unused params, a skipped unit) are reduced now; the
+  // order is the same on every rank because the unit list is.
+  for (ShardedUnit* unit : rs.units) {
+    if (!unit->requires_gradient_sync_) continue;
+    for (auto& fp : unit->flat_params_) {
+      if (fp->gradients_prepared()) fp->reduce_scatter_grads();
+    }
+  }
+  for (ShardedUnit* unit : rs.units) {
+    for (auto& fp : unit->flat_params_) fp->finalize_grads();
+    unit->reshard();
+    unit->reset_after_backward();
+  }
+  rs.callback_queued = false;
+  rs.in_backward = false;
+}
+
+void ShardedUnit::reset_after_backward() {
+  std::fill(grads_landed_.begin(), grads_landed_.end(), 0);
+  std::fill(post_backward_done_.begin(), post_backward_done_.end(), false);
+  state_ = TrainingState::kIdle;
+}
+
+void ShardedUnit::note_memory() {
+  if (root_ == nullptr) return;
+  RootState& rs = root_state();
+  int64_t alive = 0;
+  for (ShardedUnit* unit : rs.units) {
+    for (auto& fp : unit->flat_params_) alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
+  }
+  rs.peak_unsharded_bytes = std::max(rs.peak_unsharded_bytes, alive);
+}
+
+// ---- public entry points ------------------------------------------------------------------------
+
+std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh& mesh,
+                                        const FullyShardOptions& options) {
+  if (!module) throw ConfigError("fsdp: fully_shard got a null module");
+  if (unit_of(*module) != nullptr) {
+    throw ConfigError("fsdp: fully_shard was already applied to this module (" + module->name() + ")");
+  }
+  auto unit = std::make_shared<ShardedUnit>(module, mesh, options);
+  unit->build();
+  return std::make_shared<FSDPModule>(unit);
+}
+
+std::vector<ShardedUnit*> ShardedUnit::subtree_units() const {
+  std::vector<ShardedUnit*> out;
+  auto module = module_.lock();
+  for (const auto& item : module->modules(/*include_self=*/true)) {
+    if (ShardedUnit* unit = unit_of(*item)) out.push_back(unit);
+  }
+  return out;
+}
+
+void FSDPModule::set_requires_gradient_sync(bool sync) {
+  for (ShardedUnit* unit : unit_->subtree_units()) unit->set_requires_gradient_sync(sync);
+}
+
+std::vector<std::shared_ptr<ShardedUnit>> FSDPModule::units() const {
+  if (unit_->root() == nullptr) unit_->lazy_init();
+  std::vector<std::shared_ptr<ShardedUnit>> out;
+  for (ShardedUnit* unit : unit_->subtree_units()) out.push_back(unit->shared_from_this());
+  return out;
+}
+
+namespace detail {
+
+ForwardScope::ForwardScope(ShardedUnit& unit) : unit_(unit) { unit_.pre_forward(); }
+
+ForwardScope::~ForwardScope() {
+  if (finished_) return;
+  try {
+    unit_.post_forward();  // an exception escaped the forward; leave the unit consistent
+  } catch (...) {
+  }
+}
+
+at::Tensor ForwardScope::input(const at::Tensor& t) {
+  const auto& dtype = unit_.options().param_dtype();
+  if (dtype && t.defined() && t.is_floating_point() && t.scalar_type() != *dtype) return t.to(*dtype);
+  return t;
+}
+
+at::Tensor ForwardScope::output(const at::Tensor& t) {
+  at::Tensor out = t;
+  const auto& dtype = unit_.options().output_dtype();
+  if (dtype && out.defined() && out.is_floating_point() && out.scalar_type() != *dtype) out = out.to(*dtype);
+  if (out.defined() && out.requires_grad()) {
+    std::weak_ptr<ShardedUnit> weak = unit_.weak_from_this();
+    out.register_hook([weak](const at::Tensor&) {
+      if (auto unit = weak.lock()) unit->pre_backward();
+    });
+  }
+  return out;
+}
+
+void ForwardScope::finish() {
+  finished_ = true;
+  unit_.post_forward();
+}
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,110 @@
+// ShardedUnit: the state machine of one fully_shard call — its flat params, the forward and
+// backward hooks, and, on the root unit, the per-step state shared by every unit under it.
+//
+//   forward:   pre_forward (unshard, wait) -> module forward -> post_forward (reshard if asked)
+//              outputs carry a hook that runs pre_backward.
+//   backward:  pre_backward (unshard, wait, gradient views ready; the first one queues the
+//              root's end-of-backward callback) -> AccumulateGrad post-hooks count each flat
+//              param's gradients; when all have landed: reduce-scatter (async) and reshard ->
+//              finalize_backward on the root: reduce what was not reduced yet (unused params),
+//              wait for every reduction, reshard everything, reset.
+// Every transition is idempotent: a unit used twice in a forward, used by a recomputation
+// inside backward, or not used at all in a step goes through the same code.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "fsdp/device_mesh.h"
+#include "fsdp/options.h"
+#include "shard/flat_param.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace fsdp {
+
+class ShardedUnit;
+
+enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
+
+// Per-step state that only the root unit holds.
+struct RootState {
+  std::vector<ShardedUnit*> units;  // every unit under the root, root first (pre-order)
+  bool callback_queued = false;
+  bool in_backward = false;
+  // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
+  int64_t peak_unsharded_bytes = 0;
+};
+
+class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
+ public:
+  ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const DeviceMesh& mesh,
+              FullyShardOptions options);
+  ~ShardedUnit();
+
+  // Groups the module's parameters (those not owned by nested units) into flat params.
+  void build();
+
+  // ---- names and tree
+  const std::string& prefix() const { return prefix_; }  // "model.layers.0." relative to the root
+  std::string name() const;                               // for errors: "model.layers.0" or "<root>"
+  bool is_root() const { return root_ == this; }
+  ShardedUnit* root() { return root_; }
+  RootState& root_state() { return *root_->root_state_; }
+  // Makes this unit the root of every unit in its module tree (names, deferred init).
+  void lazy_init();
+  // This unit and every unit nested in its module tree, pre-order.
+  std::vector<ShardedUnit*> subtree_units() const;
+
+  // ---- lifecycle (see the file comment)
+  void pre_forward();
+  void post_forward();
+  void pre_backward();
+  void finalize_backward();  // root only: the end-of-backward callback
+  void unshard();
+  void wait_for_unshard();
+  void reshard();
+
+  // ---- parts
+  std::vector<std::unique_ptr<FlatParam>>& flat_params() { return flat_params_; }
+  const FullyShardOptions& options() const { return options_; }
+  DeviceMesh& mesh() { return mesh_; }
+  bool reshard_after_forward() const { return reshard_after_forward_; }
+  void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
+  TrainingState training_state() const { return state_; }
+  std::weak_ptr<torch::nn::Module> module() const { return module_; }
+
+ private:
+  void on_grad_ready(size_t flat_index);
+  void post_backward(size_t flat_index);
+  void note_memory();
+  void reset_after_backward();
+
+  std::weak_ptr<torch::nn::Module> module_;
+  DeviceMesh mesh_;
+  FullyShardOptions options_;
+  bool reshard_after_forward_ = true;
+  bool requires_gradient_sync_ = true;
+  Communicator* shard_group_ = nullptr;
+  Communicator* replicate_group_ = nullptr;
+  std::shared_ptr<Communicator> no_shard_group_;  // kNoShard: a one-rank shard group
+
+  std::vector<std::unique_ptr<FlatParam>> flat_params_;
+  std::vector<size_t> grads_landed_;                 // per flat param, this backward
+  std::vector<bool> post_backward_done_;             // per flat param, this backward
+  bool has_frozen_ = false;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for the hooks
+
+  std::string prefix_;
+  ShardedUnit* root_ = nullptr;
+  std::unique_ptr<RootState> root_state_;
+  TrainingState state_ = TrainingState::kIdle;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,76 @@
+// Small models for sharding tests, written the way a user writes a model: ordinary LibTorch
+// modules whose forward calls sharded children through fsdp::call. Shapes are odd on purpose so
+// flat buffers need padding at every world size.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+#include <vector>
+
+#include "fsdp/fully_shard.h"
+
+namespace fsdp::testing {
+
+// A bias-carrying linear layer whose parameters can be created on the meta device.
+class DenseImpl : public torch::nn::Module {
+ public:
+  DenseImpl(int64_t in, int64_t out, at::Device device = at::kCPU) {
+    auto opts = at::TensorOptions().device(device);
+    weight = register_parameter("weight", at::randn({out, in}, opts) * (1.0 / std::sqrt(double(in))));
+    bias = register_parameter("bias", at::randn({out}, opts) * 0.1);
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(Dense);
+
+// Two dense layers with a tanh between them and a residual when shapes allow.
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(int64_t dim, int64_t hidden, at::Device device = at::kCPU)
+      : fc1(register_module("fc1", Dense(dim, hidden, device))),
+        fc2(register_module("fc2", Dense(hidden, dim, device))) {}
+  at::Tensor forward(const at::Tensor& x) { return x + fsdp::call(fc2, at::tanh(fsdp::call(fc1, x))); }
+  Dense fc1, fc2;
+};
+TORCH_MODULE(Block);
+
+struct NetOptions {
+  int64_t in = 7, dim = 15, hidden = 13, out = 5;
+  int blocks = 3;
+  bool reuse_block = false;  // run block 0 twice in one forward
+  int skip_block = -1;       // run this block's forward without using its output
+  at::Device device = at::kCPU;
+};
+
+class NetImpl : public torch::nn::Module {
+ public:
+  explicit NetImpl(const NetOptions& o) : opts(o) {
+    inp = register_module("inp", Dense(o.in, o.dim, o.device));
+    for (int i = 0; i < o.blocks; ++i) {
+      blocks.push_back(register_module("blocks_" + std::to_string(i), Block(o.dim, o.hidden, o.device)));
+    }
+    head = register_module("head", Dense(o.dim, o.out, o.device));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = at::tanh(inp->forward(x));
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (static_cast<int>(i) == opts.skip_block) {
+        (void)fsdp::call(blocks[i], h);  // computed, never reaches the loss
+        continue;
+      }
+      h = fsdp::call(blocks[i], h);
+      if (i == 0 && opts.reuse_block) h = fsdp::call(blocks[i], h);
+    }
+    return head->forward(h);
+  }
+  NetOptions opts;
+  Dense inp{nullptr}, head{nullptr};
+  std::vector<Block> blocks;
+};
+TORCH_MODULE(Net);
+
+}  // namespace fsdp::testing
