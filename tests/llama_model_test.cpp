@@ -308,6 +308,9 @@ TEST(LlamaModel, ConfigJsonRoundTrip) {
                 .num_key_value_heads,
             8);
   EXPECT_EQ(LlamaConfig::from_json(nlohmann::json::object()).to_json(), LlamaConfig{}.to_json());
+  // transformers 5 nests rope_theta.
+  const auto nested = nlohmann::json::parse(R"({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
+  EXPECT_EQ(LlamaConfig::from_json(nested).rope_theta, 500000.0);
 }
 
 TEST(LlamaModel, ConfigRejectsUnknownKeysAndBadValuesNamingThem) {
@@ -328,6 +331,8 @@ TEST(LlamaModel, ConfigRejectsUnknownKeysAndBadValuesNamingThem) {
       {{{"rms_norm_eps", 0}}, "rms_norm_eps=0"},
       {{{"rope_theta", -1.0}}, "rope_theta=-1.0"},
       {{{"tie_word_embeddings", "yes"}}, "tie_word_embeddings=\"yes\""},
+      {{{"rope_parameters", {{"rope_type", "llama3"}, {"factor", 8.0}}}}, "rope_parameters.rope_type=\"llama3\""},
+      {{{"rope_parameters", {{"rope_theta", 1.0}}}, {"rope_theta", 2.0}}, "rope_parameters.rope_theta=1.0 disagrees"},
   };
   for (const auto& k : cases) {
     const auto msg = message_of(c, k.patch);

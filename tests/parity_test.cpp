@@ -274,6 +274,13 @@ TEST(ParityFeatures, UnitWithoutGradient) {
   run_parity(c);
 }
 
+TEST(ParityFeatures, ActivationCheckpointedBlock) {
+  ParityConfig c;
+  c.world = 2;
+  c.net.checkpoint_block = 1;
+  run_parity(c);
+}
+
 TEST(ParityFeatures, DeferredInitEqualsEagerInit) {
   ParityConfig c;
   c.world = 3;

@@ -1,6 +1,7 @@
 // fsdp: fully-sharded data-parallel training on LibTorch. The umbrella header.
 #pragma once
 
+#include "fsdp/checkpoint_activations.h"
 #include "fsdp/comm.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/dist.h"

@@ -258,10 +258,12 @@ void ShardedUnit::pre_forward() {
 }
 
 void ShardedUnit::post_forward() {
-  // The root's backward starts right after its forward: keep its params. A recomputation inside
+  // The root's backward starts right after its forward: unless told otherwise, keep its params
+  // (saves one all-gather of the root per step). A recomputation inside
   // backward (activation checkpointing) keeps them too: its backward follows at once.
   const bool in_backward = root_state().in_backward;
-  if (reshard_after_forward_ && !is_root() && !in_backward) reshard();
+  const bool root_keeps = is_root() && !options_.reshard_after_forward().has_value();
+  if (reshard_after_forward_ && !root_keeps && !in_backward) reshard();
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
 }
 
@@ -287,7 +289,15 @@ void ShardedUnit::on_grad_ready(size_t i) {
 void ShardedUnit::post_backward(size_t i) {
   if (post_backward_done_[i]) return;
   post_backward_done_[i] = true;
-  if (requires_gradient_sync_) flat_params_[i]->reduce_scatter_grads();
+  if (requires_gradient_sync_) {
+    // Reductions issued by earlier units have had this unit's backward to finish: collect them now,
+    // which frees their gradient buffers, so at most one unit's gradients wait on the wire.
+    RootState& rs = root_state();
+    for (FlatParam* fp : rs.pending_reduces) fp->finalize_grads();
+    rs.pending_reduces.clear();
+    flat_params_[i]->reduce_scatter_grads();
+    rs.pending_reduces.push_back(flat_params_[i].get());
+  }
   // Free the params once every trainable flat param is done. Frozen params may still be read by
   // backward nodes that produce no parameter gradient: those wait for finalize_backward.
   bool all_done = !has_frozen_;
@@ -310,6 +320,7 @@ void ShardedUnit::finalize_backward() {
       if (fp->gradients_prepared()) fp->reduce_scatter_grads();
     }
   }
+  rs.pending_reduces.clear();
   for (ShardedUnit* unit : rs.units) {
     for (auto& fp : unit->flat_params_) fp->finalize_grads();
     unit->reshard();

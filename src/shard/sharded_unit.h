@@ -37,6 +37,7 @@ struct RootState {
   std::vector<ShardedUnit*> units;  // every unit under the root, root first (pre-order)
   bool callback_queued = false;
   bool in_backward = false;
+  std::vector<FlatParam*> pending_reduces;  // reduce-scatters issued and not yet collected
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
 };

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint_activations.h"
 #include "fsdp/fully_shard.h"
 
 namespace fsdp::testing {
@@ -43,6 +44,7 @@ struct NetOptions {
   int blocks = 3;
   bool reuse_block = false;  // run block 0 twice in one forward
   int skip_block = -1;       // run this block's forward without using its output
+  int checkpoint_block = -1; // recompute this block's activations in backward
   at::Device device = at::kCPU;
 };
 
@@ -60,6 +62,10 @@ class NetImpl : public torch::nn::Module {
     for (size_t i = 0; i < blocks.size(); ++i) {
       if (static_cast<int>(i) == opts.skip_block) {
         (void)fsdp::call(blocks[i], h);  // computed, never reaches the loss
+        continue;
+      }
+      if (static_cast<int>(i) == opts.checkpoint_block) {
+        h = fsdp::checkpoint_activations([block = blocks[i]](const at::Tensor& t) mutable { return fsdp::call(block, t); }, h);
         continue;
       }
       h = fsdp::call(blocks[i], h);
