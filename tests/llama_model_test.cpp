@@ -3,7 +3,6 @@
 // values computed by transformers itself, deferred (meta) construction, and that it trains.
 #include <cmath>
 #include <cstdint>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -281,11 +280,13 @@ TEST(LlamaModel, RotaryScoreDependsOnlyOnRelativeOffset) {
   auto qr = llama::apply_rotary(q.expand({T, D}), cos, sin);
   auto kr = llama::apply_rotary(k.expand({T, D}), cos, sin);
   auto score = at::matmul(qr, kr.t());  // score[t][s] = <rot(q, t), rot(k, s)>
-  auto at_ = [&](int64_t t, int64_t s) { return score[t][s].item<double>(); };
+  auto score_at = [&](int64_t t, int64_t s) { return score[t][s].item<double>(); };
   for (int64_t off : {0, 1, 3, 7}) {
-    for (int64_t t : {10, 22, 39}) EXPECT_NEAR(at_(t, t - off), at_(off, 0), 1e-4) << "offset " << off << " t " << t;
+    for (int64_t t : {10, 22, 39}) {
+      EXPECT_NEAR(score_at(t, t - off), score_at(off, 0), 1e-4) << "offset " << off << " t " << t;
+    }
   }
-  EXPECT_GT(std::abs(at_(10, 7) - at_(10, 8)), 1e-3);  // different offsets do differ
+  EXPECT_GT(std::abs(score_at(10, 7) - score_at(10, 8)), 1e-3);  // different offsets do differ
   // Each rotated row equals the pair-by-pair rotation.
   for (int64_t t : {0, 1, 17, 39}) {
     EXPECT_TRUE(at::allclose(qr[t].to(at::kDouble), rope_reference(q, t, theta), 1e-5, 1e-5)) << "t " << t;
@@ -382,7 +383,7 @@ TEST(LlamaModel, LossDecreasesUnderSgdOnARepeatedSequence) {
   LlamaForCausalLM model(c);
   auto seq = at::arange(8, at::kLong).repeat({4}).view({1, 32});  // 0 1 ... 7 0 1 ... 7 ...
   auto inputs = seq.slice(1, 0, 31), targets = seq.slice(1, 1, 32);
-  // unique_parameters, so that with tied embeddings the shared weight would be stepped once.
+  // unique_parameters is what an optimizer should get; see Note [Tied embeddings].
   torch::optim::SGD opt(llama::unique_parameters(*model), torch::optim::SGDOptions(/*lr=*/1.0));
   std::vector<double> losses;
   for (int step = 0; step < 30; ++step) {

@@ -4,6 +4,7 @@
 // the reference parameters. A grid over world sizes, strategies, mixed precision, accumulation,
 // frozen and reused blocks, skipped units, clipping and deferred init.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <mutex>
@@ -78,8 +79,9 @@ struct ReferenceOptimizer {
   }
 };
 
-void run_parity(const ParityConfig& cfg) {
-  testing::run_threads(cfg.world, [&](Dist& dist) {
+// One rank's side of a parity run; the reference runs in every rank, on the whole global batch.
+void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
+  {
     std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
     auto mesh = cfg.replicate > 1 ? DeviceMesh(dist_ptr, cfg.replicate, cfg.world / cfg.replicate) : DeviceMesh(dist_ptr);
 
@@ -193,7 +195,11 @@ void run_parity(const ParityConfig& cfg) {
     }
     // Frozen parameters have no optimizer state.
     for (auto& s : optim->states()) EXPECT_TRUE(s.flat->config().requires_grad);
-  });
+  }
+}
+
+void run_parity(const ParityConfig& cfg) {
+  testing::run_threads(cfg.world, [&](Dist& dist) { parity_on_rank(dist, cfg); });
 }
 
 struct NamedConfig {
@@ -226,6 +232,18 @@ INSTANTIATE_TEST_SUITE_P(Strategies, Parity, ::testing::ValuesIn(grid()),
                          [](const auto& info) { return info.param.name; });
 
 void PrintTo(const NamedConfig& c, std::ostream* os) { *os << c.name; }
+
+// The same check with ranks as separate processes, rendezvous through the environment.
+TEST(ParityProcesses, FullShardThreeRanks) {
+  auto results = testing::run_processes(3, [](int) {
+    at::set_num_threads(1);
+    auto dist = init_from_env(InitOptions().timeout(std::chrono::seconds(20)));
+    ParityConfig c;
+    c.world = 3;
+    parity_on_rank(*dist, c);
+  });
+  testing::expect_all_ok(results);
+}
 
 TEST(ParityFeatures, MixedPrecisionBf16) {
   ParityConfig c;
@@ -286,6 +304,81 @@ TEST(ParityFeatures, DeferredInitEqualsEagerInit) {
   c.world = 3;
   c.deferred_init = true;
   run_parity(c);
+}
+
+// Tied embedding / output projection: one owner, gathered once and reduced once per step, and the
+// training matches the unsharded reference where the tie is kept too.
+TEST(ParityFeatures, TiedWeights) {
+  constexpr int64_t kVocab = 11, kDim = 15, kTokens = 12;
+  testing::run_threads(2, [&](Dist& dist) {
+    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
+    DeviceMesh mesh(dist_ptr);
+    auto make = [&] {
+      std::lock_guard<std::mutex> lock(g_seed_mutex);
+      at::manual_seed(5);
+      return testing::TiedNet(kVocab, kDim, 2);
+    };
+    testing::TiedNet ref = make(), model = make();
+    ASSERT_TRUE(model->embed->weight.is_same(model->out->weight));
+    for (auto& b : model->blocks) fully_shard(b, mesh);
+    auto root = fully_shard(model, mesh);
+    AdamW optim(root, AdamWOptions(1e-2).weight_decay(0.1));
+    ParityConfig cfg;
+    ReferenceOptimizer ref_optim{cfg};
+    std::vector<at::Tensor> ref_params;
+    for (auto& p : ref->parameters()) {
+      bool dup = false;
+      for (auto& q : ref_params) dup = dup || q.is_same(p);
+      if (!dup) ref_params.push_back(p);
+    }
+    // The tied tensor is one entry of the root's flat params, with the second name as an alias.
+    int entries = 0;
+    for (const auto& unit : root->units()) {
+      for (auto& fp : unit->flat_params()) {
+        for (auto& e : fp->entries()) {
+          if (e.name == "embed.weight") {
+            ++entries;
+            ASSERT_EQ(e.aliases, std::vector<std::string>{"out.weight"});
+          }
+          EXPECT_NE(e.name, "out.weight");
+        }
+      }
+    }
+    EXPECT_EQ(entries, 1);
+    const int64_t local = kTokens / 2;
+    for (int step = 0; step < 8; ++step) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
+      auto tokens = at::randint(kVocab, {kTokens, 3}, gen);
+      auto targets = at::randint(kVocab, {kTokens, 3}, gen);
+      auto ce = [&](const at::Tensor& logits, const at::Tensor& t) {
+        return at::cross_entropy_loss(logits.reshape({-1, kVocab}), t.reshape({-1}));
+      };
+      const auto before = dist.world().stats();
+      auto loss = ce(fsdp::call(model, tokens.narrow(0, dist.rank() * local, local)),
+                     targets.narrow(0, dist.rank() * local, local));
+      loss.backward();
+      const auto d = dist.world().stats() - before;
+      auto ref_loss = ce(ref->forward(tokens), targets);
+      ref_loss.backward();
+      auto l = at::full({1}, loss.item<double>(), at::kDouble);
+      dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5 * ref_loss.item<double>()) << "step " << step;
+      int64_t padded = 0, root_padded = 0;
+      for (const auto& unit : root->units()) {
+        for (auto& fp : unit->flat_params()) {
+          padded += fp->padded_numel();
+          if (unit->is_root()) root_padded += fp->padded_numel();
+        }
+      }
+      // Gathered once in forward (twice for the blocks, which reshard), reduced once: no doubles.
+      EXPECT_EQ(d.of(CollectiveKind::kAllGather).bytes_sent, 4ull * (2 * padded - root_padded) / 2);
+      EXPECT_EQ(d.of(CollectiveKind::kReduceScatter).bytes_sent, 4ull * padded / 2);
+      optim.step();
+      optim.zero_grad();
+      ref_optim.apply(ref_params);
+      for (auto& p : ref_params) p.mutable_grad() = at::Tensor();
+    }
+  });
 }
 
 }  // namespace

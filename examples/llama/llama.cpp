@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -57,7 +58,7 @@ std::string known_keys() {
   std::string keys;
   for (const auto& k : kIntKeys) keys += std::string(k.name) + ", ";
   for (const auto& k : kDoubleKeys) keys += std::string(k.name) + ", ";
-  return keys + kTieKey;
+  return keys + kTieKey + ", rope_parameters";
 }
 
 int64_t parse_int(const std::string& key, const json& value) {
@@ -70,6 +71,27 @@ int64_t parse_int(const std::string& key, const json& value) {
 double parse_double(const std::string& key, const json& value) {
   if (!value.is_number()) reject(key, value, "must be a number");
   return value.get<double>();
+}
+
+// transformers >= 5 writes {"rope_type": "default", "rope_theta": x} under rope_parameters instead
+// of a top-level rope_theta. Only the default (unscaled) rotary embedding is implemented, so any
+// other rope_type, and any scaling key, is refused rather than silently ignored.
+std::optional<double> parse_rope_parameters(const json& value) {
+  if (!value.is_object()) reject("rope_parameters", value, "must be an object");
+  // rope_type first: for a scaled rope it is the informative rejection.
+  if (value.contains("rope_type") && value["rope_type"] != "default") {
+    reject("rope_parameters.rope_type", value["rope_type"],
+           "is not supported: only \"default\" (unscaled) rotary embeddings are");
+  }
+  std::optional<double> theta;
+  for (const auto& [key, v] : value.items()) {
+    if (key == "rope_theta") {
+      theta = parse_double("rope_parameters.rope_theta", v);
+    } else if (key != "rope_type") {
+      reject("rope_parameters." + key, v, "is not supported: only rope_type and rope_theta are");
+    }
+  }
+  return theta;
 }
 
 // Names in module order, each tensor once; see Note [Tied embeddings].
@@ -143,6 +165,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   if (!j.is_object()) throw std::invalid_argument("LlamaConfig: expected a JSON object, got " + show(j));
   LlamaConfig config;
   bool kv_heads_given = false;
+  std::optional<double> nested_rope_theta;
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const auto& k : kIntKeys) {
@@ -163,9 +186,20 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
       if (!value.is_boolean()) reject(key, value, "must be true or false");
       config.tie_word_embeddings = value.get<bool>();
     }
+    if (key == "rope_parameters") {
+      known = true;
+      nested_rope_theta = parse_rope_parameters(value);
+    }
     if (!known) reject(key, value, "is not a known key; known keys: " + known_keys());
   }
   if (!kv_heads_given) config.num_key_value_heads = config.num_attention_heads;
+  if (nested_rope_theta) {
+    if (j.contains("rope_theta") && config.rope_theta != *nested_rope_theta) {
+      reject("rope_parameters.rope_theta", *nested_rope_theta,
+             "disagrees with rope_theta=" + show(config.rope_theta));
+    }
+    config.rope_theta = *nested_rope_theta;
+  }
   config.validate();
   return config;
 }
@@ -176,7 +210,8 @@ void from_json(const nlohmann::json& j, LlamaConfig& config) { config = LlamaCon
 // ---- building blocks ---------------------------------------------------------------------------
 
 BiasFreeLinearImpl::BiasFreeLinearImpl(int64_t in_features, int64_t out_features, at::Device device)
-    : weight(register_parameter("weight", at::empty({out_features, in_features}, at::TensorOptions().device(device)))) {}
+    : weight(register_parameter("weight",
+                                at::empty({out_features, in_features}, at::TensorOptions().device(device)))) {}
 
 BiasFreeLinearImpl::BiasFreeLinearImpl(at::Tensor shared_weight)
     : weight(register_parameter("weight", std::move(shared_weight))) {}

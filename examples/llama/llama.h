@@ -55,7 +55,8 @@ struct LlamaConfig {
   void validate() const;
   nlohmann::json to_json() const;
   // Starts from the defaults above; rejects unknown keys, wrong types and invalid values with a
-  // std::invalid_argument that names the key and its value.
+  // std::invalid_argument that names the key and its value. Also reads transformers 5's
+  // "rope_parameters": {"rope_type": "default", "rope_theta": x} (other rope types are refused).
   static LlamaConfig from_json(const nlohmann::json& j);
 };
 

@@ -23,6 +23,11 @@ class DenseImpl : public torch::nn::Module {
     weight = register_parameter("weight", at::randn({out, in}, opts) * (1.0 / std::sqrt(double(in))));
     bias = register_parameter("bias", at::randn({out}, opts) * 0.1);
   }
+  // Shares `tied_weight` (registered in another module too) and owns a new bias.
+  DenseImpl(const at::Tensor& tied_weight, int64_t out) {
+    weight = register_parameter("weight", tied_weight);
+    bias = register_parameter("bias", at::randn({out}) * 0.1);
+  }
   at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
   at::Tensor weight, bias;
 };
@@ -78,5 +83,30 @@ class NetImpl : public torch::nn::Module {
   std::vector<Block> blocks;
 };
 TORCH_MODULE(Net);
+
+}  // namespace fsdp::testing
+
+namespace fsdp::testing {
+
+// A language-model-shaped net whose token embedding is also its output projection (one tensor
+// registered in two modules), with blocks in between.
+class TiedNetImpl : public torch::nn::Module {
+ public:
+  TiedNetImpl(int64_t vocab, int64_t dim, int blocks_count) {
+    embed = register_module("embed", Dense(dim, vocab));   // weight [vocab, dim]
+    for (int i = 0; i < blocks_count; ++i) {
+      blocks.push_back(register_module("blocks_" + std::to_string(i), Block(dim, dim + 3)));
+    }
+    out = register_module("out", Dense(embed->weight, vocab));  // tied: one tensor, two modules
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor h = at::embedding(embed->weight, tokens);
+    for (auto& b : blocks) h = fsdp::call(b, h);
+    return at::linear(h, out->weight, out->bias);
+  }
+  Dense embed{nullptr}, out{nullptr};
+  std::vector<Block> blocks;
+};
+TORCH_MODULE(TiedNet);
 
 }  // namespace fsdp::testing
