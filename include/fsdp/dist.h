@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,6 +73,10 @@ class Dist {
   // A communicator over `ranks` (global ranks, ascending); call on every member, in the same order
   // on all of them. `name` must be unique per group and the same on every member.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name);
+  // A communicator over every rank, created on first use and cached by name. Work that runs
+  // beside training (e.g. a background checkpoint) uses its own, so its collectives never
+  // interleave with training's. Call at the same point on every rank.
+  Communicator& side_group(const std::string& name);
 
  private:
   Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options);
@@ -82,6 +87,7 @@ class Dist {
   InitOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<Communicator> world_;
+  std::map<std::string, std::shared_ptr<Communicator>> side_groups_;
 
   friend std::shared_ptr<Dist> init_process_group(const DistEnv&, const InitOptions&);
 };

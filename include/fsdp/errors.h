@@ -31,6 +31,12 @@ class TimeoutError : public DistError {
   using DistError::DistError;
 };
 
+// A checkpoint that cannot be written, or a file that is missing, malformed or of another model.
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Invalid user options or configuration.
 class ConfigError : public Error {
  public:

@@ -72,6 +72,11 @@ class ShardedOptimizer {
   // Names of the per-element state tensors, e.g. {"exp_avg", "exp_avg_sq"}.
   virtual std::vector<std::string> state_names() const = 0;
   std::vector<ShardState>& states() { return states_; }
+  // Creates a state's tensors if the optimizer has not stepped it yet (checkpoint loading).
+  void ensure_state(ShardState& state) {
+    if (state.tensors.empty()) init_state(state);
+  }
+  virtual std::string type_name() const = 0;
   int64_t state_bytes() const;
 
  protected:
@@ -97,6 +102,7 @@ class AdamW : public ShardedOptimizer {
  public:
   AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options);
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  std::string type_name() const override { return "AdamW"; }
   const AdamWOptions& options() const { return options_; }
 
  protected:
@@ -113,6 +119,7 @@ class SGD : public ShardedOptimizer {
  public:
   SGD(const std::shared_ptr<FSDPModule>& root, const SGDOptions& options);
   std::vector<std::string> state_names() const override;
+  std::string type_name() const override { return "SGD"; }
   const SGDOptions& options() const { return options_; }
 
  protected:

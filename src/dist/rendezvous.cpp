@@ -137,6 +137,16 @@ std::shared_ptr<Communicator> Dist::new_group(const std::vector<int>& ranks, con
   return make_group(store_, group_rank, static_cast<int>(ranks.size()), ranks, name, options_, host);
 }
 
+Communicator& Dist::side_group(const std::string& name) {
+  auto it = side_groups_.find(name);
+  if (it != side_groups_.end()) return *it->second;
+  std::vector<int> all;
+  for (int r = 0; r < world_size_; ++r) all.push_back(r);
+  auto group = new_group(all, "side/" + name);
+  side_groups_.emplace(name, group);
+  return *group;
+}
+
 std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
   if (options.timeout().count() <= 0) {
     throw ConfigError("fsdp: InitOptions::timeout must be positive, got " +

@@ -38,6 +38,7 @@ struct RootState {
   bool callback_queued = false;
   bool in_backward = false;
   std::vector<FlatParam*> pending_reduces;  // reduce-scatters issued and not yet collected
+  int64_t checkpoint_saves = 0;             // keys a save's store entries
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
 };

@@ -1,0 +1,47 @@
+// Checkpoint save and resume for fsdp-train, through fsdp::checkpoint.
+#include "checkpointing.h"
+
+#include <cstdio>
+#include <stdexcept>
+
+#include "fsdp/checkpoint.h"
+
+namespace train {
+
+std::string checkpoint_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
+                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last) {
+  fsdp::checkpoint::TrainState state;
+  state.step = step;
+  state.samples_seen = samples_seen;
+  state.extra = extra;
+  return fsdp::checkpoint::save(save_dir, checkpoint_name(step), root, &optim, state,
+                                fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)));
+}
+
+ResumePoint load_checkpoint(const std::string& save_dir, const std::string& which, fsdp::FSDPModule& root,
+                            fsdp::ShardedOptimizer& optim, const std::string& config_hash) {
+  ResumePoint p;
+  p.dir = fsdp::checkpoint::resolve(save_dir, which);
+  const auto state = fsdp::checkpoint::load(p.dir, root, &optim);
+  p.step = state.step;
+  p.samples_seen = state.samples_seen;
+  p.extra = state.extra;
+  // The tensors loaded by name and shape, which does not catch a changed data stream (or a model
+  // change that keeps every shape, e.g. rope_theta): the hash does.
+  if (p.extra.contains("config_hash") && p.extra["config_hash"].is_string() &&
+      p.extra["config_hash"].get<std::string>() != config_hash) {
+    throw std::invalid_argument("checkpoint " + p.dir + " was saved with config_hash " +
+                                p.extra["config_hash"].get<std::string>() + " (model and data sections), this run has " +
+                                config_hash + "; resume with the checkpoint's model and data config (saved in its "
+                                "train_state.json under extra.config)");
+  }
+  return p;
+}
+
+}  // namespace train

@@ -1,0 +1,36 @@
+// The trainer's use of fsdp/checkpoint.h, in one place: checkpoint names, what goes into
+// TrainState.extra, and the checks made on resume.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "fsdp/fully_shard.h"
+#include "fsdp/optim.h"
+
+namespace train {
+
+// "step-00000100": zero-padded so that names sort by step.
+std::string checkpoint_name(int64_t step);
+
+// Saves into save_dir/checkpoint_name(step) (collective) and returns the committed directory.
+// `extra` goes to TrainState.extra; keep_last = 0 keeps every checkpoint.
+std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
+                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last);
+
+struct ResumePoint {
+  std::string dir;  // the checkpoint loaded
+  int64_t step = 0;
+  int64_t samples_seen = 0;
+  nlohmann::json extra;
+};
+
+// Loads `which` ("latest": the newest committed one in save_dir; else a checkpoint directory)
+// into root and optim (collective). Throws std::invalid_argument when the checkpoint's
+// config_hash differs from `config_hash`: its model or data stream is not this run's.
+ResumePoint load_checkpoint(const std::string& save_dir, const std::string& which, fsdp::FSDPModule& root,
+                            fsdp::ShardedOptimizer& optim, const std::string& config_hash);
+
+}  // namespace train

@@ -1,0 +1,366 @@
+// TrainConfig: defaults, strict JSON parsing with dotted-key errors, overrides, and the hash.
+#include "config.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+namespace train {
+namespace {
+
+using nlohmann::json;
+
+[[noreturn]] void reject(const std::string& key, const json& value, const std::string& why) {
+  throw std::invalid_argument("config: " + key + "=" + value.dump() + ": " + why);
+}
+
+// Reads the keys of one config section, recording which were used so that finish() can name the
+// first unknown one. Every reader leaves its output at the default when the key is absent.
+class SectionReader {
+ public:
+  SectionReader(const json& doc, std::string section) : section_(std::move(section)) {
+    if (doc.contains(section_)) {
+      const json& j = doc.at(section_);
+      if (!j.is_object()) reject(section_, j, "must be an object");
+      obj_ = &j;
+    }
+  }
+  SectionReader(const json* obj, std::string section) : obj_(obj), section_(std::move(section)) {}
+
+  std::string key(const char* name) const { return section_ + "." + name; }
+
+  const json* find(const char* name) {
+    known_.push_back(name);
+    if (obj_ == nullptr || !obj_->contains(name)) return nullptr;
+    return &obj_->at(name);
+  }
+
+  void integer(const char* name, int64_t& out, int64_t min) {
+    const json* v = find(name);
+    if (v == nullptr) return;
+    const bool too_big = v->is_number_unsigned() &&
+                         v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    if (!v->is_number_integer() || too_big) reject(key(name), *v, "must be an integer");
+    out = v->get<int64_t>();
+    if (out < min) reject(key(name), *v, "must be >= " + std::to_string(min));
+  }
+
+  void unsigned_integer(const char* name, uint64_t& out) {
+    const json* v = find(name);
+    if (v == nullptr) return;
+    if (!v->is_number_integer() || (v->is_number_integer() && !v->is_number_unsigned() && v->get<int64_t>() < 0)) {
+      reject(key(name), *v, "must be a non-negative integer");
+    }
+    out = v->get<uint64_t>();
+  }
+
+  // A finite number in [min, max]; `min_open` makes the lower bound exclusive.
+  void number(const char* name, double& out, double min, bool min_open = false,
+              double max = std::numeric_limits<double>::infinity()) {
+    const json* v = find(name);
+    if (v == nullptr) return;
+    if (!v->is_number()) reject(key(name), *v, "must be a number");
+    out = v->get<double>();
+    check_range(key(name), *v, out, min, min_open, max);
+  }
+
+  void string(const char* name, std::string& out) {
+    const json* v = find(name);
+    if (v == nullptr) return;
+    if (!v->is_string()) reject(key(name), *v, "must be a string");
+    out = v->get<std::string>();
+  }
+
+  void choice(const char* name, std::string& out, const std::vector<std::string>& allowed) {
+    const json* v = find(name);
+    if (v == nullptr) return;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "\"" : ", \"") + a + "\"";
+    if (!v->is_string()) reject(key(name), *v, "must be one of " + list);
+    const auto s = v->get<std::string>();
+    bool ok = false;
+    for (const auto& a : allowed) ok = ok || s == a;
+    if (!ok) reject(key(name), *v, "must be one of " + list);
+    out = s;
+  }
+
+  static void check_range(const std::string& key, const json& v, double x, double min, bool min_open, double max) {
+    if (!std::isfinite(x)) reject(key, v, "must be finite");
+    if (min_open ? !(x > min) : !(x >= min)) {
+      reject(key, v, std::string("must be ") + (min_open ? "> " : ">= ") + json(min).dump());
+    }
+    if (x > max) reject(key, v, "must be <= " + json(max).dump());
+  }
+
+  void finish() const {
+    if (obj_ == nullptr) return;
+    for (const auto& [k, v] : obj_->items()) {
+      bool ok = false;
+      for (const auto& name : known_) ok = ok || k == name;
+      if (ok) continue;
+      std::string list;
+      for (const auto& name : known_) list += (list.empty() ? "" : ", ") + name;
+      reject(section_ + "." + k, v, "unknown key (known keys in " + section_ + ": " + list + ")");
+    }
+  }
+
+ private:
+  const json* obj_ = nullptr;
+  std::string section_;
+  std::vector<std::string> known_;
+};
+
+// LlamaConfig::from_json starts from transformers' (Llama-2-7B) defaults; the trainer's start from
+// default_model_config(), so the user's keys are laid over ours. As in transformers, leaving out
+// num_key_value_heads means "as many as num_attention_heads", so a user who changes only the head
+// count gets plain multi-head attention rather than our default's grouping.
+llama::LlamaConfig parse_model(const json& doc) {
+  json model = default_model_config().to_json();
+  if (doc.contains("model")) {
+    const json& user = doc.at("model");
+    if (!user.is_object()) reject("model", user, "must be an object");
+    if (user.contains("num_attention_heads") && !user.contains("num_key_value_heads")) {
+      model.erase("num_key_value_heads");
+    }
+    for (const auto& [k, v] : user.items()) model[k] = v;
+  }
+  try {
+    return llama::LlamaConfig::from_json(model);
+  } catch (const std::invalid_argument& e) {
+    // "LlamaConfig: key=value why" -> "config: model.key=value: why", the trainer's dotted form.
+    std::string what = e.what();
+    const std::string prefix = "LlamaConfig: ";
+    if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
+    throw std::invalid_argument("config: model." + what);
+  }
+}
+
+}  // namespace
+
+llama::LlamaConfig default_model_config() {
+  llama::LlamaConfig m;
+  m.vocab_size = 256;  // byte-level: a text file trains with no tokenizer
+  m.hidden_size = 128;
+  m.intermediate_size = 384;
+  m.num_hidden_layers = 4;
+  m.num_attention_heads = 4;
+  m.num_key_value_heads = 4;
+  m.max_position_embeddings = 1024;
+  m.rms_norm_eps = 1e-5;
+  m.rope_theta = 10000.0;
+  m.tie_word_embeddings = false;
+  m.initializer_range = 0.02;
+  return m;
+}
+
+TrainConfig::TrainConfig() : model(default_model_config()) {}
+
+at::ScalarType parse_dtype(const std::string& key, const std::string& name) {
+  if (name == "float32" || name == "fp32") return at::kFloat;
+  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+  if (name == "float16" || name == "fp16") return at::kHalf;
+  reject(key, json(name), "must be one of \"float32\", \"bfloat16\", \"float16\"");
+}
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return "float32";
+  }
+}
+
+json TrainConfig::to_json() const {
+  json j;
+  j["model"] = model.to_json();
+  j["data"] = {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len},
+               {"batch_size_per_rank", data.batch_size_per_rank}};
+  j["optim"] = {{"lr", optim.lr}, {"betas", {optim.betas[0], optim.betas[1]}}, {"eps", optim.eps},
+                {"weight_decay", optim.weight_decay}, {"warmup_steps", optim.warmup_steps},
+                {"grad_clip", optim.grad_clip}, {"schedule", optim.schedule}, {"min_lr", optim.min_lr}};
+  j["fsdp"] = {{"strategy", fsdp::strategy_name(this->fsdp.strategy)},
+               {"param_dtype", dtype_name(this->fsdp.param_dtype)},
+               {"reduce_dtype", dtype_name(this->fsdp.reduce_dtype)},
+               {"prefetch_depth", this->fsdp.prefetch_depth},
+               {"timeout_s", this->fsdp.timeout_s},
+               {"replicate", this->fsdp.replicate},
+               {"offload",
+                {{"params", this->fsdp.offload.params},
+                 {"optimizer_state", this->fsdp.offload.optimizer_state},
+                 {"dir", this->fsdp.offload.dir},
+                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}}};
+  j["train"] = {{"seed", train.seed},           {"steps", train.steps},         {"eval_every", train.eval_every},
+                {"eval_batches", train.eval_batches}, {"save_every", train.save_every},
+                {"keep_last", train.keep_last}, {"log_every", train.log_every}};
+  return j;
+}
+
+TrainConfig TrainConfig::from_json(const json& doc) {
+  if (!doc.is_object()) throw std::invalid_argument("config: expected a JSON object, got " + doc.dump());
+  for (const auto& [k, v] : doc.items()) {
+    if (k != "model" && k != "data" && k != "optim" && k != "fsdp" && k != "train") {
+      reject(k, v, "unknown section (known sections: model, data, optim, fsdp, train)");
+    }
+  }
+  TrainConfig c;
+  c.model = parse_model(doc);
+
+  SectionReader data(doc, "data");
+  data.choice("source", c.data.source, {"synthetic", "file"});
+  data.string("path", c.data.path);
+  data.integer("seq_len", c.data.seq_len, 1);
+  data.integer("batch_size_per_rank", c.data.batch_size_per_rank, 1);
+  data.finish();
+  if (c.data.source == "file" && c.data.path.empty()) {
+    reject("data.path", json(c.data.path), "must name a file when data.source is \"file\" (or pass --data FILE)");
+  }
+  if (c.data.source == "synthetic" && !c.data.path.empty()) {
+    reject("data.path", json(c.data.path), "is set but data.source is \"synthetic\"; set data.source to \"file\"");
+  }
+  if (c.data.seq_len > c.model.max_position_embeddings) {
+    reject("data.seq_len", json(c.data.seq_len),
+           "exceeds model.max_position_embeddings=" + std::to_string(c.model.max_position_embeddings));
+  }
+
+  SectionReader optim(doc, "optim");
+  optim.number("lr", c.optim.lr, 0);
+  if (const json* b = optim.find("betas")) {
+    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number()) {
+      reject("optim.betas", *b, "must be a list of two numbers [beta1, beta2]");
+    }
+    for (int i = 0; i < 2; ++i) {
+      c.optim.betas[i] = (*b)[i].get<double>();
+      if (!(c.optim.betas[i] >= 0 && c.optim.betas[i] < 1)) reject("optim.betas", *b, "each beta must be in [0, 1)");
+    }
+  }
+  optim.number("eps", c.optim.eps, 0, /*min_open=*/true);
+  optim.number("weight_decay", c.optim.weight_decay, 0);
+  optim.integer("warmup_steps", c.optim.warmup_steps, 0);
+  optim.number("grad_clip", c.optim.grad_clip, 0);
+  optim.choice("schedule", c.optim.schedule, {"cosine", "constant"});
+  optim.number("min_lr", c.optim.min_lr, 0);
+  optim.finish();
+  if (c.optim.min_lr > c.optim.lr) {
+    reject("optim.min_lr", json(c.optim.min_lr), "exceeds optim.lr=" + json(c.optim.lr).dump());
+  }
+
+  SectionReader fs(doc, "fsdp");
+  if (const json* s = fs.find("strategy")) {
+    try {
+      if (!s->is_string()) throw std::invalid_argument("");
+      c.fsdp.strategy = fsdp::parse_strategy(s->get<std::string>());
+    } catch (const std::exception&) {
+      reject("fsdp.strategy", *s, "must be one of \"FULL_SHARD\", \"SHARD_GRAD_OP\", \"NO_SHARD\", \"HYBRID_SHARD\"");
+    }
+  }
+  for (auto [name, out] : {std::pair<const char*, at::ScalarType*>{"param_dtype", &c.fsdp.param_dtype},
+                           std::pair<const char*, at::ScalarType*>{"reduce_dtype", &c.fsdp.reduce_dtype}}) {
+    if (const json* v = fs.find(name)) {
+      if (!v->is_string()) reject(fs.key(name), *v, "must be one of \"float32\", \"bfloat16\", \"float16\"");
+      *out = parse_dtype(fs.key(name), v->get<std::string>());
+    }
+  }
+  fs.integer("prefetch_depth", c.fsdp.prefetch_depth, 0);
+  fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
+  fs.integer("replicate", c.fsdp.replicate, 1);
+  if (const json* off = fs.find("offload")) {
+    if (!off->is_object()) reject("fsdp.offload", *off, "must be an object");
+    SectionReader o(off, "fsdp.offload");
+    o.choice("params", c.fsdp.offload.params, {"none", "host", "disk"});
+    o.choice("optimizer_state", c.fsdp.offload.optimizer_state, {"none", "host", "disk"});
+    o.string("dir", c.fsdp.offload.dir);
+    o.integer("memory_budget_bytes", c.fsdp.offload.memory_budget_bytes, 0);
+    o.finish();
+  }
+  fs.finish();
+  if (c.fsdp.replicate > 1 && c.fsdp.strategy != fsdp::ShardingStrategy::kHybridShard) {
+    reject("fsdp.replicate", json(c.fsdp.replicate),
+           std::string("needs fsdp.strategy=\"HYBRID_SHARD\" (got \"") + fsdp::strategy_name(c.fsdp.strategy) + "\")");
+  }
+  if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
+    reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
+  }
+  const bool disk = c.fsdp.offload.params == "disk" || c.fsdp.offload.optimizer_state == "disk";
+  if (disk && c.fsdp.offload.dir.empty()) {
+    reject("fsdp.offload.dir", json(c.fsdp.offload.dir), "must name a directory when offloading to \"disk\"");
+  }
+
+  SectionReader tr(doc, "train");
+  tr.unsigned_integer("seed", c.train.seed);
+  tr.integer("steps", c.train.steps, 0);
+  tr.integer("eval_every", c.train.eval_every, 0);
+  tr.integer("eval_batches", c.train.eval_batches, 1);
+  tr.integer("save_every", c.train.save_every, 0);
+  tr.integer("keep_last", c.train.keep_last, 0);
+  tr.integer("log_every", c.train.log_every, 1);
+  tr.finish();
+  return c;
+}
+
+std::string TrainConfig::config_hash() const {
+  const json identity = {{"model", model.to_json()},
+                         {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
+  // nlohmann's json keeps object keys sorted, so dump() is canonical.
+  const std::string s = identity.dump();
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a 64-bit offset basis
+  for (unsigned char ch : s) {
+    h ^= ch;
+    h *= 1099511628211ULL;  // FNV prime
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+void set_dotted(json& doc, const std::string& dotted_key, const std::string& value) {
+  if (dotted_key.empty() || dotted_key.front() == '.' || dotted_key.back() == '.' ||
+      dotted_key.find("..") != std::string::npos) {
+    throw std::invalid_argument("config: bad key '" + dotted_key + "' in --set (expected section.key=value)");
+  }
+  json parsed = json::parse(value, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) parsed = value;
+  json* node = &doc;
+  std::string path;
+  size_t start = 0;
+  while (true) {
+    const size_t dot = dotted_key.find('.', start);
+    const std::string part = dotted_key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (node->is_null()) *node = json::object();
+    if (!node->is_object()) {
+      reject(path, *node, "is not an object, so --set " + dotted_key + "=... cannot set a key inside it");
+    }
+    path += (path.empty() ? "" : ".") + part;
+    if (dot == std::string::npos) {
+      (*node)[part] = parsed;
+      return;
+    }
+    node = &(*node)[part];
+    start = dot + 1;
+  }
+}
+
+json read_config_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("config file '" + path + "': cannot be opened");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  json doc;
+  try {
+    doc = json::parse(ss.str());
+  } catch (const json::parse_error& e) {
+    throw std::invalid_argument("config file '" + path + "': not valid JSON: " + e.what());
+  }
+  if (!doc.is_object()) throw std::invalid_argument("config file '" + path + "': must hold a JSON object");
+  return doc;
+}
+
+TrainConfig build_config(const json& file_doc, const std::vector<std::pair<std::string, std::string>>& overrides) {
+  json doc = file_doc.is_null() ? json::object() : file_doc;
+  for (const auto& [key, value] : overrides) set_dotted(doc, key, value);
+  return TrainConfig::from_json(doc);
+}
+
+}  // namespace train

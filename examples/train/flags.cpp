@@ -1,0 +1,115 @@
+// Command-line parsing for fsdp-train: a small table of flags, each with or without a value.
+#include "flags.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace train {
+namespace {
+
+// A non-negative decimal integer, whole string.
+bool parse_count(const std::string& s, uint64_t& out) {
+  if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos) return false;
+  errno = 0;
+  char* end = nullptr;
+  out = std::strtoull(s.c_str(), &end, 10);
+  return errno == 0 && *end == '\0';
+}
+
+}  // namespace
+
+const char* usage_text() {
+  return "usage: fsdp-train [--config FILE] [--set KEY=VALUE]... [--steps N] [--seed N] [--data FILE]\n"
+         "                  [--save-dir DIR] [--resume latest|DIR] [--metrics FILE] [--trace FILE] [--help]\n"
+         "\n"
+         "Trains a Llama-style decoder with fully-sharded data parallelism. Launch one process per rank,\n"
+         "e.g. fsdp-run --nproc-per-node 2 -- fsdp-train; without a launcher it runs as one process.\n"
+         "\n"
+         "  --config FILE       JSON config: sections model, data, optim, fsdp, train (every key optional)\n"
+         "  --set KEY=VALUE     override one config key, e.g. --set optim.lr=1e-3 (repeatable; VALUE is\n"
+         "                      parsed as JSON when it parses, as a string otherwise)\n"
+         "  --steps N           total optimizer steps to reach (train.steps); a run resumed at step N stops\n"
+         "  --seed N            parameter init and data order (train.seed)\n"
+         "  --data FILE         train on FILE: .bin = uint16 tokens (nanoGPT / llm.c), else raw bytes\n"
+         "  --save-dir DIR      save checkpoints into DIR (every train.save_every steps and at the end)\n"
+         "  --resume WHICH      'latest' (the newest in --save-dir) or a checkpoint directory\n"
+         "  --metrics FILE      JSON lines, one per step and one per evaluation (written by rank 0)\n"
+         "  --trace FILE        Chrome trace of the step phases (Perfetto / chrome://tracing); with several\n"
+         "                      ranks each writes FILE with .rankK before the extension\n"
+         "  --help              this text\n"
+         "\n"
+         "Environment: FSDP_THREADS (intra-op threads per rank, default 1).\n";
+}
+
+Flags parse_flags(int argc, const char* const* argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (arg.rfind("--", 0) == 0) {
+      const size_t eq = arg.find('=');
+      if (eq != std::string::npos) {
+        inline_value = arg.substr(eq + 1);
+        arg = arg.substr(0, eq);
+      }
+    }
+    auto value = [&]() -> std::string {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError("flag " + arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      if (inline_value) throw UsageError("flag --help takes no value");
+      f.help = true;
+    } else if (arg == "--config") {
+      f.config_path = value();
+      if (f.config_path.empty()) throw UsageError("flag --config needs a file name");
+    } else if (arg == "--set") {
+      const std::string kv = value();
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        throw UsageError("flag --set expects KEY=VALUE (e.g. optim.lr=1e-3), got '" + kv + "'");
+      }
+      f.overrides.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+    } else if (arg == "--steps" || arg == "--seed") {
+      const std::string v = value();
+      uint64_t n = 0;
+      if (!parse_count(v, n)) throw UsageError("flag " + arg + " expects a non-negative integer, got '" + v + "'");
+      f.overrides.emplace_back(arg == "--steps" ? "train.steps" : "train.seed", v);
+    } else if (arg == "--data") {
+      const std::string v = value();
+      if (v.empty()) throw UsageError("flag --data needs a file name");
+      f.overrides.emplace_back("data.source", "file");
+      // Quoted so that a file named e.g. "123" is still taken as a path.
+      f.overrides.emplace_back("data.path", nlohmann::json(v).dump());
+    } else if (arg == "--save-dir") {
+      f.save_dir = value();
+      if (f.save_dir.empty()) throw UsageError("flag --save-dir needs a directory");
+    } else if (arg == "--resume") {
+      f.resume = value();
+      if (f.resume.empty()) throw UsageError("flag --resume needs 'latest' or a checkpoint directory");
+    } else if (arg == "--metrics") {
+      f.metrics = value();
+      if (f.metrics.empty()) throw UsageError("flag --metrics needs a file name");
+    } else if (arg == "--trace") {
+      f.trace = value();
+      if (f.trace.empty()) throw UsageError("flag --trace needs a file name");
+    } else if (arg.rfind("-", 0) == 0) {
+      throw UsageError("unknown flag " + arg + " (see --help)");
+    } else {
+      throw UsageError("unexpected argument '" + arg + "' (see --help)");
+    }
+  }
+  if (f.resume == "latest" && f.save_dir.empty()) {
+    throw UsageError("--resume latest needs --save-dir (the directory holding the checkpoints)");
+  }
+  return f;
+}
+
+TrainConfig config_from_flags(const Flags& flags) {
+  nlohmann::json file_doc;
+  if (!flags.config_path.empty()) file_doc = read_config_file(flags.config_path);
+  return build_config(file_doc, flags.overrides);
+}
+
+}  // namespace train

@@ -1,0 +1,44 @@
+// fsdp-train's command line. Parsing is separate from the config so that a usage error (unknown
+// flag, missing value) is reported before anything else and exits with status 2.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config.h"
+
+namespace train {
+
+// A bad command line or config: the trainer prints it and exits with status 2.
+class UsageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct Flags {
+  std::string config_path;  // --config FILE
+  // Config overrides in command-line order: --set k=v, and --steps / --seed / --data, which are
+  // shorthands for train.steps, train.seed and data.{source, path}. Applied after the file.
+  std::vector<std::pair<std::string, std::string>> overrides;
+  std::string save_dir;  // --save-dir DIR
+  std::string resume;    // --resume latest|DIR
+  std::string metrics;   // --metrics FILE
+  std::string trace;     // --trace FILE
+  bool help = false;
+};
+
+// Parses argv[1..]; throws UsageError naming the offending flag. Accepts "--flag value" and
+// "--flag=value".
+Flags parse_flags(int argc, const char* const* argv);
+
+// The effective config for `flags`: defaults, --config file, then the overrides. Throws
+// std::invalid_argument (config errors name the dotted key).
+TrainConfig config_from_flags(const Flags& flags);
+
+const char* usage_text();
+
+}  // namespace train

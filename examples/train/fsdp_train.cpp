@@ -1,0 +1,72 @@
+// fsdp-train: trains a Llama-style decoder with fully-sharded data parallelism from a JSON config.
+//
+//   fsdp-run --nproc-per-node 2 -- fsdp-train --steps 200 --metrics run.jsonl
+//
+// Exit status: 0 on success, 2 for a usage or config error (reported before joining the job when
+// it can be), 1 for any other failure. Errors go to stderr as "fsdp-train: error: <what>".
+#include <ATen/Parallel.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+#include "config.h"
+#include "flags.h"
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+#include "trainer.h"
+
+namespace {
+
+// Errors found before the job starts are the same on every rank: let rank 0 alone report them.
+bool is_rank_zero() {
+  try {
+    return fsdp::parse_dist_env().rank == 0;
+  } catch (...) {
+    return true;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  train::Flags flags;
+  train::TrainConfig config;
+  try {
+    flags = train::parse_flags(argc, argv);
+    if (flags.help) {
+      std::fputs(train::usage_text(), stdout);
+      return 0;
+    }
+    config = train::config_from_flags(flags);
+    train::check_supported(config);
+  } catch (const std::exception& e) {
+    if (is_rank_zero()) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 2;
+  }
+  int threads = 1;
+  if (const char* env = std::getenv("FSDP_THREADS")) {
+    threads = std::atoi(env);
+    if (threads < 1) {
+      std::fprintf(stderr, "fsdp-train: error: FSDP_THREADS=%s must be a positive integer\n", env);
+      return 2;
+    }
+  }
+  // One intra-op thread per rank by default: ranks on one machine would otherwise oversubscribe it.
+  at::set_num_threads(threads);
+  try {
+    train::run_training(config, flags);
+    return 0;
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 2;
+  } catch (const fsdp::ConfigError& e) {
+    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 1;
+  }
+}

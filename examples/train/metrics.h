@@ -1,0 +1,108 @@
+// What the trainer reports: per-step metrics (JSON lines for --metrics, a progress bar or log
+// lines on stdout), the communication counters behind them, and the memory plan printed at start.
+//
+// One --metrics line per step, written by rank 0:
+//   {"step": 12, "loss": 2.31, "lr": 0.003, "step_time_s": 0.21, "tokens_per_s": 4876.2,
+//    "allgather_bytes": [r0, r1, ...], "reduce_scatter_bytes": [...], "comm_wait_s": [...],
+//    "peak_rss_bytes": [...]}
+// and one per evaluation: {"eval": true, "step": 50, "loss": 1.93}. "step" counts optimizer steps
+// taken (the first training line is step 1); "loss" is the mean over the global batch; the arrays
+// are indexed by rank; bytes are those the rank sent during the step's forward, backward and
+// optimizer step, summed over the mesh's communicators.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include "fsdp/comm.h"
+#include "fsdp/device_mesh.h"
+#include "llama.h"
+
+namespace train {
+
+// One rank's numbers for one step.
+struct RankCounters {
+  double loss = 0;  // mean over this rank's slice
+  double allgather_bytes = 0;
+  double reduce_scatter_bytes = 0;
+  double comm_wait_s = 0;
+  double peak_rss_bytes = 0;
+};
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;  // mean over the global batch
+  double lr = 0;
+  double step_time_s = 0;
+  double tokens_per_s = 0;  // global
+  std::vector<RankCounters> ranks;
+};
+
+// Gathers every rank's counters with one all_gather (so every rank learns the global loss).
+std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine);
+
+// The sum of the stats of every distinct communicator a mesh uses (world, shard and replicate
+// groups), so HYBRID_SHARD's row and column traffic is counted too.
+class CommCounter {
+ public:
+  explicit CommCounter(fsdp::DeviceMesh& mesh);
+  fsdp::CommStats snapshot() const;
+
+ private:
+  std::vector<fsdp::Communicator*> comms_;
+};
+
+// This process's peak resident set size so far (getrusage's ru_maxrss).
+int64_t peak_rss_bytes();
+
+// The --metrics file. Writes nothing when constructed with an empty path (and on ranks other than
+// 0, whose caller passes ""). Each line is flushed, so a crashed run keeps its history.
+class MetricsLog {
+ public:
+  MetricsLog(const std::string& path, bool append);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+  void step(const StepMetrics& m);
+  void eval(int64_t step, double loss);
+
+ private:
+  std::FILE* file_ = nullptr;
+};
+
+// Rank 0's stdout: on a terminal, one progress line redrawn with '\r' (step/total, loss, tokens/s,
+// ETA); otherwise a plain line every `log_every` steps and at the last step.
+class Progress {
+ public:
+  Progress(int64_t first_step, int64_t total_steps, int64_t log_every, bool terminal);
+  void step(const StepMetrics& m);
+  void eval(int64_t step, double loss);
+  void note(const std::string& line);  // prints a full line without garbling the bar
+  void finish();
+
+ private:
+  std::string eta(int64_t step) const;
+  int64_t first_step_, total_steps_, log_every_;
+  bool terminal_;
+  bool bar_drawn_ = false;
+  double elapsed_s_ = 0;  // sum of step times since first_step_
+};
+
+// The model-state bytes each rank should hold, from the model config alone (ZeRO-3 arithmetic;
+// padding ignored): with Psi parameters sharded over N ranks, params 4*Psi/N, grads 4*Psi/N,
+// AdamW 8*Psi/N; plus the largest unit's gathered parameters and gradients in param_dtype.
+struct MemoryPlan {
+  int64_t num_params = 0;
+  int shard_size = 1;
+  int64_t params = 0, grads = 0, optimizer = 0;
+  std::string largest_unit;
+  int64_t gathered_params = 0, gathered_grads = 0;
+  std::string to_string() const;
+};
+MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size);
+
+}  // namespace train

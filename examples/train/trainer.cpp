@@ -1,0 +1,344 @@
+// The fsdp-train job: model construction and sharding, the step loop, evaluation, checkpoints and
+// the start and end reports. Only rank 0 prints (besides errors) and writes metrics.
+#include "trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/tensor.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpointing.h"
+#include "data.h"
+#include "fsdp/device_mesh.h"
+#include "fsdp/dist.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/memory.h"
+#include "fsdp/optim.h"
+#include "llama.h"
+#include "metrics.h"
+#include "trace.h"
+
+namespace train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Linear warmup to base_lr (as WarmupCosine's), then constant.
+class WarmupConstant : public fsdp::LRScheduler {
+ public:
+  WarmupConstant(double base_lr, int64_t warmup_steps) : base_lr_(base_lr), warmup_steps_(warmup_steps) {}
+  double lr_at(int64_t step) const override {
+    if (step < warmup_steps_) return base_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_steps_);
+    return base_lr_;
+  }
+
+ private:
+  double base_lr_;
+  int64_t warmup_steps_;
+};
+
+std::unique_ptr<fsdp::LRScheduler> make_schedule(const OptimConfig& o, int64_t total_steps) {
+  if (o.schedule == "constant") return std::make_unique<WarmupConstant>(o.lr, o.warmup_steps);
+  return std::make_unique<fsdp::WarmupCosine>(o.lr, o.warmup_steps, total_steps, o.min_lr);
+}
+
+std::string fmt(const char* format, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, x);
+  return buf;
+}
+
+class Job {
+ public:
+  Job(const TrainConfig& config, const Flags& flags, Dataset data)
+      : cfg_(config), flags_(flags), data_(std::move(data)) {}
+
+  void run() {
+    build();
+    resume_if_asked();
+    print_header();
+    loop();
+    finish();
+  }
+
+ private:
+  void build() {
+    dist_ = fsdp::init_from_env(fsdp::InitOptions().timeout(
+        std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000))));
+    rank_ = dist_->rank();
+    world_ = dist_->world_size();
+    const bool hybrid = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard;
+    if (hybrid) {
+      const int64_t r = cfg_.fsdp.replicate;
+      if (r > world_ || world_ % r != 0 || r == world_) {
+        throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(r) + ": must divide the world size " +
+                                    std::to_string(world_) + " and leave at least 2 ranks per replica for HYBRID_SHARD");
+      }
+      mesh_ = std::make_unique<fsdp::DeviceMesh>(dist_, static_cast<int>(r), world_ / static_cast<int>(r));
+    } else {
+      mesh_ = std::make_unique<fsdp::DeviceMesh>(dist_);
+    }
+    shard_size_ = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kNoShard ? 1 : mesh_->shard_size();
+    global_batch_ = cfg_.data.batch_size_per_rank * world_;
+
+    // Built on the meta device: no rank ever holds the whole model; each materialises its shards
+    // on the first forward from llama_init_fn, which gives the same values whatever the world size.
+    model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
+    auto opts = fsdp::FullyShardOptions().strategy(cfg_.fsdp.strategy).init(llama::llama_init_fn(cfg_.model, cfg_.train.seed));
+    const bool mixed = cfg_.fsdp.param_dtype != at::kFloat;
+    if (mixed) opts.param_dtype(cfg_.fsdp.param_dtype);
+    if (mixed || cfg_.fsdp.reduce_dtype != at::kFloat) opts.reduce_dtype(cfg_.fsdp.reduce_dtype);
+    for (auto& layer : model_->model->layers) fsdp::fully_shard(layer, *mesh_, opts);
+    auto root_opts = opts;
+    // The loss is computed in fp32 whatever the compute dtype.
+    if (mixed) root_opts.output_dtype(at::kFloat);
+    root_ = fsdp::fully_shard(model_, *mesh_, root_opts);
+
+    const auto& o = cfg_.optim;
+    optim_ = std::make_unique<fsdp::AdamW>(
+        root_, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
+    sched_ = make_schedule(o, cfg_.train.steps);
+    comm_ = std::make_unique<CommCounter>(*mesh_);
+    trace_ = std::make_unique<Trace>(flags_.trace, rank_, world_);
+  }
+
+  void resume_if_asked() {
+    if (flags_.resume.empty()) return;
+    auto span = trace_->span("train::checkpoint_load", step_);
+    const auto p = load_checkpoint(flags_.save_dir, flags_.resume, *root_, *optim_, cfg_.config_hash());
+    step_ = p.step;
+    samples_seen_ = p.samples_seen;
+    last_saved_step_ = p.step;
+    resumed_from_ = p.dir;
+  }
+
+  void print_header() {
+    metrics_ = std::make_unique<MetricsLog>(rank_ == 0 ? flags_.metrics : "", /*append=*/!resumed_from_.empty());
+    if (rank_ != 0) return;
+    const auto& m = cfg_.model;
+    const auto plan = predict_memory(m, cfg_.fsdp.param_dtype, shard_size_);
+    std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n",
+                world_, fsdp::strategy_name(cfg_.fsdp.strategy), mesh_->shard_size(), mesh_->replicate_size(),
+                dtype_name(cfg_.fsdp.param_dtype), dtype_name(cfg_.fsdp.reduce_dtype));
+    std::printf("model: %lld layers, hidden %lld, heads %lld (kv %lld), vocab %lld: %.3fM params (config_hash %s)\n",
+                static_cast<long long>(m.num_hidden_layers), static_cast<long long>(m.hidden_size),
+                static_cast<long long>(m.num_attention_heads), static_cast<long long>(m.num_key_value_heads),
+                static_cast<long long>(m.vocab_size), static_cast<double>(plan.num_params) / 1e6,
+                cfg_.config_hash().c_str());
+    std::printf("data: %s; seq_len %lld, global batch %lld (%lld per rank) = %lld tokens/step\n",
+                data_.describe().c_str(), static_cast<long long>(cfg_.data.seq_len),
+                static_cast<long long>(global_batch_), static_cast<long long>(cfg_.data.batch_size_per_rank),
+                static_cast<long long>(global_batch_ * cfg_.data.seq_len));
+    const auto& o = cfg_.optim;
+    std::printf("optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s\n",
+                o.lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, o.schedule.c_str(),
+                static_cast<long long>(o.warmup_steps),
+                o.schedule == "cosine" ? (", min_lr " + fmt("%g", o.min_lr) + " at step " +
+                                          std::to_string(cfg_.train.steps)).c_str()
+                                       : "",
+                o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
+    std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
+    if (!resumed_from_.empty()) {
+      std::printf("resumed from %s at step %lld (samples_seen %lld)\n", resumed_from_.c_str(),
+                  static_cast<long long>(step_), static_cast<long long>(samples_seen_));
+    }
+    if (step_ >= cfg_.train.steps) {
+      std::printf("already at step %lld: nothing to train for --steps %lld\n", static_cast<long long>(step_),
+                  static_cast<long long>(cfg_.train.steps));
+    }
+    std::fflush(stdout);
+  }
+
+  void loop() {
+    const bool terminal = rank_ == 0 && ::isatty(STDOUT_FILENO);
+    progress_ = std::make_unique<Progress>(step_, cfg_.train.steps, cfg_.train.log_every, terminal);
+    const int64_t first_step = step_;
+    if (cfg_.train.eval_every > 0 && step_ == 0 && cfg_.train.steps > 0) evaluate();
+    const auto start = Clock::now();
+    while (step_ < cfg_.train.steps) {
+      train_step();
+      if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0) evaluate();
+      if (cfg_.train.save_every > 0 && step_ % cfg_.train.save_every == 0) save();
+    }
+    if (cfg_.train.eval_every > 0 && step_ > first_step && last_eval_step_ != step_) evaluate();
+    if (last_saved_step_ != step_) save();  // the end of the run; with --steps 0 the initial weights
+    progress_->finish();
+    train_seconds_ = seconds_since(start);
+    steps_trained_ = step_ - first_step;
+  }
+
+  void train_step() {
+    const auto t0 = Clock::now();
+    const double lr = sched_->lr_at(step_);
+    sched_->apply(*optim_, step_);
+    // Snapshots around the step's own work only: the metrics gather below is not step traffic.
+    const auto before = comm_->snapshot();
+    Batch batch;
+    {
+      auto s = trace_->span("train::data", step_);
+      batch = rank_batch(data_, samples_seen_, cfg_.data.batch_size_per_rank, rank_, Split::kTrain);
+    }
+    at::Tensor loss;
+    {
+      auto s = trace_->span("train::forward", step_);
+      loss = llama::loss(fsdp::call(model_, batch.inputs), batch.targets);
+    }
+    {
+      auto s = trace_->span("train::backward", step_);
+      loss.backward();
+    }
+    if (cfg_.optim.grad_clip > 0) {
+      auto s = trace_->span("train::clip_grad_norm", step_);
+      fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
+    }
+    {
+      auto s = trace_->span("train::optimizer", step_);
+      optim_->step();
+      optim_->zero_grad();
+    }
+    const auto delta = comm_->snapshot() - before;
+    ++step_;
+    samples_seen_ += global_batch_;
+
+    auto s = trace_->span("train::metrics", step_);
+    RankCounters mine;
+    mine.loss = loss.item<double>();
+    mine.allgather_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
+    mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
+    mine.comm_wait_s = delta.total_wait_s();
+    mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+    StepMetrics m;
+    m.ranks = gather_counters(dist_->world(), mine);
+    // The mean of equal-sized slices' means is the mean over the global batch.
+    for (const auto& r : m.ranks) m.loss += r.loss / static_cast<double>(m.ranks.size());
+    m.step = step_;
+    m.lr = lr;
+    m.step_time_s = seconds_since(t0);
+    m.tokens_per_s = static_cast<double>(global_batch_ * cfg_.data.seq_len) / m.step_time_s;
+    last_loss_ = m.loss;
+    if (rank_ == 0) {
+      metrics_->step(m);
+      progress_->step(m);
+    }
+  }
+
+  // The mean loss over the same eval_batches global batches of the eval split every time, so
+  // evaluations are comparable across steps, runs and world sizes.
+  void evaluate() {
+    auto span = trace_->span("train::eval", step_);
+    c10::NoGradGuard no_grad;
+    double sum = 0;
+    for (int64_t b = 0; b < cfg_.train.eval_batches; ++b) {
+      Batch batch = rank_batch(data_, b * global_batch_, cfg_.data.batch_size_per_rank, rank_, Split::kEval);
+      sum += llama::loss(fsdp::call(model_, batch.inputs), batch.targets).item<double>();
+    }
+    at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble);
+    dist_->world().all_reduce(t, fsdp::ReduceOp::kAvg, "train/eval_loss").wait();
+    last_eval_loss_ = t.item<double>();
+    last_eval_step_ = step_;
+    if (rank_ == 0) {
+      metrics_->eval(step_, last_eval_loss_);
+      progress_->eval(step_, last_eval_loss_);
+    }
+  }
+
+  void save() {
+    if (flags_.save_dir.empty()) return;
+    auto span = trace_->span("train::checkpoint_save", step_);
+    const auto& o = cfg_.optim;
+    const nlohmann::json extra = {
+        {"config", cfg_.to_json()},
+        {"config_hash", cfg_.config_hash()},
+        {"lr_schedule",
+         {{"schedule", o.schedule}, {"lr", o.lr}, {"warmup_steps", o.warmup_steps},
+          {"total_steps", cfg_.train.steps}, {"min_lr", o.min_lr}, {"next_lr", sched_->lr_at(step_)}}},
+        {"global_batch", global_batch_}};
+    last_checkpoint_ =
+        save_checkpoint(flags_.save_dir, step_, samples_seen_, *root_, *optim_, extra, cfg_.train.keep_last);
+    last_saved_step_ = step_;
+    if (rank_ == 0) progress_->note("saved checkpoint " + last_checkpoint_);
+  }
+
+  void finish() {
+    const auto report = fsdp::memory_report(*root_, optim_.get());
+    RankCounters mine;
+    mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+    const auto all = gather_counters(dist_->world(), mine);
+    if (trace_->enabled()) trace_->write();
+    if (rank_ != 0) return;
+    if (steps_trained_ > 0) {
+      std::printf("done: %lld steps in %.1f s (%.3f s/step), step %lld, loss %.4f", static_cast<long long>(steps_trained_),
+                  train_seconds_, train_seconds_ / static_cast<double>(steps_trained_), static_cast<long long>(step_),
+                  last_loss_);
+    } else {
+      std::printf("done: no steps trained, step %lld", static_cast<long long>(step_));
+    }
+    if (last_eval_step_ >= 0) std::printf(", eval loss %.4f (step %lld)", last_eval_loss_, static_cast<long long>(last_eval_step_));
+    std::printf("\nmemory measured (rank 0): %s\npeak RSS per rank:", report.to_string().c_str());
+    for (const auto& r : all) std::printf(" %.1f MiB", r.peak_rss_bytes / (1 << 20));
+    std::printf("\n");
+    if (!last_checkpoint_.empty()) std::printf("checkpoint: %s\n", last_checkpoint_.c_str());
+    if (!flags_.metrics.empty()) std::printf("metrics: %s\n", flags_.metrics.c_str());
+    if (trace_->enabled()) {
+      std::printf("trace: %s%s\n", trace_->path().c_str(), world_ > 1 ? " (and the other ranks' beside it)" : "");
+    }
+    std::fflush(stdout);
+  }
+
+  const TrainConfig& cfg_;
+  const Flags& flags_;
+  Dataset data_;
+
+  std::shared_ptr<fsdp::Dist> dist_;
+  std::unique_ptr<fsdp::DeviceMesh> mesh_;
+  int rank_ = 0, world_ = 1, shard_size_ = 1;
+  int64_t global_batch_ = 0;
+  llama::LlamaForCausalLM model_{nullptr};
+  std::shared_ptr<fsdp::FSDPModule> root_;
+  std::unique_ptr<fsdp::AdamW> optim_;
+  std::unique_ptr<fsdp::LRScheduler> sched_;
+  std::unique_ptr<CommCounter> comm_;
+  std::unique_ptr<Trace> trace_;
+  std::unique_ptr<MetricsLog> metrics_;
+  std::unique_ptr<Progress> progress_;
+
+  int64_t step_ = 0, samples_seen_ = 0;
+  int64_t last_saved_step_ = -1, last_eval_step_ = -1, steps_trained_ = 0;
+  double last_loss_ = 0, last_eval_loss_ = 0, train_seconds_ = 0;
+  std::string resumed_from_, last_checkpoint_;
+};
+
+}  // namespace
+
+void check_supported(const TrainConfig& config) {
+  const auto& off = config.fsdp.offload;
+  // TODO(offload): wire fsdp.offload.* to src/offload/ when it lands; until then refuse it.
+  if (off.params != "none") {
+    throw std::invalid_argument("config: fsdp.offload.params=\"" + off.params +
+                                "\": offloading is not available in this build yet; use \"none\"");
+  }
+  if (off.optimizer_state != "none") {
+    throw std::invalid_argument("config: fsdp.offload.optimizer_state=\"" + off.optimizer_state +
+                                "\": offloading is not available in this build yet; use \"none\"");
+  }
+}
+
+void run_training(const TrainConfig& config, const Flags& flags) {
+  // The data source is opened and validated before joining the job, so a bad file fails at once
+  // on every rank instead of after the rendezvous.
+  Dataset data(config.data, config.model.vocab_size, config.train.seed);
+  Job job(config, flags, std::move(data));
+  job.run();
+}
+
+}  // namespace train

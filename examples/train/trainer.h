@@ -1,0 +1,20 @@
+// The training job behind fsdp-train: builds the sharded Llama from a TrainConfig, then runs the
+// step loop (schedule, forward, backward, clip, step), evaluation, metrics and checkpoints.
+#pragma once
+
+#include <string>
+
+#include "config.h"
+#include "flags.h"
+
+namespace train {
+
+// Checks for config values this build accepts but cannot honour yet, and fails loudly rather than
+// quietly training without them (std::invalid_argument naming the key). Call before joining the job.
+void check_supported(const TrainConfig& config);
+
+// Runs the whole job on this rank; collective. Returns normally on success and throws on failure
+// (std::invalid_argument for config problems found only once the world size is known).
+void run_training(const TrainConfig& config, const Flags& flags);
+
+}  // namespace train

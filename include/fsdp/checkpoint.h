@@ -1,0 +1,83 @@
+// Sharded checkpoints: standard safetensors files with full, named tensors plus a JSON index,
+// written in place by every rank (each rank writes only the bytes of its shards, at offsets
+// computed from the model alone), committed atomically, and loadable on any world size and
+// strategy by reading only the needed byte ranges.
+//
+//   dir/step-00000100/model.safetensors            fp32 master params, named by named_parameters()
+//   dir/step-00000100/optim.exp_avg.safetensors     one file per optimizer state, same names
+//   dir/step-00000100/model.safetensors.index.json  {"metadata": {...}, "weight_map": {...}}
+//   dir/step-00000100/train_state.json              written last: its presence marks the commit
+//   dir/latest                                      the name of the newest committed checkpoint
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/arg.h>
+
+#include "fsdp/fully_shard.h"
+
+namespace fsdp {
+class ShardedOptimizer;
+}
+
+namespace fsdp::checkpoint {
+
+constexpr int kFormatVersion = 1;
+
+// What a trainer needs to resume exactly, besides the tensors.
+struct TrainState {
+  int64_t step = 0;          // optimizer steps taken
+  int64_t samples_seen = 0;  // data position as a global sample index (independent of world size)
+  nlohmann::json extra = nlohmann::json::object();  // anything the trainer registers
+  // Filled in by save(), read back by load():
+  int world_size = 0;
+  std::string strategy;
+  std::vector<std::string> rng_states;  // per rank, this process's CPU generator state (base64)
+};
+
+struct SaveOptions {
+  TORCH_ARG(int, keep_last) = 0;          // keep the newest K committed checkpoints (0: keep all)
+  TORCH_ARG(bool, update_latest) = true;  // point dir/latest at this checkpoint after the commit
+};
+
+// Saves into root_dir/name atomically (written as name.tmp, renamed on success). Collective: every
+// rank calls it. A failure on any rank raises the same error on every rank naming the failing
+// rank, and nothing is committed. Returns the committed directory.
+std::string save(const std::string& root_dir, const std::string& name, FSDPModule& root,
+                 ShardedOptimizer* optimizer, const TrainState& state, const SaveOptions& options = {});
+
+// Background saving: snapshot() copies this rank's shards to host memory and returns; the files
+// are written by a background thread. One save in flight: a second save waits for the first.
+class AsyncSaver {
+ public:
+  AsyncSaver();
+  ~AsyncSaver();  // waits for the save in flight
+  void save(const std::string& root_dir, const std::string& name, FSDPModule& root, ShardedOptimizer* optimizer,
+            const TrainState& state, const SaveOptions& options = {});
+  // Waits for the save in flight; rethrows its error.
+  void wait();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// "latest" (or "") -> the directory root_dir/latest names; a path -> itself. Throws if that is not
+// a committed checkpoint.
+std::string resolve(const std::string& root_dir, const std::string& which);
+// True when root_dir/latest names a committed checkpoint.
+bool has_latest(const std::string& root_dir);
+
+// Loads a checkpoint saved on any world size and strategy into `root` (and `optimizer`). Checks
+// every name, shape and dtype against the model and fails naming the tensor and both values.
+// Restores this rank's RNG state when the world size is unchanged. Collective.
+TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* optimizer);
+
+// Loads the model tensors of a checkpoint into an ordinary, unsharded module (names as in its
+// named_parameters(); tied parameters under their first name).
+void load_unsharded(const std::string& dir, torch::nn::Module& module);
+
+}  // namespace fsdp::checkpoint

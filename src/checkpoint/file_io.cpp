@@ -1,0 +1,139 @@
+// See file_io.h.
+#include "checkpoint/file_io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "fsdp/errors.h"
+
+namespace fsdp::checkpoint {
+namespace {
+
+[[noreturn]] void fail(const std::string& what, const std::string& path, int err) {
+  throw CheckpointError("fsdp: " + what + " " + path + ": " + std::strerror(err));
+}
+
+}  // namespace
+
+File File::open_read(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open", path, errno);
+  return File(fd, path);
+}
+
+File File::open_write(const std::string& path, bool create_truncate) {
+  const int flags = O_WRONLY | O_CLOEXEC | (create_truncate ? O_CREAT | O_TRUNC : 0);
+  const int fd = ::open(path.c_str(), flags, 0644);
+  if (fd < 0) fail("cannot open for writing", path, errno);
+  return File(fd, path);
+}
+
+File::File(File&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    path_ = std::move(other.path_);
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+File::~File() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void File::pwrite_all(const void* data, uint64_t bytes, uint64_t offset) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd_, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("write failed on", path_, errno);
+    }
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+}
+
+void File::pread_all(void* data, uint64_t bytes, uint64_t offset) const {
+  char* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("read failed on", path_, errno);
+    }
+    if (n == 0) throw CheckpointError("fsdp: unexpected end of file in " + path_ + " at byte " + std::to_string(offset));
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+}
+
+void File::truncate(uint64_t size) {
+  if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) fail("cannot size", path_, errno);
+}
+
+void File::sync() {
+  if (::fsync(fd_) != 0) fail("fsync failed on", path_, errno);
+}
+
+void File::close() {
+  if (fd_ < 0) return;
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) fail("close failed on", path_, errno);
+}
+
+uint64_t File::size() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) fail("cannot stat", path_, errno);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open directory", dir, errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) fail("fsync failed on directory", dir, err);
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    File f = File::open_write(tmp, true);
+    f.pwrite_all(text.data(), text.size(), 0);
+    f.sync();
+    f.close();
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename " + tmp + " to", path, errno);
+  fsync_dir(std::filesystem::path(path).parent_path().string());
+}
+
+std::string read_small_file(const std::string& path, uint64_t limit) {
+  File f = File::open_read(path);
+  const uint64_t n = f.size();
+  if (n > limit) throw CheckpointError("fsdp: " + path + " is " + std::to_string(n) + " bytes, over the limit of " + std::to_string(limit));
+  std::string text(n, '\0');
+  if (n > 0) f.pread_all(text.data(), n, 0);
+  return text;
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+std::string join(const std::string& a, const std::string& b) { return (std::filesystem::path(a) / b).string(); }
+
+}  // namespace fsdp::checkpoint

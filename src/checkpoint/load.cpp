@@ -1,0 +1,235 @@
+// Loading a checkpoint saved on any world size and strategy: every name, shape and dtype is
+// checked against the model first, then each rank reads only the byte ranges of its own shards.
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <set>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/index.h"
+#include "checkpoint/layout.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/save_job.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/errors.h"
+#include "shard/sharded_unit.h"
+
+namespace fsdp::checkpoint {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// One file set (e.g. "model" or "optim.exp_avg"): its validated index and headers.
+struct FileSet {
+  std::string kind;
+  safetensors::Index index;
+  std::map<std::string, safetensors::Header> headers;  // by file name
+};
+
+FileSet open_file_set(const std::string& dir, const std::string& kind) {
+  FileSet set;
+  set.kind = kind;
+  const std::string index_name = kind + ".safetensors.index.json";
+  const std::string index_path = join(dir, index_name);
+  if (!exists(index_path)) throw CheckpointError("fsdp: checkpoint " + dir + " has no " + index_name);
+  set.index = safetensors::parse_index(index_path, read_small_file(index_path));
+  for (const auto& file : set.index.files()) {
+    const std::string path = join(dir, file);
+    if (!exists(path)) {
+      throw CheckpointError("fsdp: checkpoint " + dir + ": " + index_name + " lists " + file + ", which does not exist");
+    }
+    set.headers[file] = safetensors::read_header(path);
+  }
+  safetensors::check_index_against_headers(dir, set.index, set.headers);
+  return set;
+}
+
+// Checks that the set holds exactly `wanted` (name -> shape) as F32 tensors.
+void check_tensors(const std::string& dir, const FileSet& set, const std::map<std::string, std::vector<int64_t>>& wanted) {
+  for (const auto& [name, shape] : wanted) {
+    auto it = set.index.weight_map.find(name);
+    if (it == set.index.weight_map.end()) {
+      throw CheckpointError("fsdp: checkpoint " + dir + " (" + set.kind + ") has no tensor '" + name +
+                            "' that the model has (shape " + shape_text(shape) + ")");
+    }
+    const auto* entry = set.headers.at(it->second).find(name);
+    if (entry->dtype != safetensors::DType::F32) {
+      throw CheckpointError("fsdp: checkpoint " + dir + " (" + it->second + "): tensor '" + name + "' is " +
+                            safetensors::dtype_name(entry->dtype) + " but the model's master copy is F32; no silent cast");
+    }
+    if (entry->shape != shape) {
+      throw CheckpointError("fsdp: checkpoint " + dir + " (" + it->second + "): tensor '" + name + "' has shape " +
+                            shape_text(entry->shape) + " but the model's has shape " + shape_text(shape));
+    }
+  }
+  for (const auto& [name, file] : set.index.weight_map) {
+    if (!wanted.count(name)) {
+      throw CheckpointError("fsdp: checkpoint " + dir + " (" + file + ") has tensor '" + name + "' that the model does not have");
+    }
+  }
+}
+
+// Reads this rank's part of every tensor of the set into `target(flat)`.
+template <typename Target>
+void read_shards(const std::string& dir, const FileSet& set, const CheckpointLayout& layout, Target&& target) {
+  std::map<std::string, File> files;
+  for (const auto& t : layout.tensors) {
+    at::Tensor dst = target(t.flat);
+    if (!dst.defined()) continue;
+    const auto span = shard_span(*layout.flats[t.flat].flat, *t.entry);
+    if (!span) continue;
+    const std::string& file = set.index.weight_map.at(t.name);
+    auto it = files.find(file);
+    if (it == files.end()) it = files.emplace(file, File::open_read(join(dir, file))).first;
+    const auto& header = set.headers.at(file);
+    const auto* entry = header.find(t.name);
+    it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float),
+                         header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+  }
+}
+
+}  // namespace
+
+bool has_latest(const std::string& root_dir) {
+  const std::string latest = join(root_dir, "latest");
+  if (!exists(latest)) return false;
+  std::string name = read_small_file(latest, 4096);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return !name.empty() && exists(join(join(root_dir, name), "train_state.json"));
+}
+
+std::string resolve(const std::string& root_dir, const std::string& which) {
+  std::string dir = which;
+  if (which.empty() || which == "latest") {
+    const std::string latest = join(root_dir, "latest");
+    if (!exists(latest)) throw CheckpointError("fsdp: no checkpoint to resume: " + latest + " does not exist");
+    std::string name = read_small_file(latest, 4096);
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+      throw CheckpointError("fsdp: " + latest + " does not name a checkpoint directory");
+    }
+    dir = join(root_dir, name);
+  } else if (!exists(dir) && !root_dir.empty() && exists(join(root_dir, which))) {
+    dir = join(root_dir, which);
+  }
+  if (!exists(join(dir, "train_state.json"))) {
+    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json: the save never finished)");
+  }
+  return dir;
+}
+
+TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* optimizer) {
+  const std::string state_path = join(dir, "train_state.json");
+  if (!exists(state_path)) {
+    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json: the save never finished)");
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_small_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("fsdp: " + state_path + " is not valid JSON: " + e.what());
+  }
+  TrainState state;
+  try {
+    if (j.at("format_version").get<int>() != kFormatVersion) {
+      throw CheckpointError("fsdp: " + state_path + " has format_version " + j.at("format_version").dump() +
+                            "; this build reads version " + std::to_string(kFormatVersion));
+    }
+    state.step = j.at("step").get<int64_t>();
+    state.samples_seen = j.at("samples_seen").get<int64_t>();
+    state.world_size = j.at("world_size").get<int>();
+    state.strategy = j.at("strategy").get<std::string>();
+    state.rng_states = j.at("rng_states").get<std::vector<std::string>>();
+    state.extra = j.at("extra");
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("fsdp: " + state_path + ": " + e.what());
+  }
+
+  const CheckpointLayout layout = make_layout(root, optimizer);
+  std::map<std::string, std::vector<int64_t>> all, trainable;
+  for (const auto& t : layout.tensors) {
+    all[t.name] = t.entry->shape;
+    if (layout.flats[t.flat].optim_state != nullptr) trainable[t.name] = t.entry->shape;
+  }
+  // Validate everything before changing anything.
+  FileSet model = open_file_set(dir, "model");
+  check_tensors(dir, model, all);
+  std::vector<FileSet> optim_sets;
+  nlohmann::json steps;
+  if (optimizer != nullptr) {
+    const auto saved = j.value("optimizer", nlohmann::json::object());
+    if (saved.value("type", "") != optimizer->type_name()) {
+      throw CheckpointError("fsdp: checkpoint " + dir + " holds " + saved.value("type", std::string("no")) +
+                            " optimizer state but the optimizer is " + optimizer->type_name());
+    }
+    steps = saved.value("steps", nlohmann::json::object());
+    for (const auto& name : optimizer->state_names()) {
+      optim_sets.push_back(open_file_set(dir, "optim." + name));
+      check_tensors(dir, optim_sets.back(), trainable);
+    }
+  }
+
+  std::vector<at::Tensor> params;
+  for (const auto& slot : layout.flats) params.push_back(at::zeros_like(slot.flat->sharded_param()));
+  read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
+  for (size_t f = 0; f < layout.flats.size(); ++f) layout.flats[f].flat->sharded_param().copy_(params[f]);
+  if (optimizer != nullptr) {
+    for (size_t k = 0; k < optim_sets.size(); ++k) {
+      const std::string name = optimizer->state_names()[k];
+      read_shards(dir, optim_sets[k], layout, [&](size_t f) {
+        auto* st = layout.flats[f].optim_state;
+        if (st == nullptr) return at::Tensor();
+        optimizer->ensure_state(*st);
+        auto& t = st->tensors[name];
+        if (!t.defined()) t = at::zeros_like(layout.flats[f].flat->sharded_param());
+        return t;
+      });
+    }
+    for (const auto& t : layout.tensors) {
+      auto* st = layout.flats[t.flat].optim_state;
+      if (st != nullptr && steps.contains(t.name)) st->step = steps[t.name].get<int64_t>();
+    }
+    // State never stepped when saved stays absent, as in a fresh optimizer.
+    for (auto& slot : layout.flats) {
+      if (slot.optim_state != nullptr && slot.optim_state->step == 0) slot.optim_state->tensors.clear();
+    }
+  }
+  Dist& dist = root.unit().mesh().dist();
+  if (state.world_size == dist.world_size() && static_cast<int>(state.rng_states.size()) == dist.world_size()) {
+    restore_rng_state_base64(state.rng_states[dist.rank()]);
+  }
+  return state;
+}
+
+void load_unsharded(const std::string& dir, torch::nn::Module& module) {
+  if (!exists(join(dir, "train_state.json"))) {
+    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json)");
+  }
+  FileSet model = open_file_set(dir, "model");
+  std::map<std::string, at::Tensor> params;
+  std::map<std::string, std::vector<int64_t>> wanted;
+  std::set<const void*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: first name
+    params[item.key()] = item.value();
+    wanted[item.key()] = item.value().sizes().vec();
+  }
+  check_tensors(dir, model, wanted);
+  c10::NoGradGuard no_grad;
+  for (auto& [name, p] : params) {
+    const std::string& file = model.index.weight_map.at(name);
+    const auto& header = model.headers.at(file);
+    const auto* entry = header.find(name);
+    at::Tensor buf = at::empty(p.sizes(), at::kFloat);
+    File::open_read(join(dir, file)).pread_all(buf.data_ptr<float>(), entry->nbytes(), header.data_start() + entry->begin);
+    p.copy_(buf);
+  }
+}
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,266 @@
+// Sharded save with atomic commit. Every rank runs the same phases; between phases the ranks
+// agree on success (Note [Save agreement]), so a failure anywhere stops everyone before the commit.
+//   prepare (rank 0): NAME.tmp/ with every file's header written and its size set (layout from the
+//                     model alone);
+//   write (every rank): its own shards' bytes at their offsets, fsync;
+//   commit (rank 0):  indexes, then train_state.json last, fsync, rename NAME.tmp -> NAME, fsync
+//                     the parent, update `latest`, drop checkpoints beyond keep_last.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/index.h"
+#include "checkpoint/layout.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/save_job.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/errors.h"
+#include "shard/sharded_unit.h"
+
+namespace fsdp::checkpoint {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::function<void(const std::string&, int)>& fault_hook() {
+  static std::function<void(const std::string&, int)> hook;  // tests only; see save_job.h
+  return hook;
+}
+
+void fault_point(const SaveJob& job, const std::string& phase) {
+  if (fault_hook()) fault_hook()(phase, job.group->rank());
+}
+
+// Note [Save agreement]
+// After each phase every rank contributes a flag (did my part fail?) to an all-reduce over the
+// save's own communicator; a failing rank first leaves its message in the store. Every rank then
+// raises the same error, naming the first failing rank, and rank 0 leaves nothing committed.
+void agree(SaveJob& job, const std::string& phase, const std::string& local_error) {
+  const int world = job.group->size();
+  auto flags = at::zeros({world}, at::kFloat);
+  const std::string key = job.store_prefix + phase + "/";
+  if (!local_error.empty()) {
+    flags[job.group->rank()] = 1;
+    job.store->set(key + std::to_string(job.group->rank()), std::vector<uint8_t>(local_error.begin(), local_error.end()));
+  }
+  job.group->all_reduce(flags, ReduceOp::kSum, "checkpoint/" + phase).wait();
+  for (int r = 0; r < world; ++r) {
+    if (flags[r].item<float>() == 0) continue;
+    const auto bytes = job.store->get(key + std::to_string(r));
+    throw CheckpointError("fsdp: saving checkpoint '" + job.name + "' failed on rank " + std::to_string(r) +
+                          " while " + phase + ": " + std::string(bytes.begin(), bytes.end()) +
+                          " (nothing was committed)");
+  }
+}
+
+template <typename F>
+std::string capture(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return first_line(e.what());
+  }
+  return "";
+}
+
+std::vector<std::string> file_kinds(const SaveJob& job) {
+  std::vector<std::string> kinds{"model"};
+  for (const auto& s : job.state_names) kinds.push_back("optim." + s);
+  return kinds;
+}
+
+// Tensor specs of one file kind, in layout order. Optimizer files hold trainable tensors only.
+std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::string& kind) {
+  std::vector<safetensors::TensorSpec> specs;
+  for (const auto& t : job.layout.tensors) {
+    if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;
+    specs.push_back({t.name, safetensors::DType::F32, t.entry->shape});
+  }
+  return specs;
+}
+
+// The shard tensor a file kind takes its bytes from, or undefined when this rank has none.
+at::Tensor source_for(const SaveJob& job, const std::string& kind, size_t flat) {
+  if (kind == "model") return job.data.params[flat];
+  const auto& states = job.data.states[flat];
+  auto it = states.find(kind.substr(6));  // "optim." + name
+  return it == states.end() ? at::Tensor() : it->second;
+}
+
+void prepare(SaveJob& job, const fs::path& tmp) {
+  fs::create_directories(job.root_dir);
+  fs::remove_all(tmp);  // a crashed earlier save of the same name
+  fs::create_directory(tmp);
+  std::map<std::string, std::string> meta{{"format", "pt"}, {"writer", "fsdp"}};
+  for (const auto& kind : file_kinds(job)) {
+    const auto plan = safetensors::plan_file(specs_for(job, kind), meta);
+    File f = File::open_write((tmp / (kind + ".safetensors")).string(), true);
+    f.truncate(plan.file_size);
+    f.pwrite_all(plan.header_bytes.data(), plan.header_bytes.size(), 0);
+    f.close();
+  }
+}
+
+void write_shards(SaveJob& job, const fs::path& tmp) {
+  if (!job.layout.writer) return;
+  for (const auto& kind : file_kinds(job)) {
+    const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
+    File f = File::open_write((tmp / (kind + ".safetensors")).string(), false);
+    for (const auto& t : job.layout.tensors) {
+      const auto span = shard_span(*job.layout.flats[t.flat].flat, *t.entry);
+      if (!span) continue;
+      at::Tensor src = source_for(job, kind, t.flat);
+      if (!src.defined()) {
+        if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;
+        src = at::zeros_like(job.data.params[t.flat]);  // state not created yet: zeros
+      }
+      const auto* entry = plan.header.find(t.name);
+      const float* from = src.data_ptr<float>() + span->shard_begin;
+      f.pwrite_all(from, span->count * sizeof(float), plan.header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+    }
+    f.sync();
+    f.close();
+  }
+}
+
+nlohmann::json train_state_json(SaveJob& job) {
+  nlohmann::json j;
+  j["format_version"] = kFormatVersion;
+  j["step"] = job.state.step;
+  j["samples_seen"] = job.state.samples_seen;
+  j["world_size"] = job.group->size();
+  j["strategy"] = job.strategy;
+  std::vector<std::string> rng;
+  for (int r = 0; r < job.group->size(); ++r) {
+    const auto bytes = job.store->get(job.store_prefix + "rng/" + std::to_string(r));
+    rng.emplace_back(bytes.begin(), bytes.end());
+  }
+  j["rng_states"] = rng;
+  j["extra"] = job.state.extra;
+  nlohmann::json steps = nlohmann::json::object();
+  for (const auto& t : job.layout.tensors) {
+    if (job.layout.flats[t.flat].optim_state != nullptr) steps[t.name] = job.data.steps[t.flat];
+  }
+  j["optimizer"] = {{"type", job.optim_type}, {"state_names", job.state_names}, {"steps", steps}};
+  std::vector<std::string> files;
+  for (const auto& kind : file_kinds(job)) files.push_back(kind + ".safetensors");
+  j["files"] = files;
+  return j;
+}
+
+void commit(SaveJob& job, const fs::path& tmp, const fs::path& final_dir) {
+  for (const auto& kind : file_kinds(job)) {
+    safetensors::Index index;
+    index.metadata = {{"format_version", kFormatVersion}, {"step", job.state.step}};
+    for (const auto& spec : specs_for(job, kind)) index.weight_map[spec.name] = kind + ".safetensors";
+    File f = File::open_write((tmp / (kind + ".safetensors.index.json")).string(), true);
+    const std::string text = safetensors::index_to_json(index);
+    f.pwrite_all(text.data(), text.size(), 0);
+    f.sync();
+  }
+  {
+    // Written last: its presence is what marks a directory as a committed checkpoint.
+    const std::string text = train_state_json(job).dump(2) + "\n";
+    File f = File::open_write((tmp / "train_state.json").string(), true);
+    f.pwrite_all(text.data(), text.size(), 0);
+    f.sync();
+  }
+  fsync_dir(tmp.string());
+  fault_point(job, "rename");
+  const fs::path old = final_dir.string() + ".old";
+  if (fs::exists(final_dir)) {
+    fs::remove_all(old);
+    fs::rename(final_dir, old);
+  }
+  fs::rename(tmp, final_dir);
+  fsync_dir(job.root_dir);
+  fs::remove_all(old);
+  fault_point(job, "latest");
+  if (job.options.update_latest()) {
+    write_file_atomic((fs::path(job.root_dir) / "latest").string(), job.name + "\n");
+  }
+  if (job.options.keep_last() > 0) {
+    auto ends_with = [](const std::string& n, const std::string& suffix) {
+      return n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    std::vector<std::string> committed;
+    for (const auto& e : fs::directory_iterator(job.root_dir)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && fs::exists(e.path() / "train_state.json") && !ends_with(n, ".tmp") && !ends_with(n, ".old")) {
+        committed.push_back(n);
+      }
+    }
+    std::sort(committed.begin(), committed.end());
+    const int excess = static_cast<int>(committed.size()) - job.options.keep_last();
+    for (int i = 0; i < excess; ++i) {
+      if (committed[i] != job.name) fs::remove_all(fs::path(job.root_dir) / committed[i]);
+    }
+  }
+}
+
+}  // namespace
+
+void set_fault_hook_for_testing(std::function<void(const std::string& phase, int rank)> hook) {
+  fault_hook() = std::move(hook);
+}
+
+SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDPModule& root,
+                      ShardedOptimizer* optimizer, const TrainState& state, const SaveOptions& options, bool copy) {
+  if (name.empty() || name.find('/') != std::string::npos || name == "latest" || name == "." || name == "..") {
+    throw CheckpointError("fsdp: invalid checkpoint name '" + name + "': use a plain name such as step-00000100");
+  }
+  SaveJob job;
+  job.root_dir = root_dir;
+  job.name = name;
+  job.layout = make_layout(root, optimizer);
+  job.data = collect_shards(job.layout, copy);
+  job.state = state;
+  job.options = options;
+  Dist& dist = root.unit().mesh().dist();
+  job.group = &dist.side_group("checkpoint");
+  job.store = dist.store();
+  // Unique per save and the same on every rank: saves are issued in the same order everywhere.
+  job.store_prefix = "fsdp/ckpt/" + name + "/" + std::to_string(++root.unit().root_state().checkpoint_saves) + "/";
+  job.strategy = strategy_name(root.unit().options().strategy());
+  if (optimizer != nullptr) {
+    job.optim_type = optimizer->type_name();
+    job.state_names = optimizer->state_names();
+  }
+  job.rng = rng_state_base64();
+  return job;
+}
+
+void run_save(SaveJob& job) {
+  const fs::path final_dir = fs::path(job.root_dir) / job.name;
+  const fs::path tmp = final_dir.string() + ".tmp";
+  const bool leader = job.group->rank() == 0;
+  job.store->set(job.store_prefix + "rng/" + std::to_string(job.group->rank()),
+                 std::vector<uint8_t>(job.rng.begin(), job.rng.end()));
+  agree(job, "preparing the files", capture([&] {
+          fault_point(job, "prepare");
+          if (leader) prepare(job, tmp);
+        }));
+  agree(job, "writing its shards", capture([&] {
+          fault_point(job, "write");
+          write_shards(job, tmp);
+        }));
+  agree(job, "committing", capture([&] {
+          fault_point(job, "commit");
+          if (leader) commit(job, tmp, final_dir);
+        }));
+}
+
+std::string save(const std::string& root_dir, const std::string& name, FSDPModule& root, ShardedOptimizer* optimizer,
+                 const TrainState& state, const SaveOptions& options) {
+  SaveJob job = make_save_job(root_dir, name, root, optimizer, state, options, /*copy=*/false);
+  run_save(job);
+  return (fs::path(root_dir) / name).string();
+}
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,55 @@
+// One checkpoint save as a plain record: what to write (layout + shard data), where, and the
+// communicator and store its ranks agree through. The synchronous save runs it at once; the
+// asynchronous saver snapshots it and runs it on a background thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include "checkpoint/layout.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/comm.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp::checkpoint {
+
+struct SaveJob {
+  std::string root_dir;
+  std::string name;
+  CheckpointLayout layout;
+  ShardData data;
+  TrainState state;
+  SaveOptions options;
+  Communicator* group = nullptr;  // the save's own communicator (Dist::side_group)
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string store_prefix;
+  std::string strategy;
+  std::string optim_type;
+  std::vector<std::string> state_names;
+  std::string rng;  // this rank's CPU generator state, base64
+};
+
+// copy = true snapshots the shards into host memory (background saves).
+SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDPModule& root,
+                      ShardedOptimizer* optimizer, const TrainState& state, const SaveOptions& options, bool copy);
+// Collective over job.group: prepare, write, commit, agreeing between phases.
+void run_save(SaveJob& job);
+
+// Tests only: called by every rank at the start of each save phase ("prepare", "write",
+// "commit"; rank 0 also "rename" and "latest" inside the commit), so a test can fail or kill a rank
+// exactly there. Empty by default.
+void set_fault_hook_for_testing(std::function<void(const std::string& phase, int rank)> hook);
+
+std::string rng_state_base64();
+void restore_rng_state_base64(const std::string& text);
+std::string base64_encode(const uint8_t* data, size_t n);
+std::vector<uint8_t> base64_decode(const std::string& text);
+
+}  // namespace fsdp::checkpoint
