@@ -6,7 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <filesystem>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -16,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include "checkpoint/file_io.h"
 #include "checkpoint/index.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/safetensors_torch.h"
@@ -65,7 +67,7 @@ class Safetensors : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void TearDown() override { checkpoint::remove_tree(dir_); }
 
   std::string write(const std::string& name, const std::string& bytes) {
     const std::string path = dir_ + "/" + name;
@@ -85,7 +87,7 @@ class Safetensors : public ::testing::Test {
   std::string write_planned(const std::string& name, const FilePlan& plan) {
     const std::string path = dir_ + "/" + name;
     { std::ofstream create(path, std::ios::binary | std::ios::trunc); }
-    std::filesystem::resize_file(path, plan.file_size);
+    if (::truncate(path.c_str(), static_cast<off_t>(plan.file_size)) != 0) throw std::runtime_error("truncate " + path);
     std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
     out.seekp(0);
     out.write(plan.header_bytes.data(), static_cast<std::streamsize>(plan.header_bytes.size()));
@@ -153,7 +155,9 @@ TEST_F(Safetensors, PlanWriteReadRoundTrip) {
   EXPECT_EQ(plan.file_size, plan.header.data_start() + offset);
 
   const std::string path = write_planned("model.safetensors", plan);
-  EXPECT_EQ(std::filesystem::file_size(path), plan.file_size);
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), plan.file_size);
   const Header back = read_header(path);
   EXPECT_EQ(back.header_len, plan.header.header_len);
   EXPECT_EQ(back.metadata, meta);

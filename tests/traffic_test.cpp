@@ -56,8 +56,9 @@ void check_traffic_and_memory(int world) {
     EXPECT_LE(report.model_state(), 16.0 * psi / world * 1.05 + 64) << report.to_string();
     EXPECT_EQ(report.unsharded_alive, 0) << report.to_string();
     // Gathered at once, at most: the root's params and gradients, one block's params and
-    // gradients, and the previous block's gradients while their reduce-scatter is in flight.
-    if (world > 1) EXPECT_LE(report.peak_unsharded, 2 * root_unit + 3 * largest_unit) << report.to_string();
+    // gradients, the previous block's gradients while their reduce-scatter is in flight, and the
+    // next block's params, prefetched (depth 1).
+    if (world > 1) EXPECT_LE(report.peak_unsharded, 2 * root_unit + 4 * largest_unit) << report.to_string();
   });
 }
 

@@ -1,1 +1,260 @@
+// fsdp-train's config and command line (examples/train/config.h, flags.h): the built-in defaults,
+// file + override precedence, strict rejection naming the dotted key and value, flag errors, and
+// the stability of config_hash.
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "config.h"
+#include "flags.h"
+#include "support/ranks.h"
+
+namespace {
+
+using nlohmann::json;
+using train::TrainConfig;
+
+// Runs parse_flags + config_from_flags on argv (without the program name).
+TrainConfig from_args(std::vector<std::string> args) {
+  args.insert(args.begin(), "fsdp-train");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return train::config_from_flags(train::parse_flags(static_cast<int>(argv.size()), argv.data()));
+}
+
+train::Flags flags_of(std::vector<std::string> args) {
+  args.insert(args.begin(), "fsdp-train");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return train::parse_flags(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string write_file(const std::string& stem, const std::string& text) {
+  const std::string path = fsdp::testing::temp_path(stem);
+  std::ofstream(path) << text;
+  return path;
+}
+
+// The message of the std::invalid_argument `fn` throws ("" and a test failure when none).
+template <typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected std::invalid_argument";
+  return "";
+}
+
+std::string config_error(const json& doc) {
+  return error_of([&] { TrainConfig::from_json(doc); });
+}
+
+std::string args_error(const std::vector<std::string>& args) {
+  return error_of([&] { from_args(args); });
+}
+
+TEST(TrainConfig, DefaultsAreTheSmallBuiltInJob) {
+  const TrainConfig c;
+  EXPECT_EQ(c.model.vocab_size, 256);
+  EXPECT_EQ(c.model.hidden_size, 128);
+  EXPECT_EQ(c.model.num_hidden_layers, 4);
+  EXPECT_EQ(c.data.source, "synthetic");
+  EXPECT_EQ(c.data.seq_len, 64);
+  EXPECT_EQ(c.data.batch_size_per_rank, 16);
+  EXPECT_EQ(c.fsdp.strategy, fsdp::ShardingStrategy::kFullShard);
+  EXPECT_EQ(c.fsdp.param_dtype, at::kFloat);
+  EXPECT_EQ(c.optim.schedule, "cosine");
+  EXPECT_EQ(c.train.steps, 200);
+  // An empty document and no flags at all are the defaults.
+  EXPECT_EQ(TrainConfig::from_json(json::object()).to_json(), c.to_json());
+  EXPECT_EQ(from_args({}).to_json(), c.to_json());
+}
+
+TEST(TrainConfig, ToJsonListsEveryKeyAndRoundTrips) {
+  TrainConfig c = from_args({"--set", "fsdp.strategy=HYBRID_SHARD", "--set", "fsdp.replicate=2", "--set",
+                             "fsdp.param_dtype=bf16", "--set", "optim.schedule=constant", "--seed", "7"});
+  const json j = c.to_json();
+  for (const char* section : {"model", "data", "optim", "fsdp", "train"}) EXPECT_TRUE(j.contains(section)) << section;
+  EXPECT_EQ(j["fsdp"]["strategy"], "HYBRID_SHARD");
+  EXPECT_EQ(j["fsdp"]["param_dtype"], "bfloat16");
+  EXPECT_EQ(j["fsdp"]["offload"]["params"], "none");
+  EXPECT_EQ(j["optim"]["betas"], json::array({0.9, 0.95}));
+  EXPECT_EQ(j["train"]["seed"], 7);
+  EXPECT_EQ(j["model"]["num_hidden_layers"], 4);
+  EXPECT_EQ(TrainConfig::from_json(j).to_json(), j);
+}
+
+TEST(TrainConfig, FileThenOverridesInCommandLineOrder) {
+  const auto path = write_file("train_cfg.json", R"({
+    "model": {"num_hidden_layers": 2},
+    "optim": {"lr": 0.01, "warmup_steps": 3},
+    "train": {"steps": 5, "seed": 11}
+  })");
+  // --set before --config still applies after the file; later overrides win over earlier ones.
+  const TrainConfig c = from_args({"--set", "optim.lr=0.02", "--config", path, "--steps", "7", "--set",
+                                   "optim.betas=[0.8, 0.9]", "--set", "fsdp.strategy=SHARD_GRAD_OP", "--set",
+                                   "train.steps=9", "--data", "corpus.txt"});
+  EXPECT_DOUBLE_EQ(c.optim.lr, 0.02);
+  EXPECT_EQ(c.optim.warmup_steps, 3);  // from the file
+  EXPECT_EQ(c.train.steps, 9);         // the last override
+  EXPECT_EQ(c.train.seed, 11u);
+  EXPECT_DOUBLE_EQ(c.optim.betas[0], 0.8);
+  EXPECT_DOUBLE_EQ(c.optim.betas[1], 0.9);
+  EXPECT_EQ(c.fsdp.strategy, fsdp::ShardingStrategy::kShardGradOp);
+  EXPECT_EQ(c.data.source, "file");
+  EXPECT_EQ(c.data.path, "corpus.txt");
+  // The model section is laid over the trainer's defaults, not transformers' 7B ones.
+  EXPECT_EQ(c.model.num_hidden_layers, 2);
+  EXPECT_EQ(c.model.hidden_size, 128);
+}
+
+TEST(TrainConfig, SetValuesAreJsonWhenTheyParseElseStrings) {
+  json doc = json::object();
+  train::set_dotted(doc, "optim.lr", "3e-4");
+  train::set_dotted(doc, "fsdp.strategy", "NO_SHARD");
+  train::set_dotted(doc, "fsdp.offload.dir", "/tmp/x");
+  train::set_dotted(doc, "model.tie_word_embeddings", "true");
+  EXPECT_TRUE(doc["optim"]["lr"].is_number_float());
+  EXPECT_EQ(doc["fsdp"]["strategy"], "NO_SHARD");
+  EXPECT_EQ(doc["fsdp"]["offload"]["dir"], "/tmp/x");
+  EXPECT_EQ(doc["model"]["tie_word_embeddings"], true);
+  // A file name that looks like a number is still a path through --data.
+  EXPECT_EQ(from_args({"--data", "123"}).data.path, "123");
+}
+
+TEST(TrainConfig, HeadCountWithoutKvHeadsMeansPlainMultiHead) {
+  const TrainConfig c = from_args({"--set", "model.num_attention_heads=8"});
+  EXPECT_EQ(c.model.num_key_value_heads, 8);
+  const TrainConfig g = from_args({"--set", "model.num_attention_heads=8", "--set", "model.num_key_value_heads=2"});
+  EXPECT_EQ(g.model.num_key_value_heads, 2);
+}
+
+TEST(TrainConfig, UnknownKeysAreRejectedNamingTheDottedKey) {
+  EXPECT_NE(config_error({{"optim", {{"lrr", 0.1}}}}).find("optim.lrr=0.1: unknown key"), std::string::npos);
+  EXPECT_NE(config_error({{"fsdp", {{"offload", {{"param", "host"}}}}}}).find("fsdp.offload.param=\"host\""),
+            std::string::npos);
+  EXPECT_NE(config_error({{"optimizer", json::object()}}).find("optimizer={}: unknown section"), std::string::npos);
+  EXPECT_NE(config_error({{"model", {{"hiden_size", 64}}}}).find("model.hiden_size=64"), std::string::npos);
+  EXPECT_NE(args_error({"--set", "train.stepz=3"}).find("train.stepz=3: unknown key"), std::string::npos);
+}
+
+TEST(TrainConfig, WrongTypesAndInvalidValuesAreRejectedNamingKeyAndValue) {
+  struct Case {
+    std::string set, expect;
+  };
+  const std::vector<Case> cases = {
+      {"optim.lr=fast", "optim.lr=\"fast\": must be a number"},
+      {"optim.lr=-1", "optim.lr=-1: must be >= 0"},
+      {"optim.eps=0", "optim.eps=0: must be > 0"},
+      {"optim.betas=[0.9]", "optim.betas=[0.9]: must be a list of two numbers"},
+      {"optim.betas=[0.9,1.0]", "optim.betas=[0.9,1.0]: each beta must be in [0, 1)"},
+      {"optim.schedule=linear", "optim.schedule=\"linear\": must be one of \"cosine\", \"constant\""},
+      {"optim.min_lr=1", "optim.min_lr=1.0: exceeds optim.lr=0.006"},
+      {"data.seq_len=0", "data.seq_len=0: must be >= 1"},
+      {"data.seq_len=4096", "data.seq_len=4096: exceeds model.max_position_embeddings=1024"},
+      {"data.batch_size_per_rank=2.5", "data.batch_size_per_rank=2.5: must be an integer"},
+      {"data.source=file", "data.path=\"\": must name a file"},
+      {"data.source=hdf5", "data.source=\"hdf5\""},
+      {"fsdp.strategy=ZERO3", "fsdp.strategy=\"ZERO3\": must be one of"},
+      {"fsdp.param_dtype=int8", "fsdp.param_dtype=\"int8\""},
+      {"fsdp.reduce_dtype=16", "fsdp.reduce_dtype=16"},
+      {"fsdp.prefetch_depth=-1", "fsdp.prefetch_depth=-1: must be >= 0"},
+      {"fsdp.timeout_s=0", "fsdp.timeout_s=0: must be > 0"},
+      {"fsdp.replicate=2", "fsdp.replicate=2: needs fsdp.strategy=\"HYBRID_SHARD\""},
+      {"fsdp.offload.params=gpu", "fsdp.offload.params=\"gpu\""},
+      {"fsdp.offload.optimizer_state=disk", "fsdp.offload.dir=\"\": must name a directory"},
+      {"train.steps=-3", "train.steps=-3: must be >= 0"},
+      {"train.seed=-1", "train.seed=-1: must be a non-negative integer"},
+      {"train.log_every=0", "train.log_every=0: must be >= 1"},
+      {"model.hidden_size=130", "model.hidden_size=130 is not divisible by num_attention_heads=4"},
+      {"model.vocab_size=big", "model.vocab_size=\"big\""},
+      {"optim=3", "optim=3: must be an object"},
+      {"optim.lr.x=1", "optim.lr={\"x\":1}: must be a number"},
+  };
+  for (const auto& c : cases) {
+    const std::string what = args_error({"--set", c.set});
+    EXPECT_NE(what.find(c.expect), std::string::npos) << "--set " << c.set << " gave: " << what;
+  }
+  EXPECT_NE(args_error({"--set", "optim.lr=1", "--set", "optim.lr.x=1"}).find("optim.lr=1: is not an object"),
+            std::string::npos);
+  EXPECT_NE(args_error({"--set", "fsdp.strategy=HYBRID_SHARD"}).find("fsdp.replicate=1: must be >= 2"),
+            std::string::npos);
+}
+
+TEST(TrainConfig, ConfigFileErrorsNameTheFile) {
+  EXPECT_NE(args_error({"--config", "/nonexistent/train.json"}).find("'/nonexistent/train.json': cannot be opened"),
+            std::string::npos);
+  const auto broken = write_file("train_broken.json", "{\"optim\": ");
+  EXPECT_NE(args_error({"--config", broken}).find("not valid JSON"), std::string::npos);
+  const auto array = write_file("train_array.json", "[1, 2]");
+  EXPECT_NE(args_error({"--config", array}).find("must hold a JSON object"), std::string::npos);
+}
+
+TEST(TrainFlags, ParsesEveryFlagInBothForms) {
+  const auto f = flags_of({"--config", "c.json", "--save-dir=ckpt", "--resume", "latest", "--metrics", "m.jsonl",
+                           "--trace=t.json", "--steps=12", "--seed", "3", "--set", "optim.lr=1e-3"});
+  EXPECT_EQ(f.config_path, "c.json");
+  EXPECT_EQ(f.save_dir, "ckpt");
+  EXPECT_EQ(f.resume, "latest");
+  EXPECT_EQ(f.metrics, "m.jsonl");
+  EXPECT_EQ(f.trace, "t.json");
+  ASSERT_EQ(f.overrides.size(), 3u);
+  EXPECT_EQ(f.overrides[0], std::make_pair(std::string("train.steps"), std::string("12")));
+  EXPECT_EQ(f.overrides[1], std::make_pair(std::string("train.seed"), std::string("3")));
+  EXPECT_EQ(f.overrides[2], std::make_pair(std::string("optim.lr"), std::string("1e-3")));
+  EXPECT_TRUE(flags_of({"--help"}).help);
+}
+
+TEST(TrainFlags, BadFlagsAreRejectedNamingThem) {
+  auto usage_error = [](const std::vector<std::string>& args) {
+    try {
+      flags_of(args);
+    } catch (const train::UsageError& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "expected a UsageError";
+    return std::string();
+  };
+  EXPECT_NE(usage_error({"--stepz", "3"}).find("unknown flag --stepz"), std::string::npos);
+  EXPECT_NE(usage_error({"-x"}).find("unknown flag -x"), std::string::npos);
+  EXPECT_NE(usage_error({"stray"}).find("unexpected argument 'stray'"), std::string::npos);
+  EXPECT_NE(usage_error({"--steps"}).find("flag --steps needs a value"), std::string::npos);
+  EXPECT_NE(usage_error({"--steps", "ten"}).find("--steps expects a non-negative integer, got 'ten'"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--seed", "-1"}).find("--seed expects a non-negative integer, got '-1'"), std::string::npos);
+  EXPECT_NE(usage_error({"--set", "optim.lr"}).find("expects KEY=VALUE"), std::string::npos);
+  EXPECT_NE(usage_error({"--set", "=1"}).find("expects KEY=VALUE"), std::string::npos);
+  EXPECT_NE(usage_error({"--resume", "latest"}).find("--resume latest needs --save-dir"), std::string::npos);
+  EXPECT_NE(usage_error({"--help=yes"}).find("--help takes no value"), std::string::npos);
+}
+
+TEST(TrainConfig, HashIsStableAndCoversOnlyModelAndDataStream) {
+  const TrainConfig base;
+  const std::string h = base.config_hash();
+  ASSERT_EQ(h.size(), 16u);
+  EXPECT_EQ(h.find_first_not_of("0123456789abcdef"), std::string::npos);
+  // Independent of how the config was reached.
+  EXPECT_EQ(TrainConfig::from_json(base.to_json()).config_hash(), h);
+  EXPECT_EQ(from_args({"--set", "model.hidden_size=128"}).config_hash(), h);
+  // Pinned: FNV-1a over the canonical JSON of the default model and data stream. A change here
+  // means checkpoints saved before no longer resume; change it only on purpose.
+  EXPECT_EQ(h, "0d63ae6f22e4ff4d");
+  // Training knobs and the per-rank batch (which changes with the world size) are not identity.
+  for (const char* set : {"optim.lr=0.01", "train.steps=9", "data.batch_size_per_rank=2", "fsdp.strategy=NO_SHARD",
+                          "train.seed=5"}) {
+    EXPECT_EQ(from_args({"--set", set}).config_hash(), h) << set;
+  }
+  // The model and the sample stream are.
+  for (const char* set : {"model.hidden_size=64", "model.rope_theta=500", "data.seq_len=32"}) {
+    EXPECT_NE(from_args({"--set", set}).config_hash(), h) << set;
+  }
+  EXPECT_NE(from_args({"--data", "a.txt"}).config_hash(), from_args({"--data", "b.txt"}).config_hash());
+}
+
+}  // namespace

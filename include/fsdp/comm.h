@@ -46,6 +46,7 @@ struct CommStats {
   CommStats operator-(const CommStats& earlier) const;  // the counts between two snapshots
 };
 
+class Tracer;
 class Transport;
 struct PendingCollective;
 
@@ -94,6 +95,8 @@ class Communicator {
 
   CommStats stats() const;
   void reset_stats();
+  // Records every collective (issue to completion) and every blocking wait on it from now on.
+  void set_tracer(std::shared_ptr<Tracer> tracer);
 
  private:
   CommHandle enqueue(CollectiveKind kind, const std::string& tag,

@@ -11,3 +11,4 @@
 #include "fsdp/memory.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
+#include "fsdp/trace.h"

@@ -29,7 +29,18 @@
 namespace fsdp {
 
 class ShardedUnit;
+class Tracer;
 struct MemoryReport;
+
+// A gather issued with FSDPModule::unshard(async = true); wait() makes the params usable.
+class UnshardHandle {
+ public:
+  explicit UnshardHandle(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
+  void wait();
+
+ private:
+  std::shared_ptr<ShardedUnit> unit_;
+};
 
 // The handle fully_shard returns: one sharded unit (the module's parameters not owned by a unit
 // nested inside it). The unit applied last over a module tree is the root.
@@ -43,8 +54,19 @@ class FSDPModule {
   // communication; the next backward with sync on reduces the sum. Applies to every unit under
   // this one.
   void set_requires_gradient_sync(bool sync);
-  // Units owned by this root, in the order they were wrapped (children first, this one last).
+  // This unit and the units nested under it, pre-order (this one first).
   std::vector<std::shared_ptr<ShardedUnit>> units() const;
+
+  // Explicit control of gathering: unshard() issues this unit's all-gather (and waits unless
+  // async); reshard() frees the gathered params. The lists below replace the recorded-order
+  // prefetch targets of this unit in forward / backward.
+  std::shared_ptr<UnshardHandle> unshard(bool async = false);
+  void reshard();
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPModule>>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPModule>>& modules);
+
+  // Root only: trace every unit's forward/backward, its collectives and waits, and the optimizer.
+  void set_tracer(std::shared_ptr<Tracer> tracer);
 
  private:
   std::shared_ptr<ShardedUnit> unit_;

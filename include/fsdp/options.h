@@ -47,6 +47,14 @@ struct FullyShardOptions {
   TORCH_ARG(ParamGroupFn, param_group) = default_param_group;
   // Required when the module's parameters are on the meta device (deferred init).
   TORCH_ARG(ParamInitFn, init) = nullptr;
+  // Units whose all-gather is issued ahead: when a unit's forward starts, the next
+  // prefetch_depth units' (by the order recorded in the previous step); when its backward starts,
+  // the next prefetch_depth units' in backward order. 0 turns prefetching off. Unset: the root's
+  // setting, else 1.
+  TORCH_ARG(std::optional<int>, prefetch_depth) = std::nullopt;
+  // On the root: at most this many units gathered at once counting prefetches (0: no cap). A
+  // prefetch that would exceed it is skipped; a unit that must run is always gathered.
+  TORCH_ARG(int, max_unsharded_units) = 0;
 };
 
 }  // namespace fsdp

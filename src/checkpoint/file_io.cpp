@@ -7,7 +7,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
+#include <dirent.h>
+
+#include <algorithm>
 
 #include "fsdp/errors.h"
 
@@ -117,7 +119,7 @@ void write_file_atomic(const std::string& path, const std::string& text) {
     f.close();
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename " + tmp + " to", path, errno);
-  fsync_dir(std::filesystem::path(path).parent_path().string());
+  fsync_dir(parent_dir(path));
 }
 
 std::string read_small_file(const std::string& path, uint64_t limit) {
@@ -134,6 +136,60 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-std::string join(const std::string& a, const std::string& b) { return (std::filesystem::path(a) / b).string(); }
+bool is_dir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string join(const std::string& a, const std::string& b) {
+  if (a.empty() || (!b.empty() && b.front() == '/')) return b;
+  return a.back() == '/' ? a + b : a + "/" + b;
+}
+
+std::string parent_dir(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const auto slash = p.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : p.substr(0, slash);
+}
+
+void make_dirs(const std::string& path) {
+  if (path.empty() || is_dir(path)) return;
+  make_dirs(parent_dir(path));
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) fail("cannot create directory", path, errno);
+  if (!is_dir(path)) throw CheckpointError("fsdp: " + path + " exists and is not a directory");
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) fail("cannot list directory", dir, errno);
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    fail("cannot stat", path, errno);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& name : list_dir(path)) remove_tree(join(path, name));
+    if (::rmdir(path.c_str()) != 0) fail("cannot remove directory", path, errno);
+  } else if (::unlink(path.c_str()) != 0) {
+    fail("cannot remove", path, errno);
+  }
+}
+
+void rename_path(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) fail("cannot rename " + from + " to", to, errno);
+}
 
 }  // namespace fsdp::checkpoint

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp::checkpoint {
 
@@ -35,6 +36,21 @@ void fsync_dir(const std::string& dir);
 void write_file_atomic(const std::string& path, const std::string& text);
 std::string read_small_file(const std::string& path, uint64_t limit = 64 << 20);
 bool exists(const std::string& path);
+bool is_dir(const std::string& path);
 std::string join(const std::string& a, const std::string& b);
+std::string parent_dir(const std::string& path);
+// mkdir -p.
+void make_dirs(const std::string& path);
+// rm -rf; a missing path is fine.
+void remove_tree(const std::string& path);
+void rename_path(const std::string& from, const std::string& to);
+// Names in a directory, without "." and "..", sorted.
+std::vector<std::string> list_dir(const std::string& dir);
+
+// Note [No std::filesystem next to libtorch.so]
+// The torch wheel's libtorch.so exports its own copy of std::filesystem's out-of-line functions
+// (remove_all, directory iteration, ...), built against another libstdc++. Calls from our code
+// bind to those copies and can crash (std::filesystem::remove_all jumped to address 0 here). So
+// fsdp, and its tests, do file-system work through the POSIX helpers above.
 
 }  // namespace fsdp::checkpoint

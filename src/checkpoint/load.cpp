@@ -2,7 +2,6 @@
 // checked against the model first, then each rank reads only the byte ranges of its own shards.
 #include <ATen/ATen.h>
 
-#include <filesystem>
 #include <set>
 
 #include "checkpoint/file_io.h"
@@ -15,7 +14,6 @@
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -51,7 +49,11 @@ FileSet open_file_set(const std::string& dir, const std::string& kind) {
 }
 
 // Checks that the set holds exactly `wanted` (name -> shape) as F32 tensors.
-void check_tensors(const std::string& dir, const FileSet& set, const std::map<std::string, std::vector<int64_t>>& wanted) {
+using Wanted = std::vector<std::pair<std::string, std::vector<int64_t>>>;  // model order
+
+void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wanted) {
+  std::set<std::string> names;
+  for (const auto& w : wanted) names.insert(w.first);
   for (const auto& [name, shape] : wanted) {
     auto it = set.index.weight_map.find(name);
     if (it == set.index.weight_map.end()) {
@@ -69,7 +71,7 @@ void check_tensors(const std::string& dir, const FileSet& set, const std::map<st
     }
   }
   for (const auto& [name, file] : set.index.weight_map) {
-    if (!wanted.count(name)) {
+    if (!names.count(name)) {
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + file + ") has tensor '" + name + "' that the model does not have");
     }
   }
@@ -152,10 +154,10 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   }
 
   const CheckpointLayout layout = make_layout(root, optimizer);
-  std::map<std::string, std::vector<int64_t>> all, trainable;
+  Wanted all, trainable;
   for (const auto& t : layout.tensors) {
-    all[t.name] = t.entry->shape;
-    if (layout.flats[t.flat].optim_state != nullptr) trainable[t.name] = t.entry->shape;
+    all.emplace_back(t.name, t.entry->shape);
+    if (layout.flats[t.flat].optim_state != nullptr) trainable.emplace_back(t.name, t.entry->shape);
   }
   // Validate everything before changing anything.
   FileSet model = open_file_set(dir, "model");
@@ -213,12 +215,12 @@ void load_unsharded(const std::string& dir, torch::nn::Module& module) {
   }
   FileSet model = open_file_set(dir, "model");
   std::map<std::string, at::Tensor> params;
-  std::map<std::string, std::vector<int64_t>> wanted;
+  Wanted wanted;
   std::set<const void*> seen;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: first name
     params[item.key()] = item.value();
-    wanted[item.key()] = item.value().sizes().vec();
+    wanted.emplace_back(item.key(), item.value().sizes().vec());
   }
   check_tensors(dir, model, wanted);
   c10::NoGradGuard no_grad;

@@ -46,8 +46,7 @@ const DTypeInfo& info(DType dtype) {
   for (const DTypeInfo& d : kDTypes) {
     if (d.dtype == dtype) return d;
   }
-  throw CheckpointError("fsdp: safetensors: invalid DType value " +
-                        std::to_string(static_cast<int>(dtype)));
+  throw CheckpointError("fsdp: invalid DType value " + std::to_string(static_cast<int>(dtype)));
 }
 
 [[noreturn]] void fail(const std::string& label, const std::string& what) {
@@ -134,9 +133,8 @@ class HeaderSax : public nlohmann::json_sax<Json> {
 
   bool number_float(number_float_t, const string_t& text) override {
     if (state_ == State::kShape || state_ == State::kOffsets) {
-      fail_tensor(label_, entry_.name,
-                  std::string(state_ == State::kShape ? "shape dimension " : "data_offsets value ") +
-                      text + " is not a non-negative integer");
+      const char* what = state_ == State::kShape ? "shape dimension " : "data_offsets value ";
+      fail_tensor(label_, entry_.name, what + text + " is not a non-negative integer");
     }
     return unexpected("a number");
   }
@@ -510,7 +508,7 @@ FilePlan plan_file(const std::vector<TensorSpec>& tensors,
     for (const auto& kv : metadata) {
       if (first_invalid_utf8(kv.first) != std::string::npos ||
           first_invalid_utf8(kv.second) != std::string::npos) {
-        fail(label, "__metadata__ key " + quote_name(kv.first) + " or its value is not valid UTF-8");
+        fail(label, "__metadata__ key " + quote_name(kv.first) + " or its value is not UTF-8");
       }
     }
     root["__metadata__"] = metadata;

@@ -10,7 +10,6 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
-#include <filesystem>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/index.h"
@@ -22,7 +21,6 @@
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -93,25 +91,25 @@ at::Tensor source_for(const SaveJob& job, const std::string& kind, size_t flat) 
   return it == states.end() ? at::Tensor() : it->second;
 }
 
-void prepare(SaveJob& job, const fs::path& tmp) {
-  fs::create_directories(job.root_dir);
-  fs::remove_all(tmp);  // a crashed earlier save of the same name
-  fs::create_directory(tmp);
+void prepare(SaveJob& job, const std::string& tmp) {
+  make_dirs(job.root_dir);
+  remove_tree(tmp);  // a crashed earlier save of the same name
+  make_dirs(tmp);
   std::map<std::string, std::string> meta{{"format", "pt"}, {"writer", "fsdp"}};
   for (const auto& kind : file_kinds(job)) {
     const auto plan = safetensors::plan_file(specs_for(job, kind), meta);
-    File f = File::open_write((tmp / (kind + ".safetensors")).string(), true);
+    File f = File::open_write(join(tmp, kind + ".safetensors"), true);
     f.truncate(plan.file_size);
     f.pwrite_all(plan.header_bytes.data(), plan.header_bytes.size(), 0);
     f.close();
   }
 }
 
-void write_shards(SaveJob& job, const fs::path& tmp) {
+void write_shards(SaveJob& job, const std::string& tmp) {
   if (!job.layout.writer) return;
   for (const auto& kind : file_kinds(job)) {
     const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
-    File f = File::open_write((tmp / (kind + ".safetensors")).string(), false);
+    File f = File::open_write(join(tmp, kind + ".safetensors"), false);
     for (const auto& t : job.layout.tensors) {
       const auto span = shard_span(*job.layout.flats[t.flat].flat, *t.entry);
       if (!span) continue;
@@ -154,12 +152,12 @@ nlohmann::json train_state_json(SaveJob& job) {
   return j;
 }
 
-void commit(SaveJob& job, const fs::path& tmp, const fs::path& final_dir) {
+void commit(SaveJob& job, const std::string& tmp, const std::string& final_dir) {
   for (const auto& kind : file_kinds(job)) {
     safetensors::Index index;
     index.metadata = {{"format_version", kFormatVersion}, {"step", job.state.step}};
     for (const auto& spec : specs_for(job, kind)) index.weight_map[spec.name] = kind + ".safetensors";
-    File f = File::open_write((tmp / (kind + ".safetensors.index.json")).string(), true);
+    File f = File::open_write(join(tmp, kind + ".safetensors.index.json"), true);
     const std::string text = safetensors::index_to_json(index);
     f.pwrite_all(text.data(), text.size(), 0);
     f.sync();
@@ -167,39 +165,39 @@ void commit(SaveJob& job, const fs::path& tmp, const fs::path& final_dir) {
   {
     // Written last: its presence is what marks a directory as a committed checkpoint.
     const std::string text = train_state_json(job).dump(2) + "\n";
-    File f = File::open_write((tmp / "train_state.json").string(), true);
+    File f = File::open_write(join(tmp, "train_state.json"), true);
     f.pwrite_all(text.data(), text.size(), 0);
     f.sync();
   }
-  fsync_dir(tmp.string());
+  fsync_dir(tmp);
   fault_point(job, "rename");
-  const fs::path old = final_dir.string() + ".old";
-  if (fs::exists(final_dir)) {
-    fs::remove_all(old);
-    fs::rename(final_dir, old);
+  const std::string old = final_dir + ".old";
+  if (exists(final_dir)) {  // saving a name again (same step): keep the old one until the new lands
+    remove_tree(old);
+    rename_path(final_dir, old);
   }
-  fs::rename(tmp, final_dir);
+  rename_path(tmp, final_dir);
   fsync_dir(job.root_dir);
-  fs::remove_all(old);
+  remove_tree(old);
   fault_point(job, "latest");
   if (job.options.update_latest()) {
-    write_file_atomic((fs::path(job.root_dir) / "latest").string(), job.name + "\n");
+    write_file_atomic(join(job.root_dir, "latest"), job.name + "\n");
   }
   if (job.options.keep_last() > 0) {
     auto ends_with = [](const std::string& n, const std::string& suffix) {
       return n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
     };
     std::vector<std::string> committed;
-    for (const auto& e : fs::directory_iterator(job.root_dir)) {
-      const std::string n = e.path().filename().string();
-      if (e.is_directory() && fs::exists(e.path() / "train_state.json") && !ends_with(n, ".tmp") && !ends_with(n, ".old")) {
+    for (const auto& n : list_dir(job.root_dir)) {
+      if (is_dir(join(job.root_dir, n)) && exists(join(join(job.root_dir, n), "train_state.json")) &&
+          !ends_with(n, ".tmp") && !ends_with(n, ".old")) {
         committed.push_back(n);
       }
     }
     std::sort(committed.begin(), committed.end());
     const int excess = static_cast<int>(committed.size()) - job.options.keep_last();
     for (int i = 0; i < excess; ++i) {
-      if (committed[i] != job.name) fs::remove_all(fs::path(job.root_dir) / committed[i]);
+      if (committed[i] != job.name) remove_tree(join(job.root_dir, committed[i]));
     }
   }
 }
@@ -237,8 +235,8 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
 }
 
 void run_save(SaveJob& job) {
-  const fs::path final_dir = fs::path(job.root_dir) / job.name;
-  const fs::path tmp = final_dir.string() + ".tmp";
+  const std::string final_dir = join(job.root_dir, job.name);
+  const std::string tmp = final_dir + ".tmp";
   const bool leader = job.group->rank() == 0;
   job.store->set(job.store_prefix + "rng/" + std::to_string(job.group->rank()),
                  std::vector<uint8_t>(job.rng.begin(), job.rng.end()));
@@ -260,7 +258,7 @@ std::string save(const std::string& root_dir, const std::string& name, FSDPModul
                  const TrainState& state, const SaveOptions& options) {
   SaveJob job = make_save_job(root_dir, name, root, optimizer, state, options, /*copy=*/false);
   run_save(job);
-  return (fs::path(root_dir) / name).string();
+  return join(root_dir, name);
 }
 
 }  // namespace fsdp::checkpoint

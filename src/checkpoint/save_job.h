@@ -9,14 +9,12 @@
 #include <vector>
 
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "checkpoint/layout.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/comm.h"
 
-namespace c10d {
-class Store;
-}
 
 namespace fsdp::checkpoint {
 

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include "dist/transport.h"
+#include "fsdp/trace.h"
 
 namespace fsdp {
 namespace {
@@ -81,6 +82,10 @@ struct PendingCollective {
   std::chrono::milliseconds timeout;
   std::function<void(Transport&, OpStats&)> body;
   std::shared_ptr<StatsBox> stats;
+  std::shared_ptr<Tracer> tracer;
+  std::string tag;
+  std::string lane;  // "comm <group>"
+  Clock::time_point issued;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -104,6 +109,7 @@ struct Communicator::State {
   bool stopping = false;
   std::string first_error;  // non-empty once broken
   std::shared_ptr<StatsBox> stats = std::make_shared<StatsBox>();
+  std::shared_ptr<Tracer> tracer;
   std::thread worker;
 };
 
@@ -114,11 +120,15 @@ void CommHandle::wait() {
   std::unique_lock<std::mutex> lock(p.mu);
   // The transport bounds each transfer by the timeout; the slack covers the queue ahead of us.
   const auto limit = p.timeout * 2 + std::chrono::seconds(5);
+  const bool already = p.done;
   const bool finished = p.cv.wait_for(lock, limit, [&] { return p.done; });
   lock.unlock();
   {
     std::lock_guard<std::mutex> slock(p.stats->mu);
     p.stats->stats.ops[static_cast<int>(p.kind)].wait_s += seconds_since(t0);
+  }
+  if (p.tracer && !already) {
+    p.tracer->span(std::string("fsdp::") + collective_name(p.kind) + "_wait", "compute", t0, Clock::now(), p.tag);
   }
   if (!finished) {
     throw TimeoutError("fsdp: " + p.description + " did not finish within " +
@@ -196,6 +206,7 @@ void Communicator::worker_loop() {
     }
     delta.calls = 1;
     delta.busy_s = seconds_since(t0);
+    if (p->tracer) p->tracer->span(std::string("fsdp::") + collective_name(p->kind), p->lane, p->issued, Clock::now(), p->tag);
     {
       std::lock_guard<std::mutex> lock(state_->stats->mu);
       auto& s = state_->stats->stats.ops[static_cast<int>(p->kind)];
@@ -229,6 +240,13 @@ CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
   p->description = desc.str();
   p->timeout = options_.timeout;
   p->stats = state_->stats;
+  p->tag = tag;
+  p->issued = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    p->tracer = state_->tracer;
+  }
+  if (p->tracer) p->lane = "comm " + options_.name;
   // The tensors stay referenced until the collective has run: see Note [One ordered queue].
   p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) {
     body(t, s);
@@ -327,6 +345,11 @@ void Communicator::barrier(const std::string& tag) {
 CommStats Communicator::stats() const {
   std::lock_guard<std::mutex> lock(state_->stats->mu);
   return state_->stats->stats;
+}
+
+void Communicator::set_tracer(std::shared_ptr<Tracer> tracer) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->tracer = std::move(tracer);
 }
 
 void Communicator::reset_stats() {

@@ -134,6 +134,7 @@ void FlatParam::reshard() {
 }
 
 void FlatParam::prepare_gradients() {
+  finalize_grads();  // the buffer may still belong to the last step's reduce-scatter
   if (!config_.requires_grad || grads_prepared_) return;
   if (!unsharded_grad_.defined()) {
     unsharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());

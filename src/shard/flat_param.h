@@ -75,8 +75,10 @@ class FlatParam {
   void unshard();
   void wait_for_unshard();
   void reshard();
+  bool gathering() const { return gather_pending_; }
 
   // Before the unit's backward: the gradient buffer exists and params' .grad are views of it.
+  // Collects a reduction still in flight first (see Note [Lazy gradient collection]).
   void prepare_gradients();
   bool gradients_prepared() const { return grads_prepared_; }
   // Issues the reduction of the gradient buffer (reduce-scatter over the shard group).

@@ -11,6 +11,7 @@
 #include <map>
 
 #include "fsdp/errors.h"
+#include "fsdp/trace.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {
@@ -50,7 +51,13 @@ double ShardedOptimizer::group_weight_decay(int group) const {
 
 void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
-  for (auto& s : states_) {
+  Tracer* tracer = root_->unit().tracer();
+  Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
+  // Backward reduces the last units first: step in that order, collecting each flat param's
+  // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
+  for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
+    auto& s = *it;
+    s.flat->finalize_grads();
     auto& grad = s.flat->sharded_grad();
     if (!grad.defined()) continue;
     if (s.tensors.empty()) init_state(s);
@@ -61,7 +68,10 @@ void ShardedOptimizer::step() {
 }
 
 void ShardedOptimizer::zero_grad() {
-  for (auto& s : states_) s.flat->zero_grad();
+  for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
+    it->flat->finalize_grads();
+    it->flat->zero_grad();
+  }
 }
 
 int64_t ShardedOptimizer::state_bytes() const {
@@ -162,7 +172,9 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
   // reduces every group, with or without gradients of its own.
   std::vector<std::pair<Communicator*, at::Tensor>> partial;
   std::vector<at::Tensor> grads;
-  for (const auto& unit : root.units()) {
+  const auto units = root.units();
+  for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
+  for (const auto& unit : units) {
     for (auto& fp : unit->flat_params()) {
       if (!fp->config().requires_grad) continue;
       Communicator* group = fp->shard_group().size() > 1 ? &fp->shard_group() : nullptr;

@@ -16,6 +16,7 @@
 #include "dist/transport.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/trace.h"
 
 namespace fsdp {
 namespace {
@@ -216,6 +217,7 @@ void ShardedUnit::lazy_init() {
   if (root_ == this) return;
   auto module = module_.lock();
   root_state_ = std::make_unique<RootState>();
+  root_state_->max_unsharded_units = options_.max_unsharded_units();
   root_ = this;
   prefix_ = "";
   for (const auto& item : module->named_modules("", /*include_self=*/true)) {
@@ -250,21 +252,59 @@ void ShardedUnit::reshard() {
   for (auto& fp : flat_params_) fp->reshard();
 }
 
+bool ShardedUnit::is_gathered_or_gathering() const {
+  for (const auto& fp : flat_params_) {
+    if (fp->state() == ShardedState::kUnsharded || fp->gathering()) return true;
+  }
+  return false;
+}
+
+int ShardedUnit::prefetch_depth() const {
+  if (options_.prefetch_depth()) return *options_.prefetch_depth();
+  if (root_ != nullptr && root_->options_.prefetch_depth()) return *root_->options_.prefetch_depth();
+  return 1;
+}
+
+// Issues the all-gathers of `targets` that are not gathered yet, within the root's cap on units
+// gathered at once. Never waits: the target's own pre_forward / pre_backward waits.
+void ShardedUnit::prefetch(const std::vector<ShardedUnit*>& targets) {
+  RootState& rs = root_state();
+  for (ShardedUnit* target : targets) {
+    if (target == this || target->root_ != root_ || target->is_gathered_or_gathering()) continue;
+    if (rs.max_unsharded_units > 0) {
+      int alive = 0;
+      for (ShardedUnit* u : rs.units) alive += u->is_gathered_or_gathering() ? 1 : 0;
+      if (alive >= rs.max_unsharded_units) return;
+    }
+    target->unshard();
+  }
+}
+
 void ShardedUnit::pre_forward() {
   if (root_ == nullptr) lazy_init();
+  RootState& rs = root_state();
+  const bool recompute = rs.in_backward;  // activation checkpointing inside backward
+  if (is_root() && !recompute) rs.order.begin_step();
+  if (!recompute) rs.order.record(this);
+  forward_begin_ = std::chrono::steady_clock::now();
+  // Our own gather goes first on the communicator's queue, the prefetches behind it.
   unshard();
+  if (!recompute && prefetch_depth() > 0) {
+    prefetch(forward_prefetch_.empty() ? rs.order.next_in_forward(this, prefetch_depth()) : forward_prefetch_);
+  }
   wait_for_unshard();
   state_ = TrainingState::kForward;
 }
 
 void ShardedUnit::post_forward() {
   // The root's backward starts right after its forward: unless told otherwise, keep its params
-  // (saves one all-gather of the root per step). A recomputation inside
-  // backward (activation checkpointing) keeps them too: its backward follows at once.
+  // (saves one all-gather of the root per step). A recomputation inside backward (activation
+  // checkpointing) keeps them too: its backward follows at once.
   const bool in_backward = root_state().in_backward;
   const bool root_keeps = is_root() && !options_.reshard_after_forward().has_value();
   if (reshard_after_forward_ && !root_keeps && !in_backward) reshard();
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
+  if (Tracer* t = tracer()) t->span("fsdp::forward", "compute", forward_begin_, std::chrono::steady_clock::now(), name());
 }
 
 void ShardedUnit::pre_backward() {
@@ -275,7 +315,11 @@ void ShardedUnit::pre_backward() {
     ShardedUnit* root = root_;
     torch::autograd::Engine::get_default_engine().queue_callback([root] { root->finalize_backward(); });
   }
+  if (state_ != TrainingState::kPreBackward) backward_begin_ = std::chrono::steady_clock::now();
   unshard();
+  if (prefetch_depth() > 0) {
+    prefetch(backward_prefetch_.empty() ? rs.order.next_in_backward(this, prefetch_depth()) : backward_prefetch_);
+  }
   wait_for_unshard();
   for (auto& fp : flat_params_) fp->prepare_gradients();
   note_memory();
@@ -307,9 +351,15 @@ void ShardedUnit::post_backward(size_t i) {
   if (all_done) {
     reshard();
     state_ = TrainingState::kPostBackward;
+    if (Tracer* t = tracer()) t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
   }
 }
 
+// Note [Lazy gradient collection]
+// The end of backward issues the reductions that did not start yet but waits for none: the
+// optimizer collects each flat param's gradient just before stepping it (collect_gradients for
+// everything at once, e.g. for clipping), so its step overlaps the last reduce-scatters. A
+// reduction nobody collected is collected before its buffer is reused in the next backward.
 void ShardedUnit::finalize_backward() {
   RootState& rs = root_state();
   // Units whose gradients did not all land (unused params, a skipped unit) are reduced now; the
@@ -321,13 +371,20 @@ void ShardedUnit::finalize_backward() {
     }
   }
   rs.pending_reduces.clear();
+  Tracer* t = tracer();
   for (ShardedUnit* unit : rs.units) {
-    for (auto& fp : unit->flat_params_) fp->finalize_grads();
+    if (t != nullptr && unit->state_ == TrainingState::kPreBackward) {
+      t->span("fsdp::backward", "compute", unit->backward_begin_, std::chrono::steady_clock::now(), unit->name());
+    }
     unit->reshard();
     unit->reset_after_backward();
   }
   rs.callback_queued = false;
   rs.in_backward = false;
+}
+
+void ShardedUnit::collect_gradients() {
+  for (auto& fp : flat_params_) fp->finalize_grads();
 }
 
 void ShardedUnit::reset_after_backward() {
@@ -370,6 +427,51 @@ std::vector<ShardedUnit*> ShardedUnit::subtree_units() const {
 
 void FSDPModule::set_requires_gradient_sync(bool sync) {
   for (ShardedUnit* unit : unit_->subtree_units()) unit->set_requires_gradient_sync(sync);
+}
+
+void FSDPModule::set_tracer(std::shared_ptr<Tracer> tracer) {
+  if (unit_->root() != unit_.get()) unit_->lazy_init();
+  unit_->root_state().tracer = tracer;
+  for (ShardedUnit* unit : unit_->root_state().units) {
+    for (auto& fp : unit->flat_params()) {
+      fp->shard_group().set_tracer(tracer);
+      fp->replicate_group().set_tracer(tracer);
+    }
+  }
+}
+
+std::shared_ptr<UnshardHandle> FSDPModule::unshard(bool async) {
+  if (unit_->root() == nullptr) unit_->lazy_init();
+  unit_->unshard();
+  auto handle = std::make_shared<UnshardHandle>(unit_);
+  if (!async) handle->wait();
+  return handle;
+}
+
+void FSDPModule::reshard() { unit_->reshard(); }
+
+void UnshardHandle::wait() {
+  if (unit_) unit_->wait_for_unshard();
+  unit_.reset();
+}
+
+namespace {
+std::vector<ShardedUnit*> raw_units(const std::vector<std::shared_ptr<FSDPModule>>& modules) {
+  std::vector<ShardedUnit*> out;
+  for (const auto& m : modules) {
+    if (!m) throw ConfigError("fsdp: a prefetch list holds a null module");
+    out.push_back(&m->unit());
+  }
+  return out;
+}
+}  // namespace
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPModule>>& modules) {
+  unit_->set_forward_prefetch(raw_units(modules));
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPModule>>& modules) {
+  unit_->set_backward_prefetch(raw_units(modules));
 }
 
 std::vector<std::shared_ptr<ShardedUnit>> FSDPModule::units() const {

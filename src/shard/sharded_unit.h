@@ -12,6 +12,7 @@
 // inside backward, or not used at all in a step goes through the same code.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 
 #include "fsdp/device_mesh.h"
 #include "fsdp/options.h"
+#include "prefetch/execution_order.h"
 #include "shard/flat_param.h"
 
 namespace torch::autograd {
@@ -29,6 +31,7 @@ struct Node;
 namespace fsdp {
 
 class ShardedUnit;
+class Tracer;
 
 enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
@@ -39,6 +42,9 @@ struct RootState {
   bool in_backward = false;
   std::vector<FlatParam*> pending_reduces;  // reduce-scatters issued and not yet collected
   int64_t checkpoint_saves = 0;             // keys a save's store entries
+  ExecutionOrder order;
+  int max_unsharded_units = 0;
+  std::shared_ptr<Tracer> tracer;
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
 };
@@ -71,6 +77,13 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void unshard();
   void wait_for_unshard();
   void reshard();
+  bool is_gathered_or_gathering() const;
+  // Explicit prefetch lists; when set they replace the recorded-order ones.
+  void set_forward_prefetch(std::vector<ShardedUnit*> units) { forward_prefetch_ = std::move(units); }
+  void set_backward_prefetch(std::vector<ShardedUnit*> units) { backward_prefetch_ = std::move(units); }
+  // Collects every gradient reduction still in flight (see Note [Lazy gradient collection]).
+  void collect_gradients();
+  Tracer* tracer() { return root_ ? root_state().tracer.get() : nullptr; }
 
   // ---- parts
   std::vector<std::unique_ptr<FlatParam>>& flat_params() { return flat_params_; }
@@ -84,6 +97,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
  private:
   void on_grad_ready(size_t flat_index);
+  int prefetch_depth() const;
+  void prefetch(const std::vector<ShardedUnit*>& targets);
   void post_backward(size_t flat_index);
   void note_memory();
   void reset_after_backward();
@@ -102,6 +117,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::vector<bool> post_backward_done_;             // per flat param, this backward
   bool has_frozen_ = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for the hooks
+
+  std::vector<ShardedUnit*> forward_prefetch_, backward_prefetch_;
+  std::chrono::steady_clock::time_point forward_begin_, backward_begin_;
 
   std::string prefix_;
   ShardedUnit* root_ = nullptr;
