@@ -28,18 +28,18 @@ struct DataConfig {
   int64_t seq_len = 64;              // tokens per sample (each sample holds seq_len + 1)
   // The global batch is batch_size_per_rank * world size samples; to compare runs on different
   // world sizes, keep that product fixed.
-  int64_t batch_size_per_rank = 8;
+  int64_t batch_size_per_rank = 16;
 };
 
 struct OptimConfig {
-  double lr = 3e-3;
+  double lr = 6e-3;
   std::array<double, 2> betas{0.9, 0.95};
   double eps = 1e-8;
   double weight_decay = 0.1;
   int64_t warmup_steps = 20;
   double grad_clip = 1.0;  // max global gradient norm; 0 turns clipping off
   std::string schedule = "cosine";  // "cosine" (to min_lr at train.steps) or "constant"
-  double min_lr = 3e-4;
+  double min_lr = 6e-4;
 };
 
 struct OffloadConfig {
@@ -53,7 +53,7 @@ struct FsdpConfig {
   fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard;
   at::ScalarType param_dtype = at::kFloat;   // compute dtype of gathered parameters
   at::ScalarType reduce_dtype = at::kFloat;  // dtype gradients are reduced in
-  int64_t prefetch_depth = 1;                // units gathered ahead of use
+  int64_t prefetch_depth = 1;                // units whose all-gather is issued ahead (0: off)
   double timeout_s = 60;                     // rendezvous and every collective
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
   OffloadConfig offload;
@@ -88,8 +88,9 @@ struct TrainConfig {
   std::string config_hash() const;
 };
 
-// The model section's built-in default: ~0.9M parameters that learn the synthetic task in a few
-// hundred steps on two CPU cores.
+// The model section's built-in default: ~0.9M parameters. With the other defaults, 200 steps on 2
+// ranks take about a minute on two CPU cores and bring the synthetic task's loss from log(256) =
+// 5.55 to about 1.0 (the chain by step ~60, the copied half after that).
 llama::LlamaConfig default_model_config();
 
 // "bfloat16" / "float16" / "float32" (also "bf16", "fp16", "fp32") and back.

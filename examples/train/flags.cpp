@@ -1,8 +1,10 @@
-// Command-line parsing for fsdp-train: a small table of flags, each with or without a value.
+// Command-line parsing for fsdp-train: every flag is recognised and its value checked in one place.
 #include "flags.h"
 
 #include <cerrno>
 #include <cstdlib>
+#include <optional>
+#include <string>
 
 namespace train {
 namespace {
@@ -34,8 +36,9 @@ const char* usage_text() {
          "  --save-dir DIR      save checkpoints into DIR (every train.save_every steps and at the end)\n"
          "  --resume WHICH      'latest' (the newest in --save-dir) or a checkpoint directory\n"
          "  --metrics FILE      JSON lines, one per step and one per evaluation (written by rank 0)\n"
-         "  --trace FILE        Chrome trace of the step phases (Perfetto / chrome://tracing); with several\n"
-         "                      ranks each writes FILE with .rankK before the extension\n"
+         "  --trace FILE        Chrome trace (Perfetto, chrome://tracing) of the step phases and of fsdp's\n"
+         "                      gathers, reductions and waits; with several ranks each writes FILE with\n"
+         "                      .rankK before the extension\n"
          "  --help              this text\n"
          "\n"
          "Environment: FSDP_THREADS (intra-op threads per rank, default 1).\n";

@@ -2,8 +2,6 @@
 // flag, missing value) is reported before anything else and exits with status 2.
 #pragma once
 
-#include <cstdint>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>

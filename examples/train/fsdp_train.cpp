@@ -9,10 +9,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "config.h"
+#include "data.h"
 #include "flags.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
@@ -34,6 +37,7 @@ bool is_rank_zero() {
 int main(int argc, char** argv) {
   train::Flags flags;
   train::TrainConfig config;
+  std::optional<train::Dataset> data;
   try {
     flags = train::parse_flags(argc, argv);
     if (flags.help) {
@@ -42,6 +46,9 @@ int main(int argc, char** argv) {
     }
     config = train::config_from_flags(flags);
     train::check_supported(config);
+    // Opened and validated before joining the job: a bad data file fails at once, not after the
+    // rendezvous.
+    data.emplace(config.data, config.model.vocab_size, config.train.seed);
   } catch (const std::exception& e) {
     if (is_rank_zero()) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
     return 2;
@@ -57,7 +64,7 @@ int main(int argc, char** argv) {
   // One intra-op thread per rank by default: ranks on one machine would otherwise oversubscribe it.
   at::set_num_threads(threads);
   try {
-    train::run_training(config, flags);
+    train::run_training(config, flags, std::move(*data));
     return 0;
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());

@@ -114,13 +114,14 @@ MetricsLog::~MetricsLog() {
 
 void MetricsLog::step(const StepMetrics& m) {
   if (file_ == nullptr) return;
-  nlohmann::json j = {{"step", m.step},
+  // ordered_json: keys in the documented order, step first, for people reading the file.
+  nlohmann::ordered_json j = {{"step", m.step},
                       {"loss", m.loss},
                       {"lr", m.lr},
                       {"step_time_s", m.step_time_s},
                       {"tokens_per_s", m.tokens_per_s}};
   auto column = [&](double RankCounters::*field, bool integral) {
-    nlohmann::json a = nlohmann::json::array();
+    nlohmann::ordered_json a = nlohmann::ordered_json::array();
     for (const auto& r : m.ranks) {
       if (integral) {
         a.push_back(static_cast<int64_t>(r.*field));
@@ -140,7 +141,7 @@ void MetricsLog::step(const StepMetrics& m) {
 
 void MetricsLog::eval(int64_t step, double loss) {
   if (file_ == nullptr) return;
-  nlohmann::json j = {{"eval", true}, {"step", step}, {"loss", loss}};
+  nlohmann::ordered_json j = {{"eval", true}, {"step", step}, {"loss", loss}};
   std::fprintf(file_, "%s\n", j.dump().c_str());
   std::fflush(file_);
 }

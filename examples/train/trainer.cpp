@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
-#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -22,9 +21,9 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
 #include "fsdp/optim.h"
+#include "fsdp/trace.h"
 #include "llama.h"
 #include "metrics.h"
-#include "trace.h"
 
 namespace train {
 namespace {
@@ -32,6 +31,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// --trace FILE on several ranks: each rank writes FILE with ".rankK" before the extension, so ranks
+// never share a file (trace.json -> trace.rank1.json).
+std::string trace_path(const std::string& path, int rank, int world_size) {
+  if (world_size <= 1) return path;
+  const size_t slash = path.find_last_of('/');
+  const size_t dot = path.find_last_of('.');
+  const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash + 1);
+  const std::string tag = ".rank" + std::to_string(rank);
+  return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
+}
 
 // Linear warmup to base_lr (as WarmupCosine's), then constant.
 class WarmupConstant : public fsdp::LRScheduler {
@@ -80,9 +90,9 @@ class Job {
     const bool hybrid = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard;
     if (hybrid) {
       const int64_t r = cfg_.fsdp.replicate;
-      if (r > world_ || world_ % r != 0 || r == world_) {
+      if (r > world_ || world_ % r != 0) {
         throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(r) + ": must divide the world size " +
-                                    std::to_string(world_) + " and leave at least 2 ranks per replica for HYBRID_SHARD");
+                                    std::to_string(world_) + " (HYBRID_SHARD replicates over that many rows of ranks)");
       }
       mesh_ = std::make_unique<fsdp::DeviceMesh>(dist_, static_cast<int>(r), world_ / static_cast<int>(r));
     } else {
@@ -94,7 +104,10 @@ class Job {
     // Built on the meta device: no rank ever holds the whole model; each materialises its shards
     // on the first forward from llama_init_fn, which gives the same values whatever the world size.
     model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
-    auto opts = fsdp::FullyShardOptions().strategy(cfg_.fsdp.strategy).init(llama::llama_init_fn(cfg_.model, cfg_.train.seed));
+    auto opts = fsdp::FullyShardOptions()
+                    .strategy(cfg_.fsdp.strategy)
+                    .prefetch_depth(static_cast<int>(cfg_.fsdp.prefetch_depth))
+                    .init(llama::llama_init_fn(cfg_.model, cfg_.train.seed));
     const bool mixed = cfg_.fsdp.param_dtype != at::kFloat;
     if (mixed) opts.param_dtype(cfg_.fsdp.param_dtype);
     if (mixed || cfg_.fsdp.reduce_dtype != at::kFloat) opts.reduce_dtype(cfg_.fsdp.reduce_dtype);
@@ -109,12 +122,17 @@ class Job {
         root_, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
     sched_ = make_schedule(o, cfg_.train.steps);
     comm_ = std::make_unique<CommCounter>(*mesh_);
-    trace_ = std::make_unique<Trace>(flags_.trace, rank_, world_);
+    if (!flags_.trace.empty()) {
+      // The library's own spans (gathers, reductions, waits, optimizer step) land in the same trace
+      // as the trainer's phases, which go on their own lane, "train".
+      tracer_ = std::make_shared<fsdp::Tracer>(rank_);
+      root_->set_tracer(tracer_);
+    }
   }
 
   void resume_if_asked() {
     if (flags_.resume.empty()) return;
-    auto span = trace_->span("train::checkpoint_load", step_);
+    fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_load", "train", "");
     const auto p = load_checkpoint(flags_.save_dir, flags_.resume, *root_, *optim_, cfg_.config_hash());
     step_ = p.step;
     samples_seen_ = p.samples_seen;
@@ -148,6 +166,14 @@ class Job {
                                        : "",
                 o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
+    if (flags_.save_dir.empty()) {
+      std::printf("checkpoints: off (pass --save-dir DIR)\n");
+    } else {
+      std::printf("checkpoints: %s, %s, keep_last %lld\n", flags_.save_dir.c_str(),
+                  cfg_.train.save_every > 0 ? ("every " + std::to_string(cfg_.train.save_every) + " steps and at the end").c_str()
+                                            : "at the end",
+                  static_cast<long long>(cfg_.train.keep_last));
+    }
     if (!resumed_from_.empty()) {
       std::printf("resumed from %s at step %lld (samples_seen %lld)\n", resumed_from_.c_str(),
                   static_cast<long long>(step_), static_cast<long long>(samples_seen_));
@@ -185,24 +211,24 @@ class Job {
     const auto before = comm_->snapshot();
     Batch batch;
     {
-      auto s = trace_->span("train::data", step_);
+      fsdp::Tracer::Scope s(tracer_.get(), "train::data", "train", "");
       batch = rank_batch(data_, samples_seen_, cfg_.data.batch_size_per_rank, rank_, Split::kTrain);
     }
     at::Tensor loss;
     {
-      auto s = trace_->span("train::forward", step_);
+      fsdp::Tracer::Scope s(tracer_.get(), "train::forward", "train", "");
       loss = llama::loss(fsdp::call(model_, batch.inputs), batch.targets);
     }
     {
-      auto s = trace_->span("train::backward", step_);
+      fsdp::Tracer::Scope s(tracer_.get(), "train::backward", "train", "");
       loss.backward();
     }
     if (cfg_.optim.grad_clip > 0) {
-      auto s = trace_->span("train::clip_grad_norm", step_);
+      fsdp::Tracer::Scope s(tracer_.get(), "train::clip_grad_norm", "train", "");
       fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
     }
     {
-      auto s = trace_->span("train::optimizer", step_);
+      fsdp::Tracer::Scope s(tracer_.get(), "train::optimizer", "train", "");
       optim_->step();
       optim_->zero_grad();
     }
@@ -210,7 +236,7 @@ class Job {
     ++step_;
     samples_seen_ += global_batch_;
 
-    auto s = trace_->span("train::metrics", step_);
+    fsdp::Tracer::Scope s(tracer_.get(), "train::metrics", "train", "");
     RankCounters mine;
     mine.loss = loss.item<double>();
     mine.allgather_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
@@ -235,7 +261,7 @@ class Job {
   // The mean loss over the same eval_batches global batches of the eval split every time, so
   // evaluations are comparable across steps, runs and world sizes.
   void evaluate() {
-    auto span = trace_->span("train::eval", step_);
+    fsdp::Tracer::Scope span(tracer_.get(), "train::eval", "train", "");
     c10::NoGradGuard no_grad;
     double sum = 0;
     for (int64_t b = 0; b < cfg_.train.eval_batches; ++b) {
@@ -254,7 +280,7 @@ class Job {
 
   void save() {
     if (flags_.save_dir.empty()) return;
-    auto span = trace_->span("train::checkpoint_save", step_);
+    fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_save", "train", "");
     const auto& o = cfg_.optim;
     const nlohmann::json extra = {
         {"config", cfg_.to_json()},
@@ -274,7 +300,7 @@ class Job {
     RankCounters mine;
     mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
     const auto all = gather_counters(dist_->world(), mine);
-    if (trace_->enabled()) trace_->write();
+    if (tracer_) tracer_->write(trace_path(flags_.trace, rank_, world_));
     if (rank_ != 0) return;
     if (steps_trained_ > 0) {
       std::printf("done: %lld steps in %.1f s (%.3f s/step), step %lld, loss %.4f", static_cast<long long>(steps_trained_),
@@ -289,8 +315,9 @@ class Job {
     std::printf("\n");
     if (!last_checkpoint_.empty()) std::printf("checkpoint: %s\n", last_checkpoint_.c_str());
     if (!flags_.metrics.empty()) std::printf("metrics: %s\n", flags_.metrics.c_str());
-    if (trace_->enabled()) {
-      std::printf("trace: %s%s\n", trace_->path().c_str(), world_ > 1 ? " (and the other ranks' beside it)" : "");
+    if (tracer_) {
+      std::printf("trace: %s%s\n", trace_path(flags_.trace, 0, world_).c_str(),
+                  world_ > 1 ? " (and the other ranks' beside it)" : "");
     }
     std::fflush(stdout);
   }
@@ -308,7 +335,7 @@ class Job {
   std::unique_ptr<fsdp::AdamW> optim_;
   std::unique_ptr<fsdp::LRScheduler> sched_;
   std::unique_ptr<CommCounter> comm_;
-  std::unique_ptr<Trace> trace_;
+  std::shared_ptr<fsdp::Tracer> tracer_;  // null without --trace
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<Progress> progress_;
 
@@ -333,10 +360,7 @@ void check_supported(const TrainConfig& config) {
   }
 }
 
-void run_training(const TrainConfig& config, const Flags& flags) {
-  // The data source is opened and validated before joining the job, so a bad file fails at once
-  // on every rank instead of after the rendezvous.
-  Dataset data(config.data, config.model.vocab_size, config.train.seed);
+void run_training(const TrainConfig& config, const Flags& flags, Dataset data) {
   Job job(config, flags, std::move(data));
   job.run();
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "config.h"
+#include "data.h"
 #include "flags.h"
 
 namespace train {
@@ -13,8 +14,9 @@ namespace train {
 // quietly training without them (std::invalid_argument naming the key). Call before joining the job.
 void check_supported(const TrainConfig& config);
 
-// Runs the whole job on this rank; collective. Returns normally on success and throws on failure
+// Runs the whole job on this rank; collective. `data` is opened by the caller before the job is
+// joined, so a bad file fails at once. Returns normally on success and throws on failure
 // (std::invalid_argument for config problems found only once the world size is known).
-void run_training(const TrainConfig& config, const Flags& flags);
+void run_training(const TrainConfig& config, const Flags& flags, Dataset data);
 
 }  // namespace train

@@ -292,7 +292,7 @@ void ShardedUnit::pre_forward() {
   if (!recompute && prefetch_depth() > 0) {
     prefetch(forward_prefetch_.empty() ? rs.order.next_in_forward(this, prefetch_depth()) : forward_prefetch_);
   }
-  wait_for_unshard();
+  wait_for_unshard();  // also records the memory peak, prefetched buffers included
   state_ = TrainingState::kForward;
 }
 
@@ -397,10 +397,13 @@ void ShardedUnit::note_memory() {
   if (root_ == nullptr) return;
   RootState& rs = root_state();
   int64_t alive = 0;
+  int gathered = 0;
   for (ShardedUnit* unit : rs.units) {
     for (auto& fp : unit->flat_params_) alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
+    gathered += unit->is_gathered_or_gathering() ? 1 : 0;
   }
   rs.peak_unsharded_bytes = std::max(rs.peak_unsharded_bytes, alive);
+  rs.peak_gathered_units = std::max(rs.peak_gathered_units, gathered);
 }
 
 // ---- public entry points ------------------------------------------------------------------------

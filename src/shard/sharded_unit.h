@@ -47,6 +47,7 @@ struct RootState {
   std::shared_ptr<Tracer> tracer;
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
+  int peak_gathered_units = 0;  // units with params gathered or gathering at once, at most
 };
 
 class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {

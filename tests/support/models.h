@@ -50,6 +50,7 @@ struct NetOptions {
   bool reuse_block = false;  // run block 0 twice in one forward
   int skip_block = -1;       // run this block's forward without using its output
   int checkpoint_block = -1; // recompute this block's activations in backward
+  bool reverse_blocks = false;  // run the blocks in reverse order (changes the execution order)
   at::Device device = at::kCPU;
 };
 
@@ -64,7 +65,8 @@ class NetImpl : public torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = at::tanh(inp->forward(x));
-    for (size_t i = 0; i < blocks.size(); ++i) {
+    for (size_t k = 0; k < blocks.size(); ++k) {
+      const size_t i = opts.reverse_blocks ? blocks.size() - 1 - k : k;
       if (static_cast<int>(i) == opts.skip_block) {
         (void)fsdp::call(blocks[i], h);  // computed, never reaches the loss
         continue;
