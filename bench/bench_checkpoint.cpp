@@ -2,9 +2,10 @@
 // rank (fsdp-run). The model is a stack of square weight matrices (--mib MiB of fp32 params in
 // all, --layers of them), initialised on the meta device so no rank ever holds all of it, with
 // AdamW state present (one step taken). Phases, each bracketed by barriers:
-//   save   fsdp::checkpoint::save of params + exp_avg + exp_avg_sq; bytes = every file's size
-//   load   fsdp::checkpoint::load into a fresh model (page cache dropped first when we may; else
-//          the files are read from a warm cache, and the JSON says so)
+//   save   fsdp::checkpoint::save of params + exp_avg + exp_avg_sq; bytes = every file's size;
+//          the best of --repeats runs (the disk may be shared), every run in the JSON
+//   load   fsdp::checkpoint::load into a fresh model, best of --repeats (page cache dropped first
+//          when we may; else the files are read from a warm cache, and the JSON says so)
 //   async  the median of 5 plain steps, then one step that also calls AsyncSaver::save (which
 //          returns after the snapshot): stall = that step - the plain step; and the time from the
 //          call until the background save finished
@@ -12,13 +13,14 @@
 // Rank 0 prints one JSON object (all timings rank 0's, after barriers) to stdout.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -114,9 +116,14 @@ int64_t dir_bytes(const std::string& dir) {
   return total;
 }
 
-// Tries to drop the page cache (needs a writable /proc/sys, i.e. root outside a container).
+// Writes back dirty pages, then tries to drop the page cache (needs root and a writable /proc/sys).
 bool drop_page_cache() {
-  return std::system("sync && { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null") == 0;
+  ::sync();
+  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, "3", 1) == 1;
+  ::close(fd);
+  return ok;
 }
 
 double median(std::vector<double> v) {
@@ -129,19 +136,22 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t mib = 512;
   int layers = 8;
+  int repeats = 2;
   std::string dir = "/tmp/fsdp-bench-checkpoint";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--mib" && i + 1 < argc) mib = std::stoll(argv[++i]);
     else if (a == "--layers" && i + 1 < argc) layers = std::stoi(argv[++i]);
+    else if (a == "--repeats" && i + 1 < argc) repeats = std::stoi(argv[++i]);
     else if (a == "--dir" && i + 1 < argc) dir = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_checkpoint [--mib M] [--layers L] [--dir DIR]\n");
+      std::fprintf(stderr, "usage: bench_checkpoint [--mib M] [--layers L] [--repeats R] [--dir DIR]\n");
       return 2;
     }
   }
-  if (mib <= 0 || layers <= 0) {
-    std::fprintf(stderr, "bench_checkpoint: --mib and --layers must be positive (got %lld, %d)\n", (long long)mib, layers);
+  if (mib <= 0 || layers <= 0 || repeats <= 0) {
+    std::fprintf(stderr, "bench_checkpoint: --mib, --layers and --repeats must be positive (got %lld, %d, %d)\n",
+                 (long long)mib, layers, repeats);
     return 2;
   }
   at::set_num_threads(1);
@@ -161,49 +171,65 @@ int main(int argc, char** argv) {
   out["params"] = params;
   out["param_bytes"] = params * 4;
 
-  // ---- synchronous save
+  // ---- synchronous save, best of `repeats` (the disk is shared: single runs are noisy)
   std::vector<at::Tensor> saved_state;
+  std::vector<double> save_runs;
+  int64_t bytes = 0;
   {
     Model a = make_model(mesh, dim, layers);
     train_step(a, dim, 0);
     for (const auto& t : local_state(a)) saved_state.push_back(t.clone());
     fsdp::checkpoint::TrainState st;
     st.step = 1;
-    comm.barrier("save/before");
-    const auto t0 = Clock::now();
-    const std::string committed = fsdp::checkpoint::save(dir, "step-00000001", *a.root, a.optim.get(), st);
-    comm.barrier("save/after");
-    const double s = seconds_since(t0);
-    const int64_t bytes = dir_bytes(committed);
-    out["save"] = {{"seconds", s}, {"bytes", bytes}, {"gb_per_s", bytes / s / 1e9}};
+    {
+      const auto t0 = Clock::now();
+      dist->side_group("checkpoint");  // what the first save would create (one-time set-up, not I/O)
+      comm.barrier("side_group");
+      out["side_group_setup_seconds"] = seconds_since(t0);
+    }
+    for (int r = 0; r < repeats; ++r) {
+      if (lead && r > 0) fsdp::checkpoint::remove_tree(fsdp::checkpoint::join(dir, "step-00000001"));
+      if (lead) ::sync();  // no dirty pages left from before, as for dd in scripts/bench
+      comm.barrier("save/before");
+      const auto t0 = Clock::now();
+      const std::string committed = fsdp::checkpoint::save(dir, "step-00000001", *a.root, a.optim.get(), st);
+      comm.barrier("save/after");
+      save_runs.push_back(seconds_since(t0));
+      bytes = dir_bytes(committed);
+    }
   }  // model a freed: the load below runs next to one model only
+  const double save_s = *std::min_element(save_runs.begin(), save_runs.end());
+  out["save"] = {{"seconds", save_s}, {"bytes", bytes}, {"gb_per_s", bytes / save_s / 1e9}, {"runs", save_runs}};
 
-  // ---- load into a fresh model
+  // ---- load into a fresh model, best of `repeats`
   Model b = make_model(mesh, dim, layers);
-  bool cold = false;
-  if (lead) cold = drop_page_cache();
-  auto flag = at::full({1}, cold ? 1.0 : 0.0, at::kDouble);
-  comm.broadcast(flag, 0, "cache").wait();
-  cold = flag.item<double>() > 0;
-  comm.barrier("load/before");
-  auto t0 = Clock::now();
-  fsdp::checkpoint::load(fsdp::checkpoint::resolve(dir, "latest"), *b.root, b.optim.get());
-  comm.barrier("load/after");
-  const double load_s = seconds_since(t0);
-  const int64_t bytes = out["save"]["bytes"].get<int64_t>();
+  std::vector<double> load_runs;
+  bool cold = true;
+  for (int r = 0; r < repeats; ++r) {
+    auto flag = at::full({1}, lead && drop_page_cache() ? 1.0 : 0.0, at::kDouble);
+    comm.broadcast(flag, 0, "cache").wait();
+    cold = cold && flag.item<double>() > 0;
+    comm.barrier("load/before");
+    const auto t0 = Clock::now();
+    fsdp::checkpoint::load(fsdp::checkpoint::resolve(dir, "latest"), *b.root, b.optim.get());
+    comm.barrier("load/after");
+    load_runs.push_back(seconds_since(t0));
+  }
   // Data check: every rank's shards and state equal what it saved, bit for bit.
   auto same = at::full({1}, same_state(local_state(b), saved_state) ? 0.0 : 1.0, at::kDouble);
   comm.all_reduce(same, fsdp::ReduceOp::kSum, "check").wait();
   const bool checked = same.item<double>() == 0;
   saved_state.clear();
-  out["load"] = {{"seconds", load_s}, {"bytes", bytes}, {"gb_per_s", bytes / load_s / 1e9},
+  const double load_s = *std::min_element(load_runs.begin(), load_runs.end());
+  out["load"] = {{"seconds", load_s}, {"bytes", bytes}, {"gb_per_s", bytes / load_s / 1e9}, {"runs", load_runs},
                  {"cache", cold ? "cold (dropped)" : "warm (could not drop the page cache)"}, {"data_checked", checked}};
+  if (lead) fsdp::checkpoint::remove_tree(fsdp::checkpoint::join(dir, "step-00000001"));
 
   // ---- the stall of a background save
   std::vector<double> plain;
   for (int i = 0; i < 6; ++i) {
     comm.barrier("step/before");
-    t0 = Clock::now();
+    const auto t0 = Clock::now();
     train_step(b, dim, 1 + i);
     comm.barrier("step/after");
     if (i > 0) plain.push_back(seconds_since(t0));  // the first step after load warms up
@@ -213,7 +239,7 @@ int main(int argc, char** argv) {
     fsdp::checkpoint::TrainState st;
     st.step = 8;
     comm.barrier("async/before");
-    t0 = Clock::now();
+    const auto t0 = Clock::now();
     train_step(b, dim, 7);
     const auto call = Clock::now();
     saver.save(dir, "step-00000008", *b.root, b.optim.get(), st);
