@@ -1,0 +1,62 @@
+// fsdp-ckpt: inspect, verify, compare and export fsdp checkpoints (the directory format of
+// include/fsdp/checkpoint.h) from the command line, with no process group and no model to shard.
+//
+//   fsdp-ckpt info DIR             tensors per file set, totals, the train state
+//   fsdp-ckpt verify DIR           every check there is (Note [What verify checks]); "ok: ..."
+//   fsdp-ckpt diff [opts] A B      equal training state? (Note [What diff compares])
+//   fsdp-ckpt export DIR OUT       a Hugging Face LlamaForCausalLM directory (Note [Hugging Face config])
+//   fsdp-ckpt logits DIR TOK OUT   logits of the unsharded model for int64 tokens (.npy in and out)
+//
+// DIR is a checkpoint directory or a save root whose `latest` names one. Exit status: 0 success,
+// 1 a failed verify, a difference or an error, 2 bad usage (and, for diff, an unreadable
+// checkpoint, as diff(1) does).
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "ckpt_commands.h"
+#include "ckpt_view.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: fsdp-ckpt COMMAND ARGS\n"
+    "  info DIR                  tensors (name, dtype, shape, bytes) per file set, totals, train state\n"
+    "  verify DIR                validate every file and read every byte; prints \"ok: N tensors, B bytes\"\n"
+    "  diff [--ignore-world] [--ignore /json/pointer]... [--max-diffs N] A B\n"
+    "                            exit 0 when A and B hold the same tensors (byte for byte) and train state\n"
+    "                            (rng_states never compared; --ignore-world: nor world_size, strategy);\n"
+    "                            shows the first N differences per file set and of train_state (default 20)\n"
+    "  export DIR OUT            write a Hugging Face LlamaForCausalLM directory (config.json,\n"
+    "                            model.safetensors, model.safetensors.index.json) into a new directory OUT\n"
+    "  logits DIR TOKENS.npy OUT.npy\n"
+    "                            run the unsharded model on int64 tokens [B, T]; write float32 logits\n"
+    "DIR: a checkpoint directory, or a save root whose 'latest' names one.\n"
+    "Exit status: 0 ok, 1 problems found / differences / errors, 2 usage errors (diff: also unreadable input).\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace fsdp_ckpt;
+  if (argc < 2 || std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help" || std::string(argv[1]) == "help") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  const Args args(argv + 2, argv + argc);
+  try {
+    if (command == "info") return run_info(args);
+    if (command == "verify") return run_verify(args);
+    if (command == "diff") return run_diff(args);
+    if (command == "export") return run_export(args);
+    if (command == "logits") return run_logits(args);
+    throw UsageError("unknown command '" + command + "'");
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "fsdp-ckpt: usage error: %s\n%s", e.what(), kUsage);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
+    return command == "diff" ? 2 : 1;
+  }
+}
