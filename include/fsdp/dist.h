@@ -47,6 +47,9 @@ struct InitOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(60);
   // Gloo threads per process group.
   TORCH_ARG(int, gloo_threads) = 2;
+  // "cpu": collectives over Gloo (CPU tensors). "cuda": over NCCL (CUDA tensors; CUDA builds only,
+  // set the rank's CUDA device first, e.g. from LOCAL_RANK).
+  TORCH_ARG(std::string, device) = "cpu";
 };
 
 // One process's membership in a job: its rank, the store, and the world communicator.

@@ -71,9 +71,15 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
   gopts.threads = options.gloo_threads();
   gopts.hostname = hostname;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + name, store);
+  if (options.device() != "cpu" && options.device() != "cuda") {
+    throw ConfigError("fsdp: InitOptions::device must be \"cpu\" or \"cuda\", got \"" + options.device() + "\"");
+  }
   std::unique_ptr<Transport> transport;
   try {
-    transport = make_gloo_transport(prefixed, group_rank, group_size, gopts);
+    transport = options.device() == "cuda" ? make_nccl_transport(prefixed, group_rank, group_size, options.timeout())
+                                           : make_gloo_transport(prefixed, group_rank, group_size, gopts);
+  } catch (const ConfigError&) {
+    throw;
   } catch (const std::exception& e) {
     throw DistError("fsdp: creating process group '" + name + "' failed on group rank " +
                     std::to_string(group_rank) + " of " + std::to_string(group_size) + " within " +

@@ -59,6 +59,9 @@ struct GlooTransportOptions {
 };
 
 std::unique_ptr<Transport> make_local_transport();
+// CUDA tensors over NCCL (CUDA builds); the CPU-only build throws ConfigError naming the fix.
+std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               std::chrono::milliseconds timeout);
 std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                int size, const GlooTransportOptions& options);
 
