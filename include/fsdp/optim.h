@@ -93,8 +93,6 @@ class ShardedOptimizer {
   std::vector<ShardState> states_;
   std::map<int, GroupOptions> groups_;
   double lr_ = 0;
-  friend class AdamW;
-  friend class SGD;
 };
 
 // AdamW with decoupled weight decay: p -= lr*wd*p; then the Adam update with bias correction.

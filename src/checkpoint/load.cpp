@@ -98,11 +98,17 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
 
 }  // namespace
 
-bool has_latest(const std::string& root_dir) {
+// The checkpoint name root_dir/latest holds, trimmed; empty when there is no such file.
+std::string read_latest_name(const std::string& root_dir) {
   const std::string latest = join(root_dir, "latest");
-  if (!exists(latest)) return false;
+  if (!exists(latest)) return "";
   std::string name = read_small_file(latest, 4096);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return name;
+}
+
+bool has_latest(const std::string& root_dir) {
+  const std::string name = read_latest_name(root_dir);
   return !name.empty() && exists(join(join(root_dir, name), "train_state.json"));
 }
 
@@ -111,8 +117,7 @@ std::string resolve(const std::string& root_dir, const std::string& which) {
   if (which.empty() || which == "latest") {
     const std::string latest = join(root_dir, "latest");
     if (!exists(latest)) throw CheckpointError("fsdp: no checkpoint to resume: " + latest + " does not exist");
-    std::string name = read_small_file(latest, 4096);
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    const std::string name = read_latest_name(root_dir);
     if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
       throw CheckpointError("fsdp: " + latest + " does not name a checkpoint directory");
     }

@@ -24,6 +24,12 @@ namespace fsdp {
 namespace {
 using Clock = std::chrono::steady_clock;
 
+// Adds a transport's byte counts to a collective's counters.
+void count(OpStats& s, const TransferCount& c) {
+  s.bytes_sent += c.sent;
+  s.bytes_received += c.received;
+}
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -285,8 +291,7 @@ CommHandle Communicator::all_gather(at::Tensor output, at::Tensor input, const s
   return enqueue(CollectiveKind::kAllGather, tag, {out, in}, [out, in](Transport& t, OpStats& s) {
     TransferCount c;
     t.all_gather(out, in, c);
-    s.bytes_sent += c.sent;
-    s.bytes_received += c.received;
+    count(s, c);
   });
 }
 
@@ -306,8 +311,7 @@ CommHandle Communicator::reduce_scatter(at::Tensor output, at::Tensor input, Red
                  [out, in, op](Transport& t, OpStats& s) {
                    TransferCount c;
                    t.reduce_scatter(out, in, op, c);
-                   s.bytes_sent += c.sent;
-                   s.bytes_received += c.received;
+                   count(s, c);
                  });
 }
 
@@ -316,8 +320,7 @@ CommHandle Communicator::all_reduce(at::Tensor tensor, ReduceOp op, const std::s
   return enqueue(CollectiveKind::kAllReduce, tag, {tensor}, [tensor, op](Transport& t, OpStats& s) {
     TransferCount c;
     t.all_reduce(tensor, op, c);
-    s.bytes_sent += c.sent;
-    s.bytes_received += c.received;
+    count(s, c);
   });
 }
 
@@ -330,8 +333,7 @@ CommHandle Communicator::broadcast(at::Tensor tensor, int root, const std::strin
   return enqueue(CollectiveKind::kBroadcast, tag, {tensor}, [tensor, root](Transport& t, OpStats& s) {
     TransferCount c;
     t.broadcast(tensor, root, c);
-    s.bytes_sent += c.sent;
-    s.bytes_received += c.received;
+    count(s, c);
   });
 }
 
