@@ -21,18 +21,6 @@
 #include "fsdp/errors.h"
 #include "trainer.h"
 
-namespace {
-
-// Errors found before the job starts are the same on every rank: let rank 0 alone report them.
-bool is_rank_zero() {
-  try {
-    return fsdp::parse_dist_env().rank == 0;
-  } catch (...) {
-    return true;
-  }
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   train::Flags flags;
@@ -50,7 +38,8 @@ int main(int argc, char** argv) {
     // rendezvous.
     data.emplace(config.data, config.model.vocab_size, config.train.seed);
   } catch (const std::exception& e) {
-    if (is_rank_zero()) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    // Every rank reports: a launcher may stop rank 0 before it prints when another rank exits first.
+    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
     return 2;
   }
   int threads = 1;
