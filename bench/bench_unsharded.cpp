@@ -1,0 +1,161 @@
+// The compute floor for `scripts/bench compare`: fsdp-train's model, data, loss, clipping and LR
+// schedule trained on one process with plain LibTorch (no sharding, no communication,
+// torch::optim::AdamW), writing the same --metrics lines as fsdp-train. It also dumps the training
+// batches for the Python FSDP2 run, so all three systems see the very same tokens.
+//
+//   bench_unsharded [fsdp-train flags: --set K=V, --steps N, --seed, --config] --metrics run.jsonl
+//   bench_unsharded [same] --dump-data batches.bin --world 2
+//
+// --dump-data writes int64 little-endian [steps, world, 2 (inputs, targets), batch_per_rank,
+// seq_len]: rank r of step s trains on element [s, r], as fsdp-train's rank_batch gives it.
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "config.h"
+#include "data.h"
+#include "flags.h"
+#include "fsdp/init.h"
+#include "fsdp/optim.h"
+#include "llama.h"
+#include "metrics.h"
+
+namespace {
+
+struct Extra {
+  std::string dump_path;  // --dump-data FILE
+  int world = 1;          // --world N (with --dump-data)
+};
+
+// Takes this tool's own flags out of argv; the rest are fsdp-train's.
+Extra take_extra_flags(std::vector<const char*>& args) {
+  Extra extra;
+  std::vector<const char*> rest{args[0]};
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string a = args[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= args.size()) throw std::invalid_argument("flag " + a + " needs a value");
+      return args[++i];
+    };
+    if (a == "--dump-data") {
+      extra.dump_path = value();
+    } else if (a == "--world") {
+      extra.world = std::stoi(value());
+      if (extra.world < 1) throw std::invalid_argument("--world must be >= 1");
+    } else {
+      rest.push_back(args[i]);
+    }
+  }
+  args = rest;
+  return extra;
+}
+
+void dump_batches(const train::TrainConfig& cfg, const train::Dataset& data, const Extra& extra) {
+  std::FILE* f = std::fopen(extra.dump_path.c_str(), "wb");
+  if (f == nullptr) throw std::runtime_error("cannot write " + extra.dump_path);
+  const int64_t per_rank = cfg.data.batch_size_per_rank;
+  const int64_t global = per_rank * extra.world;
+  for (int64_t step = 0; step < cfg.train.steps; ++step) {
+    for (int r = 0; r < extra.world; ++r) {
+      const auto b = train::rank_batch(data, step * global, per_rank, r, train::Split::kTrain);
+      for (const auto& t : {b.inputs.contiguous(), b.targets.contiguous()}) {
+        const size_t n = static_cast<size_t>(t.numel());
+        if (std::fwrite(t.data_ptr<int64_t>(), sizeof(int64_t), n, f) != n) {
+          std::fclose(f);
+          throw std::runtime_error("short write to " + extra.dump_path);
+        }
+      }
+    }
+  }
+  if (std::fclose(f) != 0) throw std::runtime_error("cannot close " + extra.dump_path);
+}
+
+double lr_at(const train::OptimConfig& o, int64_t step, int64_t total_steps) {
+  if (o.schedule == "constant") {
+    if (step < o.warmup_steps) return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
+    return o.lr;
+  }
+  return fsdp::WarmupCosine(o.lr, o.warmup_steps, total_steps, o.min_lr).lr_at(step);
+}
+
+void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, const train::Dataset& data) {
+  using Clock = std::chrono::steady_clock;
+  // The same initial values as fsdp-train's: its shards are materialised from this function too.
+  llama::LlamaForCausalLM model(cfg.model, at::kMeta);
+  fsdp::init::materialize(*model, llama::llama_init_fn(cfg.model, cfg.train.seed));
+  const auto& o = cfg.optim;
+  auto params = llama::unique_parameters(*model);
+  torch::optim::AdamW optim(params, torch::optim::AdamWOptions(o.lr)
+                                        .betas({o.betas[0], o.betas[1]})
+                                        .eps(o.eps)
+                                        .weight_decay(o.weight_decay));
+  std::FILE* metrics = flags.metrics.empty() ? nullptr : std::fopen(flags.metrics.c_str(), "w");
+  if (!flags.metrics.empty() && metrics == nullptr) throw std::runtime_error("cannot write " + flags.metrics);
+  const int64_t batch = cfg.data.batch_size_per_rank;
+  double total_s = 0;
+  for (int64_t step = 0; step < cfg.train.steps; ++step) {
+    const auto t0 = Clock::now();
+    const double lr = lr_at(o, step, cfg.train.steps);
+    for (auto& group : optim.param_groups()) group.options().set_lr(lr);
+    const auto b = train::rank_batch(data, step * batch, batch, 0, train::Split::kTrain);
+    auto loss = llama::loss(model->forward(b.inputs), b.targets);
+    loss.backward();
+    if (o.grad_clip > 0) torch::nn::utils::clip_grad_norm_(params, o.grad_clip);
+    optim.step();
+    optim.zero_grad();
+    const double loss_value = loss.item<double>();
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    total_s += dt;
+    if (metrics != nullptr) {
+      const nlohmann::json line = {{"step", step + 1},
+                                   {"loss", loss_value},
+                                   {"lr", lr},
+                                   {"step_time_s", dt},
+                                   {"tokens_per_s", static_cast<double>(batch * cfg.data.seq_len) / dt},
+                                   {"allgather_bytes", {0.0}},
+                                   {"reduce_scatter_bytes", {0.0}},
+                                   {"comm_wait_s", {0.0}},
+                                   {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}};
+      std::fprintf(metrics, "%s\n", line.dump().c_str());
+      std::fflush(metrics);
+    }
+  }
+  if (metrics != nullptr) std::fclose(metrics);
+  std::printf("bench_unsharded: %lld steps in %.2f s, peak RSS %.1f MiB\n", static_cast<long long>(cfg.train.steps),
+              total_s, static_cast<double>(train::peak_rss_bytes()) / (1 << 20));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::vector<const char*> args(argv, argv + argc);
+    const Extra extra = take_extra_flags(args);
+    const auto flags = train::parse_flags(static_cast<int>(args.size()), args.data());
+    const auto cfg = train::config_from_flags(flags);
+    const train::Dataset data(cfg.data, cfg.model.vocab_size, cfg.train.seed);
+    if (!extra.dump_path.empty()) {
+      dump_batches(cfg, data, extra);
+      return 0;
+    }
+    int threads = 1;
+    if (const char* env = std::getenv("FSDP_THREADS")) threads = std::max(1, std::atoi(env));
+    at::set_num_threads(threads);
+    train_unsharded(cfg, flags, data);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_unsharded: error: %s\n", e.what());
+    return 1;
+  }
+}
