@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <optional>
+#include <tuple>
+
+#include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
 #include "fsdp/fsdp.h"
@@ -107,6 +111,60 @@ TEST(Prefetch, CapOnGatheredUnitsHolds) {
     EXPECT_GT(free_run.peak_units, 3);  // deep prefetch does gather more without a cap
     EXPECT_LE(capped_run.peak_units, 3);
     expect_same(free_run, capped_run);
+  });
+}
+
+// Note [The last unit keeps its params]: from the second step the block that ran forward last is
+// not resharded after forward (one all-gather fewer per step), only while gradients are on, and
+// not when reshard_after_forward is set explicitly; the results do not change.
+TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
+  testing::run_threads(2, [&](Dist& dist) {
+    auto run = [&](std::optional<bool> reshard) {
+      std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+      DeviceMesh mesh(d);
+      testing::NetOptions o;
+      o.blocks = 3;
+      o.device = at::kMeta;
+      testing::Net model(o);
+      auto opts = FullyShardOptions().init(init::normal(0.3, 9)).reshard_after_forward(reshard);
+      std::vector<std::shared_ptr<FSDPModule>> blocks;
+      for (auto& b : model->blocks) blocks.push_back(fully_shard(b, mesh, opts));
+      auto root = fully_shard(model, mesh, FullyShardOptions().init(init::normal(0.3, 9)));
+      AdamW optim(root, AdamWOptions(1e-2));
+      auto& last = blocks.back()->unit();
+      std::vector<double> losses;
+      std::vector<uint64_t> gathered;
+      for (int step = 0; step < 3; ++step) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(step + 1);
+        auto x = at::randn({4, o.in}, gen), y = at::randn({4, o.out}, gen);
+        const auto before = dist.world().stats();
+        auto loss = at::mse_loss(fsdp::call(model, x), y);
+        const bool kept = last.flat_params()[0]->state() == ShardedState::kUnsharded;
+        EXPECT_EQ(kept, !reshard.has_value() && step > 0) << "step " << step;
+        EXPECT_EQ(blocks[0]->unit().flat_params()[0]->state(), ShardedState::kSharded);
+        loss.backward();
+        EXPECT_EQ(last.flat_params()[0]->state(), ShardedState::kSharded) << "freed by the end of backward";
+        optim.step();
+        optim.zero_grad();
+        gathered.push_back((dist.world().stats() - before).of(CollectiveKind::kAllGather).bytes_sent);
+        losses.push_back(loss.item<double>());
+      }
+      {
+        c10::NoGradGuard no_grad;  // no backward coming: the last block frees its params as usual
+        fsdp::call(model, at::randn({4, o.in}));
+        EXPECT_EQ(last.flat_params()[0]->state(), ShardedState::kSharded);
+      }
+      int64_t last_bytes = 0;
+      for (auto& fp : last.flat_params()) last_bytes += fp->padded_numel() * 4 / 2;  // (N-1)/N of it sent
+      return std::make_tuple(losses, gathered, last_bytes);
+    };
+    const auto [kept_losses, kept_bytes, last_bytes] = run(std::nullopt);
+    const auto [plain_losses, plain_bytes, unused] = run(true);
+    EXPECT_EQ(kept_losses, plain_losses);  // bitwise
+    EXPECT_EQ(kept_bytes[0], plain_bytes[0]);
+    for (int step = 1; step < 3; ++step) {
+      EXPECT_EQ(kept_bytes[step] + static_cast<uint64_t>(last_bytes), plain_bytes[step]) << "step " << step;
+    }
   });
 }
 

@@ -21,8 +21,9 @@ void check_traffic_and_memory(int world) {
     testing::Net model(o);
     int64_t psi = 0;
     for (auto& p : model->parameters()) psi += p.numel();
-    for (auto& b : model->blocks) fully_shard(b, mesh);
-    // The root also frees its params after forward, so every unit is gathered twice per step.
+    // Every unit, the root and the last block included, frees its params after forward, so every
+    // unit is gathered twice per step (by default the root and the last block keep theirs).
+    for (auto& b : model->blocks) fully_shard(b, mesh, FullyShardOptions().reshard_after_forward(true));
     auto root = fully_shard(model, mesh, FullyShardOptions().reshard_after_forward(true));
     AdamW optim(root, AdamWOptions(1e-3));
 
