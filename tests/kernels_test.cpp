@@ -306,7 +306,9 @@ TEST(KernelCuda, AdamWMatchesTwin) {
           return view;
         };
         auto gp = to_gpu(in.p), gg = to_gpu(in.g), gm = to_gpu(in.m), gv = to_gpu(in.v);
-        auto gcopy = at::empty({n}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
+        // The copy shares the others' offset in the aligned case, so the 4-wide body runs with a head.
+        auto gcopy = at::empty({n + 1}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA))
+                         .narrow(0, aligned ? 1 : 0, n);
         auto copy = at::empty({n}, at::kBFloat16);
         const auto a = args_for(c);
         fused_adamw(a, in.p, in.g, in.m, in.v, copy);
@@ -329,12 +331,16 @@ TEST(KernelCuda, CopyInMatchesTwin) {
         for (double divide_by : {1.0, 3.0}) {
           auto src = random_view(n, 1, src_dtype, 900 + n);
           auto dst = at::full({n + 5}, 9.0, at::TensorOptions().dtype(dst_dtype));
-          auto gsrc = src.cuda();  // at offset 0: the other offset than the twin's input
-          auto gdst = at::full({n + 5}, 9.0, dst.options().device(at::kCUDA));
           copy_in(src, dst, divide_by);
-          copy_in(gsrc, gdst, divide_by);
-          expect_close(gdst, dst, tolerance_for(dst_dtype),
-                       "n=" + std::to_string(n) + " " + c10::toString(src_dtype) + "->" + c10::toString(dst_dtype));
+          // dst at offset 0 (4-wide body, src copied to offset 0 too) or 1 (offsets differ: scalar).
+          for (int64_t dst_offset : {0, 1}) {
+            auto gsrc = src.cuda();
+            auto gdst = at::full({n + 5 + dst_offset}, 9.0, dst.options().device(at::kCUDA)).narrow(0, dst_offset, n + 5);
+            copy_in(gsrc, gdst, divide_by);
+            expect_close(gdst, dst, tolerance_for(dst_dtype),
+                         "n=" + std::to_string(n) + " " + c10::toString(src_dtype) + "->" + c10::toString(dst_dtype) +
+                             " dst_offset=" + std::to_string(dst_offset));
+          }
         }
       }
     }
@@ -348,10 +354,16 @@ TEST(KernelCuda, CopyOutMatchesTwin) {
       for (bool accumulate : {false, true}) {
         auto src = random_view(n, 3, src_dtype, 1000 + n);
         auto dst = random_view(n, 1, at::kFloat, 1100 + n);
-        auto gsrc = src.cuda(), gdst = dst.cuda();
+        auto gsrc = src.cuda();
+        auto gdst_aligned = dst.cuda();
+        auto gdst_offset = at::empty({n + 1}, gdst_aligned.options()).narrow(0, 1, n);  // scalar path
+        gdst_offset.copy_(gdst_aligned);
         copy_out(src, dst, {2.0, accumulate});
-        copy_out(gsrc, gdst, {2.0, accumulate});
-        expect_close(gdst, dst, kFp32Tol, "n=" + std::to_string(n) + " " + c10::toString(src_dtype));
+        for (const auto& gdst : {gdst_aligned, gdst_offset}) {
+          copy_out(gsrc, gdst, {2.0, accumulate});
+          expect_close(gdst, dst, kFp32Tol, "n=" + std::to_string(n) + " " + c10::toString(src_dtype) +
+                                                " dst offset " + std::to_string(gdst.storage_offset()));
+        }
       }
     }
   }
