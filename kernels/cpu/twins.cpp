@@ -13,6 +13,7 @@
 #include "kernels/cpu/twins.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -32,18 +33,31 @@ constexpr int64_t kVec = Vec::size();
 // and stay in L1.
 constexpr int64_t kBlock = 512;
 
-// One element type's block <-> float conversions, at::vec::convert's vectorized paths where ATen
-// has them.
+// Widening a 16-bit float is exact; at::vec::load_to_float does a vector of them at a time
+// (at::vec::convert has no vectorized bf16/fp16 -> float path).
+template <typename T>
+void widen(const T* src, float* out, int64_t len) {
+  int64_t j = 0;
+  for (; j + kVec <= len; j += kVec) {
+    Vec v;
+    at::vec::load_to_float(src + j, v);
+    v.store(out + j);
+  }
+  for (; j < len; ++j) out[j] = static_cast<float>(src[j]);
+}
+
+// One element type's block <-> float conversions; narrowing uses at::vec::convert's vectorized
+// round-to-nearest-even paths.
 void to_float(const void* src, ElemType t, int64_t i, float* out, int64_t len) {
   switch (t) {
     case ElemType::kFloat32:
       std::memcpy(out, static_cast<const float*>(src) + i, len * sizeof(float));
       return;
     case ElemType::kBFloat16:
-      at::vec::convert(static_cast<const c10::BFloat16*>(src) + i, out, len);
+      widen(static_cast<const c10::BFloat16*>(src) + i, out, len);
       return;
     case ElemType::kFloat16:
-      at::vec::convert(static_cast<const c10::Half*>(src) + i, out, len);
+      widen(static_cast<const c10::Half*>(src) + i, out, len);
       return;
   }
 }
@@ -113,9 +127,14 @@ void copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, i
                     static_cast<const char*>(src) + b * elem_size(src_type), len * elem_size(dst_type));
         continue;
       }
-      to_float(src, src_type, b, buf, len);
-      if (divide_by != 1.0f) divide_block(buf, len, divide_by);
-      from_float(buf, dst, dst_type, b, len);
+      const float* widened = buf;
+      if (src_type == ElemType::kFloat32 && divide_by == 1.0f) {
+        widened = static_cast<const float*>(src) + b;  // narrow straight from the source
+      } else {
+        to_float(src, src_type, b, buf, len);
+        if (divide_by != 1.0f) divide_block(buf, len, divide_by);
+      }
+      from_float(widened, dst, dst_type, b, len);
     }
   });
   if (dst_n > n) std::memset(static_cast<char*>(dst) + n * elem_size(dst_type), 0, (dst_n - n) * elem_size(dst_type));
