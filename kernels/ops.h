@@ -38,8 +38,8 @@ struct AdamWArgs {
 // the same numel, receiving the updated param cast to its dtype (the next all-gather's input).
 // Per element, with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step computed in double:
 //   p  = p * (1 - lr*wd)                              (skipped when wd == 0)
-//   m  = m + (1 - beta1) * (g - m)                    (ATen lerp with weight 1 - beta1 < 0.5;
-//                                                      g - (g - m) * beta1 when the weight >= 0.5)
+//   m  = m + w * (g - m), w = 1 - beta1               (ATen's lerp, one fused multiply-add;
+//                                                      g + (w - 1) * (g - m) when w >= 0.5)
 //   v  = v * beta2 + (1 - beta2) * g * g
 //   p  = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 //   param_copy = cast(p)
