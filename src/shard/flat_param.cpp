@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "fsdp/errors.h"
+#include "kernels/ops.h"
 #include "shard/param_data.h"
 
 namespace fsdp {
@@ -106,7 +107,12 @@ void FlatParam::unshard() {
   }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
   set_storage_alive(unsharded_, true);
-  gather_input_ = config_.compute_dtype == at::kFloat ? sharded_param_ : sharded_param_.to(config_.compute_dtype);
+  if (config_.compute_dtype == at::kFloat) {
+    gather_input_ = sharded_param_;
+  } else {  // mixed-precision copy-in (kernels/ops.h)
+    gather_input_ = at::empty({sharded_param_.numel()}, sharded_param_.options().dtype(config_.compute_dtype));
+    kernels::copy_in(sharded_param_, gather_input_);
+  }
   if (shard_group_.size() == 1) {
     unsharded_.copy_(gather_input_);
     gather_input_ = at::Tensor();
@@ -170,10 +176,12 @@ void FlatParam::finalize_grads() {
   if (replicate_group_.size() > 1) {
     replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, config_.tag).wait();
   }
+  // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
   if (sharded_grad_.defined()) {
-    sharded_grad_.add_(reduce_output_);
+    kernels::copy_out(reduce_output_, sharded_grad_, {/*divide_by=*/1.0, /*accumulate=*/true});
   } else {
-    sharded_grad_ = reduce_output_.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    sharded_grad_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
+    kernels::copy_out(reduce_output_, sharded_grad_);
   }
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();

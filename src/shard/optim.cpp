@@ -1,6 +1,7 @@
 // Sharded optimizers (AdamW, SGD), the warmup-cosine schedule and global-norm clipping. Each
-// optimizer steps one flat fp32 master shard at a time with whole-tensor ATen ops, so a shard's
-// update is element for element the update of the same elements of the unsharded parameter.
+// optimizer steps one flat fp32 master shard at a time with element-wise ops (AdamW and clipping
+// through the fused kernels of kernels/ops.h), so a shard's update is element for element the
+// update of the same elements of the unsharded parameter.
 #include "fsdp/optim.h"
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
+#include "kernels/ops.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {
@@ -100,16 +102,17 @@ void AdamW::init_state(ShardState& s) {
 }
 
 void AdamW::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& g, double lr, double wd) {
-  auto& m = s.tensors["exp_avg"];
-  auto& v = s.tensors["exp_avg_sq"];
-  const double b1 = options_.beta1(), b2 = options_.beta2();
-  if (wd != 0) p.mul_(1 - lr * wd);
-  m.lerp_(g, 1 - b1);
-  v.mul_(b2).addcmul_(g, g, 1 - b2);
-  const double bc1 = 1 - std::pow(b1, static_cast<double>(s.step));
-  const double bc2 = 1 - std::pow(b2, static_cast<double>(s.step));
-  auto denom = (v.sqrt() / std::sqrt(bc2)).add_(options_.eps());
-  p.addcdiv_(m, denom, -lr / bc1);
+  // One fused pass over the shard (or a chunk view of it), the same update as the ATen sequence
+  // p.mul_(1-lr*wd); m.lerp_(g,1-b1); v.mul_(b2).addcmul_(g,g,1-b2); p.addcdiv_(m, v.sqrt()/sqrt(bc2)+eps,
+  // -lr/bc1): see kernels/ops.h and Note [Twin numerics] in kernels/ops.cpp.
+  kernels::AdamWArgs args;
+  args.lr = lr;
+  args.beta1 = options_.beta1();
+  args.beta2 = options_.beta2();
+  args.eps = options_.eps();
+  args.weight_decay = wd;
+  args.step = s.step;
+  kernels::fused_adamw(args, p, g, s.tensors["exp_avg"], s.tensors["exp_avg_sq"]);
 }
 
 SGD::SGD(const std::shared_ptr<FSDPModule>& root, const SGDOptions& options)
@@ -186,7 +189,13 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
       auto& g = fp->sharded_grad();
       if (!g.defined()) continue;
       grads.push_back(g);
-      it->second.add_(g.to(at::kDouble).pow(2).sum());
+      if (g.device() == it->second.device()) {
+        kernels::sum_of_squares(g, it->second);  // accumulates in double
+      } else {
+        auto sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(g.device()));
+        kernels::sum_of_squares(g, sq);
+        it->second.add_(sq.to(it->second.device()));
+      }
     }
   }
   double total_sq = 0;
@@ -197,7 +206,7 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
   const double norm = std::sqrt(total_sq);
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1) {
-    for (auto& g : grads) g.mul_(coef);
+    for (auto& g : grads) kernels::scale_(g, coef);
   }
   return norm;
 }
