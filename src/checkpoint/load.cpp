@@ -94,6 +94,7 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
     const auto* entry = header.find(t.name);
     it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float),
                          header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+    offload::release(dst, span->shard_begin, span->shard_begin + span->count);  // disk tier: read, now on disk
   }
 }
 

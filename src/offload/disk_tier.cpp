@@ -110,7 +110,11 @@ at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
   std::string path;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    path = checkpoint::join(dir_, "fsdp-offload-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++));
+    // pid, tier and counter: unique across processes and across ranks run as threads of one.
+    char name[96];
+    std::snprintf(name, sizeof name, "fsdp-offload-%d-%p-%lld", static_cast<int>(::getpid()), static_cast<void*>(this),
+                  static_cast<long long>(counter_++));
+    path = checkpoint::join(dir_, name);
   }
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
@@ -182,7 +186,9 @@ int64_t DiskTier::resident_bytes() const {
 }
 
 void DiskTier::audit() {
-  if (audit_) peak_resident_ = std::max(peak_resident_, resident_bytes());
+  if (!audit_) return;
+  const int64_t r = resident_bytes();
+  peak_resident_ = std::max(peak_resident_, r);
 }
 
 bool is_disk_backed(const at::Tensor& t) { return mapping_of(t) != nullptr; }

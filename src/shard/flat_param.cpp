@@ -106,8 +106,8 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
     if (a >= b) continue;
     at::Tensor out = sharded_param_.narrow(0, a - lo, b - a);
     init(prefix + e.name, e.shape, a - e.offset, out);
+    offload::release(out);  // disk tier: written, now out of memory (one parameter's part at a time)
   }
-  offload::release(sharded_param_);  // disk tier: written, now out of memory
   needs_materialize_ = false;
 }
 
@@ -252,6 +252,14 @@ at::Tensor FlatParam::new_state_tensor(const std::string& what) {
 
 void FlatParam::stage_gather_input() {
   if (offload_.params == OffloadTier::kHost) gather_input_ = offload_.stager->to_device(gather_input_);
+  if (offload::is_disk_backed(gather_input_)) {
+    // The collective reads its input whole, and a prefetched gather runs while other work audits
+    // the tier: read the shard into memory in budget-sized chunks (released as they are copied),
+    // so a gather costs 1/N of a unit in RAM, like mixed precision's cast, and none of the budget.
+    at::Tensor staged = at::empty_like(gather_input_);
+    offload::copy_streamed(staged, gather_input_);
+    gather_input_ = staged;
+  }
 }
 
 void FlatParam::after_gather() {
