@@ -64,7 +64,9 @@ def run(args, mode, layers, tmp):
         cmd += ["--set", "fsdp.offload.params=disk", "--set", "fsdp.offload.optimizer_state=disk",
                 "--set", "fsdp.offload.dir=" + os.path.join(args.offload_dir, f"run-{layers}"),
                 "--set", f"fsdp.offload.memory_budget_bytes={args.budget_mib << 20}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # glibc raises its mmap threshold up to 32 MiB after the first large free, after which freed
+    # flat buffers stay in the heap; a fixed 1 MiB threshold returns them (same for every mode).
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold))
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     peaks = {}
@@ -78,7 +80,11 @@ def run(args, mode, layers, tmp):
                 peaks[pid] = max(peaks.get(pid, 0), r)
         if peaks and max(peaks.values()) > args.cap_mib << 20:
             over_cap = True
-            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in list(peaks) + [proc.pid]:  # the ranks run in their own process groups
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             break
         try:
             chunk = proc.stdout.read()
@@ -116,6 +122,8 @@ def main():
     p.add_argument("--budget-mib", type=int, default=64, help="(c): fsdp.offload.memory_budget_bytes")
     p.add_argument("--max-layers", type=int, default=256)
     p.add_argument("--timeout-s", type=int, default=900)
+    p.add_argument("--mmap-threshold", type=int, default=1 << 20, help="MALLOC_MMAP_THRESHOLD_ for the ranks")
+    p.add_argument("--modes", default="abc")
     p.add_argument("--offload-dir", default=None)
     p.add_argument("--json", default="bench/results/offload.json")
     p.add_argument("--markdown", default="bench/results/offload.md")
@@ -123,7 +131,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="fsdp-bench-offload-")
     args.offload_dir = args.offload_dir or os.path.join(tmp, "offload")
     runs, best = [], {}
-    for mode in "abc":
+    for mode in args.modes:
         layers = 1
         while layers <= args.max_layers:
             r = run(args, mode, layers, tmp)

@@ -8,11 +8,14 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -416,6 +419,53 @@ TEST(Offload, BudgetTooSmallToStreamIsRefused) {
     } catch (const ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("memory_budget_bytes=4096"), std::string::npos) << e.what();
     }
+  });
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, RealFullDiskOnATinyTmpfs) {
+  // A real ENOSPC-sized file system where one can be mounted (root with CAP_SYS_ADMIN); the
+  // RLIMIT_FSIZE test above covers the reservation path everywhere else.
+  const std::string dir = testing::temp_path("offload-tmpfs");
+  checkpoint::make_dirs(dir);
+  if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=64k") != 0) {
+    checkpoint::remove_tree(dir);
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
+  }
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    try {
+      Job j = build(mesh, disk_policy(dir));
+      ADD_FAILURE() << "a 64 KiB file system took the model's master shards";
+    } catch (const OffloadError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(dir), std::string::npos) << what;
+      EXPECT_TRUE(what.find("free but") != std::string::npos || what.find("No space left") != std::string::npos) << what;
+    }
+  });
+  ::umount(dir.c_str());
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
+  const std::string dir = testing::temp_path("offload-sgd");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    auto model = testing::Net(net_options(true));
+    auto opts = FullyShardOptions().init(init::normal(0.2, 11));
+    for (auto& b : model->blocks) fully_shard(b, mesh, opts);
+    auto root = fully_shard(model, mesh, FullyShardOptions(opts).offload(disk_policy(dir)));
+    SGD sgd(root, SGDOptions(0.1).momentum(0.9));
+    auto x = at::ones({2, 7}), y = at::zeros({2, 5});
+    at::mse_loss(fsdp::call(model, x), y).backward();
+    const at::Tensor before = root->units().front()->flat_params().front()->sharded_param().clone();
+    try {
+      sgd.step();
+      ADD_FAILURE() << "SGD's momentum buffer cannot be offloaded";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("momentum_buffer"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(before, root->units().front()->flat_params().front()->sharded_param()));
   });
   checkpoint::remove_tree(dir);
 }

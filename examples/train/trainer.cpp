@@ -20,7 +20,6 @@
 #include "fsdp/dist.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
-#include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "fsdp/trace.h"
