@@ -247,7 +247,8 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
   checkpoint::make_dirs(dir);
   const std::string ckpt = checkpoint::join(dir, "ckpt");
   const auto straight = train(std::nullopt, 6);
-  // 3 steps and a save with the disk tier on; then a fresh model with the disk tier loads and runs 3 more.
+  // 3 steps and an async save with the disk tier on; then a fresh model with the disk tier loads
+  // and runs 3 more.
   testing::run_threads(kWorld, [&](Dist& dist) {
     at::set_num_threads(1);
     DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
@@ -255,7 +256,12 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
     for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
     checkpoint::TrainState st;
     st.step = 3;
-    checkpoint::save(ckpt, "step-3", *j.root, j.optim.get(), st);
+    // A background save: its snapshot of the disk-tier state (disk-tier files too) must not see
+    // the step that runs while it writes.
+    checkpoint::AsyncSaver saver;
+    saver.save(ckpt, "step-3", *j.root, j.optim.get(), st);
+    train_step(j, 3, dist.rank());
+    saver.wait();
   }, std::chrono::seconds(60));
   std::vector<std::string> resumed(kWorld);
   testing::run_threads(kWorld, [&](Dist& dist) {
