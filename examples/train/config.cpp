@@ -189,6 +189,7 @@ json TrainConfig::to_json() const {
                {"replicate", this->fsdp.replicate},
                {"offload",
                 {{"params", this->fsdp.offload.params},
+                 {"grads", this->fsdp.offload.grads},
                  {"optimizer_state", this->fsdp.offload.optimizer_state},
                  {"dir", this->fsdp.offload.dir},
                  {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}}};
@@ -270,6 +271,7 @@ TrainConfig TrainConfig::from_json(const json& doc) {
     if (!off->is_object()) reject("fsdp.offload", *off, "must be an object");
     SectionReader o(off, "fsdp.offload");
     o.choice("params", c.fsdp.offload.params, {"none", "host", "disk"});
+    o.choice("grads", c.fsdp.offload.grads, {"none", "host", "disk"});
     o.choice("optimizer_state", c.fsdp.offload.optimizer_state, {"none", "host", "disk"});
     o.string("dir", c.fsdp.offload.dir);
     o.integer("memory_budget_bytes", c.fsdp.offload.memory_budget_bytes, 0);
@@ -283,7 +285,8 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
     reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
   }
-  const bool disk = c.fsdp.offload.params == "disk" || c.fsdp.offload.optimizer_state == "disk";
+  const bool disk = c.fsdp.offload.params == "disk" || c.fsdp.offload.grads == "disk" ||
+                    c.fsdp.offload.optimizer_state == "disk";
   if (disk && c.fsdp.offload.dir.empty()) {
     reject("fsdp.offload.dir", json(c.fsdp.offload.dir), "must name a directory when offloading to \"disk\"");
   }

@@ -44,9 +44,10 @@ struct OptimConfig {
 
 struct OffloadConfig {
   std::string params = "none";           // "none", "host" or "disk"
+  std::string grads = "none";            // "none", "host" or "disk"
   std::string optimizer_state = "none";  // "none", "host" or "disk"
   std::string dir;                       // where "disk" offload keeps its files
-  int64_t memory_budget_bytes = 0;       // 0: no budget
+  int64_t memory_budget_bytes = 0;       // disk-tier bytes mapped at once; 0: a default window
 };
 
 struct FsdpConfig {

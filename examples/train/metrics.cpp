@@ -205,10 +205,14 @@ void Progress::finish() {
 std::string MemoryPlan::to_string() const {
   return std::to_string(num_params) + " params over " + std::to_string(shard_size) + " shard(s): params " +
          mib(params) + ", grads " + mib(grads) + ", AdamW " + mib(optimizer) + ", largest unit (" + largest_unit +
-         ") gathered: params " + mib(gathered_params) + " + grads " + mib(gathered_grads);
+         ") gathered: params " + mib(gathered_params) + " + grads " + mib(gathered_grads) +
+         (tier_host + tier_disk > 0 ? "; sharded state by tier: RAM " + mib(tier_ram) + ", host " + mib(tier_host) +
+                                          ", disk " + mib(tier_disk)
+                                    : "");
 }
 
-MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size) {
+MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
+                          const std::array<std::string, 3>& offload_tiers) {
   const int64_t H = m.hidden_size, I = m.intermediate_size, V = m.vocab_size;
   const int64_t kv = m.num_key_value_heads * m.head_dim();
   const int64_t layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H;  // q, o; k, v; mlp; two norms
@@ -220,6 +224,11 @@ MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtyp
   p.params = 4 * per_rank;
   p.grads = 4 * per_rank;
   p.optimizer = 8 * per_rank;
+  const int64_t by_state[3] = {p.params, p.grads, p.optimizer};
+  for (int k = 0; k < 3; ++k) {
+    int64_t& tier = offload_tiers[k] == "disk" ? p.tier_disk : offload_tiers[k] == "host" ? p.tier_host : p.tier_ram;
+    tier += by_state[k];
+  }
   const bool root_largest = root >= layer;
   p.largest_unit = root_largest ? "root: embedding, final norm, lm_head" : "one decoder layer";
   const int64_t elem = static_cast<int64_t>(c10::elementSize(param_dtype));

@@ -11,6 +11,7 @@
 // optimizer step, summed over the mesh's communicators.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -94,15 +95,19 @@ class Progress {
 
 // The model-state bytes each rank should hold, from the model config alone (ZeRO-3 arithmetic;
 // padding ignored): with Psi parameters sharded over N ranks, params 4*Psi/N, grads 4*Psi/N,
-// AdamW 8*Psi/N; plus the largest unit's gathered parameters and gradients in param_dtype.
+// AdamW 8*Psi/N; plus the largest unit's gathered parameters and gradients in param_dtype. Each
+// sharded state is also counted in the tier its offload setting puts it in ("none" = RAM here).
 struct MemoryPlan {
   int64_t num_params = 0;
   int shard_size = 1;
   int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t tier_ram = 0, tier_host = 0, tier_disk = 0;  // params + grads + optimizer by tier
   std::string largest_unit;
   int64_t gathered_params = 0, gathered_grads = 0;
   std::string to_string() const;
 };
-MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size);
+// offload_tiers: the "none" / "host" / "disk" settings of params, grads and optimizer state.
+MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size,
+                          const std::array<std::string, 3>& offload_tiers = {"none", "none", "none"});
 
 }  // namespace train

@@ -21,6 +21,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
 #include "fsdp/optim.h"
+#include "fsdp/options.h"
 #include "fsdp/trace.h"
 #include "llama.h"
 #include "metrics.h"
@@ -76,6 +77,7 @@ class Job {
   void run() {
     build();
     resume_if_asked();
+    reserve_offloaded_state();
     print_header();
     loop();
     finish();
@@ -115,6 +117,14 @@ class Job {
     auto root_opts = opts;
     // The loss is computed in fp32 whatever the compute dtype.
     if (mixed) root_opts.output_dtype(at::kFloat);
+    // Offload is set on the root; the layers inherit it (their own policy is unset).
+    const auto& off = cfg_.fsdp.offload;
+    root_opts.offload(fsdp::OffloadPolicy()
+                          .params(fsdp::parse_offload_tier(off.params))
+                          .grads(fsdp::parse_offload_tier(off.grads))
+                          .optimizer_state(fsdp::parse_offload_tier(off.optimizer_state))
+                          .dir(off.dir)
+                          .memory_budget_bytes(off.memory_budget_bytes));
     root_ = fsdp::fully_shard(model_, *mesh_, root_opts);
 
     const auto& o = cfg_.optim;
@@ -140,11 +150,19 @@ class Job {
     resumed_from_ = p.dir;
   }
 
+  // With offloaded optimizer state, its files are created now: a full or unwritable offload.dir
+  // fails before the first step rather than at it.
+  void reserve_offloaded_state() {
+    if (cfg_.fsdp.offload.optimizer_state == "none") return;
+    for (auto& s : optim_->states()) optim_->ensure_state(s);
+  }
+
   void print_header() {
     metrics_ = std::make_unique<MetricsLog>(rank_ == 0 ? flags_.metrics : "", /*append=*/!resumed_from_.empty());
     if (rank_ != 0) return;
     const auto& m = cfg_.model;
-    const auto plan = predict_memory(m, cfg_.fsdp.param_dtype, shard_size_);
+    const auto& off = cfg_.fsdp.offload;
+    const auto plan = predict_memory(m, cfg_.fsdp.param_dtype, shard_size_, {off.params, off.grads, off.optimizer_state});
     std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n",
                 world_, fsdp::strategy_name(cfg_.fsdp.strategy), mesh_->shard_size(), mesh_->replicate_size(),
                 dtype_name(cfg_.fsdp.param_dtype), dtype_name(cfg_.fsdp.reduce_dtype));
@@ -166,6 +184,11 @@ class Job {
                                        : "",
                 o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
+    if (off.params != "none" || off.grads != "none" || off.optimizer_state != "none") {
+      std::printf("offload: params %s, grads %s, optimizer_state %s%s%s, memory_budget_bytes %lld\n", off.params.c_str(),
+                  off.grads.c_str(), off.optimizer_state.c_str(), off.dir.empty() ? "" : ", dir ", off.dir.c_str(),
+                  static_cast<long long>(off.memory_budget_bytes));
+    }
     if (flags_.save_dir.empty()) {
       std::printf("checkpoints: off (pass --save-dir DIR)\n");
     } else {
@@ -348,16 +371,8 @@ class Job {
 }  // namespace
 
 void check_supported(const TrainConfig& config) {
-  const auto& off = config.fsdp.offload;
-  // TODO(offload): wire fsdp.offload.* to src/offload/ when it lands; until then refuse it.
-  if (off.params != "none") {
-    throw std::invalid_argument("config: fsdp.offload.params=\"" + off.params +
-                                "\": offloading is not available in this build yet; use \"none\"");
-  }
-  if (off.optimizer_state != "none") {
-    throw std::invalid_argument("config: fsdp.offload.optimizer_state=\"" + off.optimizer_state +
-                                "\": offloading is not available in this build yet; use \"none\"");
-  }
+  // Every offload setting is supported; the directory is checked when the disk tier opens.
+  (void)config;
 }
 
 void run_training(const TrainConfig& config, const Flags& flags, Dataset data) {

@@ -9,6 +9,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/init.h"
 #include "fsdp/memory.h"
+#include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "fsdp/trace.h"

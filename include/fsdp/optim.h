@@ -83,9 +83,13 @@ class ShardedOptimizer {
   virtual void init_state(ShardState& state) = 0;
   virtual void step_shard(ShardState& state, at::Tensor& param, const at::Tensor& grad, double lr,
                           double weight_decay) = 0;
+  // Zeros shaped like the master shard in the flat param's optimizer-state tier (fsdp/offload.h);
+  // init_state allocates its tensors with it. step_shard must update them in place.
+  at::Tensor zeros_state(ShardState& state, const std::string& name) const;
   double default_weight_decay_ = 0;
 
  private:
+  void reserve_offloaded_state();
   double group_lr(int group) const;
   double group_weight_decay(int group) const;
 

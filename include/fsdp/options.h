@@ -35,6 +35,35 @@ int default_param_group(const std::string& name, const at::Tensor& param);
 using ParamInitFn = std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset,
                                        at::Tensor& out)>;
 
+// Where a sharded state lives between uses (see fsdp/offload.h and docs/NOTES.md, "Offload").
+enum class OffloadTier {
+  kNone,  // with the compute device (RAM on CPU runs)
+  kHost,  // host memory (pinned in CUDA builds); copied to the device before the all-gather
+  kDisk,  // a file under OffloadPolicy::dir, memory-mapped; streamed through the optimizer step
+};
+
+const char* offload_tier_name(OffloadTier t);                   // "none", "host", "disk"
+OffloadTier parse_offload_tier(const std::string& name);        // throws ConfigError naming it
+
+// Per-state offload choices for one unit. Unset on a unit: the root's policy. dir and
+// memory_budget_bytes are per rank and taken from the root (one disk tier per rank).
+struct OffloadPolicy {
+  TORCH_ARG(OffloadTier, params) = OffloadTier::kNone;           // fp32 master shards
+  TORCH_ARG(OffloadTier, grads) = OffloadTier::kNone;            // fp32 gradient shards
+  TORCH_ARG(OffloadTier, optimizer_state) = OffloadTier::kNone;  // e.g. AdamW exp_avg, exp_avg_sq
+  // Directory for the disk tier's files (created if missing; must be writable).
+  TORCH_ARG(std::string, dir) = "";
+  // The most bytes of disk-tier state mapped in memory at once while the optimizer streams
+  // through it; 0: a default window of 4 MiB per state tensor.
+  TORCH_ARG(int64_t, memory_budget_bytes) = 0;
+
+ public:  // TORCH_ARG leaves the access private
+  bool uses(OffloadTier t) const { return params_ == t || grads_ == t || optimizer_state_ == t; }
+  bool any() const { return uses(OffloadTier::kHost) || uses(OffloadTier::kDisk); }
+  // Throws ConfigError naming the field ("offload.dir", ...) when the policy is inconsistent.
+  void validate() const;
+};
+
 struct FullyShardOptions {
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
   // Default: true for kFullShard and kHybridShard, false for kShardGradOp and kNoShard.
@@ -55,6 +84,8 @@ struct FullyShardOptions {
   // On the root: at most this many units gathered at once counting prefetches (0: no cap). A
   // prefetch that would exceed it is skipped; a unit that must run is always gathered.
   TORCH_ARG(int, max_unsharded_units) = 0;
+  // Offloading of this unit's sharded states. Unset: the root's policy, else nothing offloaded.
+  TORCH_ARG(std::optional<OffloadPolicy>, offload) = std::nullopt;
 };
 
 }  // namespace fsdp

@@ -3,6 +3,7 @@
 
 #include <unordered_map>
 
+#include "offload/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
@@ -50,13 +51,14 @@ ShardData collect_shards(const CheckpointLayout& layout, bool copy) {
   ShardData data;
   for (const auto& slot : layout.flats) {
     at::Tensor p = slot.flat->sharded_param();
-    data.params.push_back(copy ? p.clone() : p);
+    // Snapshots stay in their tier: a disk-tier state is copied to a new disk-tier file.
+    data.params.push_back(copy ? offload::clone_in_tier(p) : p);
     std::map<std::string, at::Tensor> states;
     int64_t step = 0;
     if (slot.optim_state != nullptr) {
       step = slot.optim_state->step;
       for (const auto& [name, t] : slot.optim_state->tensors) {
-        if (t.defined()) states[name] = copy ? t.clone() : t;
+        if (t.defined()) states[name] = copy ? offload::clone_in_tier(t) : t;
       }
     }
     data.states.push_back(std::move(states));

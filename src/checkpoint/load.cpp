@@ -11,6 +11,7 @@
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
+#include "offload/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
@@ -93,6 +94,7 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
     const auto* entry = header.find(t.name);
     it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float),
                          header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+    offload::release(dst, span->shard_begin, span->shard_begin + span->count);  // disk tier: read, now on disk
   }
 }
 
@@ -182,10 +184,16 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
     }
   }
 
+  // Read into scratch shards first and copy when every read succeeded. The scratch is in the
+  // master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
+  // the copy lands in the existing storage, so an offloaded state stays offloaded.
   std::vector<at::Tensor> params;
-  for (const auto& slot : layout.flats) params.push_back(at::zeros_like(slot.flat->sharded_param()));
+  for (const auto& slot : layout.flats) params.push_back(offload::zeros_in_tier(slot.flat->sharded_param(), "checkpoint load"));
   read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
-  for (size_t f = 0; f < layout.flats.size(); ++f) layout.flats[f].flat->sharded_param().copy_(params[f]);
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    offload::copy_streamed(layout.flats[f].flat->sharded_param(), params[f]);
+    params[f] = at::Tensor();
+  }
   if (optimizer != nullptr) {
     for (size_t k = 0; k < optim_sets.size(); ++k) {
       const std::string name = optimizer->state_names()[k];
@@ -205,6 +213,8 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
     // State never stepped when saved stays absent, as in a fresh optimizer.
     for (auto& slot : layout.flats) {
       if (slot.optim_state != nullptr && slot.optim_state->step == 0) slot.optim_state->tensors.clear();
+      if (slot.optim_state == nullptr) continue;
+      for (auto& [name, t] : slot.optim_state->tensors) offload::release(t);  // disk tier: read, now on disk
     }
   }
   Dist& dist = root.unit().mesh().dist();

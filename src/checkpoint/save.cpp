@@ -18,6 +18,7 @@
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
+#include "offload/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
@@ -121,6 +122,7 @@ void write_shards(SaveJob& job, const std::string& tmp) {
       const auto* entry = plan.header.find(t.name);
       const float* from = src.data_ptr<float>() + span->shard_begin;
       f.pwrite_all(from, span->count * sizeof(float), plan.header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+      offload::release(src, span->shard_begin, span->shard_begin + span->count);  // disk tier: written, out of memory
     }
     f.sync();
     f.close();

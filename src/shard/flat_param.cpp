@@ -7,10 +7,13 @@
 #include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "fsdp/errors.h"
 #include "kernels/ops.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
 #include "shard/param_data.h"
 
 namespace fsdp {
@@ -56,7 +59,15 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
     }
   }
   const auto device = meta ? at::Device(at::kCPU) : entries_.front().param.device();
-  sharded_param_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  if (meta) {
+    // Left untouched (so not resident) until materialize() or set_offload() fills it: only the
+    // padding at the end of the flat buffer is zeroed here.
+    sharded_param_ = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+    const int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
+    sharded_param_.narrow(0, pad, shard_numel_ - pad).zero_();
+  } else {
+    sharded_param_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
   needs_materialize_ = meta;
   if (!meta) {
     // Copy each parameter's overlap with this rank's shard; the full flat buffer is never built.
@@ -96,6 +107,7 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
     if (a >= b) continue;
     at::Tensor out = sharded_param_.narrow(0, a - lo, b - a);
     init(prefix + e.name, e.shape, a - e.offset, out);
+    offload::release(out);  // disk tier: written, now out of memory (one parameter's part at a time)
   }
   needs_materialize_ = false;
 }
@@ -113,9 +125,11 @@ void FlatParam::unshard() {
     gather_input_ = at::empty({sharded_param_.numel()}, sharded_param_.options().dtype(config_.compute_dtype));
     kernels::copy_in(sharded_param_, gather_input_);
   }
+  stage_gather_input();
   if (shard_group_.size() == 1) {
     unsharded_.copy_(gather_input_);
     gather_input_ = at::Tensor();
+    after_gather();
     state_ = ShardedState::kUnsharded;
     return;
   }
@@ -129,6 +143,7 @@ void FlatParam::wait_for_unshard() {
   gather_handle_.wait();
   gather_handle_ = CommHandle();
   gather_input_ = at::Tensor();
+  after_gather();
   state_ = ShardedState::kUnsharded;
 }
 
@@ -177,12 +192,14 @@ void FlatParam::finalize_grads() {
     replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, config_.tag).wait();
   }
   // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
+  stage_reduced_grad();
   if (sharded_grad_.defined()) {
     kernels::copy_out(reduce_output_, sharded_grad_, {/*divide_by=*/1.0, /*accumulate=*/true});
   } else {
     sharded_grad_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
     kernels::copy_out(reduce_output_, sharded_grad_);
   }
+  place_grad_shard();
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
   set_storage_alive(unsharded_grad_, false);
@@ -192,6 +209,90 @@ void FlatParam::finalize_grads() {
 
 void FlatParam::zero_grad() {
   if (sharded_grad_.defined()) sharded_grad_.zero_();
+  offload::release(sharded_grad_);
+}
+
+// ---- offload -------------------------------------------------------------------------------------
+
+namespace {
+
+// A zero-filled fp32 tensor of `numel` elements in `tier`.
+at::Tensor zeros_in(const OffloadPlacement& p, OffloadTier tier, int64_t numel, const at::TensorOptions& options,
+                    const std::string& what) {
+  switch (tier) {
+    case OffloadTier::kDisk: return p.disk->zeros(numel, what);
+    case OffloadTier::kHost: return p.stager->host_zeros(numel);
+    case OffloadTier::kNone: break;
+  }
+  return at::zeros({numel}, options);
+}
+
+}  // namespace
+
+void FlatParam::set_offload(OffloadPlacement placement) {
+  offload_ = std::move(placement);
+  c10::NoGradGuard no_grad;
+  if (offload_.params != OffloadTier::kNone) {
+    at::Tensor placed = zeros_in(offload_, offload_.params, shard_numel_, sharded_param_.options(),
+                                 "the master shard of " + config_.tag);
+    // A new placement is all zeros, padding included: deferred init fills the rest.
+    if (!needs_materialize_) {
+      placed.copy_(sharded_param_);
+      offload::release(placed);
+    }
+    sharded_param_ = placed;
+    if (aliases_master_) {
+      // The gathered params must not be the offloaded master itself: give them their own buffer.
+      aliases_master_ = false;
+      unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(sharded_param_.device()));
+      use_unsharded_views();
+      set_storage_alive(unsharded_, false);
+      state_ = ShardedState::kSharded;
+    }
+  }
+  if (offload_.grads != OffloadTier::kNone && sharded_grad_.defined()) place_grad_shard();
+}
+
+at::Tensor FlatParam::new_state_tensor(const std::string& what) {
+  return zeros_in(offload_, offload_.optimizer_state, shard_numel_,
+                  at::TensorOptions().dtype(at::kFloat).device(sharded_param_.device()), what + " of " + config_.tag);
+}
+
+void FlatParam::stage_gather_input() {
+  if (offload_.params == OffloadTier::kHost) gather_input_ = offload_.stager->to_device(gather_input_);
+  if (offload::is_disk_backed(gather_input_)) {
+    // The collective reads its input whole, and a prefetched gather runs while other work audits
+    // the tier: read the shard into memory in budget-sized chunks (released as they are copied),
+    // so a gather costs 1/N of a unit in RAM, like mixed precision's cast, and none of the budget.
+    at::Tensor staged = at::empty_like(gather_input_);
+    offload::copy_streamed(staged, gather_input_);
+    gather_input_ = staged;
+  }
+}
+
+void FlatParam::after_gather() {
+  if (offload_.params != OffloadTier::kDisk) return;
+  offload::release(sharded_param_);
+  offload_.disk->audit();
+}
+
+void FlatParam::stage_reduced_grad() {
+  if (offload_.grads == OffloadTier::kHost) reduce_output_ = offload_.stager->to_host(reduce_output_);
+}
+
+void FlatParam::place_grad_shard() {
+  if (offload_.grads == OffloadTier::kNone) return;
+  if (offload_.grads == OffloadTier::kDisk && !offload::is_disk_backed(sharded_grad_)) {
+    at::Tensor placed = offload_.disk->zeros(shard_numel_, "the gradient shard of " + config_.tag);
+    placed.copy_(sharded_grad_);
+    sharded_grad_ = placed;
+  } else if (offload_.grads == OffloadTier::kHost && std::string(offload_.stager->name()) != "cpu" &&
+             !sharded_grad_.is_pinned()) {
+    at::Tensor placed = offload_.stager->host_zeros(shard_numel_);
+    placed.copy_(sharded_grad_);
+    sharded_grad_ = placed;
+  }
+  offload::release(sharded_grad_);
 }
 
 int64_t FlatParam::unsharded_bytes() const {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,21 @@
 #include "fsdp/options.h"
 
 namespace fsdp {
+
+namespace offload {
+class DiskTier;
+class DeviceStager;
+}  // namespace offload
+
+// Where a flat param's sharded states live (FullyShardOptions::offload, resolved by the root's
+// lazy init). See src/offload/ and Note [Host tier schedule].
+struct OffloadPlacement {
+  OffloadTier params = OffloadTier::kNone;
+  OffloadTier grads = OffloadTier::kNone;
+  OffloadTier optimizer_state = OffloadTier::kNone;
+  std::shared_ptr<offload::DiskTier> disk;        // set when a state is in the disk tier
+  std::shared_ptr<offload::DeviceStager> stager;  // set when a state is in the host tier
+};
 
 // One parameter's place in a flat buffer. The layout that checkpoints use.
 struct FlatParamEntry {
@@ -53,6 +69,13 @@ class FlatParam {
   // Deferred init: fills the master shard from `init`. Names passed are `prefix + entry.name`.
   void materialize(const ParamInitFn& init, const std::string& prefix);
   bool needs_materialize() const { return needs_materialize_; }
+
+  // Moves the sharded states to their tiers (before materialize(), so deferred init writes
+  // straight into them). Called once, by the root's lazy init.
+  void set_offload(OffloadPlacement placement);
+  const OffloadPlacement& offload() const { return offload_; }
+  // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
+  at::Tensor new_state_tensor(const std::string& what);
 
   // ---- layout
   const std::vector<FlatParamEntry>& entries() const { return entries_; }
@@ -97,6 +120,11 @@ class FlatParam {
  private:
   void use_unsharded_views();
   void alloc_storage(at::Tensor& t, bool alive);
+  // Offload hooks in the gather / reduce cycle (no-ops without offload).
+  void stage_gather_input();  // host tier: the all-gather reads a device copy of the shard
+  void after_gather();        // disk tier: the master shard's pages leave memory
+  void stage_reduced_grad();  // host tier: the reduced shard comes back to host memory
+  void place_grad_shard();    // the first gradient shard moves to its tier
 
   std::vector<FlatParamEntry> entries_;
   FlatParamConfig config_;
@@ -121,6 +149,8 @@ class FlatParam {
   CommHandle reduce_handle_;
   bool reduce_issued_ = false;
   bool grads_prepared_ = false;
+
+  OffloadPlacement offload_;
 };
 
 }  // namespace fsdp

@@ -1,9 +1,13 @@
-// memory_report: bytes per category, summed over every unit under a root.
+// memory_report: bytes per category and per offload tier, summed over every unit under a root.
 #include "fsdp/memory.h"
 
 #include <sstream>
 
+#include <ATen/core/Tensor.h>
+
+#include "fsdp/offload.h"
 #include "fsdp/optim.h"
+#include "offload/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {
@@ -15,19 +19,46 @@ std::string MemoryReport::to_string() const {
   s << std::fixed << "params " << mib(sharded_params) << " MiB, grads " << mib(sharded_grads) << " MiB, optimizer "
     << mib(optimizer_state) << " MiB, gathered now " << mib(unsharded_alive) << " MiB (peak "
     << mib(peak_unsharded) << " MiB)";
+  if (tier_host > 0 || tier_disk > 0) {
+    s << "; by tier: device " << mib(tier_device) << " MiB, host " << mib(tier_host) << " MiB, disk " << mib(tier_disk)
+      << " MiB (" << mib(disk_resident) << " MiB of it in memory now)";
+  }
   return s.str();
 }
 
 MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) {
   MemoryReport r;
+  // Adds a sharded state's bytes to the tier it lives in.
+  auto by_tier = [&r](const at::Tensor& t, OffloadTier tier) {
+    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+    if (offload::is_disk_backed(t)) {
+      r.tier_disk += bytes;
+    } else if (tier == OffloadTier::kHost) {
+      r.tier_host += bytes;
+    } else {
+      r.tier_device += bytes;
+    }
+  };
   for (const auto& unit : root.units()) {
     for (auto& fp : unit->flat_params()) {
       r.sharded_params += fp->sharded_param().numel() * fp->sharded_param().element_size();
+      by_tier(fp->sharded_param(), fp->offload().params);
       const auto& g = fp->sharded_grad();
-      if (g.defined()) r.sharded_grads += g.numel() * g.element_size();
+      if (g.defined()) {
+        r.sharded_grads += g.numel() * g.element_size();
+        by_tier(g, fp->offload().grads);
+      }
       r.unsharded_alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
     }
   }
+  if (optimizer != nullptr) {
+    for (const auto& s : const_cast<ShardedOptimizer*>(optimizer)->states()) {
+      for (const auto& [name, t] : s.tensors) {
+        if (t.defined()) by_tier(t, s.flat->offload().optimizer_state);
+      }
+    }
+  }
+  r.disk_resident = disk_tier_stats(root).resident_bytes;
   if (root.unit().root() != nullptr) {
     r.peak_unsharded = std::max(root.unit().root_state().peak_unsharded_bytes, r.unsharded_alive);
   }

@@ -14,6 +14,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
+#include "offload/chunked_step.h"
+#include "offload/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {
@@ -55,6 +57,7 @@ void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
   Tracer* tracer = root_->unit().tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
+  reserve_offloaded_state();
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
@@ -65,8 +68,44 @@ void ShardedOptimizer::step() {
     if (s.tensors.empty()) init_state(s);
     ++s.step;
     const int group = s.flat->config().group;
-    step_shard(s, s.flat->sharded_param(), grad, group_lr(group), group_weight_decay(group));
+    const double lr = group_lr(group), wd = group_weight_decay(group);
+    at::Tensor& param = s.flat->sharded_param();
+    if (offload::needs_streaming(s, param, grad)) {
+      offload::step_in_chunks(s, param, grad, [&](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
+        step_shard(chunk, p, g, lr, wd);
+      });
+    } else {
+      step_shard(s, param, grad, lr, wd);
+    }
   }
+}
+
+// Note [Offloaded state is reserved before the first update]
+// Disk- and host-tier optimizer state is created for every flat param before any of them steps,
+// so that a full disk fails the step before it changes anything (a half-stepped model would
+// differ from every checkpoint), and the free space is checked for all of it at once.
+void ShardedOptimizer::reserve_offloaded_state() {
+  int64_t disk_bytes = 0;
+  offload::DiskTier* tier = nullptr;
+  for (auto& s : states_) {
+    if (!s.tensors.empty() || s.flat->offload().optimizer_state != OffloadTier::kDisk) continue;
+    tier = s.flat->offload().disk.get();
+    disk_bytes += s.flat->shard_numel() * static_cast<int64_t>(sizeof(float) * state_names().size());
+  }
+  if (tier != nullptr) tier->check_free_space(disk_bytes, type_name() + " state");
+  for (auto& s : states_) {
+    if (s.tensors.empty() && s.flat->offload().optimizer_state != OffloadTier::kNone) init_state(s);
+    for (const auto& [name, t] : s.tensors) {
+      if (!t.defined() && s.flat->offload().optimizer_state != OffloadTier::kNone) {
+        throw ConfigError("fsdp: " + type_name() + " creates its state '" + name + "' in its first step, so it " +
+                          "cannot be offloaded (" + s.flat->config().tag + "); set offload.optimizer_state to \"none\"");
+      }
+    }
+  }
+}
+
+at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name) const {
+  return s.flat->new_state_tensor(type_name() + " " + name);
 }
 
 void ShardedOptimizer::zero_grad() {
@@ -97,8 +136,9 @@ AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& option
 }
 
 void AdamW::init_state(ShardState& s) {
-  s.tensors["exp_avg"] = at::zeros_like(s.flat->sharded_param());
-  s.tensors["exp_avg_sq"] = at::zeros_like(s.flat->sharded_param());
+  // In the flat param's optimizer-state tier (RAM, host or disk).
+  s.tensors["exp_avg"] = zeros_state(s, "exp_avg");
+  s.tensors["exp_avg_sq"] = zeros_state(s, "exp_avg_sq");
 }
 
 void AdamW::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& g, double lr, double wd) {

@@ -1,4 +1,5 @@
-// Names of sharding strategies and the default optimizer grouping.
+// Names of sharding strategies and offload tiers, offload policy validation, and the default
+// optimizer grouping.
 #include <algorithm>
 #include <cctype>
 
@@ -26,6 +27,33 @@ ShardingStrategy parse_strategy(const std::string& name) {
   }
   throw ConfigError("fsdp: unknown sharding strategy '" + name +
                     "' (expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)");
+}
+
+const char* offload_tier_name(OffloadTier t) {
+  switch (t) {
+    case OffloadTier::kNone: return "none";
+    case OffloadTier::kHost: return "host";
+    case OffloadTier::kDisk: return "disk";
+  }
+  return "unknown";
+}
+
+OffloadTier parse_offload_tier(const std::string& name) {
+  for (auto t : {OffloadTier::kNone, OffloadTier::kHost, OffloadTier::kDisk}) {
+    if (name == offload_tier_name(t)) return t;
+  }
+  throw ConfigError("fsdp: unknown offload tier '" + name + "' (expected none, host or disk)");
+}
+
+void OffloadPolicy::validate() const {
+  if (uses(OffloadTier::kDisk) && dir_.empty()) {
+    throw ConfigError("fsdp: offload.dir is empty but a state is offloaded to \"disk\" (params=" +
+                      std::string(offload_tier_name(params_)) + ", grads=" + offload_tier_name(grads_) +
+                      ", optimizer_state=" + offload_tier_name(optimizer_state_) + "); name a directory");
+  }
+  if (memory_budget_bytes_ < 0) {
+    throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(memory_budget_bytes_) + " must be >= 0");
+  }
 }
 
 int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <map>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -18,6 +19,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 namespace {
@@ -232,10 +235,64 @@ void ShardedUnit::lazy_init() {
     root_state_->units.push_back(unit);
   }
   for (ShardedUnit* unit : root_state_->units) {
-    for (size_t i = 0; i < unit->flat_params_.size(); ++i) {
-      auto& fp = unit->flat_params_[i];
-      fp->set_tag(unit->name() + "/" + std::to_string(i));
-      fp->materialize(unit->options_.init(), unit->prefix_);
+    for (size_t i = 0; i < unit->flat_params_.size(); ++i) unit->flat_params_[i]->set_tag(unit->name() + "/" + std::to_string(i));
+  }
+  place_offloaded_states();  // before materialize: deferred init writes straight into the tiers
+  for (ShardedUnit* unit : root_state_->units) {
+    for (auto& fp : unit->flat_params_) fp->materialize(unit->options_.init(), unit->prefix_);
+  }
+}
+
+// Resolves each unit's offload policy (its own, else the root's) and moves its flat params'
+// states to their tiers. The disk tier's directory and budget are per rank: every unit that sets
+// them must agree with the root (or with the first unit that sets them).
+void ShardedUnit::place_offloaded_states() {
+  RootState& rs = *root_state_;
+  std::optional<OffloadPolicy> disk_policy;
+  bool host = false;
+  for (ShardedUnit* unit : rs.units) {
+    const auto& own = unit->options_.offload();
+    if (!own && !options_.offload()) continue;
+    const OffloadPolicy policy = own ? *own : *options_.offload();
+    policy.validate();
+    host = host || policy.uses(OffloadTier::kHost);
+    if (!policy.uses(OffloadTier::kDisk)) continue;
+    if (disk_policy && (disk_policy->dir() != policy.dir() ||
+                        disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
+      throw ConfigError("fsdp: unit '" + unit->name() + "' sets offload.dir=" + policy.dir() +
+                        " and offload.memory_budget_bytes=" + std::to_string(policy.memory_budget_bytes()) +
+                        " but another unit set " + disk_policy->dir() + " and " +
+                        std::to_string(disk_policy->memory_budget_bytes()) +
+                        "; the disk tier is one per rank: set them on the root only");
+    }
+    disk_policy = policy;
+  }
+  if (disk_policy) rs.disk_tier = offload::DiskTier::open(disk_policy->dir(), disk_policy->memory_budget_bytes());
+  if (host) rs.stager = offload::make_stager(flat_params_.empty() ? at::Device(at::kCPU) : flat_params_.front()->sharded_param().device());
+  if (!disk_policy && !host) return;
+  int64_t disk_bytes = 0;
+  for (ShardedUnit* unit : rs.units) {
+    const auto& own = unit->options_.offload();
+    const OffloadPolicy policy = own ? *own : options_.offload().value_or(OffloadPolicy());
+    for (auto& fp : unit->flat_params_) {
+      const int64_t bytes = fp->shard_numel() * static_cast<int64_t>(sizeof(float));
+      if (policy.params() == OffloadTier::kDisk) disk_bytes += bytes;
+      if (policy.grads() == OffloadTier::kDisk && fp->config().requires_grad) disk_bytes += bytes;
+    }
+  }
+  if (rs.disk_tier) rs.disk_tier->check_free_space(disk_bytes, "the offloaded master and gradient shards");
+  for (ShardedUnit* unit : rs.units) {
+    const auto& own = unit->options_.offload();
+    const OffloadPolicy policy = own ? *own : options_.offload().value_or(OffloadPolicy());
+    if (!policy.any()) continue;
+    for (auto& fp : unit->flat_params_) {
+      OffloadPlacement p;
+      p.params = policy.params();
+      p.grads = fp->config().requires_grad ? policy.grads() : OffloadTier::kNone;
+      p.optimizer_state = fp->config().requires_grad ? policy.optimizer_state() : OffloadTier::kNone;
+      p.disk = rs.disk_tier;
+      p.stager = rs.stager;
+      fp->set_offload(std::move(p));
     }
   }
 }

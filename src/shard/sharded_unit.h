@@ -48,6 +48,9 @@ struct RootState {
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
   int peak_gathered_units = 0;  // units with params gathered or gathering at once, at most
+  // Offload: one disk tier and one stager per rank, shared by every unit (null when unused).
+  std::shared_ptr<offload::DiskTier> disk_tier;
+  std::shared_ptr<offload::DeviceStager> stager;
 };
 
 class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
@@ -103,6 +106,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void post_backward(size_t flat_index);
   void note_memory();
   void reset_after_backward();
+  void place_offloaded_states();  // root only, in lazy_init
 
   std::weak_ptr<torch::nn::Module> module_;
   DeviceMesh mesh_;

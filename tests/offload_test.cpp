@@ -1,0 +1,495 @@
+// Offload: training with states in the host or disk tier equals training without offload bit for
+// bit (fp32, AdamW with weight decay and clipping, 2 ranks); the disk tier keeps its mapped
+// resident set within the budget while it streams; the memory report counts each tier; a
+// checkpoint saved and loaded with the disk tier on resumes bitwise; an unwritable offload.dir and
+// a full disk fail with clear errors without changing any state or checkpoint; and the CUDA
+// stager's copies (skipped without a GPU).
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "checkpoint/file_io.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/memory.h"
+#include "fsdp/offload.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
+#include "shard/sharded_unit.h"
+#include "support/models.h"
+#include "support/ranks.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int kWorld = 2;
+constexpr int64_t kGlobalBatch = 8;
+// Three streamed tensors (param, exp_avg, exp_avg_sq) of 1024-element chunks, three chunks each:
+// every shard of the model below streams in several chunks with a ragged last one.
+constexpr int64_t kBudget = 3 * 3 * 1024 * 4;
+
+testing::NetOptions net_options(bool meta) {
+  testing::NetOptions o;
+  o.in = 7;
+  o.dim = 61;
+  o.hidden = 333;  // a block holds ~41k params: ~20k per rank, 20 chunks of 1024
+  o.out = 5;
+  o.blocks = 3;
+  o.device = meta ? at::Device(at::kMeta) : at::Device(at::kCPU);
+  return o;
+}
+
+struct Job {
+  testing::Net model{nullptr};
+  std::shared_ptr<FSDPModule> root;
+  std::unique_ptr<AdamW> optim;
+};
+
+// `offload` on the root only: the blocks inherit it.
+Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true) {
+  Job j;
+  {
+    // The non-meta model's initial values come from the global generator, which the rank threads
+    // share: seed and draw under a lock so that every rank (and every run) gets the same values.
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    at::manual_seed(3);
+    j.model = testing::Net(net_options(meta));
+  }
+  auto opts = FullyShardOptions();
+  if (meta) opts.init(init::normal(0.2, 11));
+  for (auto& b : j.model->blocks) fully_shard(b, mesh, opts);
+  auto root_opts = opts;
+  if (offload) root_opts.offload(*offload);
+  j.root = fully_shard(j.model, mesh, root_opts);
+  j.optim = std::make_unique<AdamW>(j.root, AdamWOptions(1e-2).weight_decay(0.1));
+  return j;
+}
+
+double train_step(Job& j, int64_t step, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
+  auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
+  const int64_t local = kGlobalBatch / kWorld;
+  auto loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, rank * local, local)), y.narrow(0, rank * local, local));
+  loss.backward();
+  clip_grad_norm(*j.root, 0.5);
+  j.optim->step();
+  j.optim->zero_grad();
+  return loss.item<double>();
+}
+
+void append_bytes(std::ostringstream& s, const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  s.write(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+}
+
+// Losses (hex floats), master shards and optimizer state, byte for byte.
+std::string fingerprint(Job& j, const std::vector<double>& losses) {
+  std::ostringstream s;
+  for (double l : losses) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%a\n", l);
+    s << buf;
+  }
+  for (const auto& unit : j.root->units()) {
+    for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
+  }
+  for (auto& st : j.optim->states()) {
+    s << st.step;
+    for (const auto& [name, t] : st.tensors) append_bytes(s, t);
+  }
+  return s.str();
+}
+
+OffloadPolicy disk_policy(const std::string& dir, bool grads = false) {
+  return OffloadPolicy()
+      .params(OffloadTier::kDisk)
+      .grads(grads ? OffloadTier::kDisk : OffloadTier::kNone)
+      .optimizer_state(OffloadTier::kDisk)
+      .dir(dir)
+      .memory_budget_bytes(kBudget);
+}
+
+OffloadPolicy host_policy() {
+  return OffloadPolicy().params(OffloadTier::kHost).grads(OffloadTier::kHost).optimizer_state(OffloadTier::kHost);
+}
+
+// Trains `steps` steps on 2 thread ranks; returns each rank's fingerprint. `check` runs on each
+// rank after training.
+std::vector<std::string> train(const std::optional<OffloadPolicy>& offload, int steps, bool meta = true,
+                               const std::function<void(Job&, int)>& check = nullptr, int skip_losses = 0) {
+  std::vector<std::string> prints(kWorld);
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, offload, meta);
+    if (offload) set_disk_tier_audit(*j.root, true);
+    std::vector<double> losses;
+    for (int s = 0; s < steps; ++s) {
+      const double loss = train_step(j, s, dist.rank());
+      if (s >= skip_losses) losses.push_back(loss);
+    }
+    if (check) check(j, dist.rank());
+    prints[dist.rank()] = fingerprint(j, losses);
+  }, std::chrono::seconds(60));
+  return prints;
+}
+
+TEST(Offload, DiskTierEqualsInMemoryTrainingBitwise) {
+  const std::string dir = testing::temp_path("offload-disk");
+  const auto reference = train(std::nullopt, 4);
+  const auto disk = train(disk_policy(dir), 4, true, [&](Job& j, int rank) {
+    // The states really are in files, and the streamed step stayed within the budget.
+    for (const auto& unit : j.root->units()) {
+      for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
+    }
+    for (auto& st : j.optim->states()) {
+      for (const auto& [name, t] : st.tensors) EXPECT_TRUE(offload::is_disk_backed(t)) << name;
+    }
+    const auto stats = disk_tier_stats(*j.root);
+    EXPECT_EQ(stats.dir, dir);
+    EXPECT_GT(stats.file_bytes, 0);
+    EXPECT_GT(stats.peak_resident_bytes, 0) << "the audit saw nothing: the test would pass vacuously";
+    EXPECT_LE(stats.peak_resident_bytes, kBudget) << "rank " << rank;
+    EXPECT_LE(stats.resident_bytes, kBudget) << "rank " << rank;
+  });
+  ASSERT_EQ(reference.size(), disk.size());
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_GT(reference[r].size(), 1000u);
+    EXPECT_TRUE(reference[r] == disk[r]) << "rank " << r << ": disk tier differs from in-memory training";
+  }
+  // Gradient shards on disk too.
+  const auto with_grads = train(disk_policy(dir, /*grads=*/true).memory_budget_bytes(4 * 3 * 4096), 4);
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(reference[r] == with_grads[r]) << "rank " << r << " (grads on disk)";
+  // Negative control: a different run does differ, so equality above means something.
+  const auto shorter = train(std::nullopt, 3);
+  EXPECT_FALSE(reference[0] == shorter[0]);
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, HostTierEqualsNoOffloadBitwise) {
+  // Meta init (deferred) and real parameters (copied into the tier) both.
+  for (bool meta : {true, false}) {
+    const auto reference = train(std::nullopt, 4, meta);
+    const auto host = train(host_policy(), 4, meta, [](Job& j, int) {
+      for (const auto& unit : j.root->units()) {
+        for (auto& fp : unit->flat_params()) {
+          EXPECT_EQ(fp->offload().params, OffloadTier::kHost);
+          ASSERT_TRUE(fp->offload().stager != nullptr);
+          EXPECT_STREQ(fp->offload().stager->name(), "cpu");
+        }
+      }
+    });
+    for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(reference[r] == host[r]) << "rank " << r << " meta " << meta;
+  }
+}
+
+TEST(Offload, PerUnitPolicyOverridesTheRoots) {
+  const std::string dir = testing::temp_path("offload-per-unit");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    auto model = testing::Net(net_options(true));
+    auto opts = FullyShardOptions().init(init::normal(0.2, 11));
+    // Block 0 keeps everything in memory; the others inherit the root's disk policy.
+    fully_shard(model->blocks[0], mesh, FullyShardOptions(opts).offload(OffloadPolicy()));
+    for (size_t i = 1; i < model->blocks.size(); ++i) fully_shard(model->blocks[i], mesh, opts);
+    auto root = fully_shard(model, mesh, FullyShardOptions(opts).offload(disk_policy(dir)));
+    AdamW optim(root, AdamWOptions(1e-2));
+    for (const auto& unit : root->units()) {
+      const bool in_memory = unit->prefix() == "blocks_0.";
+      for (auto& fp : unit->flat_params()) {
+        EXPECT_EQ(offload::is_disk_backed(fp->sharded_param()), !in_memory) << unit->name();
+      }
+    }
+  });
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, MemoryReportCountsEachTier) {
+  const std::string dir = testing::temp_path("offload-report");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, disk_policy(dir));
+    train_step(j, 0, dist.rank());
+    const auto r = memory_report(*j.root, j.optim.get());
+    EXPECT_EQ(r.tier_disk, r.sharded_params + r.optimizer_state);
+    EXPECT_EQ(r.tier_device, r.sharded_grads);
+    EXPECT_EQ(r.tier_host, 0);
+    EXPECT_EQ(r.model_state(), r.tier_device + r.tier_host + r.tier_disk);
+    EXPECT_NE(r.to_string().find("disk"), std::string::npos) << r.to_string();
+    Job h = build(mesh, host_policy());
+    train_step(h, 0, dist.rank());
+    const auto rh = memory_report(*h.root, h.optim.get());
+    EXPECT_EQ(rh.tier_host, rh.model_state());
+    EXPECT_EQ(rh.tier_disk, 0);
+  });
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
+  const std::string dir = testing::temp_path("offload-resume");
+  checkpoint::make_dirs(dir);
+  const std::string ckpt = checkpoint::join(dir, "ckpt");
+  const auto straight = train(std::nullopt, 6);
+  // 3 steps and an async save with the disk tier on; then a fresh model with the disk tier loads
+  // and runs 3 more.
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, disk_policy(checkpoint::join(dir, "offload-a")));
+    for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
+    checkpoint::TrainState st;
+    st.step = 3;
+    // A background save: its snapshot of the disk-tier state (disk-tier files too) must not see
+    // the step that runs while it writes.
+    checkpoint::AsyncSaver saver;
+    saver.save(ckpt, "step-3", *j.root, j.optim.get(), st);
+    train_step(j, 3, dist.rank());
+    saver.wait();
+  }, std::chrono::seconds(60));
+  std::vector<std::string> resumed(kWorld);
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, disk_policy(checkpoint::join(dir, "offload-b")));
+    set_disk_tier_audit(*j.root, true);
+    const auto st = checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
+    EXPECT_EQ(st.step, 3);
+    // Loaded in place: the states are still in the disk tier, and loading left nothing mapped.
+    for (const auto& unit : j.root->units()) {
+      for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
+    }
+    for (auto& s : j.optim->states()) {
+      for (const auto& [name, t] : s.tensors) EXPECT_TRUE(offload::is_disk_backed(t)) << name;
+    }
+    EXPECT_LE(disk_tier_stats(*j.root).resident_bytes, kBudget);
+    std::vector<double> losses;
+    for (int s = 3; s < 6; ++s) losses.push_back(train_step(j, s, dist.rank()));
+    resumed[dist.rank()] = fingerprint(j, losses);
+  }, std::chrono::seconds(60));
+  const auto straight_tail = train(std::nullopt, 6, true, nullptr, /*skip_losses=*/3);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_GT(straight_tail[r].size(), 1000u);
+    EXPECT_TRUE(resumed[r] == straight_tail[r]) << "rank " << r << ": resumed with the disk tier differs";
+  }
+  EXPECT_FALSE(straight[0] == straight_tail[0]);  // the fingerprints do see the losses
+  checkpoint::remove_tree(dir);
+}
+
+// Uses the process tier: the file-size limit and SIGXFSZ are per process.
+void full_disk_child(int rank) {
+  at::set_num_threads(1);
+  std::signal(SIGXFSZ, SIG_IGN);  // fallocate past the limit then fails with EFBIG instead of killing us
+  const std::string dir = std::getenv("FSDP_OFFLOAD_DIR");
+  auto dist = init_from_env(InitOptions().timeout(std::chrono::seconds(20)));
+  DeviceMesh mesh(dist);
+  const std::string mode = std::getenv("FSDP_OFFLOAD_MODE");
+  struct rlimit lim {};
+  ::getrlimit(RLIMIT_FSIZE, &lim);
+  const rlim_t unlimited = lim.rlim_cur;
+  if (mode == "params") {
+    // The directory's probe (4 KiB) passes, the blocks' master shards (~80 KiB) need more than the
+    // limit: fails while the root places its states, before any training.
+    lim.rlim_cur = 8192;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    try {
+      Job j = build(mesh, disk_policy(dir));
+      FAIL() << "placing the master shards should have failed";
+    } catch (const OffloadError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(dir), std::string::npos) << what;
+      EXPECT_NE(what.find("cannot reserve"), std::string::npos) << what;
+      EXPECT_NE(what.find("master shard"), std::string::npos) << what;
+    }
+    return;
+  }
+  // mode "state": params in memory, optimizer state on a "full" disk. Save a checkpoint first.
+  auto policy = OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget);
+  Job j = build(mesh, policy);
+  train_step(j, 0, rank);  // the first step reserves the state: fine, no limit yet
+  checkpoint::TrainState st;
+  st.step = 1;
+  checkpoint::save(checkpoint::join(dir, "ckpt"), "step-1", *j.root, j.optim.get(), st);
+  Job k = build(mesh, policy);  // a second model whose state must be created under the limit
+  std::string before;
+  {
+    std::ostringstream s;
+    for (const auto& unit : k.root->units()) {
+      for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
+    }
+    before = s.str();
+  }
+  lim.rlim_cur = 8192;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto x = at::randn({4, 7}, gen), y = at::randn({4, 5}, gen);
+  at::mse_loss(fsdp::call(k.model, x), y).backward();
+  try {
+    k.optim->step();
+    FAIL() << "the optimizer step should have failed to reserve its state";
+  } catch (const OffloadError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(dir), std::string::npos) << what;
+    EXPECT_NE(what.find("AdamW exp_avg"), std::string::npos) << what;
+  }
+  // Nothing changed: the params are as before and no state stepped.
+  std::ostringstream after;
+  for (const auto& unit : k.root->units()) {
+    for (auto& fp : unit->flat_params()) append_bytes(after, fp->sharded_param());
+  }
+  EXPECT_TRUE(after.str() == before) << "a failed step changed the params";
+  for (auto& s : k.optim->states()) EXPECT_EQ(s.step, 0);
+  // The checkpoint is intact and loads; with room again, the step runs.
+  lim.rlim_cur = unlimited;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+  Job l = build(mesh, policy);
+  EXPECT_EQ(checkpoint::load(checkpoint::resolve(checkpoint::join(dir, "ckpt"), "latest"), *l.root, l.optim.get()).step, 1);
+  for (size_t i = 0; i < l.optim->states().size(); ++i) {
+    EXPECT_TRUE(at::equal(l.optim->states()[i].tensors.at("exp_avg"), j.optim->states()[i].tensors.at("exp_avg")));
+  }
+  k.optim->step();
+  for (auto& s : k.optim->states()) EXPECT_EQ(s.step, 1);
+}
+
+TEST(Offload, FullDiskFailsClearlyWithoutChangingState) {
+  if (std::getenv("FSDP_TEST_CHILD") != nullptr) {
+    testing::run_processes(kWorld, full_disk_child);
+    return;
+  }
+  const std::string dir = testing::temp_path("offload-full");
+  checkpoint::make_dirs(dir);
+  for (const std::string mode : {"params", "state"}) {
+    testing::ProcessOptions opts;
+    opts.extra_env = {{"FSDP_OFFLOAD_DIR", dir}, {"FSDP_OFFLOAD_MODE", mode}};
+    testing::expect_all_ok(testing::run_processes(kWorld, full_disk_child, opts));
+  }
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, UnwritableDirFailsBeforeTraining) {
+  // A directory that cannot be created (its parent is a file), and, when not root (root ignores
+  // permission bits), an existing read-only directory.
+  const std::string file = testing::temp_path("offload-file");
+  std::ofstream(file) << "x";
+  std::vector<std::string> dirs{checkpoint::join(file, "offload")};
+  const std::string ro = testing::temp_path("offload-ro");
+  if (::geteuid() != 0) {
+    checkpoint::make_dirs(ro);
+    ::chmod(ro.c_str(), 0500);
+    dirs.push_back(ro);
+  }
+  for (const auto& dir : dirs) {
+    testing::run_threads(kWorld, [&](Dist& dist) {
+      DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+      try {
+        Job j = build(mesh, disk_policy(dir));  // AdamW's constructor runs the root's lazy init
+        ADD_FAILURE() << "no error for offload.dir " << dir;
+      } catch (const OffloadError& e) {
+        EXPECT_NE(std::string(e.what()).find(dir), std::string::npos) << e.what();
+      }
+    });
+  }
+  // Inconsistent policies are refused naming the field.
+  EXPECT_THROW(OffloadPolicy().params(OffloadTier::kDisk).validate(), ConfigError);
+  EXPECT_THROW(OffloadPolicy().memory_budget_bytes(-1).validate(), ConfigError);
+  EXPECT_THROW(parse_offload_tier("gpu"), ConfigError);
+  ::chmod(ro.c_str(), 0700);
+  checkpoint::remove_tree(ro);
+  ::unlink(file.c_str());
+}
+
+TEST(Offload, BudgetTooSmallToStreamIsRefused) {
+  const std::string dir = testing::temp_path("offload-small");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, disk_policy(dir).memory_budget_bytes(4096));
+    try {
+      train_step(j, 0, dist.rank());
+      ADD_FAILURE() << "a 4096-byte budget cannot stream three tensors";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("memory_budget_bytes=4096"), std::string::npos) << e.what();
+    }
+  });
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, RealFullDiskOnATinyTmpfs) {
+  // A real ENOSPC-sized file system where one can be mounted (root with CAP_SYS_ADMIN); the
+  // RLIMIT_FSIZE test above covers the reservation path everywhere else.
+  const std::string dir = testing::temp_path("offload-tmpfs");
+  checkpoint::make_dirs(dir);
+  if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=64k") != 0) {
+    checkpoint::remove_tree(dir);
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
+  }
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    try {
+      Job j = build(mesh, disk_policy(dir));
+      ADD_FAILURE() << "a 64 KiB file system took the model's master shards";
+    } catch (const OffloadError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(dir), std::string::npos) << what;
+      EXPECT_TRUE(what.find("free but") != std::string::npos || what.find("No space left") != std::string::npos) << what;
+    }
+  });
+  ::umount(dir.c_str());
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
+  const std::string dir = testing::temp_path("offload-sgd");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    auto model = testing::Net(net_options(true));
+    auto opts = FullyShardOptions().init(init::normal(0.2, 11));
+    for (auto& b : model->blocks) fully_shard(b, mesh, opts);
+    auto root = fully_shard(model, mesh, FullyShardOptions(opts).offload(disk_policy(dir)));
+    SGD sgd(root, SGDOptions(0.1).momentum(0.9));
+    auto x = at::ones({2, 7}), y = at::zeros({2, 5});
+    at::mse_loss(fsdp::call(model, x), y).backward();
+    const at::Tensor before = root->units().front()->flat_params().front()->sharded_param().clone();
+    try {
+      sgd.step();
+      ADD_FAILURE() << "SGD's momentum buffer cannot be offloaded";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("momentum_buffer"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(before, root->units().front()->flat_params().front()->sharded_param()));
+  });
+  checkpoint::remove_tree(dir);
+}
+
+TEST(Offload, CudaStagerCopiesThroughPinnedMemory) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU: the CUDA stager's copies need one";
+  auto stager = offload::make_stager(at::Device(at::kCUDA, 0));
+  EXPECT_STREQ(stager->name(), "cuda");
+  at::Tensor host = stager->host_zeros(4099);
+  EXPECT_TRUE(host.is_pinned());
+  host.copy_(at::arange(4099, at::kFloat));
+  at::Tensor dev = stager->to_device(host);
+  EXPECT_TRUE(dev.is_cuda());
+  at::Tensor doubled = dev * 2;
+  at::Tensor back = stager->to_host(doubled);
+  EXPECT_TRUE(back.device().is_cpu());
+  EXPECT_TRUE(at::equal(back, at::arange(4099, at::kFloat) * 2));
+}
+
+}  // namespace
+}  // namespace fsdp
