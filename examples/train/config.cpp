@@ -191,7 +191,8 @@ json TrainConfig::to_json() const {
                 {{"params", this->fsdp.offload.params},
                  {"optimizer_state", this->fsdp.offload.optimizer_state},
                  {"dir", this->fsdp.offload.dir},
-                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}}};
+                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}},
+               {"debug", {{"check_collectives", this->fsdp.check_collectives}}}};
   j["train"] = {{"seed", train.seed},           {"steps", train.steps},         {"eval_every", train.eval_every},
                 {"eval_batches", train.eval_batches}, {"save_every", train.save_every},
                 {"keep_last", train.keep_last}, {"log_every", train.log_every}};
@@ -274,6 +275,15 @@ TrainConfig TrainConfig::from_json(const json& doc) {
     o.string("dir", c.fsdp.offload.dir);
     o.integer("memory_budget_bytes", c.fsdp.offload.memory_budget_bytes, 0);
     o.finish();
+  }
+  if (const json* dbg = fs.find("debug")) {
+    if (!dbg->is_object()) reject("fsdp.debug", *dbg, "must be an object");
+    SectionReader d(dbg, "fsdp.debug");
+    if (const json* v = d.find("check_collectives")) {
+      if (!v->is_boolean()) reject(d.key("check_collectives"), *v, "must be true or false");
+      c.fsdp.check_collectives = v->get<bool>();
+    }
+    d.finish();
   }
   fs.finish();
   if (c.fsdp.replicate > 1 && c.fsdp.strategy != fsdp::ShardingStrategy::kHybridShard) {
