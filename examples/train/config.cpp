@@ -325,11 +325,47 @@ std::string TrainConfig::config_hash() const {
   return buf;
 }
 
+// Note [Config nesting limit]
+// nlohmann::json parses deep nesting iteratively but dumps and compares it recursively, and the
+// errors here quote the offending value: a config value nested 100,000 levels deep overflowed the
+// stack (found by tests/faults_e2e_test.sh). No config key nests deeper than 3, so text nested
+// deeper than kMaxConfigDepth is refused before it is parsed.
+namespace {
+constexpr int kMaxConfigDepth = 64;
+
+// Throws std::invalid_argument naming `what` when `text` nests arrays/objects too deeply.
+void check_nesting(const std::string& text, const std::string& what) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char ch : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') in_string = true;
+    if (ch == '[' || ch == '{') {
+      if (++depth > kMaxConfigDepth) {
+        throw std::invalid_argument(what + ": nested deeper than " + std::to_string(kMaxConfigDepth) +
+                                    " levels; no config value needs that");
+      }
+    }
+    if (ch == ']' || ch == '}') --depth;
+  }
+}
+}  // namespace
+
 void set_dotted(json& doc, const std::string& dotted_key, const std::string& value) {
   if (dotted_key.empty() || dotted_key.front() == '.' || dotted_key.back() == '.' ||
       dotted_key.find("..") != std::string::npos) {
     throw std::invalid_argument("config: bad key '" + dotted_key + "' in --set (expected section.key=value)");
   }
+  check_nesting(value, "config: --set " + dotted_key);  // See Note [Config nesting limit]
   json parsed = json::parse(value, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) parsed = value;
   json* node = &doc;
@@ -358,6 +394,7 @@ json read_config_file(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   json doc;
+  check_nesting(ss.str(), "config file '" + path + "'");  // See Note [Config nesting limit]
   try {
     doc = json::parse(ss.str());
   } catch (const json::parse_error& e) {

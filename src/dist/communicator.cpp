@@ -39,6 +39,12 @@ namespace fsdp {
 namespace {
 using Clock = std::chrono::steady_clock;
 
+// Ranks disagree on the collective: no peer failed, so none is blamed.
+class OrderMismatch : public DistError {
+ public:
+  using DistError::DistError;
+};
+
 // Adds a transport's byte counts to a collective's counters.
 void count(OpStats& s, const TransferCount& c) {
   s.bytes_sent += c.sent;
@@ -225,10 +231,20 @@ void Communicator::worker_loop() {
       error = std::make_exception_ptr(DistError(
           "fsdp: " + p->description + " failed: peer rank " + std::to_string(e.peer()) +
           " (global rank " + std::to_string(global_rank(e.peer())) + "): " + e.what()));
+    } catch (const OrderMismatch& e) {
+      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + e.what()));
     } catch (const TimeoutError& e) {
       error = std::make_exception_ptr(TimeoutError("fsdp: " + p->description + " failed: " + e.what()));
     } catch (const std::exception& e) {
-      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + e.what()));
+      // Gloo's own collectives (all-reduce, broadcast, barrier) do not say which peer failed; in a
+      // group of two it can only be the other rank.
+      std::string peer;
+      if (size_ == 2) {
+        const int other = 1 - rank_;
+        peer = "peer rank " + std::to_string(other) + " (global rank " + std::to_string(global_rank(other)) +
+               ", the group's only other rank): ";
+      }
+      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + peer + e.what()));
     }
     delta.calls = 1;
     delta.busy_s = seconds_since(t0);
@@ -377,7 +393,7 @@ void Communicator::check_order(Transport& transport, const PendingCollective& p,
     msg << (i ? "; " : "") << rank_list(groups[i].second) << " issued " << groups[i].first.describe();
   }
   msg << " (every rank must issue the same collectives in the same order)";
-  throw DistError(msg.str());
+  throw OrderMismatch(msg.str());
 }
 
 CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
