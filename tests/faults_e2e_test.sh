@@ -219,6 +219,11 @@ bad "deeply nested config value (was a stack overflow)" "deep_value.json" X=1 --
 bad "deeply nested --set value" "train.steps" X=1 -- --set "train.steps=$(python3 -c "print('[' * 50000 + ']' * 50000)")"
 head -c 3000 /dev/urandom >"$TMP/binary.json"
 bad "binary config file" "binary.json" X=1 -- --config "$TMP/binary.json"
+# Found by fuzz/fuzz_config.cpp: invalid UTF-8 in a value made the error path itself throw.
+bad "invalid UTF-8 in a --set value" "optim.betas" X=1 -- --set $'optim.betas=[\xff\xff0.9'
+bad "invalid UTF-8 in a model --set value" "model.hidden_size" X=1 -- --set $'model.hidden_size=optim.b\xf4as'
+printf '{"data": {"path": "\xff\xfe"}, "optim": {"schedule": "\xc0"}}' >"$TMP/latin1.json"
+bad "invalid UTF-8 in a config file" "latin1.json" X=1 -- --config "$TMP/latin1.json"
 bad "config file that is a directory" "$TMP" X=1 -- --config "$TMP"
 bad "missing config file" "nope.json" X=1 -- --config "$TMP/nope.json"
 bad "flag value missing" "--set" X=1 -- --set

@@ -14,7 +14,10 @@ namespace {
 using nlohmann::json;
 
 [[noreturn]] void reject(const std::string& key, const json& value, const std::string& why) {
-  throw std::invalid_argument("config: " + key + "=" + value.dump() + ": " + why);
+  // Strings are not checked for UTF-8 before this point: replace bad bytes rather than throw
+  // nlohmann's type_error from inside the error path (found by fuzz/fuzz_config.cpp).
+  throw std::invalid_argument("config: " + key + "=" + value.dump(-1, ' ', false, json::error_handler_t::replace) +
+                              ": " + why);
 }
 
 // Reads the keys of one config section, recording which were used so that finish() can name the
@@ -200,7 +203,10 @@ json TrainConfig::to_json() const {
 }
 
 TrainConfig TrainConfig::from_json(const json& doc) {
-  if (!doc.is_object()) throw std::invalid_argument("config: expected a JSON object, got " + doc.dump());
+  if (!doc.is_object()) {
+    throw std::invalid_argument("config: expected a JSON object, got " +
+                                doc.dump(-1, ' ', false, json::error_handler_t::replace));
+  }
   for (const auto& [k, v] : doc.items()) {
     if (k != "model" && k != "data" && k != "optim" && k != "fsdp" && k != "train") {
       reject(k, v, "unknown section (known sections: model, data, optim, fsdp, train)");
@@ -314,7 +320,7 @@ std::string TrainConfig::config_hash() const {
   const json identity = {{"model", model.to_json()},
                          {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
   // nlohmann's json keeps object keys sorted, so dump() is canonical.
-  const std::string s = identity.dump();
+  const std::string s = identity.dump(-1, ' ', false, json::error_handler_t::replace);  // a path may not be UTF-8
   uint64_t h = 1469598103934665603ULL;  // FNV-1a 64-bit offset basis
   for (unsigned char ch : s) {
     h ^= ch;
