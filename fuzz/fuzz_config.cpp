@@ -30,7 +30,7 @@ void fuzz_file(const std::string& text) {
   json doc;
   try {
     doc = json::parse(text);
-  } catch (const json::parse_error&) {
+  } catch (const json::exception&) {
     return;  // read_config_file turns this into std::invalid_argument naming the file
   }
   if (!doc.is_object()) return;

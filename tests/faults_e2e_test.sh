@@ -224,6 +224,8 @@ bad "invalid UTF-8 in a --set value" "optim.betas" X=1 -- --set $'optim.betas=[\
 bad "invalid UTF-8 in a model --set value" "model.hidden_size" X=1 -- --set $'model.hidden_size=optim.b\xf4as'
 printf '{"data": {"path": "\xff\xfe"}, "optim": {"schedule": "\xc0"}}' >"$TMP/latin1.json"
 bad "invalid UTF-8 in a config file" "latin1.json" X=1 -- --config "$TMP/latin1.json"
+echo '{"optim": {"lr": 1e999}}' >"$TMP/overflow.json"  # found by fuzz_config: escaped as nlohmann's out_of_range
+bad "number overflow in a config file" "overflow.json': not valid JSON" X=1 -- --config "$TMP/overflow.json"
 bad "config file that is a directory" "$TMP" X=1 -- --config "$TMP"
 bad "missing config file" "nope.json" X=1 -- --config "$TMP/nope.json"
 bad "flag value missing" "--set" X=1 -- --set

@@ -403,7 +403,7 @@ json read_config_file(const std::string& path) {
   check_nesting(ss.str(), "config file '" + path + "'");  // See Note [Config nesting limit]
   try {
     doc = json::parse(ss.str());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number such as 1e999
     throw std::invalid_argument("config file '" + path + "': not valid JSON: " + e.what());
   }
   if (!doc.is_object()) throw std::invalid_argument("config file '" + path + "': must hold a JSON object");
