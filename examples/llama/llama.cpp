@@ -23,7 +23,8 @@ namespace {
 
 using nlohmann::json;
 
-std::string show(const json& value) { return value.dump(); }
+// replace: a string that is not UTF-8 must not make the error path throw (found by fuzz_config).
+std::string show(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 [[noreturn]] void reject(const std::string& key, const json& value, const std::string& why) {
   throw std::invalid_argument("LlamaConfig: " + key + "=" + show(value) + " " + why);

@@ -14,7 +14,10 @@ namespace {
 using nlohmann::json;
 
 [[noreturn]] void reject(const std::string& key, const json& value, const std::string& why) {
-  throw std::invalid_argument("config: " + key + "=" + value.dump() + ": " + why);
+  // Strings are not checked for UTF-8 before this point: replace bad bytes rather than throw
+  // nlohmann's type_error from inside the error path (found by fuzz/fuzz_config.cpp).
+  throw std::invalid_argument("config: " + key + "=" + value.dump(-1, ' ', false, json::error_handler_t::replace) +
+                              ": " + why);
 }
 
 // Reads the keys of one config section, recording which were used so that finish() can name the
@@ -192,7 +195,8 @@ json TrainConfig::to_json() const {
                  {"grads", this->fsdp.offload.grads},
                  {"optimizer_state", this->fsdp.offload.optimizer_state},
                  {"dir", this->fsdp.offload.dir},
-                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}}};
+                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}},
+               {"debug", {{"check_collectives", this->fsdp.check_collectives}}}};
   j["train"] = {{"seed", train.seed},           {"steps", train.steps},         {"eval_every", train.eval_every},
                 {"eval_batches", train.eval_batches}, {"save_every", train.save_every},
                 {"keep_last", train.keep_last}, {"log_every", train.log_every}};
@@ -200,7 +204,10 @@ json TrainConfig::to_json() const {
 }
 
 TrainConfig TrainConfig::from_json(const json& doc) {
-  if (!doc.is_object()) throw std::invalid_argument("config: expected a JSON object, got " + doc.dump());
+  if (!doc.is_object()) {
+    throw std::invalid_argument("config: expected a JSON object, got " +
+                                doc.dump(-1, ' ', false, json::error_handler_t::replace));
+  }
   for (const auto& [k, v] : doc.items()) {
     if (k != "model" && k != "data" && k != "optim" && k != "fsdp" && k != "train") {
       reject(k, v, "unknown section (known sections: model, data, optim, fsdp, train)");
@@ -277,6 +284,15 @@ TrainConfig TrainConfig::from_json(const json& doc) {
     o.integer("memory_budget_bytes", c.fsdp.offload.memory_budget_bytes, 0);
     o.finish();
   }
+  if (const json* dbg = fs.find("debug")) {
+    if (!dbg->is_object()) reject("fsdp.debug", *dbg, "must be an object");
+    SectionReader d(dbg, "fsdp.debug");
+    if (const json* v = d.find("check_collectives")) {
+      if (!v->is_boolean()) reject(d.key("check_collectives"), *v, "must be true or false");
+      c.fsdp.check_collectives = v->get<bool>();
+    }
+    d.finish();
+  }
   fs.finish();
   if (c.fsdp.replicate > 1 && c.fsdp.strategy != fsdp::ShardingStrategy::kHybridShard) {
     reject("fsdp.replicate", json(c.fsdp.replicate),
@@ -307,7 +323,7 @@ std::string TrainConfig::config_hash() const {
   const json identity = {{"model", model.to_json()},
                          {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
   // nlohmann's json keeps object keys sorted, so dump() is canonical.
-  const std::string s = identity.dump();
+  const std::string s = identity.dump(-1, ' ', false, json::error_handler_t::replace);  // a path may not be UTF-8
   uint64_t h = 1469598103934665603ULL;  // FNV-1a 64-bit offset basis
   for (unsigned char ch : s) {
     h ^= ch;
@@ -318,11 +334,47 @@ std::string TrainConfig::config_hash() const {
   return buf;
 }
 
+// Note [Config nesting limit]
+// nlohmann::json parses deep nesting iteratively but dumps and compares it recursively, and the
+// errors here quote the offending value: a config value nested 100,000 levels deep overflowed the
+// stack (found by tests/faults_e2e_test.sh). No config key nests deeper than 3, so text nested
+// deeper than kMaxConfigDepth is refused before it is parsed.
+namespace {
+constexpr int kMaxConfigDepth = 64;
+
+// Throws std::invalid_argument naming `what` when `text` nests arrays/objects too deeply.
+void check_nesting(const std::string& text, const std::string& what) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char ch : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') in_string = true;
+    if (ch == '[' || ch == '{') {
+      if (++depth > kMaxConfigDepth) {
+        throw std::invalid_argument(what + ": nested deeper than " + std::to_string(kMaxConfigDepth) +
+                                    " levels; no config value needs that");
+      }
+    }
+    if (ch == ']' || ch == '}') --depth;
+  }
+}
+}  // namespace
+
 void set_dotted(json& doc, const std::string& dotted_key, const std::string& value) {
   if (dotted_key.empty() || dotted_key.front() == '.' || dotted_key.back() == '.' ||
       dotted_key.find("..") != std::string::npos) {
     throw std::invalid_argument("config: bad key '" + dotted_key + "' in --set (expected section.key=value)");
   }
+  check_nesting(value, "config: --set " + dotted_key);  // See Note [Config nesting limit]
   json parsed = json::parse(value, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) parsed = value;
   json* node = &doc;
@@ -351,9 +403,10 @@ json read_config_file(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   json doc;
+  check_nesting(ss.str(), "config file '" + path + "'");  // See Note [Config nesting limit]
   try {
     doc = json::parse(ss.str());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number such as 1e999
     throw std::invalid_argument("config file '" + path + "': not valid JSON: " + e.what());
   }
   if (!doc.is_object()) throw std::invalid_argument("config file '" + path + "': must hold a JSON object");

@@ -58,6 +58,7 @@ struct FsdpConfig {
   double timeout_s = 60;                     // rendezvous and every collective
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
   OffloadConfig offload;
+  bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions
 };
 
 struct RunConfig {

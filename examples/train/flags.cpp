@@ -84,7 +84,9 @@ Flags parse_flags(int argc, const char* const* argv) {
       if (v.empty()) throw UsageError("flag --data needs a file name");
       f.overrides.emplace_back("data.source", "file");
       // Quoted so that a file named e.g. "123" is still taken as a path.
-      f.overrides.emplace_back("data.path", nlohmann::json(v).dump());
+      // replace: a path that is not UTF-8 then fails to open, naming it, instead of throwing here.
+      f.overrides.emplace_back("data.path",
+                               nlohmann::json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     } else if (arg == "--save-dir") {
       f.save_dir = value();
       if (f.save_dir.empty()) throw UsageError("flag --save-dir needs a directory");

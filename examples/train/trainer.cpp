@@ -85,8 +85,9 @@ class Job {
 
  private:
   void build() {
-    dist_ = fsdp::init_from_env(fsdp::InitOptions().timeout(
-        std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000))));
+    dist_ = fsdp::init_from_env(fsdp::InitOptions()
+                                    .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000)))
+                                    .check_collectives(cfg_.fsdp.check_collectives));
     rank_ = dist_->rank();
     world_ = dist_->world_size();
     const bool hybrid = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard;

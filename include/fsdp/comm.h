@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,15 @@ struct CommunicatorOptions {
   std::string name = "world";  // shows in errors: "group 'world'"
   std::chrono::milliseconds timeout{60000};
   std::vector<int> global_ranks;  // the group's members by global rank; empty = 0..size-1
+  // Debug: before every collective the ranks exchange a fingerprint (sequence number, kind, tag,
+  // bytes) and fail with a mismatch naming the ranks, ops and tags instead of hanging or mixing
+  // data. See Note [Collective-order check] in src/dist/communicator.cpp.
+  bool check_order = false;
+  // With check_order: a board shared by the ranks (the rendezvous store) where each rank posts the
+  // collective it has reached, so a rank that skipped one can be named when the fingerprint
+  // exchange times out. Both may be empty.
+  std::function<void(const std::string& key, const std::string& value)> order_post;
+  std::function<std::optional<std::string>(const std::string& key)> order_lookup;
 };
 
 class Communicator {
@@ -103,6 +113,7 @@ class Communicator {
                      std::vector<at::Tensor> keep_alive,
                      std::function<void(Transport&, OpStats&)> body);
   void worker_loop();
+  void check_order(Transport& transport, const PendingCollective& p, int64_t seq);
 
   struct State;
   std::unique_ptr<State> state_;

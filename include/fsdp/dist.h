@@ -50,6 +50,11 @@ struct InitOptions {
   // "cpu": collectives over Gloo (CPU tensors). "cuda": over NCCL (CUDA tensors; CUDA builds only,
   // set the rank's CUDA device first, e.g. from LOCAL_RANK).
   TORCH_ARG(std::string, device) = "cpu";
+  // Debug option: check before every collective that all ranks issue the same one (a fingerprint
+  // exchange; a mismatch or a skipped collective fails naming the ranks, ops and tags). Also on
+  // when the environment has FSDP_CHECK_COLLECTIVES=1. Costs one small all-gather and one store
+  // write per collective.
+  TORCH_ARG(bool, check_collectives) = false;
 };
 
 // One process's membership in a job: its rank, the store, and the world communicator.

@@ -2,6 +2,7 @@
 // checked against the model first, then each rank reads only the byte ranges of its own shards.
 #include <ATen/ATen.h>
 
+#include <map>
 #include <set>
 
 #include "checkpoint/file_io.h"
@@ -145,7 +146,24 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
     throw CheckpointError("fsdp: " + state_path + " is not valid JSON: " + e.what());
   }
   TrainState state;
+  if (!j.is_object()) throw CheckpointError("fsdp: " + state_path + " is not a JSON object");
+  // Names the field whose type is wrong (nlohmann's own message does not).
+  auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!j.contains(key)) throw CheckpointError("fsdp: " + state_path + " has no '" + key + "'");
+    return j.at(key);
+  };
   try {
+    for (const char* key : {"format_version", "step", "samples_seen", "world_size"}) {
+      if (!field(key).is_number_integer()) {
+        throw CheckpointError("fsdp: " + state_path + ": '" + key + "' is " + field(key).dump() + ", not an integer");
+      }
+    }
+    if (!field("strategy").is_string()) {
+      throw CheckpointError("fsdp: " + state_path + ": 'strategy' is " + field("strategy").dump() + ", not a string");
+    }
+    if (!field("rng_states").is_array()) {
+      throw CheckpointError("fsdp: " + state_path + ": 'rng_states' is " + field("rng_states").dump() + ", not an array");
+    }
     if (j.at("format_version").get<int>() != kFormatVersion) {
       throw CheckpointError("fsdp: " + state_path + " has format_version " + j.at("format_version").dump() +
                             "; this build reads version " + std::to_string(kFormatVersion));
@@ -161,6 +179,37 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   }
 
   const CheckpointLayout layout = make_layout(root, optimizer);
+  // Validate what train_state.json says about the optimizer and this rank's RNG before changing
+  // anything: a bad field must not leave a half-loaded model or silently dropped optimizer state.
+  Dist& dist = root.unit().mesh().dist();
+  const bool restore_rng = state.world_size == dist.world_size() &&
+                           static_cast<int>(state.rng_states.size()) == dist.world_size();
+  if (restore_rng) {
+    const std::string current = rng_state_base64();
+    restore_rng_state_base64(state.rng_states[dist.rank()]);  // throws CheckpointError when invalid
+    restore_rng_state_base64(current);
+  }
+  std::map<std::string, int64_t> saved_steps;
+  std::string saved_optim_type = "no";
+  if (optimizer != nullptr) {
+    const nlohmann::json saved = j.value("optimizer", nlohmann::json::object());
+    const auto bad = [&](const std::string& what) {
+      return CheckpointError("fsdp: " + state_path + ": 'optimizer' " + what);
+    };
+    if (!saved.is_object()) throw bad("is " + saved.dump() + ", not an object");
+    if (saved.contains("type")) {
+      if (!saved["type"].is_string()) throw bad("type is " + saved["type"].dump() + ", not a string");
+      saved_optim_type = saved["type"].get<std::string>();
+    }
+    const nlohmann::json steps = saved.value("steps", nlohmann::json::object());
+    if (!steps.is_object()) throw bad("steps is " + steps.dump() + ", not an object");
+    for (const auto& [name, v] : steps.items()) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+        throw bad("steps['" + name + "'] is " + v.dump() + ", not a non-negative integer");
+      }
+      saved_steps[name] = v.get<int64_t>();
+    }
+  }
   Wanted all, trainable;
   for (const auto& t : layout.tensors) {
     all.emplace_back(t.name, t.entry->shape);
@@ -170,14 +219,11 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   FileSet model = open_file_set(dir, "model");
   check_tensors(dir, model, all);
   std::vector<FileSet> optim_sets;
-  nlohmann::json steps;
   if (optimizer != nullptr) {
-    const auto saved = j.value("optimizer", nlohmann::json::object());
-    if (saved.value("type", "") != optimizer->type_name()) {
-      throw CheckpointError("fsdp: checkpoint " + dir + " holds " + saved.value("type", std::string("no")) +
+    if (saved_optim_type != optimizer->type_name()) {
+      throw CheckpointError("fsdp: checkpoint " + dir + " holds " + saved_optim_type +
                             " optimizer state but the optimizer is " + optimizer->type_name());
     }
-    steps = saved.value("steps", nlohmann::json::object());
     for (const auto& name : optimizer->state_names()) {
       optim_sets.push_back(open_file_set(dir, "optim." + name));
       check_tensors(dir, optim_sets.back(), trainable);
@@ -208,7 +254,7 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
     }
     for (const auto& t : layout.tensors) {
       auto* st = layout.flats[t.flat].optim_state;
-      if (st != nullptr && steps.contains(t.name)) st->step = steps[t.name].get<int64_t>();
+      if (st != nullptr && saved_steps.count(t.name)) st->step = saved_steps.at(t.name);
     }
     // State never stepped when saved stays absent, as in a fresh optimizer.
     for (auto& slot : layout.flats) {
@@ -217,10 +263,7 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
       for (auto& [name, t] : slot.optim_state->tensors) offload::release(t);  // disk tier: read, now on disk
     }
   }
-  Dist& dist = root.unit().mesh().dist();
-  if (state.world_size == dist.world_size() && static_cast<int>(state.rng_states.size()) == dist.world_size()) {
-    restore_rng_state_base64(state.rng_states[dist.rank()]);
-  }
+  if (restore_rng) restore_rng_state_base64(state.rng_states[dist.rank()]);
   return state;
 }
 

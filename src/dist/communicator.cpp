@@ -7,9 +7,24 @@
 // reduce-scatter) without blocking the caller. After a failure the communicator is broken: every
 // later collective fails at once with the first error, so no rank runs on with a half-finished
 // exchange.
+//
+// Note [Collective-order check]
+// Ranks must issue collectives in the same order; a rank that skips or reorders one either hangs
+// its peers or, worse, pairs its bytes with another collective's and corrupts data silently. With
+// CommunicatorOptions::check_order (InitOptions::check_collectives, FSDP_CHECK_COLLECTIVES=1) the
+// worker first all-gathers a fixed-size fingerprint of the collective it is about to run: its
+// sequence number on this communicator, kind, payload bytes, dtype and tag (the unit). Fingerprints
+// are the same size whatever the collective, so the exchange itself always pairs up, and a
+// mismatch fails on every rank before any payload moves, naming each rank's op and tag. A rank
+// that skipped the last collective leaves the others waiting in the exchange until the timeout;
+// each rank also posts "seq + description" to the store before exchanging, so that error names the
+// ranks that never reached the sequence number and where they are. It is a debug option: one small
+// all-gather and one store write per collective (figures in docs/NOTES.md), not counted in stats.
 #include "fsdp/comm.h"
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <sstream>
@@ -23,6 +38,12 @@
 namespace fsdp {
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// Ranks disagree on the collective: no peer failed, so none is blamed.
+class OrderMismatch : public DistError {
+ public:
+  using DistError::DistError;
+};
 
 // Adds a transport's byte counts to a collective's counters.
 void count(OpStats& s, const TransferCount& c) {
@@ -90,6 +111,8 @@ struct PendingCollective {
   std::shared_ptr<StatsBox> stats;
   std::shared_ptr<Tracer> tracer;
   std::string tag;
+  uint64_t bytes = 0;  // payload bytes of this rank's input (for the order check)
+  int dtype = -1;      // at::ScalarType of the payload; -1 for none
   std::string lane;  // "comm <group>"
   Clock::time_point issued;
 
@@ -116,6 +139,7 @@ struct Communicator::State {
   std::string first_error;  // non-empty once broken
   std::shared_ptr<StatsBox> stats = std::make_shared<StatsBox>();
   std::shared_ptr<Tracer> tracer;
+  int64_t next_seq = 0;  // collectives run so far (worker thread only)
   std::thread worker;
 };
 
@@ -199,16 +223,28 @@ void Communicator::worker_loop() {
     OpStats delta;
     const auto t0 = Clock::now();
     std::exception_ptr error;
+    const int64_t seq = state_->next_seq++;
     try {
+      if (options_.check_order) check_order(*transport_, *p, seq);
       p->body(*transport_, delta);
     } catch (const PeerError& e) {
       error = std::make_exception_ptr(DistError(
           "fsdp: " + p->description + " failed: peer rank " + std::to_string(e.peer()) +
           " (global rank " + std::to_string(global_rank(e.peer())) + "): " + e.what()));
+    } catch (const OrderMismatch& e) {
+      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + e.what()));
     } catch (const TimeoutError& e) {
       error = std::make_exception_ptr(TimeoutError("fsdp: " + p->description + " failed: " + e.what()));
     } catch (const std::exception& e) {
-      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + e.what()));
+      // Gloo's own collectives (all-reduce, broadcast, barrier) do not say which peer failed; in a
+      // group of two it can only be the other rank.
+      std::string peer;
+      if (size_ == 2) {
+        const int other = 1 - rank_;
+        peer = "peer rank " + std::to_string(other) + " (global rank " + std::to_string(global_rank(other)) +
+               ", the group's only other rank): ";
+      }
+      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + peer + e.what()));
     }
     delta.calls = 1;
     delta.busy_s = seconds_since(t0);
@@ -235,6 +271,131 @@ void Communicator::worker_loop() {
   }
 }
 
+namespace {
+// Fingerprint words: seq, kind, bytes, dtype, tag length, then the tag's bytes (truncated).
+constexpr int64_t kFingerprintWords = 40;
+constexpr int64_t kFingerprintHead = 5;
+constexpr size_t kFingerprintTagBytes = (kFingerprintWords - kFingerprintHead) * sizeof(int64_t);
+
+struct Fingerprint {
+  int64_t seq = 0, kind = 0, bytes = 0, dtype = -1;
+  std::string tag;
+  bool operator==(const Fingerprint& o) const {
+    return seq == o.seq && kind == o.kind && bytes == o.bytes && dtype == o.dtype && tag == o.tag;
+  }
+  std::string describe() const {
+    std::ostringstream s;
+    s << collective_name(static_cast<CollectiveKind>(kind)) << " '" << tag << "' (" << bytes << " bytes";
+    if (dtype >= 0) s << " of " << c10::toString(static_cast<at::ScalarType>(dtype));
+    s << ") as collective #" << seq;
+    return s.str();
+  }
+};
+
+at::Tensor encode(const Fingerprint& f) {
+  auto t = at::zeros({kFingerprintWords}, at::kLong);
+  auto* w = t.data_ptr<int64_t>();
+  w[0] = f.seq, w[1] = f.kind, w[2] = f.bytes, w[3] = f.dtype;
+  const size_t n = std::min(f.tag.size(), kFingerprintTagBytes);
+  w[4] = static_cast<int64_t>(n);
+  std::memcpy(w + kFingerprintHead, f.tag.data(), n);
+  return t;
+}
+
+Fingerprint decode(const int64_t* w) {
+  Fingerprint f;
+  f.seq = w[0], f.kind = w[1], f.bytes = w[2], f.dtype = w[3];
+  const size_t n = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(w[4], 0)), kFingerprintTagBytes);
+  f.tag.assign(reinterpret_cast<const char*>(w + kFingerprintHead), n);
+  if (f.kind < 0 || f.kind >= kNumCollectiveKinds) f.kind = 0;
+  return f;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream s;
+  s << (ranks.size() > 1 ? "ranks " : "rank ");
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
+  return s.str();
+}
+}  // namespace
+
+// See Note [Collective-order check].
+void Communicator::check_order(Transport& transport, const PendingCollective& p, int64_t seq) {
+  Fingerprint mine;
+  mine.seq = seq;
+  mine.kind = static_cast<int64_t>(p.kind);
+  mine.bytes = static_cast<int64_t>(p.bytes);
+  mine.dtype = p.dtype;
+  mine.tag = p.tag;
+  const std::string key_prefix = "fsdp/order/" + options_.name + "/";
+  if (options_.order_post) options_.order_post(key_prefix + std::to_string(rank_), std::to_string(seq) + "\t" + p.description);
+  auto all = at::empty({size_ * kFingerprintWords}, at::kLong);
+  TransferCount ignored;
+  try {
+    transport.all_gather(all, encode(mine), ignored);
+  } catch (const std::exception& e) {
+    // Who never got here? Ask the store where every rank is.
+    std::ostringstream msg;
+    msg << "collective-order check: " << p.description << " as collective #" << seq
+        << " was not matched by every rank within " << std::chrono::duration<double>(options_.timeout).count()
+        << " s";
+    if (options_.order_lookup) {
+      try {
+        std::vector<int> behind;
+        std::ostringstream where;
+        for (int r = 0; r < size_; ++r) {
+          if (r == rank_) continue;
+          const std::string key = key_prefix + std::to_string(r);
+          const auto posted = options_.order_lookup(key);
+          if (!posted) {
+            behind.push_back(r);
+            where << "; rank " << r << " has run no collective on group '" << options_.name << "'";
+            continue;
+          }
+          const std::string& v = *posted;
+          const auto tab = v.find('\t');
+          const int64_t their = std::stoll(v.substr(0, tab));
+          if (their < seq) {
+            behind.push_back(r);
+            where << "; rank " << r << " is at collective #" << their << ": "
+                  << (tab == std::string::npos ? "" : v.substr(tab + 1));
+          }
+        }
+        if (!behind.empty()) msg << ": " << rank_list(behind) << " never reached collective #" << seq << where.str();
+      } catch (const std::exception& se) {
+        msg << " (the store could not say which rank is behind: " << se.what() << ")";
+      }
+    }
+    msg << ": " << e.what();
+    throw TimeoutError(msg.str());
+  }
+  const auto* w = all.data_ptr<int64_t>();
+  std::vector<Fingerprint> prints;
+  bool same = true;
+  for (int r = 0; r < size_; ++r) {
+    prints.push_back(decode(w + r * kFingerprintWords));
+    same = same && prints.back() == mine;
+  }
+  if (same) return;
+  // Group the ranks by what they issued, in rank order of first appearance.
+  std::vector<std::pair<Fingerprint, std::vector<int>>> groups;
+  for (int r = 0; r < size_; ++r) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == prints[r]; });
+    if (it == groups.end()) {
+      groups.push_back({prints[r], {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  std::ostringstream msg;
+  msg << "collective-order mismatch on group '" << options_.name << "' at collective #" << seq << ": ";
+  for (size_t i = 0; i < groups.size(); ++i) {
+    msg << (i ? "; " : "") << rank_list(groups[i].second) << " issued " << groups[i].first.describe();
+  }
+  msg << " (every rank must issue the same collectives in the same order)";
+  throw OrderMismatch(msg.str());
+}
+
 CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
                                  std::vector<at::Tensor> keep_alive,
                                  std::function<void(Transport&, OpStats&)> body) {
@@ -247,6 +408,11 @@ CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
   p->timeout = options_.timeout;
   p->stats = state_->stats;
   p->tag = tag;
+  if (!keep_alive.empty()) {
+    // The last tensor is the input the rank contributes: see the callers.
+    p->bytes = keep_alive.back().nbytes();
+    p->dtype = static_cast<int>(keep_alive.back().scalar_type());
+  }
   p->issued = Clock::now();
   {
     std::lock_guard<std::mutex> lock(state_->mu);

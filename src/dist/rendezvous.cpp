@@ -1,6 +1,7 @@
 // Rendezvous: TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it), a join check that names the
 // ranks that never arrived, and the world communicator over Gloo.
 #include <chrono>
+#include <cstdlib>
 #include <sstream>
 #include <thread>
 
@@ -21,6 +22,14 @@ std::string first_line(const std::exception& e) {
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
+// InitOptions::check_collectives, or FSDP_CHECK_COLLECTIVES=1 in the environment (a debug switch
+// that needs no code change in the training program).
+bool check_collectives(const InitOptions& options) {
+  if (options.check_collectives()) return true;
+  const char* v = std::getenv("FSDP_CHECK_COLLECTIVES");
+  return v != nullptr && std::string(v) == "1";
+}
+
 double as_seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
 
 std::string seconds_text(std::chrono::milliseconds ms) {
@@ -34,7 +43,14 @@ bool is_loopback(const std::string& addr) {
 }
 
 // Every rank announces itself, then waits for all others; on timeout the error lists who is missing.
+//
+// Note [Every joined rank names the missing ones]
+// All joined ranks time out at about the same moment, and rank 0's exit takes the store with it,
+// so a rank a little behind would only see "connection closed". The first rank to time out posts
+// its message under fsdp/join_failed; every rank polls that key and fails with the same message;
+// the store host (rank 0) waits up to a second for the others to read it before it goes.
 void join_check(c10d::Store& store, int rank, int world_size, std::chrono::milliseconds timeout) {
+  const std::string failed_key = "fsdp/join_failed";
   store.set("fsdp/joined/" + std::to_string(rank), std::vector<uint8_t>{1});
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int> missing;
@@ -44,6 +60,11 @@ void join_check(c10d::Store& store, int rank, int world_size, std::chrono::milli
       if (!store.check({"fsdp/joined/" + std::to_string(r)})) missing.push_back(r);
     }
     if (missing.empty()) return;
+    if (store.check({failed_key})) {
+      const auto v = store.get(failed_key);
+      store.set("fsdp/join_failed_seen/" + std::to_string(rank), std::vector<uint8_t>{1});
+      throw TimeoutError(std::string(v.begin(), v.end()) + " (reported to rank " + std::to_string(rank) + ")");
+    }
     if (std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -54,7 +75,22 @@ void join_check(c10d::Store& store, int rank, int world_size, std::chrono::milli
   if (missing.size() > 16) msg << ", ...";
   msg << " of " << world_size << " never joined (check that every rank was started with the same "
       << "MASTER_ADDR/MASTER_PORT and WORLD_SIZE)";
-  throw TimeoutError(msg.str());
+  const std::string text = msg.str();
+  if (!store.check({failed_key})) store.set(failed_key, std::vector<uint8_t>(text.begin(), text.end()));
+  if (rank == 0) {
+    // See Note [Every joined rank names the missing ones].
+    const auto linger = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      bool all_seen = true;
+      for (int r = 1; r < world_size && all_seen; ++r) {
+        const std::string id = std::to_string(r);
+        all_seen = !store.check({"fsdp/joined/" + id}) || store.check({"fsdp/join_failed_seen/" + id});
+      }
+      if (all_seen || std::chrono::steady_clock::now() >= linger) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  throw TimeoutError(text);
 }
 
 std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
@@ -65,6 +101,17 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
   copts.name = name;
   copts.timeout = options.timeout();
   copts.global_ranks = global_ranks;
+  copts.check_order = check_collectives(options);
+  if (copts.check_order) {
+    copts.order_post = [store](const std::string& key, const std::string& value) {
+      store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    };
+    copts.order_lookup = [store](const std::string& key) -> std::optional<std::string> {
+      if (!store->check({key})) return std::nullopt;
+      const auto raw = store->get(key);
+      return std::string(raw.begin(), raw.end());
+    };
+  }
   if (group_size == 1) return std::make_shared<Communicator>(make_local_transport(), copts);
   GlooTransportOptions gopts;
   gopts.timeout = options.timeout();
@@ -189,7 +236,7 @@ std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& 
     throw;
   } catch (const std::exception& e) {
     throw DistError("fsdp: rendezvous on " + where + " failed on rank " + std::to_string(env.rank) +
-                    ": " + first_line(e));
+                    (env.rank == 0 ? ": " : ": lost the store hosted by rank 0 (did rank 0 exit?): ") + first_line(e));
   }
   std::vector<int> ranks;
   for (int r = 0; r < env.world_size; ++r) ranks.push_back(r);

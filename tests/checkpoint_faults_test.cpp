@@ -1,0 +1,226 @@
+// Checkpoint saves that cannot be written (process tier, 2 ranks): a disk that fills up on one rank
+// (RLIMIT_FSIZE with SIGXFSZ ignored, so its writes fail with EFBIG as on a full disk) and a
+// read-only checkpoint directory (a read-only bind mount in a private mount namespace when the
+// test runs as root, who ignores permission bits; chmod 0555 otherwise). Each must give every rank
+// the same clear error naming the failing rank and the cause, commit nothing, leave the earlier
+// checkpoint byte for byte as it was (and `latest` on it, and loadable), and leave training able
+// to go on: a step and a save elsewhere (or after the limit is lifted) succeed.
+#include <signal.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "checkpoint/file_io.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/fsdp.h"
+#include "support/models.h"
+#include "support/ranks.h"
+
+namespace fsdp {
+namespace {
+using namespace std::chrono_literals;
+using checkpoint::join;
+using testing::Net;
+using testing::NetOptions;
+
+NetOptions big_net() {  // weights of 24 KiB, so files are far past the 16 KiB size limit below
+  NetOptions o;
+  o.in = 16, o.dim = 64, o.hidden = 96, o.out = 4, o.blocks = 2;
+  return o;
+}
+
+struct Trained {
+  Net net{nullptr};
+  std::shared_ptr<FSDPModule> root;
+  std::unique_ptr<AdamW> optim;
+};
+
+Trained make(DeviceMesh& mesh) {
+  Trained t;
+  t.net = Net(big_net());
+  auto opts = FullyShardOptions().init(init::normal(0.1, 5));
+  for (auto& b : t.net->blocks) fully_shard(b, mesh, opts);
+  t.root = fully_shard(t.net, mesh, opts);
+  t.optim = std::make_unique<AdamW>(t.root, AdamWOptions(1e-2));
+  return t;
+}
+
+void train_step(Trained& t, int s, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(10 * s + rank);
+  auto x = at::randn({6, big_net().in}, gen), y = at::randn({6, big_net().out}, gen);
+  at::mse_loss(fsdp::call(t.net, x), y).backward();
+  t.optim->step();
+  t.optim->zero_grad();
+}
+
+std::map<std::string, std::string> snapshot_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& name : checkpoint::list_dir(dir)) {
+    std::ifstream in(join(dir, name), std::ios::binary);
+    out[name] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return out;
+}
+
+// Parent only: a committed step-00000001 under a fresh directory, saved by 2 thread-tier ranks.
+std::string dir_with_one_checkpoint(const std::string& stem) {
+  const std::string dir = testing::temp_path(stem);
+  checkpoint::make_dirs(dir);
+  testing::run_threads(2, [&](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    auto t = make(mesh);
+    train_step(t, 0, dist.rank());
+    checkpoint::TrainState st;
+    st.step = 1;
+    checkpoint::save(dir, "step-00000001", *t.root, t.optim.get(), st);
+  });
+  return dir;
+}
+
+// The earlier checkpoint is unchanged, still `latest`, and loads.
+void expect_earlier_intact(const std::string& dir, const std::map<std::string, std::string>& before,
+                           const std::string& expected_latest = "step-00000001") {
+  EXPECT_EQ(snapshot_files(join(dir, "step-00000001")), before);
+  EXPECT_EQ(checkpoint::resolve(dir, "latest"), join(dir, expected_latest));
+  Net ref(big_net());
+  EXPECT_NO_THROW(checkpoint::load_unsharded(join(dir, "step-00000001"), *ref));
+}
+
+void print_outcome(const std::vector<testing::RankResult>& results, const char* label) {
+  for (const auto& r : results) {
+    const auto at = r.output.find("save failed: ");
+    std::printf("time-to-exit: %s: rank %d %.2f s%s%s\n", label, r.rank, r.seconds, at == std::string::npos ? "" : "; ",
+                at == std::string::npos ? "" : r.output.substr(at, r.output.find('\n', at) - at).c_str());
+  }
+}
+
+TEST(CheckpointFaults, DiskFullOnOneRankFailsEveryRankAndKeepsEarlierCheckpoints) {
+  const bool child = std::getenv("FSDP_TEST_CHILD") != nullptr;
+  std::string dir;
+  std::map<std::string, std::string> before;
+  if (child) {
+    dir = std::getenv("FSDP_FAULT_DIR");
+  } else {
+    dir = dir_with_one_checkpoint("ckpt-diskfull");
+    before = snapshot_files(join(dir, "step-00000001"));
+    ::setenv("FSDP_FAULT_DIR", dir.c_str(), 1);
+  }
+  auto results = testing::run_processes(2, [&](int rank) {
+    auto dist = init_from_env(InitOptions().timeout(5s));
+    DeviceMesh mesh(dist);
+    auto t = make(mesh);
+    train_step(t, 0, rank);
+    rlimit old{};
+    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+    if (rank == 1) {
+      // No file of rank 1 may grow past 16 KiB: its shard writes fail with EFBIG, as on a full disk.
+      ::signal(SIGXFSZ, SIG_IGN);
+      rlimit small = old;
+      small.rlim_cur = 16 << 10;
+      ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0) << std::strerror(errno);
+    }
+    std::string error;
+    try {
+      checkpoint::save(dir, "step-00000002", *t.root, t.optim.get(), {});
+    } catch (const CheckpointError& e) {
+      error = e.what();
+    }
+    if (rank == 1) ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+    std::printf("save failed: %s\n", error.c_str());
+    EXPECT_NE(error.find("failed on rank 1 while writing its shards"), std::string::npos) << error;
+    EXPECT_NE(error.find(std::strerror(EFBIG)), std::string::npos) << error;
+    EXPECT_NE(error.find("nothing was committed"), std::string::npos) << error;
+    // Training goes on, and the next save (space freed) commits.
+    train_step(t, 1, rank);
+    checkpoint::TrainState st;
+    st.step = 3;
+    checkpoint::save(dir, "step-00000003", *t.root, t.optim.get(), st);
+  });
+  testing::expect_all_ok(results);
+  print_outcome(results, "disk full (RLIMIT_FSIZE) on rank 1 during save");
+  // Never committed (its NAME.tmp/ stays until a save of the same name; resolve never takes it).
+  EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002")));
+  expect_earlier_intact(dir, before, "step-00000003");
+  checkpoint::remove_tree(dir);
+}
+
+// Makes `dir` read-only for this process, even for root: a read-only bind mount of it over itself
+// in a mount namespace of this process alone (gone when it exits). Returns "" or why it could not.
+std::string make_read_only(const std::string& dir) {
+  if (::geteuid() != 0) return ::chmod(dir.c_str(), 0555) == 0 ? "" : std::strerror(errno);
+  if (::unshare(CLONE_NEWNS) != 0) return std::string("unshare: ") + std::strerror(errno);
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return std::string("private: ") + std::strerror(errno);
+  if (::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) != 0) return std::string("bind: ") + std::strerror(errno);
+  if (::mount(nullptr, dir.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr) != 0) {
+    return std::string("remount read-only: ") + std::strerror(errno);
+  }
+  return "";
+}
+
+TEST(CheckpointFaults, ReadOnlyDirectoryFailsEveryRankAndKeepsEarlierCheckpoints) {
+  const bool child = std::getenv("FSDP_TEST_CHILD") != nullptr;
+  std::string dir;
+  std::map<std::string, std::string> before;
+  if (child) {
+    dir = std::getenv("FSDP_FAULT_DIR");
+  } else {
+    dir = dir_with_one_checkpoint("ckpt-readonly");
+    before = snapshot_files(join(dir, "step-00000001"));
+    ::setenv("FSDP_FAULT_DIR", dir.c_str(), 1);
+  }
+  auto results = testing::run_processes(2, [&](int rank) {
+    const std::string why = make_read_only(dir);
+    ASSERT_EQ(why, "") << "cannot make " << dir << " read-only";
+    {
+      // The directory really is read-only to this process now.
+      const std::string probe = join(dir, "probe");
+      std::ofstream f(probe);
+      ASSERT_FALSE(f.good() && (f << "x").good() && f.flush().good()) << dir << " is still writable";
+    }
+    auto dist = init_from_env(InitOptions().timeout(5s));
+    DeviceMesh mesh(dist);
+    auto t = make(mesh);
+    train_step(t, 0, rank);
+    std::string error;
+    try {
+      checkpoint::save(dir, "step-00000002", *t.root, t.optim.get(), {});
+    } catch (const CheckpointError& e) {
+      error = e.what();
+    }
+    std::printf("save failed: %s\n", error.c_str());
+    EXPECT_NE(error.find("failed on rank 0"), std::string::npos) << error;
+    EXPECT_NE(error.find(dir), std::string::npos) << error;
+    const bool names_cause = error.find(std::strerror(EROFS)) != std::string::npos ||
+                             error.find(std::strerror(EACCES)) != std::string::npos;
+    EXPECT_TRUE(names_cause) << error;
+    EXPECT_NE(error.find("nothing was committed"), std::string::npos) << error;
+    // Training goes on and saves elsewhere.
+    train_step(t, 1, rank);
+    checkpoint::save(dir + "-elsewhere", "step-00000002", *t.root, t.optim.get(), {});
+  });
+  if (!child && ::geteuid() != 0) ::chmod(dir.c_str(), 0755);
+  testing::expect_all_ok(results);
+  print_outcome(results, "read-only checkpoint directory");
+  EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002")));
+  EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002.tmp")));
+  expect_earlier_intact(dir, before);
+  EXPECT_TRUE(checkpoint::exists(join(join(dir + "-elsewhere", "step-00000002"), "train_state.json")));
+  checkpoint::remove_tree(dir);
+  checkpoint::remove_tree(dir + "-elsewhere");
+}
+
+}  // namespace
+}  // namespace fsdp
