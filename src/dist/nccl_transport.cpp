@@ -17,6 +17,7 @@ class NcclTransport final : public Transport {
  public:
   NcclTransport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout)
       : rank_(rank), size_(size), timeout_(timeout) {
+    disable_flight_recorder_once();
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
     pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);

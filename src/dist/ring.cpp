@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 
 #include "dist/transport.h"
@@ -41,6 +42,7 @@ class GlooRingTransport final : public Transport {
   GlooRingTransport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     const GlooTransportOptions& options)
       : rank_(rank), size_(size), timeout_(options.timeout) {
+    disable_flight_recorder_once();
     auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout);
     opts->threads = options.threads;
     opts->devices.push_back(make_device(options.hostname));
@@ -230,6 +232,23 @@ class LocalTransport final : public Transport {
 };
 
 }  // namespace
+
+// Note [Flight recorder off]
+// c10d's flight recorder (on by default, 2000 entries) records every collective of every process
+// group, capturing a traceback each time, and its record path inserts the group's status into a
+// std::map before taking its mutex: the first collectives of two groups issued at once from two
+// threads (our communicators each have their own worker) corrupt that map and crash the process
+// (seen as a SIGSEGV in std::_Rb_tree_insert_and_rebalance under ProcessGroupGloo::enqueue). Our
+// communicators keep their own counters and error context, so the recorder is turned off before
+// the first process group is made, unless the user set TORCH_FR_BUFFER_SIZE themselves.
+void disable_flight_recorder_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("TORCH_FR_BUFFER_SIZE") == nullptr && std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE") == nullptr) {
+      ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+    }
+  });
+}
 
 std::unique_ptr<Transport> make_local_transport() { return std::make_unique<LocalTransport>(); }
 

@@ -59,6 +59,9 @@ struct GlooTransportOptions {
 };
 
 std::unique_ptr<Transport> make_local_transport();
+// Turns c10d's flight recorder off (once, unless the user configured it): Note [Flight recorder
+// off] in ring.cpp. Call before making a c10d process group.
+void disable_flight_recorder_once();
 // CUDA tensors over NCCL (CUDA builds); the CPU-only build throws ConfigError naming the fix.
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                std::chrono::milliseconds timeout);
