@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -409,10 +410,18 @@ void ShardedUnit::post_backward(size_t i) {
   post_backward_done_[i] = true;
   if (requires_gradient_sync_) {
     // Reductions issued by earlier units have had this unit's backward to finish: collect them now,
-    // which frees their gradient buffers, so at most one unit's gradients wait on the wire.
+    // which frees their gradient buffers, so at most one unit's gradients wait on the wire besides
+    // this unit's own. This unit's other flat params' reductions were issued a moment ago (a unit's
+    // flat params finish backward together): waiting for those would serialise every reduction
+    // with the backward, so they stay pending until the next unit's.
     RootState& rs = root_state();
-    for (FlatParam* fp : rs.pending_reduces) fp->finalize_grads();
-    rs.pending_reduces.clear();
+    std::vector<FlatParam*> own;
+    for (FlatParam* fp : rs.pending_reduces) {
+      const bool mine = std::any_of(flat_params_.begin(), flat_params_.end(),
+                                    [fp](const std::unique_ptr<FlatParam>& f) { return f.get() == fp; });
+      if (mine) own.push_back(fp); else fp->finalize_grads();
+    }
+    rs.pending_reduces = std::move(own);
     flat_params_[i]->reduce_scatter_grads();
     rs.pending_reduces.push_back(flat_params_[i].get());
   }
