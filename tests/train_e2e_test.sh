@@ -209,8 +209,12 @@ if [ "$RC" -eq 0 ] && [ -f "$TMP/ckpt/step-00000005/train_state.json" ] &&
     --steps $steps --resume "$TMP/ckpt/step-00000005"
 
   # Killed mid-run (every process SIGKILLed, as in a machine crash) after a checkpoint: --resume
-  # latest continues the loss curve exactly (same world size: bitwise equal losses).
+  # latest continues the loss curve exactly (same world size: bitwise equal losses). The tiny job
+  # trains 10 steps in a fraction of a second, faster than this loop can catch it, so the killed
+  # run evaluates 40 batches after every step: that slows it down without changing what it trains
+  # (evaluation runs without gradients, on its own split, and is not in the config hash).
   ( "$RUN" --nproc-per-node 2 -- "$TRAIN" "${TINY[@]}" --steps $steps --set data.batch_size_per_rank=4 \
+      --set train.eval_every=1 --set train.eval_batches=40 \
       --set train.save_every=2 --save-dir "$TMP/kill-ckpt" --metrics "$TMP/kill.jsonl" >"$TMP/kill.out" 2>&1 & )
   for _ in $(seq 1 300); do
     [ -f "$TMP/kill-ckpt/step-00000006/train_state.json" ] && break
