@@ -29,8 +29,7 @@ cleanup() {
   rm -rf "$TMP"
 }
 trap cleanup EXIT
-passed=0
-failed=0
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
 TIMEOUT_S=3
 
 TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermediate_size=64
@@ -39,20 +38,6 @@ TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermedi
       --set optim.warmup_steps=2)
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-
-record() {  # record NAME OK [DETAIL-FILE...]
-  local name=$1 ok=$2
-  shift 2
-  if [ "$ok" = 1 ]; then
-    echo "PASS: $name"
-    passed=$((passed + 1))
-  else
-    echo "FAIL: $name"
-    local f
-    for f in "$@"; do [ -f "$f" ] && tail -n 15 "$f" | sed 's/^/    | /'; done
-    failed=$((failed + 1))
-  fi
-}
 
 # No process started by this script may remain (SIGKILLed ones can take a moment to go).
 no_leftover() {

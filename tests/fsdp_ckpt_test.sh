@@ -23,22 +23,7 @@ if [ -z "$PY" ]; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-passed=0
-failed=0
-
-record() {  # record NAME OK [DETAIL-FILE...]
-  local name=$1 ok=$2
-  shift 2
-  if [ "$ok" = 1 ]; then
-    echo "PASS: $name"
-    passed=$((passed + 1))
-  else
-    echo "FAIL: $name"
-    local f
-    for f in "$@"; do [ -f "$f" ] && tail -n 15 "$f" | sed 's/^/    | /'; done
-    failed=$((failed + 1))
-  fi
-}
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
 
 # ck NAME ARGS...: runs fsdp-ckpt; leaves RC and $TMP/NAME.out (stdout and stderr together).
 ck() {

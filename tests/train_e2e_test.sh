@@ -22,8 +22,7 @@ if [ -z "$PY" ]; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-passed=0
-failed=0
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
 
 # A model small enough that 10 steps on 4 ranks take a few seconds on 2 cores.
 TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermediate_size=64
@@ -37,20 +36,6 @@ train() {
   shift 2
   timeout -k 5 120 "$RUN" --nproc-per-node "$nproc" --timeout-s 100 -- "$TRAIN" "$@" >"$out.out" 2>"$out.err" </dev/null
   RC=$?
-}
-
-record() {  # record NAME OK [DETAIL-FILE...]
-  local name=$1 ok=$2
-  shift 2
-  if [ "$ok" = 1 ]; then
-    echo "PASS: $name"
-    passed=$((passed + 1))
-  else
-    echo "FAIL: $name"
-    local f
-    for f in "$@"; do [ -f "$f" ] && tail -n 15 "$f" | sed 's/^/    | /'; done
-    failed=$((failed + 1))
-  fi
 }
 
 # compare_losses A.jsonl B.jsonl [FIRST_STEP]: every training step of B (from FIRST_STEP on) is in

@@ -1,0 +1,18 @@
+# Pass/fail bookkeeping shared by the shell tests (train_e2e, fsdp_ckpt, faults_e2e): source it,
+# call `record NAME OK [DETAIL-FILE...]` per check; $passed and $failed hold the counts.
+passed=0
+failed=0
+
+record() {  # record NAME OK [DETAIL-FILE...]: OK=1 passes; a failure shows each file's last lines
+  local name=$1 ok=$2
+  shift 2
+  if [ "$ok" = 1 ]; then
+    echo "PASS: $name"
+    passed=$((passed + 1))
+  else
+    echo "FAIL: $name"
+    local f
+    for f in "$@"; do [ -f "$f" ] && tail -n 15 "$f" | sed 's/^/    | /'; done
+    failed=$((failed + 1))
+  fi
+}
