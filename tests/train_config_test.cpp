@@ -78,12 +78,14 @@ TEST(TrainConfig, DefaultsAreTheSmallBuiltInJob) {
 
 TEST(TrainConfig, ToJsonListsEveryKeyAndRoundTrips) {
   TrainConfig c = from_args({"--set", "fsdp.strategy=HYBRID_SHARD", "--set", "fsdp.replicate=2", "--set",
-                             "fsdp.param_dtype=bf16", "--set", "optim.schedule=constant", "--seed", "7"});
+                             "fsdp.param_dtype=bf16", "--set", "optim.schedule=constant", "--set", "fsdp.device=cuda",
+                             "--seed", "7"});
   const json j = c.to_json();
   for (const char* section : {"model", "data", "optim", "fsdp", "train"}) EXPECT_TRUE(j.contains(section)) << section;
   EXPECT_EQ(j["fsdp"]["strategy"], "HYBRID_SHARD");
   EXPECT_EQ(j["fsdp"]["param_dtype"], "bfloat16");
   EXPECT_EQ(j["fsdp"]["offload"]["params"], "none");
+  EXPECT_EQ(j["fsdp"]["device"], "cuda");
   EXPECT_EQ(j["optim"]["betas"], json::array({0.9, 0.95}));
   EXPECT_EQ(j["train"]["seed"], 7);
   EXPECT_EQ(j["model"]["num_hidden_layers"], 4);
@@ -168,6 +170,7 @@ TEST(TrainConfig, WrongTypesAndInvalidValuesAreRejectedNamingKeyAndValue) {
       {"fsdp.timeout_s=0", "fsdp.timeout_s=0: must be > 0"},
       {"fsdp.replicate=2", "fsdp.replicate=2: needs fsdp.strategy=\"HYBRID_SHARD\""},
       {"fsdp.offload.params=gpu", "fsdp.offload.params=\"gpu\""},
+      {"fsdp.device=tpu", "fsdp.device=\"tpu\": must be one of"},
       {"fsdp.offload.optimizer_state=disk", "fsdp.offload.dir=\"\": must name a directory"},
       {"train.steps=-3", "train.steps=-3: must be >= 0"},
       {"train.seed=-1", "train.seed=-1: must be a non-negative integer"},

@@ -137,6 +137,10 @@ printf 'abc' >"$TMP/short.txt"
 expect_error "too-short data file is named" 2 "data file '$TMP/short.txt': holds 3 tokens" --data "$TMP/short.txt"
 expect_error "HYBRID_SHARD replicas that do not divide the world are named" 2 "fsdp.replicate=2: must divide the world size 1" \
   "${TINY[@]}" --set fsdp.strategy=HYBRID_SHARD --set fsdp.replicate=2
+if [ ! -e /dev/nvidia0 ]; then  # a machine without a GPU: asking for one is a config error
+  expect_error "fsdp.device=cuda without a GPU is named" 2 "fsdp.device=cuda: local rank 0 needs CUDA device 0 but this process sees 0" \
+    "${TINY[@]}" --set fsdp.device=cuda
+fi
 
 # A config error on several ranks: status 2 through the launcher, reported once (by rank 0).
 train 2 "$TMP/err2" --set optim.lr=fast

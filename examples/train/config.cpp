@@ -190,6 +190,7 @@ json TrainConfig::to_json() const {
                {"prefetch_depth", this->fsdp.prefetch_depth},
                {"timeout_s", this->fsdp.timeout_s},
                {"replicate", this->fsdp.replicate},
+               {"device", this->fsdp.device},
                {"offload",
                 {{"params", this->fsdp.offload.params},
                  {"grads", this->fsdp.offload.grads},
@@ -274,6 +275,7 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   fs.integer("prefetch_depth", c.fsdp.prefetch_depth, 0);
   fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
   fs.integer("replicate", c.fsdp.replicate, 1);
+  fs.choice("device", c.fsdp.device, {"cpu", "cuda"});
   if (const json* off = fs.find("offload")) {
     if (!off->is_object()) reject("fsdp.offload", *off, "must be an object");
     SectionReader o(off, "fsdp.offload");

@@ -59,6 +59,8 @@ struct FsdpConfig {
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
   OffloadConfig offload;
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions
+  // "cpu" (Gloo) or "cuda" (NCCL; rank r uses CUDA device LOCAL_RANK): see fsdp::InitOptions.
+  std::string device = "cpu";
 };
 
 struct RunConfig {

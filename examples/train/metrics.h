@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include "fsdp/comm.h"
@@ -44,7 +45,8 @@ struct StepMetrics {
 };
 
 // Gathers every rank's counters with one all_gather (so every rank learns the global loss).
-std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine);
+// `device`: where the communicator moves tensors (the process group's compute device).
+std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine, const c10::Device& device);
 
 // The sum of the stats of every distinct communicator a mesh uses (world, shard and replicate
 // groups), so HYBRID_SHARD's row and column traffic is counted too.

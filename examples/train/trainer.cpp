@@ -11,6 +11,8 @@
 #include <string>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <ATen/ops/tensor.h>
 #include <nlohmann/json.hpp>
 
@@ -84,10 +86,26 @@ class Job {
   }
 
  private:
+  // fsdp.device=cuda: this rank computes on CUDA device LOCAL_RANK, made current before the
+  // process group exists (NCCL binds to it).
+  static void use_local_gpu() {
+    const auto& hooks = at::detail::getCUDAHooks();
+    const int gpus = hooks.hasCUDA() ? hooks.getNumGPUs() : 0;
+    const int local = fsdp::parse_dist_env().local_rank;
+    if (local >= gpus) {
+      throw std::invalid_argument("config: fsdp.device=cuda: local rank " + std::to_string(local) + " needs CUDA device " +
+                                  std::to_string(local) + " but this process sees " + std::to_string(gpus));
+    }
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local)));
+  }
+
   void build() {
+    if (cfg_.fsdp.device == "cuda") use_local_gpu();
     dist_ = fsdp::init_from_env(fsdp::InitOptions()
                                     .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000)))
+                                    .device(cfg_.fsdp.device)
                                     .check_collectives(cfg_.fsdp.check_collectives));
+    device_ = dist_->compute_device();
     rank_ = dist_->rank();
     world_ = dist_->world_size();
     const bool hybrid = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard;
@@ -241,7 +259,7 @@ class Job {
     at::Tensor loss;
     {
       fsdp::Tracer::Scope s(tracer_.get(), "train::forward", "train", "");
-      loss = llama::loss(fsdp::call(model_, batch.inputs), batch.targets);
+      loss = llama::loss(fsdp::call(model_, batch.inputs.to(device_)), batch.targets.to(device_));
     }
     {
       fsdp::Tracer::Scope s(tracer_.get(), "train::backward", "train", "");
@@ -268,7 +286,7 @@ class Job {
     mine.comm_wait_s = delta.total_wait_s();
     mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
     StepMetrics m;
-    m.ranks = gather_counters(dist_->world(), mine);
+    m.ranks = gather_counters(dist_->world(), mine, device_);
     // The mean of equal-sized slices' means is the mean over the global batch.
     for (const auto& r : m.ranks) m.loss += r.loss / static_cast<double>(m.ranks.size());
     m.step = step_;
@@ -290,9 +308,9 @@ class Job {
     double sum = 0;
     for (int64_t b = 0; b < cfg_.train.eval_batches; ++b) {
       Batch batch = rank_batch(data_, b * global_batch_, cfg_.data.batch_size_per_rank, rank_, Split::kEval);
-      sum += llama::loss(fsdp::call(model_, batch.inputs), batch.targets).item<double>();
+      sum += llama::loss(fsdp::call(model_, batch.inputs.to(device_)), batch.targets.to(device_)).item<double>();
     }
-    at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble);
+    at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble).to(device_);
     dist_->world().all_reduce(t, fsdp::ReduceOp::kAvg, "train/eval_loss").wait();
     last_eval_loss_ = t.item<double>();
     last_eval_step_ = step_;
@@ -323,7 +341,7 @@ class Job {
     const auto report = fsdp::memory_report(*root_, optim_.get());
     RankCounters mine;
     mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
-    const auto all = gather_counters(dist_->world(), mine);
+    const auto all = gather_counters(dist_->world(), mine, device_);
     if (tracer_) tracer_->write(trace_path(flags_.trace, rank_, world_));
     if (rank_ != 0) return;
     if (steps_trained_ > 0) {
@@ -351,6 +369,7 @@ class Job {
   Dataset data_;
 
   std::shared_ptr<fsdp::Dist> dist_;
+  c10::Device device_ = c10::Device(c10::kCPU);  // where batches go (dist_->compute_device())
   std::unique_ptr<fsdp::DeviceMesh> mesh_;
   int rank_ = 0, world_ = 1, shard_size_ = 1;
   int64_t global_batch_ = 0;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
 #include <torch/arg.h>
 
 #include "fsdp/comm.h"
@@ -75,6 +76,11 @@ class Dist {
   int local_rank() const { return env_.local_rank; }
   const DistEnv& env() const { return env_; }
   const InitOptions& options() const { return options_; }
+  // Where this rank computes: CPU for InitOptions::device "cpu"; for "cuda", the CUDA device
+  // current on the calling thread (set it from local_rank() before sharding). Sharded params,
+  // their gathered buffers and gradients live there; move inputs there. Throws ConfigError when
+  // "cuda" was asked for and no CUDA device is usable.
+  c10::Device compute_device() const;
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   Communicator& world() { return *world_; }

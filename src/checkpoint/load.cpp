@@ -93,8 +93,14 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
     if (it == files.end()) it = files.emplace(file, File::open_read(join(dir, file))).first;
     const auto& header = set.headers.at(file);
     const auto* entry = header.find(t.name);
-    it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float),
-                         header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+    const int64_t at_byte = header.data_start() + entry->begin + span->tensor_begin * sizeof(float);
+    if (!dst.is_cpu()) {  // a device shard: one tensor's part at a time through host memory
+      at::Tensor host = at::empty({span->count}, at::kFloat);
+      it->second.pread_all(host.data_ptr<float>(), span->count * sizeof(float), at_byte);
+      dst.narrow(0, span->shard_begin, span->count).copy_(host);
+      continue;
+    }
+    it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
     offload::release(dst, span->shard_begin, span->shard_begin + span->count);  // disk tier: read, now on disk
   }
 }

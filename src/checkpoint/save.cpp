@@ -120,8 +120,13 @@ void write_shards(SaveJob& job, const std::string& tmp) {
         src = at::zeros_like(job.data.params[t.flat]);  // state not created yet: zeros
       }
       const auto* entry = plan.header.find(t.name);
-      const float* from = src.data_ptr<float>() + span->shard_begin;
-      f.pwrite_all(from, span->count * sizeof(float), plan.header.data_start() + entry->begin + span->tensor_begin * sizeof(float));
+      const int64_t at_byte = plan.header.data_start() + entry->begin + span->tensor_begin * sizeof(float);
+      if (!src.is_cpu()) {  // a device shard: one tensor's part at a time through host memory
+        const at::Tensor host = src.narrow(0, span->shard_begin, span->count).cpu();
+        f.pwrite_all(host.data_ptr<float>(), span->count * sizeof(float), at_byte);
+        continue;
+      }
+      f.pwrite_all(src.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
       offload::release(src, span->shard_begin, span->shard_begin + span->count);  // disk tier: written, out of memory
     }
     f.sync();

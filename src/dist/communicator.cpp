@@ -31,6 +31,8 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "dist/transport.h"
 #include "fsdp/trace.h"
@@ -329,10 +331,12 @@ void Communicator::check_order(Transport& transport, const PendingCollective& p,
   mine.tag = p.tag;
   const std::string key_prefix = "fsdp/order/" + options_.name + "/";
   if (options_.order_post) options_.order_post(key_prefix + std::to_string(rank_), std::to_string(seq) + "\t" + p.description);
-  auto all = at::empty({size_ * kFingerprintWords}, at::kLong);
+  // The fingerprints travel where the transport moves data (device memory for NCCL).
+  const c10::Device device = transport.device();
+  auto all = at::empty({size_ * kFingerprintWords}, at::TensorOptions().dtype(at::kLong).device(device));
   TransferCount ignored;
   try {
-    transport.all_gather(all, encode(mine), ignored);
+    transport.all_gather(all, encode(mine).to(device), ignored);
   } catch (const std::exception& e) {
     // Who never got here? Ask the store where every rank is.
     std::ostringstream msg;
@@ -369,6 +373,7 @@ void Communicator::check_order(Transport& transport, const PendingCollective& p,
     msg << ": " << e.what();
     throw TimeoutError(msg.str());
   }
+  all = all.cpu();
   const auto* w = all.data_ptr<int64_t>();
   std::vector<Fingerprint> prints;
   bool same = true;
@@ -419,8 +424,21 @@ CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
     p->tracer = state_->tracer;
   }
   if (p->tracer) p->lane = "comm " + options_.name;
+  // Note [Collectives on the caller's stream]
+  // On a device, a collective must start after the work the issuing thread queued on its current
+  // stream (the kernels that produced the input) and the results must be ordered before what
+  // that stream runs next. The worker is another thread with its own current stream, so the
+  // issuer's stream is captured here and made current around the transport call: the process
+  // group then waits on it before the collective, and its wait() orders it after.
+  std::optional<c10::Stream> stream;
+  if (!keep_alive.empty() && !keep_alive.front().device().is_cpu()) {
+    const c10::Device device = keep_alive.front().device();
+    stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  }
   // The tensors stay referenced until the collective has run: see Note [One ordered queue].
-  p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) {
+  p->body = [body = std::move(body), keep = std::move(keep_alive), stream](Transport& t, OpStats& s) {
+    if (!stream) return body(t, s);
+    c10::StreamGuard on_issuer_stream(*stream);
     body(t, s);
   };
   if (size_ == 1) {

@@ -1,6 +1,7 @@
 // NcclTransport: CUDA tensors over ProcessGroupNCCL's native collectives (NCCL's all-gather and
 // reduce-scatter already move (N-1)/N of the buffer per rank). Built only with CUDA; see
 // nccl_unavailable.cpp for the CPU-only build.
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include "dist/transport.h"
@@ -16,7 +17,7 @@ std::string first_line(const std::exception& e) {
 class NcclTransport final : public Transport {
  public:
   NcclTransport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout)
-      : rank_(rank), size_(size), timeout_(timeout) {
+      : rank_(rank), size_(size), timeout_(timeout), device_(c10::kCUDA, c10::cuda::current_device()) {
     disable_flight_recorder_once();
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
@@ -32,6 +33,7 @@ class NcclTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* backend_name() const override { return "nccl"; }
+  c10::Device device() const override { return device_; }
 
   void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) override {
     at::Tensor out = output, in = input;
@@ -70,6 +72,7 @@ class NcclTransport final : public Transport {
   void barrier(TransferCount&) override {
     c10d::BarrierOptions opts;
     opts.timeout = timeout_;
+    opts.device_ids = {device_.index()};  // else the group guesses a device from the rank
     wait(pg_->barrier(opts), "barrier");
   }
 
@@ -86,6 +89,7 @@ class NcclTransport final : public Transport {
 
   int rank_, size_;
   std::chrono::milliseconds timeout_;
+  c10::Device device_;  // the CUDA device current when the group was made
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
 };
 

@@ -5,6 +5,8 @@
 #include <sstream>
 #include <thread>
 
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -142,6 +144,20 @@ Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions
       store_(std::move(store)) {}
 
 Dist::~Dist() = default;
+
+c10::Device Dist::compute_device() const {
+  if (options_.device() != "cuda") return c10::Device(c10::kCPU);
+  if (!at::detail::getCUDAHooks().hasCUDA()) {
+    throw ConfigError("fsdp: InitOptions::device is \"cuda\" but no CUDA device is usable in this process "
+                      "(no GPU, CUDA_VISIBLE_DEVICES hides them, or LibTorch was built without CUDA)");
+  }
+  try {
+    return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
+  } catch (const std::exception& e) {
+    throw ConfigError("fsdp: InitOptions::device is \"cuda\" but the current CUDA device could not be read: " +
+                      first_line(e));
+  }
+}
 
 std::shared_ptr<Dist> Dist::single(const InitOptions& options) {
   auto dist = std::shared_ptr<Dist>(new Dist(DistEnv{}, c10::make_intrusive<c10d::HashStore>(), options));

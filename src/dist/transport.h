@@ -10,6 +10,7 @@
 #include <string>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include "fsdp/comm.h"
@@ -42,6 +43,8 @@ class Transport {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend_name() const = 0;
+  // Where tensors this transport moves must live (the communicator's own small exchanges use it).
+  virtual c10::Device device() const { return c10::Device(c10::kCPU); }
 
   virtual void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) = 0;
   virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,

@@ -251,6 +251,7 @@ void copy_streamed(const at::Tensor& dst_in, const at::Tensor& src_in) {
 }
 
 at::Tensor clone_in_tier(const at::Tensor& t) {
+  if (!t.is_cpu()) return t.to(at::kCPU);  // a snapshot of a device shard waits in host memory
   DiskTier* tier = tier_of(t);
   if (tier == nullptr) return t.clone();
   at::Tensor out = tier->zeros(t.numel(), "a checkpoint snapshot");

@@ -79,7 +79,8 @@ void write_behind(const at::Tensor& t, int64_t begin, int64_t end); // start wri
 void release(const at::Tensor& t, int64_t begin, int64_t end);      // unmap them (data kept)
 inline void release(const at::Tensor& t) { release(t, 0, t.defined() ? t.numel() : 0); }
 // A tensor of t's shape with t's values, in t's tier: a new disk-tier file when t is disk-backed,
-// a RAM clone otherwise (checkpoint snapshots; no RAM copy of disk-tier state).
+// a RAM clone otherwise, a host copy of a device tensor (checkpoint snapshots; no RAM copy of
+// disk-tier state, no second copy in device memory).
 at::Tensor clone_in_tier(const at::Tensor& t);
 // dst.copy_(src) in chunks, releasing disk-tier pages as it goes (either may be disk-backed).
 void copy_streamed(const at::Tensor& dst, const at::Tensor& src);

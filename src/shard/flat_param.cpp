@@ -20,14 +20,28 @@ namespace fsdp {
 namespace {
 
 // Grows or frees a buffer's memory without touching its sizes, so views of it stay valid.
+// See Note [Freeing device buffers].
 void set_storage_alive(const at::Tensor& t, bool alive) {
   const size_t bytes = alive ? static_cast<size_t>(t.numel()) * t.element_size() : 0;
   if (t.storage().nbytes() == bytes) return;
-  if (!t.device().is_cpu()) {
-    throw ConfigError("fsdp: freeing flat buffers on " + t.device().str() +
-                      " is not supported in this build; shard CPU parameters");
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (t.device().is_cpu()) {
+    at::native::resize_bytes_cpu(storage, bytes);
+    return;
   }
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+  // Note [Freeing device buffers]
+  // On a device the old bytes are never wanted (a buffer is freed whole and refilled whole by
+  // the next all-gather or zero_), so the storage gets a fresh allocation from its own allocator
+  // (the CUDA caching allocator) instead of resize's allocate-copy-free. Dropping the old DataPtr
+  // returns its block to the allocator in the order of the current stream: callers free only
+  // after waiting for the collective that used the buffer, whose stream the process group has
+  // recorded on the block.
+  c10::Allocator* allocator = storage->allocator();
+  if (allocator == nullptr) {
+    throw ConfigError("fsdp: cannot free a flat buffer on " + t.device().str() + ": its storage has no allocator");
+  }
+  storage->set_data_ptr_noswap(bytes == 0 ? at::DataPtr(nullptr, t.device()) : allocator->allocate(bytes));
+  storage->set_nbytes(bytes);
 }
 
 }  // namespace
@@ -53,12 +67,13 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
       throw ConfigError("fsdp: parameter '" + e.name + "' is " + (meta ? "not " : "") +
                         "on the meta device while others of its unit are; initialise all or none lazily");
     }
-    if (!meta && !e.param.device().is_cpu()) {
+    if (!meta && e.param.device() != config_.device) {
       throw ConfigError("fsdp: parameter '" + e.name + "' is on " + e.param.device().str() +
-                        "; this build shards CPU parameters");
+                        " but the process group computes on " + config_.device.str() +
+                        " (InitOptions::device): move the module there first, or build it on the meta device");
     }
   }
-  const auto device = meta ? at::Device(at::kCPU) : entries_.front().param.device();
+  const auto device = config_.device;
   if (meta) {
     // Left untouched (so not resident) until materialize() or set_offload() fills it: only the
     // padding at the end of the flat buffer is zeroed here.
@@ -244,7 +259,7 @@ void FlatParam::set_offload(OffloadPlacement placement) {
     if (aliases_master_) {
       // The gathered params must not be the offloaded master itself: give them their own buffer.
       aliases_master_ = false;
-      unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(sharded_param_.device()));
+      unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
       use_unsharded_views();
       set_storage_alive(unsharded_, false);
       state_ = ShardedState::kSharded;
@@ -258,8 +273,13 @@ at::Tensor FlatParam::new_state_tensor(const std::string& what) {
                   at::TensorOptions().dtype(at::kFloat).device(sharded_param_.device()), what + " of " + config_.tag);
 }
 
+bool FlatParam::crosses_to_device(OffloadTier tier) const {
+  // Host-tier copies run on CPU runs too (as clones) so that CPU tests follow the host tier's
+  // schedule; disk-tier data is already in host memory once read.
+  return tier == OffloadTier::kHost || (tier == OffloadTier::kDisk && !config_.device.is_cpu());
+}
+
 void FlatParam::stage_gather_input() {
-  if (offload_.params == OffloadTier::kHost) gather_input_ = offload_.stager->to_device(gather_input_);
   if (offload::is_disk_backed(gather_input_)) {
     // The collective reads its input whole, and a prefetched gather runs while other work audits
     // the tier: read the shard into memory in budget-sized chunks (released as they are copied),
@@ -268,6 +288,7 @@ void FlatParam::stage_gather_input() {
     offload::copy_streamed(staged, gather_input_);
     gather_input_ = staged;
   }
+  if (crosses_to_device(offload_.params)) gather_input_ = offload_.stager->to_device(gather_input_);
 }
 
 void FlatParam::after_gather() {
@@ -277,7 +298,7 @@ void FlatParam::after_gather() {
 }
 
 void FlatParam::stage_reduced_grad() {
-  if (offload_.grads == OffloadTier::kHost) reduce_output_ = offload_.stager->to_host(reduce_output_);
+  if (crosses_to_device(offload_.grads)) reduce_output_ = offload_.stager->to_host(reduce_output_);
 }
 
 void FlatParam::place_grad_shard() {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "fsdp/comm.h"
 #include "fsdp/options.h"
@@ -36,7 +37,7 @@ struct OffloadPlacement {
   OffloadTier grads = OffloadTier::kNone;
   OffloadTier optimizer_state = OffloadTier::kNone;
   std::shared_ptr<offload::DiskTier> disk;        // set when a state is in the disk tier
-  std::shared_ptr<offload::DeviceStager> stager;  // set when a state is in the host tier
+  std::shared_ptr<offload::DeviceStager> stager;  // host tier; disk tier on a device
 };
 
 // One parameter's place in a flat buffer. The layout that checkpoints use.
@@ -55,6 +56,10 @@ struct FlatParamConfig {
   bool requires_grad = true;
   int group = 0;                               // optimizer group
   std::string tag;                             // "layers.0/0": shows in collective errors
+  // The compute device (the process group's, InitOptions::device): where gathered params and
+  // their gradients live, and the master shard unless offloaded. Parameters must already be on
+  // it, or on the meta device (deferred init materialises the shard on it).
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 enum class ShardedState { kSharded, kUnsharded };
@@ -119,8 +124,9 @@ class FlatParam {
 
  private:
   void use_unsharded_views();
-  void alloc_storage(at::Tensor& t, bool alive);
   // Offload hooks in the gather / reduce cycle (no-ops without offload).
+  // Whether a state in `tier` is copied between host and device memory by the stager.
+  bool crosses_to_device(OffloadTier tier) const;
   void stage_gather_input();  // host tier: the all-gather reads a device copy of the shard
   void after_gather();        // disk tier: the master shard's pages leave memory
   void stage_reduced_grad();  // host tier: the reduced shard comes back to host memory

@@ -166,6 +166,7 @@ void ShardedUnit::build() {
   std::map<std::tuple<int, bool, int>, size_t> slot;
   std::vector<std::vector<FlatParamEntry>> groups;
   std::vector<FlatParamConfig> configs;
+  const c10::Device device = mesh_.dist().compute_device();
   for (auto& f : found) {
     if (nested.count(f.param.unsafeGetTensorImpl())) {
       throw ConfigError("fsdp: parameter '" + f.name + "' is shared with a nested unit; tied parameters must "
@@ -186,6 +187,7 @@ void ShardedUnit::build() {
       c.reduce_dtype = options_.reduce_dtype().value_or(c.compute_dtype);
       c.requires_grad = f.param.requires_grad();
       c.group = group;
+      c.device = device;
       configs.push_back(c);
     }
     FlatParamEntry e;
@@ -250,13 +252,24 @@ void ShardedUnit::lazy_init() {
 void ShardedUnit::place_offloaded_states() {
   RootState& rs = *root_state_;
   std::optional<OffloadPolicy> disk_policy;
-  bool host = false;
+  bool needs_stager = false;
+  const c10::Device device = mesh_.dist().compute_device();
   for (ShardedUnit* unit : rs.units) {
     const auto& own = unit->options_.offload();
     if (!own && !options_.offload()) continue;
     const OffloadPolicy policy = own ? *own : *options_.offload();
     policy.validate();
-    host = host || policy.uses(OffloadTier::kHost);
+    if (!device.is_cpu() && policy.any() &&
+        (policy.params() == OffloadTier::kNone || policy.grads() == OffloadTier::kNone ||
+         policy.optimizer_state() == OffloadTier::kNone)) {
+      // The optimizer steps where the master shard lives, reading its gradient and state there.
+      throw ConfigError(std::string("fsdp: unit '") + unit->name() + "' offloads some states but not all (params=" +
+                        offload_tier_name(policy.params()) + ", grads=" + offload_tier_name(policy.grads()) +
+                        ", optimizer_state=" + offload_tier_name(policy.optimizer_state()) + ") while computing on " +
+                        device.str() + "; on a device the optimizer steps on the CPU, so offload params, grads "
+                        "and optimizer_state together (each \"host\" or \"disk\") or none of them");
+    }
+    needs_stager = needs_stager || policy.uses(OffloadTier::kHost) || (policy.any() && !device.is_cpu());
     if (!policy.uses(OffloadTier::kDisk)) continue;
     if (disk_policy && (disk_policy->dir() != policy.dir() ||
                         disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
@@ -269,8 +282,10 @@ void ShardedUnit::place_offloaded_states() {
     disk_policy = policy;
   }
   if (disk_policy) rs.disk_tier = offload::DiskTier::open(disk_policy->dir(), disk_policy->memory_budget_bytes());
-  if (host) rs.stager = offload::make_stager(flat_params_.empty() ? at::Device(at::kCPU) : flat_params_.front()->sharded_param().device());
-  if (!disk_policy && !host) return;
+  // The stager copies host-tier states (on CPU runs too: Note [Host tier schedule]) and, on a
+  // device, disk-tier states between host and device memory.
+  if (needs_stager) rs.stager = offload::make_stager(device);
+  if (!disk_policy && !needs_stager) return;
   int64_t disk_bytes = 0;
   for (ShardedUnit* unit : rs.units) {
     const auto& own = unit->options_.offload();

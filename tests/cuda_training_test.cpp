@@ -1,0 +1,318 @@
+// Training on CUDA parameters: the sharded core with its buffers in device memory (freed and
+// regrown by the caching allocator), collectives ordered on the issuing stream, the CUDA kernels
+// (fused AdamW, mixed-precision copy-in / copy-out, clipping), the host tier's pinned copies and
+// CPU optimizer step, the disk tier behind a device, and checkpoints that move between devices.
+// Each GPU test compares against the same training on the CPU or without offload and skips
+// without enough CUDA devices; the first test runs everywhere (it needs no GPU).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "checkpoint/file_io.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/fsdp.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
+#include "shard/sharded_unit.h"
+#include "support/models.h"
+#include "support/ranks.h"
+
+namespace fsdp {
+namespace {
+
+int gpu_count() {
+  const auto& hooks = at::detail::getCUDAHooks();
+  return hooks.hasCUDA() ? hooks.getNumGPUs() : 0;
+}
+
+#define REQUIRE_GPUS(n) \
+  if (gpu_count() < (n)) GTEST_SKIP() << "needs " << (n) << " CUDA device(s); this machine has " << gpu_count()
+
+const c10::Device kCpu(c10::kCPU);
+const c10::Device kGpu0(c10::kCUDA, 0);
+
+struct Config {
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<OffloadPolicy> offload;
+};
+
+struct Job {
+  testing::Net model{nullptr};
+  std::shared_ptr<FSDPModule> root;
+  std::unique_ptr<AdamW> optim;
+};
+
+// Built on the CPU from one seed and then moved, so every device starts from the same values.
+Job build(DeviceMesh& mesh, const c10::Device& device, const Config& config) {
+  Job r;
+  {
+    static std::mutex mu;  // rank threads share the global generator
+    std::lock_guard<std::mutex> lock(mu);
+    at::manual_seed(3);
+    testing::NetOptions o;
+    o.in = 7;
+    o.dim = 61;
+    o.hidden = 333;
+    o.out = 5;
+    o.blocks = 3;
+    r.model = testing::Net(o);
+  }
+  r.model->to(device);
+  auto opts = FullyShardOptions().param_dtype(config.param_dtype);
+  for (auto& b : r.model->blocks) fully_shard(b, mesh, opts);
+  auto root_opts = opts;
+  if (config.param_dtype) root_opts.output_dtype(at::kFloat);
+  if (config.offload) root_opts.offload(*config.offload);
+  r.root = fully_shard(r.model, mesh, root_opts);
+  r.optim = std::make_unique<AdamW>(r.root, AdamWOptions(1e-2).weight_decay(0.1));
+  return r;
+}
+
+// One step on this rank's part of a global batch drawn on the CPU (the same data on any device).
+double step(Job& r, int64_t s, int rank, int world, const c10::Device& device) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + s);
+  auto x = at::randn({8, 7}, gen), y = at::randn({8, 5}, gen);
+  const int64_t local = 8 / world;
+  auto out = fsdp::call(r.model, x.narrow(0, rank * local, local).to(device));
+  auto loss = at::mse_loss(out, y.narrow(0, rank * local, local).to(device));
+  loss.backward();
+  clip_grad_norm(*r.root, 0.5);
+  r.optim->step();
+  r.optim->zero_grad();
+  return loss.item<double>();
+}
+
+// This rank's master shard of each flat param, in host memory.
+std::vector<at::Tensor> shards(Job& r) {
+  std::vector<at::Tensor> out;
+  for (const auto& unit : r.root->units()) {
+    for (auto& fp : unit->flat_params()) out.push_back(fp->sharded_param().cpu());
+  }
+  return out;
+}
+
+at::Tensor masters(Job& r) { return at::cat(shards(r)); }
+
+struct Result {
+  std::vector<double> losses;
+  at::Tensor params;  // master shards after training (host memory)
+  std::vector<at::Tensor> flats;  // the same, per flat param
+  std::vector<int64_t> numels;    // each flat param's unpadded length
+};
+
+void finish(Result& res, Job& r) {
+  res.flats = shards(r);
+  res.params = at::cat(res.flats);
+  for (const auto& unit : r.root->units()) {
+    for (auto& fp : unit->flat_params()) res.numels.push_back(fp->numel());
+  }
+}
+
+Result train_single(const c10::Device& device, const Config& config, int steps,
+                    const std::function<void(Job&)>& check = nullptr) {
+  at::set_num_threads(1);
+  auto dist = Dist::single(InitOptions().device(device.is_cuda() ? "cuda" : "cpu"));
+  DeviceMesh mesh(dist);
+  Job r = build(mesh, device, config);
+  Result res;
+  for (int s = 0; s < steps; ++s) res.losses.push_back(step(r, s, 0, 1, device));
+  if (check) check(r);
+  finish(res, r);
+  return res;
+}
+
+void expect_close(const Result& a, const Result& b, double rtol, double atol, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_NEAR(a.losses[i], b.losses[i], atol + rtol * std::abs(b.losses[i])) << what << ": loss of step " << i;
+  }
+  ASSERT_EQ(a.params.sizes(), b.params.sizes()) << what;
+  const double diff = (a.params - b.params).abs().max().item<double>();
+  EXPECT_TRUE(at::allclose(a.params, b.params, rtol, atol)) << what << ": params differ by up to " << diff;
+}
+
+// Training moved the params by far more than the tolerances: agreement above is not vacuous.
+void expect_trained(const Result& trained, const Result& initial, double atol) {
+  const double moved = (trained.params - initial.params).abs().max().item<double>();
+  EXPECT_GT(moved, 20 * atol) << "training barely moved the params; the comparisons would be vacuous";
+}
+
+TEST(CudaTraining, CudaDeviceWithoutAGpuIsAClearError) {
+  if (gpu_count() > 0) GTEST_SKIP() << "this machine has a CUDA device";
+  at::set_num_threads(1);
+  auto dist = Dist::single(InitOptions().device("cuda"));
+  DeviceMesh mesh(dist);
+  testing::NetOptions o;
+  o.device = at::kMeta;
+  auto model = testing::Net(o);
+  try {
+    fully_shard(model, mesh, FullyShardOptions().init(init::normal(0.02, 1)));
+    FAIL() << "sharding for a CUDA process group without a GPU succeeded";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("InitOptions::device is \"cuda\""), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaTraining, OneGpuMatchesTheCpu) {
+  REQUIRE_GPUS(1);
+  constexpr int kSteps = 5;
+  // fp32: the same arithmetic up to summation order.
+  const Result cpu = train_single(kCpu, {}, kSteps);
+  const Result gpu = train_single(kGpu0, {}, kSteps);
+  expect_close(gpu, cpu, 1e-4, 1e-5, "fp32, cuda vs cpu");
+  expect_trained(gpu, train_single(kCpu, {}, 0), 1e-5);
+
+  // bf16 compute: the gathered buffers are separate from the master, freed after each use and
+  // regrown (Note [Freeing device buffers]); copy-in, copy-out and the bf16 matmuls differ from
+  // the CPU's by rounding only.
+  Config bf16{at::kBFloat16, std::nullopt};
+  const Result cpu16 = train_single(kCpu, bf16, kSteps);
+  const Result gpu16 = train_single(kGpu0, bf16, kSteps, [](Job& r) {
+    for (const auto& unit : r.root->units()) {
+      for (auto& fp : unit->flat_params()) {
+        EXPECT_TRUE(fp->sharded_param().is_cuda());
+        EXPECT_EQ(fp->unsharded_bytes(), 0) << fp->config().tag << " kept its gathered buffer after the step";
+        EXPECT_EQ(fp->unsharded_grad_bytes(), 0) << fp->config().tag << " kept its gradient buffer";
+      }
+    }
+    for (auto& st : r.optim->states()) {
+      for (const auto& [name, t] : st.tensors) EXPECT_TRUE(t.is_cuda()) << name;
+    }
+  });
+  expect_close(gpu16, cpu16, 2e-2, 2e-2, "bf16, cuda vs cpu");
+}
+
+OffloadPolicy all_in(OffloadTier tier, const std::string& dir = "") {
+  auto p = OffloadPolicy().params(tier).grads(tier).optimizer_state(tier);
+  if (tier == OffloadTier::kDisk) p.dir(dir).memory_budget_bytes(3 * 3 * 1024 * 4);
+  return p;
+}
+
+TEST(CudaTraining, HostAndDiskTiersMatchNoOffloadOnOneGpu) {
+  REQUIRE_GPUS(1);
+  constexpr int kSteps = 4;
+  const Result none = train_single(kGpu0, {}, kSteps);
+  // The optimizer steps on the CPU (the CPU twin of the fused AdamW kernel): equal up to the
+  // kernels' rounding (Note [Twin numerics]).
+  const Result host = train_single(kGpu0, {std::nullopt, all_in(OffloadTier::kHost)}, kSteps, [](Job& r) {
+    for (const auto& unit : r.root->units()) {
+      for (auto& fp : unit->flat_params()) {
+        ASSERT_TRUE(fp->offload().stager != nullptr);
+        EXPECT_STREQ(fp->offload().stager->name(), "cuda");
+        EXPECT_TRUE(fp->sharded_param().is_cpu());
+        EXPECT_TRUE(fp->sharded_param().is_pinned());
+        EXPECT_TRUE(fp->sharded_grad().is_pinned());
+      }
+    }
+    for (auto& st : r.optim->states()) {
+      for (const auto& [name, t] : st.tensors) EXPECT_TRUE(t.is_pinned()) << name;
+    }
+  });
+  expect_close(host, none, 1e-5, 1e-6, "host tier vs no offload on cuda");
+
+  const std::string dir = testing::temp_path("cuda-disk");
+  const Result disk = train_single(kGpu0, {std::nullopt, all_in(OffloadTier::kDisk, dir)}, kSteps, [](Job& r) {
+    for (const auto& unit : r.root->units()) {
+      for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
+    }
+  });
+  expect_close(disk, none, 1e-5, 1e-6, "disk tier vs no offload on cuda");
+  expect_trained(none, train_single(kGpu0, {}, 0), 1e-6);
+  checkpoint::remove_tree(dir);
+
+  // The optimizer steps where the master lives: a partial offload on a device is refused.
+  auto dist = Dist::single(InitOptions().device("cuda"));
+  DeviceMesh mesh(dist);
+  try {
+    build(mesh, kGpu0, {std::nullopt, OffloadPolicy().params(OffloadTier::kHost).grads(OffloadTier::kHost)});
+    FAIL() << "a partial offload on cuda was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer_state=none"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaTraining, CheckpointsMoveBetweenGpuAndCpu) {
+  REQUIRE_GPUS(1);
+  at::set_num_threads(1);
+  const std::string root_dir = testing::temp_path("cuda-ckpt");
+  auto gpu_dist = Dist::single(InitOptions().device("cuda"));
+  auto cpu_dist = Dist::single();
+  DeviceMesh gpu_mesh(gpu_dist), cpu_mesh(cpu_dist);
+  Job trained = build(gpu_mesh, kGpu0, {});
+  for (int s = 0; s < 3; ++s) step(trained, s, 0, 1, kGpu0);
+  checkpoint::save(root_dir, "step3", *trained.root, trained.optim.get(), checkpoint::TrainState{});
+  const std::string dir = checkpoint::resolve(root_dir, "latest");
+
+  for (const c10::Device& device : {kGpu0, kCpu}) {
+    Job fresh = build(device.is_cuda() ? gpu_mesh : cpu_mesh, device, {});
+    step(fresh, 0, 0, 1, device);  // creates optimizer state to overwrite
+    checkpoint::load(dir, *fresh.root, fresh.optim.get());
+    EXPECT_TRUE(at::equal(masters(fresh), masters(trained))) << "params after loading on " << device;
+    ASSERT_EQ(fresh.optim->states().size(), trained.optim->states().size());
+    for (size_t i = 0; i < trained.optim->states().size(); ++i) {
+      const auto& want = trained.optim->states()[i];
+      const auto& got = fresh.optim->states()[i];
+      EXPECT_EQ(got.step, want.step);
+      for (const auto& [name, t] : want.tensors) {
+        ASSERT_TRUE(got.tensors.count(name)) << name;
+        EXPECT_EQ(got.tensors.at(name).device(), device) << name;
+        EXPECT_TRUE(at::equal(got.tensors.at(name).cpu(), t.cpu())) << name << " after loading on " << device;
+      }
+    }
+  }
+  checkpoint::remove_tree(root_dir);
+}
+
+TEST(CudaTraining, FullShardOnTwoGpusMatchesOneGpu) {
+  REQUIRE_GPUS(2);
+  constexpr int kSteps = 4;
+  const Result one = train_single(kGpu0, {}, kSteps);
+  const std::string path = testing::temp_path("cuda-store");
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(2);
+  std::vector<Result> results(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        at::set_num_threads(1);
+        const c10::Device device(c10::kCUDA, rank);
+        c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);  // before the process group
+        auto store = c10::make_intrusive<c10d::FileStore>(path, 2);
+        auto dist = Dist::from_store(store, rank, 2,
+                                     InitOptions().device("cuda").check_collectives(true).timeout(std::chrono::seconds(60)));
+        EXPECT_EQ(dist->compute_device(), device);
+        DeviceMesh mesh(dist);
+        Job r = build(mesh, device, {});
+        for (int s = 0; s < kSteps; ++s) results[rank].losses.push_back(step(r, s, rank, 2, device));
+        finish(results[rank], r);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+  // Each rank's loss is on its half of the batch: their mean is the one-GPU loss. Rank 0's shard
+  // followed by rank 1's is the one-GPU flat buffer (padding aside).
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_NEAR((results[0].losses[s] + results[1].losses[s]) / 2, one.losses[s], 1e-5 + 1e-4 * one.losses[s]) << s;
+  }
+  ASSERT_EQ(results[0].flats.size(), one.flats.size());
+  for (size_t i = 0; i < one.flats.size(); ++i) {
+    const int64_t n = one.numels[i];
+    const at::Tensor two = at::cat({results[0].flats[i], results[1].flats[i]}).narrow(0, 0, n);
+    EXPECT_TRUE(at::allclose(two, one.flats[i].narrow(0, 0, n), 1e-4, 1e-5))
+        << "flat param " << i << " differs by up to " << (two - one.flats[i].narrow(0, 0, n)).abs().max().item<double>();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp
