@@ -1,5 +1,5 @@
-// NCCL transport (CUDA builds): all-gather and reduce-scatter of CUDA tensors on 2 GPUs against a
-// local reference. Skips without 2 GPUs, as on CPU-only machines.
+// NCCL transport (CUDA builds): all-gather and reduce-scatter of CUDA tensors, and an all-reduce of
+// a host tensor, on 2 GPUs against a local reference. Skips without 2 GPUs, as on CPU-only machines.
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
@@ -34,6 +34,10 @@ TEST(Nccl, AllGatherAndReduceScatterOnTwoGpus) {
         auto shard = at::empty({5}, full.options());
         dist->world().reduce_scatter(shard, full, ReduceOp::kSum, "rs").wait();
         if (!at::equal(shard.cpu(), at::arange(5 * r, 5 * r + 5, at::kFloat) * 3)) errors[r] = "reduce_scatter mismatch";
+        // Host tensors (flags, norms) travel through the device and come back in place.
+        auto host = at::full({3}, static_cast<double>(r + 1), at::kDouble);
+        dist->world().all_reduce(host, ReduceOp::kSum, "host").wait();
+        if (!host.is_cpu() || !at::equal(host, at::full({3}, 3.0, at::kDouble))) errors[r] = "host all_reduce mismatch";
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }

@@ -51,7 +51,7 @@ std::string duration(double s) {
 
 }  // namespace
 
-std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine, const c10::Device& device) {
+std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine) {
   const int n = world.size();
   at::Tensor in = at::empty({kCountersPerRank}, at::kDouble);
   double* p = in.data_ptr<double>();
@@ -60,9 +60,8 @@ std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankC
   p[2] = mine.reduce_scatter_bytes;
   p[3] = mine.comm_wait_s;
   p[4] = mine.peak_rss_bytes;
-  at::Tensor out = at::empty({n * kCountersPerRank}, at::TensorOptions().dtype(at::kDouble).device(device));
-  world.all_gather(out, in.to(device), "train/metrics").wait();
-  out = out.cpu();
+  at::Tensor out = at::empty({n * kCountersPerRank}, at::kDouble);
+  world.all_gather(out, in, "train/metrics").wait();
   std::vector<RankCounters> all(n);
   const double* q = out.data_ptr<double>();
   for (int r = 0; r < n; ++r) {

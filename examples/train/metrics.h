@@ -17,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include "fsdp/comm.h"
@@ -45,8 +44,7 @@ struct StepMetrics {
 };
 
 // Gathers every rank's counters with one all_gather (so every rank learns the global loss).
-// `device`: where the communicator moves tensors (the process group's compute device).
-std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine, const c10::Device& device);
+std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine);
 
 // The sum of the stats of every distinct communicator a mesh uses (world, shard and replicate
 // groups), so HYBRID_SHARD's row and column traffic is counted too.

@@ -286,7 +286,7 @@ class Job {
     mine.comm_wait_s = delta.total_wait_s();
     mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
     StepMetrics m;
-    m.ranks = gather_counters(dist_->world(), mine, device_);
+    m.ranks = gather_counters(dist_->world(), mine);
     // The mean of equal-sized slices' means is the mean over the global batch.
     for (const auto& r : m.ranks) m.loss += r.loss / static_cast<double>(m.ranks.size());
     m.step = step_;
@@ -310,7 +310,7 @@ class Job {
       Batch batch = rank_batch(data_, b * global_batch_, cfg_.data.batch_size_per_rank, rank_, Split::kEval);
       sum += llama::loss(fsdp::call(model_, batch.inputs.to(device_)), batch.targets.to(device_)).item<double>();
     }
-    at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble).to(device_);
+    at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble);
     dist_->world().all_reduce(t, fsdp::ReduceOp::kAvg, "train/eval_loss").wait();
     last_eval_loss_ = t.item<double>();
     last_eval_step_ = step_;
@@ -341,7 +341,7 @@ class Job {
     const auto report = fsdp::memory_report(*root_, optim_.get());
     RankCounters mine;
     mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
-    const auto all = gather_counters(dist_->world(), mine, device_);
+    const auto all = gather_counters(dist_->world(), mine);
     if (tracer_) tracer_->write(trace_path(flags_.trace, rank_, world_));
     if (rank_ != 0) return;
     if (steps_trained_ > 0) {

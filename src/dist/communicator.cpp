@@ -57,6 +57,18 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Host tensors given to a device transport (the small control-plane collectives: save flags,
+// clipping norms, metrics) travel through a device copy made on the worker; other tensors go as
+// they are. back() copies a moved output home.
+struct OnTransport {
+  at::Tensor home, there;
+  OnTransport(const Transport& t, const at::Tensor& x)
+      : home(x), there(x.is_cpu() && !t.device().is_cpu() ? x.to(t.device()) : x) {}
+  void back() const {
+    if (!there.is_same(home)) home.copy_(there);
+  }
+};
+
 void check_flat(const at::Tensor& t, const char* what, const char* op) {
   if (!t.defined() || !t.is_contiguous()) {
     throw ConfigError(std::string("fsdp: ") + op + ": " + what + " must be a defined, contiguous tensor");
@@ -474,7 +486,9 @@ CommHandle Communicator::all_gather(at::Tensor output, at::Tensor input, const s
   auto out = output.view(-1), in = input.view(-1);
   return enqueue(CollectiveKind::kAllGather, tag, {out, in}, [out, in](Transport& t, OpStats& s) {
     TransferCount c;
-    t.all_gather(out, in, c);
+    const OnTransport o(t, out), i(t, in);
+    t.all_gather(o.there, i.there, c);
+    o.back();
     count(s, c);
   });
 }
@@ -494,7 +508,9 @@ CommHandle Communicator::reduce_scatter(at::Tensor output, at::Tensor input, Red
   return enqueue(CollectiveKind::kReduceScatter, tag, {out, in},
                  [out, in, op](Transport& t, OpStats& s) {
                    TransferCount c;
-                   t.reduce_scatter(out, in, op, c);
+                   const OnTransport o(t, out), i(t, in);
+                   t.reduce_scatter(o.there, i.there, op, c);
+                   o.back();
                    count(s, c);
                  });
 }
@@ -503,7 +519,9 @@ CommHandle Communicator::all_reduce(at::Tensor tensor, ReduceOp op, const std::s
   check_flat(tensor, "tensor", "all_reduce");
   return enqueue(CollectiveKind::kAllReduce, tag, {tensor}, [tensor, op](Transport& t, OpStats& s) {
     TransferCount c;
-    t.all_reduce(tensor, op, c);
+    const OnTransport x(t, tensor);
+    t.all_reduce(x.there, op, c);
+    x.back();
     count(s, c);
   });
 }
@@ -516,7 +534,9 @@ CommHandle Communicator::broadcast(at::Tensor tensor, int root, const std::strin
   }
   return enqueue(CollectiveKind::kBroadcast, tag, {tensor}, [tensor, root](Transport& t, OpStats& s) {
     TransferCount c;
-    t.broadcast(tensor, root, c);
+    const OnTransport x(t, tensor);
+    t.broadcast(x.there, root, c);
+    x.back();
     count(s, c);
   });
 }
