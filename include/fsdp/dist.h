@@ -76,11 +76,11 @@ class Dist {
   int local_rank() const { return env_.local_rank; }
   const DistEnv& env() const { return env_; }
   const InitOptions& options() const { return options_; }
-  // Where this rank computes: CPU for InitOptions::device "cpu"; for "cuda", the CUDA device
-  // current on the calling thread (set it from local_rank() before sharding). Sharded params,
-  // their gathered buffers and gradients live there; move inputs there. Throws ConfigError when
-  // "cuda" was asked for and no CUDA device is usable.
-  c10::Device compute_device() const;
+  // Where this rank computes: CPU for InitOptions::device "cpu"; for "cuda", the CUDA device that
+  // was current when the Dist was made (set it, e.g. from LOCAL_RANK, before; NCCL binds to it).
+  // Sharded params, their gathered buffers and gradients live there; move inputs there. Making a
+  // Dist with "cuda" and no usable CUDA device throws ConfigError.
+  const c10::Device& compute_device() const { return device_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   Communicator& world() { return *world_; }
@@ -89,16 +89,19 @@ class Dist {
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name);
   // A communicator over every rank, created on first use and cached by name. Work that runs
   // beside training (e.g. a background checkpoint) uses its own, so its collectives never
-  // interleave with training's. Call at the same point on every rank.
+  // interleave with training's. Always over Gloo (host tensors), whatever InitOptions::device.
+  // Call at the same point on every rank.
   Communicator& side_group(const std::string& name);
 
  private:
   Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options);
+  std::string gloo_host() const;  // the address Gloo binds to: loopback for local jobs
 
   DistEnv env_;
   int rank_;
   int world_size_;
   InitOptions options_;
+  c10::Device device_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<Communicator> world_;
   std::map<std::string, std::shared_ptr<Communicator>> side_groups_;

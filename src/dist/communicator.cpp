@@ -31,6 +31,7 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -117,6 +118,23 @@ struct StatsBox {
   CommStats stats;
 };
 
+// Note [Collectives on the caller's stream]
+// On a device, a collective must start after the kernels its issuing thread queued before it (the
+// ones that produced its input) but not wait for those queued since: a prefetched all-gather is
+// meant to run beside the compute issued after it. So enqueue records `issued` on the issuer's
+// current stream; the worker runs the collective with a stream of its own made current (the
+// process group orders its NCCL stream after the current one), which first waits on `issued`.
+// Afterwards it records `finished` there, and CommHandle::wait makes the waiting thread's
+// current stream wait on it, so what that stream runs next (including the reuse of a freed
+// buffer by the caching allocator) is ordered after the collective. The events and streams are
+// device-generic (c10::Event, VirtualGuardImpl): no CUDA header here.
+struct DeviceOrder {
+  explicit DeviceOrder(const c10::Device& d) : device(d), issued(d.type()), finished(d.type()) {}
+  c10::Device device;
+  c10::Event issued;
+  c10::Event finished;
+};
+
 struct PendingCollective {
   CollectiveKind kind;
   std::string description;  // "reduce_scatter 'layers.0' on rank 1 of 2 (group 'world')"
@@ -129,6 +147,7 @@ struct PendingCollective {
   int dtype = -1;      // at::ScalarType of the payload; -1 for none
   std::string lane;  // "comm <group>"
   Clock::time_point issued;
+  std::shared_ptr<DeviceOrder> order;  // device collectives on a worker thread only
 
   std::mutex mu;
   std::condition_variable cv;
@@ -154,6 +173,7 @@ struct Communicator::State {
   std::shared_ptr<StatsBox> stats = std::make_shared<StatsBox>();
   std::shared_ptr<Tracer> tracer;
   int64_t next_seq = 0;  // collectives run so far (worker thread only)
+  std::optional<c10::Stream> device_stream;  // the worker's stream for device collectives
   std::thread worker;
 };
 
@@ -180,6 +200,10 @@ void CommHandle::wait() {
                        " s (a peer may be stopped or dead)");
   }
   if (p.error) std::rethrow_exception(p.error);
+  if (p.order) {  // Note [Collectives on the caller's stream]
+    const c10::Device& d = p.order->device;
+    p.order->finished.block(c10::impl::VirtualGuardImpl(d.type()).getStream(d));
+  }
 }
 
 bool CommHandle::is_completed() const {
@@ -240,7 +264,19 @@ void Communicator::worker_loop() {
     const int64_t seq = state_->next_seq++;
     try {
       if (options_.check_order) check_order(*transport_, *p, seq);
-      p->body(*transport_, delta);
+      if (p->order) {  // Note [Collectives on the caller's stream]
+        auto& stream = state_->device_stream;
+        const c10::Device& d = p->order->device;
+        if (!stream || stream->device() != d) {
+          stream = c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d, /*isHighPriority=*/false);
+        }
+        p->order->issued.block(*stream);
+        c10::StreamGuard on_worker_stream(*stream);
+        p->body(*transport_, delta);
+        p->order->finished.record(*stream);
+      } else {
+        p->body(*transport_, delta);
+      }
     } catch (const PeerError& e) {
       error = std::make_exception_ptr(DistError(
           "fsdp: " + p->description + " failed: peer rank " + std::to_string(e.peer()) +
@@ -436,21 +472,14 @@ CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
     p->tracer = state_->tracer;
   }
   if (p->tracer) p->lane = "comm " + options_.name;
-  // Note [Collectives on the caller's stream]
-  // On a device, a collective must start after the work the issuing thread queued on its current
-  // stream (the kernels that produced the input) and the results must be ordered before what
-  // that stream runs next. The worker is another thread with its own current stream, so the
-  // issuer's stream is captured here and made current around the transport call: the process
-  // group then waits on it before the collective, and its wait() orders it after.
-  std::optional<c10::Stream> stream;
-  if (!keep_alive.empty() && !keep_alive.front().device().is_cpu()) {
-    const c10::Device device = keep_alive.front().device();
-    stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  if (size_ > 1 && !keep_alive.empty() && !keep_alive.front().device().is_cpu()) {
+    // Note [Collectives on the caller's stream]
+    const c10::Device d = keep_alive.front().device();
+    p->order = std::make_shared<DeviceOrder>(d);
+    p->order->issued.record(c10::impl::VirtualGuardImpl(d.type()).getStream(d));
   }
   // The tensors stay referenced until the collective has run: see Note [One ordered queue].
-  p->body = [body = std::move(body), keep = std::move(keep_alive), stream](Transport& t, OpStats& s) {
-    if (!stream) return body(t, s);
-    c10::StreamGuard on_issuer_stream(*stream);
+  p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) {
     body(t, s);
   };
   if (size_ == 1) {

@@ -77,13 +77,20 @@ class NcclTransport final : public Transport {
   }
 
  private:
+  // With a timeout, WorkNCCL::wait blocks this (the worker) thread until the collective has
+  // completed, and throws when the timeout passes rather than returning false.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
     try {
       if (!work->wait(timeout_)) throw TimeoutError(std::string(what) + " did not complete in time");
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw DistError(std::string(what) + " failed: " + first_line(e));
+      const std::string line = first_line(e);
+      if (line.find("timed out") != std::string::npos || line.find("Timeout") != std::string::npos) {
+        throw TimeoutError(std::string(what) + " did not complete within " + std::to_string(timeout_.count()) +
+                           " ms: " + line);
+      }
+      throw DistError(std::string(what) + " failed: " + line);
     }
   }
 

@@ -139,14 +139,11 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
 
 }  // namespace
 
-Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options)
-    : env_(std::move(env)), rank_(env_.rank), world_size_(env_.world_size), options_(options),
-      store_(std::move(store)) {}
+namespace {
 
-Dist::~Dist() = default;
-
-c10::Device Dist::compute_device() const {
-  if (options_.device() != "cuda") return c10::Device(c10::kCPU);
+// InitOptions::device resolved to a device, once per Dist (see Dist::compute_device).
+c10::Device resolve_device(const InitOptions& options) {
+  if (options.device() != "cuda") return c10::Device(c10::kCPU);
   if (!at::detail::getCUDAHooks().hasCUDA()) {
     throw ConfigError("fsdp: InitOptions::device is \"cuda\" but no CUDA device is usable in this process "
                       "(no GPU, CUDA_VISIBLE_DEVICES hides them, or LibTorch was built without CUDA)");
@@ -158,6 +155,14 @@ c10::Device Dist::compute_device() const {
                       first_line(e));
   }
 }
+
+}  // namespace
+
+Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options)
+    : env_(std::move(env)), rank_(env_.rank), world_size_(env_.world_size), options_(options),
+      device_(resolve_device(options)), store_(std::move(store)) {}
+
+Dist::~Dist() = default;
 
 std::shared_ptr<Dist> Dist::single(const InitOptions& options) {
   auto dist = std::shared_ptr<Dist>(new Dist(DistEnv{}, c10::make_intrusive<c10d::HashStore>(), options));
@@ -202,8 +207,11 @@ std::shared_ptr<Communicator> Dist::new_group(const std::vector<int>& ranks, con
     throw ConfigError("fsdp: new_group '" + name + "': rank " + std::to_string(rank_) +
                       " is not a member; only members create a group");
   }
-  const std::string host = env_.launcher == "store" || is_loopback(env_.master_addr) ? "127.0.0.1" : "";
-  return make_group(store_, group_rank, static_cast<int>(ranks.size()), ranks, name, options_, host);
+  return make_group(store_, group_rank, static_cast<int>(ranks.size()), ranks, name, options_, gloo_host());
+}
+
+std::string Dist::gloo_host() const {
+  return env_.launcher == "store" || is_loopback(env_.master_addr) ? "127.0.0.1" : "";
 }
 
 Communicator& Dist::side_group(const std::string& name) {
@@ -211,7 +219,11 @@ Communicator& Dist::side_group(const std::string& name) {
   if (it != side_groups_.end()) return *it->second;
   std::vector<int> all;
   for (int r = 0; r < world_size_; ++r) all.push_back(r);
-  auto group = new_group(all, "side/" + name);
+  // Over Gloo whatever the compute device: side work passes host tensors, and a second NCCL
+  // communicator running beside training's, in no agreed order across ranks, can deadlock.
+  InitOptions host_options = options_;
+  host_options.device("cpu");
+  auto group = make_group(store_, rank_, world_size_, all, "side/" + name, host_options, gloo_host());
   side_groups_.emplace(name, group);
   return *group;
 }

@@ -3,6 +3,7 @@
 #include "shard/flat_param.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/variable.h>
@@ -32,14 +33,16 @@ void set_storage_alive(const at::Tensor& t, bool alive) {
   // Note [Freeing device buffers]
   // On a device the old bytes are never wanted (a buffer is freed whole and refilled whole by
   // the next all-gather or zero_), so the storage gets a fresh allocation from its own allocator
-  // (the CUDA caching allocator) instead of resize's allocate-copy-free. Dropping the old DataPtr
-  // returns its block to the allocator in the order of the current stream: callers free only
-  // after waiting for the collective that used the buffer, whose stream the process group has
-  // recorded on the block.
+  // (the CUDA caching allocator, which allocates on the current device: hence the guard) instead
+  // of resize's allocate-copy-free. Dropping the old DataPtr returns its block to the pool of the
+  // stream it was allocated on, the compute stream. That is safe because callers free only after
+  // CommHandle::wait, which orders the waiting thread's stream after the collective (Note
+  // [Collectives on the caller's stream]) and returns once the collective has completed.
   c10::Allocator* allocator = storage->allocator();
   if (allocator == nullptr) {
     throw ConfigError("fsdp: cannot free a flat buffer on " + t.device().str() + ": its storage has no allocator");
   }
+  const c10::DeviceGuard on_device(t.device());
   storage->set_data_ptr_noswap(bytes == 0 ? at::DataPtr(nullptr, t.device()) : allocator->allocate(bytes));
   storage->set_nbytes(bytes);
 }

@@ -223,12 +223,15 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
       Communicator* group = fp->shard_group().size() > 1 ? &fp->shard_group() : nullptr;
       auto it = std::find_if(partial.begin(), partial.end(), [&](const auto& p) { return p.first == group; });
       if (it == partial.end()) {
-        partial.emplace_back(group, at::zeros({1}, at::kDouble));
+        partial.emplace_back(group, at::Tensor());
         it = partial.end() - 1;
       }
       auto& g = fp->sharded_grad();
       if (!g.defined()) continue;
       grads.push_back(g);
+      // The partial sum lives where the group's first gradient does: on a device, no host sync
+      // per flat param.
+      if (!it->second.defined()) it->second = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(g.device()));
       if (g.device() == it->second.device()) {
         kernels::sum_of_squares(g, it->second);  // accumulates in double
       } else {
@@ -240,6 +243,7 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
   }
   double total_sq = 0;
   for (auto& [group, sq] : partial) {
+    if (!sq.defined()) sq = at::zeros({1}, at::kDouble);  // no gradient here yet: still takes part
     if (group != nullptr) group->all_reduce(sq, ReduceOp::kSum, "clip_grad_norm").wait();
     total_sq += sq.item<double>();
   }
