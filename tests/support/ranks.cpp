@@ -48,9 +48,14 @@ int free_port() {
 
 std::string temp_path(const std::string& stem) {
   static std::atomic<int> counter{0};
+  // pid + counter alone repeats: pids wrap (pid_max is often 32768) over a full test run, and a
+  // FileStore file left by a killed test would hand a later process with the same pid the old
+  // ranks' Gloo addresses ("Connection closed by peer" while creating a group). The start time
+  // of this process makes the name unique.
+  static const auto started = std::chrono::steady_clock::now().time_since_epoch().count();
   const char* dir = std::getenv("TMPDIR");
   std::ostringstream p;
-  p << (dir ? dir : "/tmp") << "/fsdp-test-" << stem << "-" << ::getpid() << "-" << counter++;
+  p << (dir ? dir : "/tmp") << "/fsdp-test-" << stem << "-" << ::getpid() << "-" << started << "-" << counter++;
   return p.str();
 }
 
