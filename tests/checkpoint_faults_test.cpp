@@ -27,11 +27,13 @@
 #include "fsdp/fsdp.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/state.h"
 
 namespace fsdp {
 namespace {
 using namespace std::chrono_literals;
 using checkpoint::join;
+using testing::snapshot_files;
 using testing::Net;
 using testing::NetOptions;
 
@@ -65,15 +67,6 @@ void train_step(Trained& t, int s, int rank) {
   t.optim->zero_grad();
 }
 
-std::map<std::string, std::string> snapshot_files(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& name : checkpoint::list_dir(dir)) {
-    std::ifstream in(join(dir, name), std::ios::binary);
-    out[name] = std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  return out;
-}
-
 // Parent only: a committed step-00000001 under a fresh directory, saved by 2 thread-tier ranks.
 std::string dir_with_one_checkpoint(const std::string& stem) {
   const std::string dir = testing::temp_path(stem);
@@ -88,6 +81,28 @@ std::string dir_with_one_checkpoint(const std::string& stem) {
     checkpoint::save(dir, "step-00000001", *t.root, t.optim.get(), st);
   });
   return dir;
+}
+
+// Where a fault test works: the parent makes a directory holding one committed checkpoint,
+// records that checkpoint's files, and passes the directory to the rank processes in
+// FSDP_FAULT_DIR.
+struct FaultDir {
+  bool child = false;
+  std::string dir;
+  std::map<std::string, std::string> before;  // parent only
+};
+
+FaultDir fault_dir(const std::string& stem) {
+  FaultDir f;
+  f.child = std::getenv("FSDP_TEST_CHILD") != nullptr;
+  if (f.child) {
+    f.dir = std::getenv("FSDP_FAULT_DIR");
+    return f;
+  }
+  f.dir = dir_with_one_checkpoint(stem);
+  f.before = snapshot_files(join(f.dir, "step-00000001"));
+  ::setenv("FSDP_FAULT_DIR", f.dir.c_str(), 1);
+  return f;
 }
 
 // The earlier checkpoint is unchanged, still `latest`, and loads.
@@ -108,16 +123,9 @@ void print_outcome(const std::vector<testing::RankResult>& results, const char* 
 }
 
 TEST(CheckpointFaults, DiskFullOnOneRankFailsEveryRankAndKeepsEarlierCheckpoints) {
-  const bool child = std::getenv("FSDP_TEST_CHILD") != nullptr;
-  std::string dir;
-  std::map<std::string, std::string> before;
-  if (child) {
-    dir = std::getenv("FSDP_FAULT_DIR");
-  } else {
-    dir = dir_with_one_checkpoint("ckpt-diskfull");
-    before = snapshot_files(join(dir, "step-00000001"));
-    ::setenv("FSDP_FAULT_DIR", dir.c_str(), 1);
-  }
+  const FaultDir f = fault_dir("ckpt-diskfull");
+  const std::string& dir = f.dir;
+  const auto& before = f.before;
   auto results = testing::run_processes(2, [&](int rank) {
     auto dist = init_from_env(InitOptions().timeout(5s));
     DeviceMesh mesh(dist);
@@ -171,16 +179,9 @@ std::string make_read_only(const std::string& dir) {
 }
 
 TEST(CheckpointFaults, ReadOnlyDirectoryFailsEveryRankAndKeepsEarlierCheckpoints) {
-  const bool child = std::getenv("FSDP_TEST_CHILD") != nullptr;
-  std::string dir;
-  std::map<std::string, std::string> before;
-  if (child) {
-    dir = std::getenv("FSDP_FAULT_DIR");
-  } else {
-    dir = dir_with_one_checkpoint("ckpt-readonly");
-    before = snapshot_files(join(dir, "step-00000001"));
-    ::setenv("FSDP_FAULT_DIR", dir.c_str(), 1);
-  }
+  const FaultDir f = fault_dir("ckpt-readonly");
+  const std::string& dir = f.dir;
+  const auto& before = f.before;
   auto results = testing::run_processes(2, [&](int rank) {
     const std::string why = make_read_only(dir);
     ASSERT_EQ(why, "") << "cannot make " << dir << " read-only";
@@ -211,7 +212,7 @@ TEST(CheckpointFaults, ReadOnlyDirectoryFailsEveryRankAndKeepsEarlierCheckpoints
     train_step(t, 1, rank);
     checkpoint::save(dir + "-elsewhere", "step-00000002", *t.root, t.optim.get(), {});
   });
-  if (!child && ::geteuid() != 0) ::chmod(dir.c_str(), 0755);
+  if (!f.child && ::geteuid() != 0) ::chmod(dir.c_str(), 0755);
   testing::expect_all_ok(results);
   print_outcome(results, "read-only checkpoint directory");
   EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002")));

@@ -17,11 +17,13 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/state.h"
 
 namespace fsdp {
 namespace {
 using checkpoint::exists;
 using checkpoint::join;
+using testing::snapshot_files;
 using testing::Net;
 using testing::NetOptions;
 
@@ -321,16 +323,6 @@ TEST(Checkpoint, WriteFailureOnRank1FailsEveryRankNamingIt) {
       << errors[0];
   EXPECT_FALSE(exists(join(dir, "step-00000002")));
   EXPECT_EQ(checkpoint::resolve(dir, "latest"), join(dir, "step-00000001"));
-}
-
-// Bytes of every file under dir, by relative path.
-std::map<std::string, std::string> snapshot_files(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& name : checkpoint::list_dir(dir)) {
-    std::ifstream in(join(dir, name), std::ios::binary);
-    out[name] = std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  return out;
 }
 
 // Processes killed at each phase of a save: the previous checkpoint stays byte for byte, still

@@ -15,12 +15,8 @@ set -u
 BIN=${1:?usage: $0 path/to/build/bin}
 RUN="$BIN/fsdp-run"
 TRAIN="$BIN/fsdp-train"
-for exe in "$RUN" "$TRAIN"; do
-  if [ ! -x "$exe" ]; then
-    echo "not an executable: $exe" >&2
-    exit 2
-  fi
-done
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
+require_executables "$RUN" "$TRAIN"
 TMP=$(mktemp -d /tmp/fsdp-faults-e2e.XXXXXX)  # also the marker in every command line started here
 cleanup() {
   local pids
@@ -29,7 +25,6 @@ cleanup() {
   rm -rf "$TMP"
 }
 trap cleanup EXIT
-. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
 TIMEOUT_S=3
 
 TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermediate_size=64

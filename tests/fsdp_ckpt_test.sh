@@ -10,12 +10,8 @@ BIN=${1:?usage: $0 path/to/build/bin}
 RUN="$BIN/fsdp-run"
 TRAIN="$BIN/fsdp-train"
 CKPT="$BIN/fsdp-ckpt"
-for exe in "$RUN" "$TRAIN" "$CKPT"; do
-  if [ ! -x "$exe" ]; then
-    echo "not an executable: $exe" >&2
-    exit 2
-  fi
-done
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
+require_executables "$RUN" "$TRAIN" "$CKPT"
 PY=$(command -v python3 || true)
 if [ -z "$PY" ]; then
   echo "python3 is needed to corrupt files and read JSON" >&2
@@ -23,7 +19,6 @@ if [ -z "$PY" ]; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
 
 # ck NAME ARGS...: runs fsdp-ckpt; leaves RC and $TMP/NAME.out (stdout and stderr together).
 ck() {

@@ -32,6 +32,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/state.h"
 
 namespace fsdp {
 namespace {
@@ -92,29 +93,6 @@ double train_step(Job& j, int64_t step, int rank) {
   return loss.item<double>();
 }
 
-void append_bytes(std::ostringstream& s, const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  s.write(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
-}
-
-// Losses (hex floats), master shards and optimizer state, byte for byte.
-std::string fingerprint(Job& j, const std::vector<double>& losses) {
-  std::ostringstream s;
-  for (double l : losses) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%a\n", l);
-    s << buf;
-  }
-  for (const auto& unit : j.root->units()) {
-    for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
-  }
-  for (auto& st : j.optim->states()) {
-    s << st.step;
-    for (const auto& [name, t] : st.tensors) append_bytes(s, t);
-  }
-  return s.str();
-}
-
 OffloadPolicy disk_policy(const std::string& dir, bool grads = false) {
   return OffloadPolicy()
       .params(OffloadTier::kDisk)
@@ -144,7 +122,7 @@ std::vector<std::string> train(const std::optional<OffloadPolicy>& offload, int 
       if (s >= skip_losses) losses.push_back(loss);
     }
     if (check) check(j, dist.rank());
-    prints[dist.rank()] = fingerprint(j, losses);
+    prints[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
   }, std::chrono::seconds(60));
   return prints;
 }
@@ -281,7 +259,7 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
     EXPECT_LE(disk_tier_stats(*j.root).resident_bytes, kBudget);
     std::vector<double> losses;
     for (int s = 3; s < 6; ++s) losses.push_back(train_step(j, s, dist.rank()));
-    resumed[dist.rank()] = fingerprint(j, losses);
+    resumed[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
   }, std::chrono::seconds(60));
   const auto straight_tail = train(std::nullopt, 6, true, nullptr, /*skip_losses=*/3);
   for (int r = 0; r < kWorld; ++r) {
@@ -327,14 +305,7 @@ void full_disk_child(int rank) {
   st.step = 1;
   checkpoint::save(checkpoint::join(dir, "ckpt"), "step-1", *j.root, j.optim.get(), st);
   Job k = build(mesh, policy);  // a second model whose state must be created under the limit
-  std::string before;
-  {
-    std::ostringstream s;
-    for (const auto& unit : k.root->units()) {
-      for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
-    }
-    before = s.str();
-  }
+  const std::string before = testing::state_bytes({}, *k.root);
   lim.rlim_cur = 8192;
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -349,11 +320,7 @@ void full_disk_child(int rank) {
     EXPECT_NE(what.find("AdamW exp_avg"), std::string::npos) << what;
   }
   // Nothing changed: the params are as before and no state stepped.
-  std::ostringstream after;
-  for (const auto& unit : k.root->units()) {
-    for (auto& fp : unit->flat_params()) append_bytes(after, fp->sharded_param());
-  }
-  EXPECT_TRUE(after.str() == before) << "a failed step changed the params";
+  EXPECT_TRUE(testing::state_bytes({}, *k.root) == before) << "a failed step changed the params";
   for (auto& s : k.optim->states()) EXPECT_EQ(s.step, 0);
   // The checkpoint is intact and loads; with room again, the step runs.
   lim.rlim_cur = unlimited;

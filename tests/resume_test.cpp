@@ -16,6 +16,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/state.h"
 
 namespace fsdp {
 namespace {
@@ -56,23 +57,6 @@ double train_step(Job& j, int64_t& samples_seen, int rank) {
   return loss.item<double>();
 }
 
-// Losses (hex floats, exact) and the shards' bytes, for bitwise comparison.
-std::string fingerprint(Job& j, const std::vector<double>& losses) {
-  std::ostringstream s;
-  for (double l : losses) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%a\n", l);
-    s << buf;
-  }
-  for (const auto& unit : j.root->units()) {
-    for (auto& fp : unit->flat_params()) {
-      const auto& p = fp->sharded_param();
-      s.write(static_cast<const char*>(p.data_ptr()), p.numel() * p.element_size());
-    }
-  }
-  return s.str();
-}
-
 void child_body(int rank) {
   at::set_num_threads(1);
   const std::string mode = std::getenv("FSDP_RESUME_MODE");
@@ -102,7 +86,7 @@ void child_body(int rank) {
     for (; step < kHalf; ++step) train_step(j, samples_seen, rank);
   }
   for (; step < 2 * kHalf; ++step) losses.push_back(train_step(j, samples_seen, rank));
-  std::ofstream(checkpoint::join(dir, mode + "-" + std::to_string(rank)), std::ios::binary) << fingerprint(j, losses);
+  std::ofstream(checkpoint::join(dir, mode + "-" + std::to_string(rank)), std::ios::binary) << testing::state_bytes(losses, *j.root);
 }
 
 std::string read(const std::string& path) {

@@ -9,12 +9,8 @@ set -u
 BIN=${1:?usage: $0 path/to/build/bin}
 RUN="$BIN/fsdp-run"
 TRAIN="$BIN/fsdp-train"
-for exe in "$RUN" "$TRAIN"; do
-  if [ ! -x "$exe" ]; then
-    echo "not an executable: $exe" >&2
-    exit 2
-  fi
-done
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
+require_executables "$RUN" "$TRAIN"
 PY=$(command -v python3 || true)
 if [ -z "$PY" ]; then
   echo "python3 is needed to compare metrics" >&2
@@ -22,7 +18,6 @@ if [ -z "$PY" ]; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
 
 # A model small enough that 10 steps on 4 ranks take a few seconds on 2 cores.
 TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermediate_size=64

@@ -16,3 +16,13 @@ record() {  # record NAME OK [DETAIL-FILE...]: OK=1 passes; a failure shows each
     failed=$((failed + 1))
   fi
 }
+
+require_executables() {  # require_executables PATH...: exit 2 naming the first that is not one
+  local exe
+  for exe in "$@"; do
+    if [ ! -x "$exe" ]; then
+      echo "not an executable: $exe" >&2
+      exit 2
+    fi
+  done
+}

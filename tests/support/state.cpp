@@ -1,0 +1,53 @@
+#include "support/state.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include "checkpoint/file_io.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/optim.h"
+#include "shard/sharded_unit.h"
+
+namespace fsdp::testing {
+namespace {
+
+void append_bytes(std::ostringstream& s, const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  s.write(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+}
+
+}  // namespace
+
+std::map<std::string, std::string> snapshot_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& name : checkpoint::list_dir(dir)) {
+    std::ifstream in(checkpoint::join(dir, name), std::ios::binary);
+    out[name] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return out;
+}
+
+std::string state_bytes(const std::vector<double>& losses, FSDPModule& root, ShardedOptimizer* optim) {
+  std::ostringstream s;
+  for (double l : losses) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%a\n", l);
+    s << buf;
+  }
+  for (const auto& unit : root.units()) {
+    for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
+  }
+  if (optim != nullptr) {
+    for (auto& st : optim->states()) {
+      s << st.step;
+      for (const auto& [name, t] : st.tensors) append_bytes(s, t);
+    }
+  }
+  return s.str();
+}
+
+}  // namespace fsdp::testing
