@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
@@ -109,9 +109,9 @@ bool same_state(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>&
 
 int64_t dir_bytes(const std::string& dir) {
   int64_t total = 0;
-  for (const auto& name : fsdp::checkpoint::list_dir(dir)) {
+  for (const auto& name : fsdp::io::list_dir(dir)) {
     struct stat st{};
-    if (::stat(fsdp::checkpoint::join(dir, name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
+    if (::stat(fsdp::io::join(dir, name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
   }
   return total;
 }
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
   const bool lead = dist->rank() == 0;
   const int64_t dim = std::max<int64_t>(1, std::llround(std::sqrt(mib * double(1 << 20) / 4 / layers)));
   const int64_t params = layers * dim * dim + dim;
-  if (lead) fsdp::checkpoint::remove_tree(dir), fsdp::checkpoint::make_dirs(dir);
+  if (lead) fsdp::io::remove_tree(dir), fsdp::io::make_dirs(dir);
   comm.barrier("start");
 
   nlohmann::json out;
@@ -188,7 +188,7 @@ int main(int argc, char** argv) {
       out["side_group_setup_seconds"] = seconds_since(t0);
     }
     for (int r = 0; r < repeats; ++r) {
-      if (lead && r > 0) fsdp::checkpoint::remove_tree(fsdp::checkpoint::join(dir, "step-00000001"));
+      if (lead && r > 0) fsdp::io::remove_tree(fsdp::io::join(dir, "step-00000001"));
       if (lead) ::sync();  // no dirty pages left from before, as for dd in scripts/bench
       comm.barrier("save/before");
       const auto t0 = Clock::now();
@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
   const double load_s = *std::min_element(load_runs.begin(), load_runs.end());
   out["load"] = {{"seconds", load_s}, {"bytes", bytes}, {"gb_per_s", bytes / load_s / 1e9}, {"runs", load_runs},
                  {"cache", cold ? "cold (dropped)" : "warm (could not drop the page cache)"}, {"data_checked", checked}};
-  if (lead) fsdp::checkpoint::remove_tree(fsdp::checkpoint::join(dir, "step-00000001"));
+  if (lead) fsdp::io::remove_tree(fsdp::io::join(dir, "step-00000001"));
 
   // ---- the stall of a background save
   std::vector<double> plain;
@@ -260,7 +260,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   comm.barrier("done");
-  if (lead) fsdp::checkpoint::remove_tree(dir);
+  if (lead) fsdp::io::remove_tree(dir);
   if (!checked) {
     std::fprintf(stderr, "bench_checkpoint: rank %d: the loaded state differs from the saved one\n", dist->rank());
     return 1;

@@ -1,4 +1,4 @@
-// libFuzzer target: fsdp-train's config and command line (examples/train/config.cpp, flags.cpp).
+// libFuzzer target: fsdp-train's config and command line (apps/fsdp-train/config.cpp, flags.cpp).
 // The first byte picks the mode: even = the input is a config file's text (parsed as
 // read_config_file does, then build_config), odd = the rest is a command line, arguments separated
 // by NUL bytes (parse_flags, then build_config with its overrides; --config is ignored so the

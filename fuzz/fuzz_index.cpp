@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "checkpoint/index.h"
+#include "safetensors/index.h"
 #include "fsdp/errors.h"
 
 namespace st = fsdp::safetensors;

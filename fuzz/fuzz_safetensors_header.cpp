@@ -9,7 +9,7 @@
 #include <set>
 #include <string>
 
-#include "checkpoint/safetensors.h"
+#include "safetensors/safetensors.h"
 #include "fsdp/errors.h"
 
 namespace st = fsdp::safetensors;

@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
@@ -25,7 +25,7 @@
 
 namespace fsdp {
 namespace {
-using checkpoint::join;
+using io::join;
 using nlohmann::json;
 using testing::Net;
 using testing::NetOptions;
@@ -79,7 +79,7 @@ class CheckpointBadInput : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     good_ = new std::string(testing::temp_path("ckpt-bad-input-good"));
-    checkpoint::make_dirs(*good_);
+    io::make_dirs(*good_);
     auto dist = Dist::single();
     DeviceMesh mesh(dist);
     auto s = make(mesh, 1);
@@ -88,17 +88,17 @@ class CheckpointBadInput : public ::testing::Test {
     checkpoint::save(*good_, "good", *s.root, s.optim.get(), st);
   }
   static void TearDownTestSuite() {
-    checkpoint::remove_tree(*good_);
+    io::remove_tree(*good_);
     delete good_;
   }
   void SetUp() override { dir_ = testing::temp_path("ckpt-bad-input"); }
-  void TearDown() override { checkpoint::remove_tree(dir_); }
+  void TearDown() override { io::remove_tree(dir_); }
 
   // A fresh copy of the good checkpoint at dir_, then `corrupt(dir_)`.
   void copy_good() {
-    checkpoint::make_dirs(dir_);
+    io::make_dirs(dir_);
     const std::string src = join(*good_, "good");
-    for (const auto& name : checkpoint::list_dir(src)) write_all(join(dir_, name), read_all(join(src, name)));
+    for (const auto& name : io::list_dir(src)) write_all(join(dir_, name), read_all(join(src, name)));
   }
 
   // Loading dir_ fails with CheckpointError carrying every needle, and the model is unchanged.
@@ -315,7 +315,7 @@ TEST_F(CheckpointBadInput, MalformedTrainState) {
     } else {
       expect_rejected({"train_state.json", needle});
     }
-    checkpoint::remove_tree(dir_);
+    io::remove_tree(dir_);
   }
   copy_good();
   write_all(join(dir_, "train_state.json"), "{\"step\": ");

@@ -22,7 +22,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "support/models.h"
@@ -32,7 +32,7 @@
 namespace fsdp {
 namespace {
 using namespace std::chrono_literals;
-using checkpoint::join;
+using io::join;
 using testing::snapshot_files;
 using testing::Net;
 using testing::NetOptions;
@@ -70,7 +70,7 @@ void train_step(Trained& t, int s, int rank) {
 // Parent only: a committed step-00000001 under a fresh directory, saved by 2 thread-tier ranks.
 std::string dir_with_one_checkpoint(const std::string& stem) {
   const std::string dir = testing::temp_path(stem);
-  checkpoint::make_dirs(dir);
+  io::make_dirs(dir);
   testing::run_threads(2, [&](Dist& dist) {
     std::shared_ptr<Dist> d(&dist, [](Dist*) {});
     DeviceMesh mesh(d);
@@ -160,9 +160,9 @@ TEST(CheckpointFaults, DiskFullOnOneRankFailsEveryRankAndKeepsEarlierCheckpoints
   testing::expect_all_ok(results);
   print_outcome(results, "disk full (RLIMIT_FSIZE) on rank 1 during save");
   // Never committed (its NAME.tmp/ stays until a save of the same name; resolve never takes it).
-  EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002")));
+  EXPECT_FALSE(io::exists(join(dir, "step-00000002")));
   expect_earlier_intact(dir, before, "step-00000003");
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 // Makes `dir` read-only for this process, even for root: a read-only bind mount of it over itself
@@ -215,12 +215,12 @@ TEST(CheckpointFaults, ReadOnlyDirectoryFailsEveryRankAndKeepsEarlierCheckpoints
   if (!f.child && ::geteuid() != 0) ::chmod(dir.c_str(), 0755);
   testing::expect_all_ok(results);
   print_outcome(results, "read-only checkpoint directory");
-  EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002")));
-  EXPECT_FALSE(checkpoint::exists(join(dir, "step-00000002.tmp")));
+  EXPECT_FALSE(io::exists(join(dir, "step-00000002")));
+  EXPECT_FALSE(io::exists(join(dir, "step-00000002.tmp")));
   expect_earlier_intact(dir, before);
-  EXPECT_TRUE(checkpoint::exists(join(join(dir + "-elsewhere", "step-00000002"), "train_state.json")));
-  checkpoint::remove_tree(dir);
-  checkpoint::remove_tree(dir + "-elsewhere");
+  EXPECT_TRUE(io::exists(join(join(dir + "-elsewhere", "step-00000002"), "train_state.json")));
+  io::remove_tree(dir);
+  io::remove_tree(dir + "-elsewhere");
 }
 
 }  // namespace

@@ -33,7 +33,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "support/models.h"
@@ -176,10 +176,10 @@ nlohmann::json reference_expected() {
 }
 
 int cmd_write(const std::string& dir) {
-  fsdp::checkpoint::make_dirs(dir);
+  fsdp::io::make_dirs(dir);
   write_sharded(dir);
-  std::ofstream(fsdp::checkpoint::join(dir, "expected.json")) << reference_expected().dump(2) << "\n";
-  std::printf("wrote %s\n", fsdp::checkpoint::join(dir, "step-00000002").c_str());
+  std::ofstream(fsdp::io::join(dir, "expected.json")) << reference_expected().dump(2) << "\n";
+  std::printf("wrote %s\n", fsdp::io::join(dir, "step-00000002").c_str());
   return 0;
 }
 

@@ -12,7 +12,7 @@
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "checkpoint/save_job.h"
 #include "shard/sharded_unit.h"
 #include "support/models.h"
@@ -21,8 +21,8 @@
 
 namespace fsdp {
 namespace {
-using checkpoint::exists;
-using checkpoint::join;
+using io::exists;
+using io::join;
 using testing::snapshot_files;
 using testing::Net;
 using testing::NetOptions;
@@ -68,7 +68,7 @@ Trained make_trained(DeviceMesh& mesh, int steps, ShardingStrategy strategy = Sh
 
 std::string tmp_dir(const std::string& stem) {
   const std::string p = fsdp::testing::temp_path(stem);
-  checkpoint::make_dirs(p);
+  io::make_dirs(p);
   return p;
 }
 
@@ -210,8 +210,8 @@ TEST(Checkpoint, AnotherModelIsRejectedNamingTheTensor) {
 TEST(Checkpoint, UncommittedDirectoryIsNeverLoaded) {
   const std::string dir = tmp_dir("ckpt-uncommitted");
   save_on(1, dir, "step-00000001", 1);
-  checkpoint::make_dirs(join(dir, "step-00000002.tmp"));
-  checkpoint::make_dirs(join(dir, "step-00000003"));  // no train_state.json
+  io::make_dirs(join(dir, "step-00000002.tmp"));
+  io::make_dirs(join(dir, "step-00000003"));  // no train_state.json
   EXPECT_EQ(checkpoint::resolve(dir, "latest"), join(dir, "step-00000001"));
   EXPECT_THROW(checkpoint::resolve(dir, join(dir, "step-00000003")), CheckpointError);
   EXPECT_THROW(checkpoint::resolve(tmp_dir("ckpt-empty"), "latest"), CheckpointError);
@@ -231,7 +231,7 @@ TEST(Checkpoint, KeepLastRetention) {
       checkpoint::save(dir, name, *t.root, t.optim.get(), st, checkpoint::SaveOptions().keep_last(2));
     }
   });
-  const std::vector<std::string> names = checkpoint::list_dir(dir);
+  const std::vector<std::string> names = io::list_dir(dir);
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000003", "step-00000004"}));
 }
 

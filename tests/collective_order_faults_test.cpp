@@ -1,5 +1,5 @@
 // The collective-order check (InitOptions::check_collectives / FSDP_CHECK_COLLECTIVES=1; Note
-// [Collective-order check] in src/dist/communicator.cpp): a rank that reorders two collectives, one
+// [Collective-order check] in src/comm/communicator.cpp): a rank that reorders two collectives, one
 // that skips a collective, one that skips the last collective, and a sharded model whose ranks run
 // their units in different orders are each reported as a mismatch naming the rank and the tag (the
 // unit) within the timeout, instead of hanging or pairing bytes of different collectives. With the

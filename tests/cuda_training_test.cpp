@@ -16,11 +16,11 @@
 #include <mutex>
 #include <thread>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
-#include "offload/device_stager.h"
-#include "offload/disk_tier.h"
+#include "tiers/device_stager.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
@@ -221,7 +221,7 @@ TEST(CudaTraining, HostAndDiskTiersMatchNoOffloadOnOneGpu) {
   });
   expect_close(disk, none, 1e-5, 1e-6, "disk tier vs no offload on cuda");
   expect_trained(none, train_single(kGpu0, {}, 0), 1e-6);
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 
   // The optimizer steps where the master lives: a partial offload on a device is refused.
   auto dist = Dist::single(InitOptions().device("cuda"));
@@ -263,7 +263,7 @@ TEST(CudaTraining, CheckpointsMoveBetweenGpuAndCpu) {
       }
     }
   }
-  checkpoint::remove_tree(root_dir);
+  io::remove_tree(root_dir);
 }
 
 TEST(CudaTraining, FullShardOnTwoGpusMatchesOneGpu) {

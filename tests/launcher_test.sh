@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Self-checking tests of fsdp-run, the local launcher (src/launch/): the torchrun environment,
+# Self-checking tests of fsdp-run, the local launcher (apps/fsdp-run/): the torchrun environment,
 # "[rank K] " output forwarding, first-failure teardown, the SIGTERM grace period, usage errors,
 # exec failures, --timeout-s and signal forwarding. Every case that can leave processes behind
 # checks that none survive, using sleep durations that embed this script's pid as a marker.

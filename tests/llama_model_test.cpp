@@ -1,4 +1,4 @@
-// The Llama example model (examples/llama): transformers-compatible names and config, shapes,
+// The Llama example model (models/llama): transformers-compatible names and config, shapes,
 // causality, rotary and grouped-query attention against plain-loop references, logits against
 // values computed by transformers itself, deferred (meta) construction, and that it trains.
 #include <cmath>

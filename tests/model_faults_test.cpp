@@ -17,7 +17,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
@@ -187,7 +187,7 @@ TEST(ModelFaults, PeerKilledDuringCheckpointSave) {
   const bool child = std::getenv("FSDP_TEST_CHILD") != nullptr;
   const std::string dir = child ? std::getenv("FSDP_FAULT_DIR") : testing::temp_path("fault-save");
   if (!child) {
-    checkpoint::make_dirs(dir);
+    io::make_dirs(dir);
     ::setenv("FSDP_FAULT_DIR", dir.c_str(), 1);
   }
   auto results = testing::run_processes(2, [&](int rank) {
@@ -205,9 +205,9 @@ TEST(ModelFaults, PeerKilledDuringCheckpointSave) {
   // of two the communicator names the other rank.
   expect_survivors_fail(results, {1}, {"all_reduce 'checkpoint/writing its shards'", "group 'side/checkpoint'", "peer rank 1"},
                         "SIGKILL during checkpoint save, 2 ranks");
-  EXPECT_FALSE(checkpoint::exists(checkpoint::join(dir, "step-00000001")));
+  EXPECT_FALSE(io::exists(io::join(dir, "step-00000001")));
   EXPECT_THROW(checkpoint::resolve(dir, "latest"), CheckpointError);
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(ModelFaults, StoreHostDiesDuringRendezvous) {

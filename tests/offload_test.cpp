@@ -22,13 +22,13 @@
 #include <mutex>
 #include <sstream>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "fsdp/memory.h"
 #include "fsdp/offload.h"
-#include "offload/device_stager.h"
-#include "offload/disk_tier.h"
+#include "tiers/device_stager.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
@@ -156,7 +156,7 @@ TEST(Offload, DiskTierEqualsInMemoryTrainingBitwise) {
   // Negative control: a different run does differ, so equality above means something.
   const auto shorter = train(std::nullopt, 3);
   EXPECT_FALSE(reference[0] == shorter[0]);
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, HostTierEqualsNoOffloadBitwise) {
@@ -195,7 +195,7 @@ TEST(Offload, PerUnitPolicyOverridesTheRoots) {
       }
     }
   });
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, MemoryReportCountsEachTier) {
@@ -217,20 +217,20 @@ TEST(Offload, MemoryReportCountsEachTier) {
     EXPECT_EQ(rh.tier_host, rh.model_state());
     EXPECT_EQ(rh.tier_disk, 0);
   });
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
   const std::string dir = testing::temp_path("offload-resume");
-  checkpoint::make_dirs(dir);
-  const std::string ckpt = checkpoint::join(dir, "ckpt");
+  io::make_dirs(dir);
+  const std::string ckpt = io::join(dir, "ckpt");
   const auto straight = train(std::nullopt, 6);
   // 3 steps and an async save with the disk tier on; then a fresh model with the disk tier loads
   // and runs 3 more.
   testing::run_threads(kWorld, [&](Dist& dist) {
     at::set_num_threads(1);
     DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
-    Job j = build(mesh, disk_policy(checkpoint::join(dir, "offload-a")));
+    Job j = build(mesh, disk_policy(io::join(dir, "offload-a")));
     for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
     checkpoint::TrainState st;
     st.step = 3;
@@ -245,7 +245,7 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
   testing::run_threads(kWorld, [&](Dist& dist) {
     at::set_num_threads(1);
     DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
-    Job j = build(mesh, disk_policy(checkpoint::join(dir, "offload-b")));
+    Job j = build(mesh, disk_policy(io::join(dir, "offload-b")));
     set_disk_tier_audit(*j.root, true);
     const auto st = checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
     EXPECT_EQ(st.step, 3);
@@ -267,7 +267,7 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
     EXPECT_TRUE(resumed[r] == straight_tail[r]) << "rank " << r << ": resumed with the disk tier differs";
   }
   EXPECT_FALSE(straight[0] == straight_tail[0]);  // the fingerprints do see the losses
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 // Uses the process tier: the file-size limit and SIGXFSZ are per process.
@@ -303,7 +303,7 @@ void full_disk_child(int rank) {
   train_step(j, 0, rank);  // the first step reserves the state: fine, no limit yet
   checkpoint::TrainState st;
   st.step = 1;
-  checkpoint::save(checkpoint::join(dir, "ckpt"), "step-1", *j.root, j.optim.get(), st);
+  checkpoint::save(io::join(dir, "ckpt"), "step-1", *j.root, j.optim.get(), st);
   Job k = build(mesh, policy);  // a second model whose state must be created under the limit
   const std::string before = testing::state_bytes({}, *k.root);
   lim.rlim_cur = 8192;
@@ -326,7 +326,7 @@ void full_disk_child(int rank) {
   lim.rlim_cur = unlimited;
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
   Job l = build(mesh, policy);
-  EXPECT_EQ(checkpoint::load(checkpoint::resolve(checkpoint::join(dir, "ckpt"), "latest"), *l.root, l.optim.get()).step, 1);
+  EXPECT_EQ(checkpoint::load(checkpoint::resolve(io::join(dir, "ckpt"), "latest"), *l.root, l.optim.get()).step, 1);
   for (size_t i = 0; i < l.optim->states().size(); ++i) {
     EXPECT_TRUE(at::equal(l.optim->states()[i].tensors.at("exp_avg"), j.optim->states()[i].tensors.at("exp_avg")));
   }
@@ -340,13 +340,13 @@ TEST(Offload, FullDiskFailsClearlyWithoutChangingState) {
     return;
   }
   const std::string dir = testing::temp_path("offload-full");
-  checkpoint::make_dirs(dir);
+  io::make_dirs(dir);
   for (const std::string mode : {"params", "state"}) {
     testing::ProcessOptions opts;
     opts.extra_env = {{"FSDP_OFFLOAD_DIR", dir}, {"FSDP_OFFLOAD_MODE", mode}};
     testing::expect_all_ok(testing::run_processes(kWorld, full_disk_child, opts));
   }
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, UnwritableDirFailsBeforeTraining) {
@@ -354,10 +354,10 @@ TEST(Offload, UnwritableDirFailsBeforeTraining) {
   // permission bits), an existing read-only directory.
   const std::string file = testing::temp_path("offload-file");
   std::ofstream(file) << "x";
-  std::vector<std::string> dirs{checkpoint::join(file, "offload")};
+  std::vector<std::string> dirs{io::join(file, "offload")};
   const std::string ro = testing::temp_path("offload-ro");
   if (::geteuid() != 0) {
-    checkpoint::make_dirs(ro);
+    io::make_dirs(ro);
     ::chmod(ro.c_str(), 0500);
     dirs.push_back(ro);
   }
@@ -377,7 +377,7 @@ TEST(Offload, UnwritableDirFailsBeforeTraining) {
   EXPECT_THROW(OffloadPolicy().memory_budget_bytes(-1).validate(), ConfigError);
   EXPECT_THROW(parse_offload_tier("gpu"), ConfigError);
   ::chmod(ro.c_str(), 0700);
-  checkpoint::remove_tree(ro);
+  io::remove_tree(ro);
   ::unlink(file.c_str());
 }
 
@@ -393,16 +393,16 @@ TEST(Offload, BudgetTooSmallToStreamIsRefused) {
       EXPECT_NE(std::string(e.what()).find("memory_budget_bytes=4096"), std::string::npos) << e.what();
     }
   });
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, RealFullDiskOnATinyTmpfs) {
   // A real ENOSPC-sized file system where one can be mounted (root with CAP_SYS_ADMIN); the
   // RLIMIT_FSIZE test above covers the reservation path everywhere else.
   const std::string dir = testing::temp_path("offload-tmpfs");
-  checkpoint::make_dirs(dir);
+  io::make_dirs(dir);
   if (::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=64k") != 0) {
-    checkpoint::remove_tree(dir);
+    io::remove_tree(dir);
     GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
   }
   testing::run_threads(kWorld, [&](Dist& dist) {
@@ -417,7 +417,7 @@ TEST(Offload, RealFullDiskOnATinyTmpfs) {
     }
   });
   ::umount(dir.c_str());
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
@@ -440,7 +440,7 @@ TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
     }
     EXPECT_TRUE(at::equal(before, root->units().front()->flat_params().front()->sharded_param()));
   });
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 TEST(Offload, CudaStagerCopiesThroughPinnedMemory) {

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
@@ -73,11 +73,11 @@ void child_body(int rank) {
     checkpoint::TrainState st;
     st.step = step;
     st.samples_seen = samples_seen;
-    checkpoint::save(checkpoint::join(dir, "ckpt"), "step-00000003", *j.root, j.optim.get(), st);
+    checkpoint::save(io::join(dir, "ckpt"), "step-00000003", *j.root, j.optim.get(), st);
     return;
   }
   if (mode != "straight") {
-    auto st = checkpoint::load(checkpoint::resolve(checkpoint::join(dir, "ckpt"), "latest"), *j.root, j.optim.get());
+    auto st = checkpoint::load(checkpoint::resolve(io::join(dir, "ckpt"), "latest"), *j.root, j.optim.get());
     step = static_cast<int>(st.step);
     samples_seen = st.samples_seen;
     if (mode == "resume-no-rng") at::manual_seed(5);
@@ -86,7 +86,7 @@ void child_body(int rank) {
     for (; step < kHalf; ++step) train_step(j, samples_seen, rank);
   }
   for (; step < 2 * kHalf; ++step) losses.push_back(train_step(j, samples_seen, rank));
-  std::ofstream(checkpoint::join(dir, mode + "-" + std::to_string(rank)), std::ios::binary) << testing::state_bytes(losses, *j.root);
+  std::ofstream(io::join(dir, mode + "-" + std::to_string(rank)), std::ios::binary) << testing::state_bytes(losses, *j.root);
 }
 
 std::string read(const std::string& path) {
@@ -101,7 +101,7 @@ TEST(Resume, EqualsUninterruptedTrainingBitwise) {
     return;
   }
   const std::string dir = testing::temp_path("resume");
-  checkpoint::make_dirs(dir);
+  io::make_dirs(dir);
   auto run = [&](const std::string& mode) {
     testing::ProcessOptions opts;
     opts.extra_env = {{"FSDP_RESUME_MODE", mode}, {"FSDP_RESUME_DIR", dir}};
@@ -113,14 +113,14 @@ TEST(Resume, EqualsUninterruptedTrainingBitwise) {
   run("resume-no-rng");
   run("resume-no-data");
   for (int r = 0; r < kWorld; ++r) {
-    const std::string straight = read(checkpoint::join(dir, "straight-" + std::to_string(r)));
+    const std::string straight = read(io::join(dir, "straight-" + std::to_string(r)));
     ASSERT_FALSE(straight.empty());
-    EXPECT_EQ(read(checkpoint::join(dir, "resume-" + std::to_string(r))), straight) << "rank " << r;
+    EXPECT_EQ(read(io::join(dir, "resume-" + std::to_string(r))), straight) << "rank " << r;
     // Negative controls: without the RNG state or the data position the runs diverge.
-    EXPECT_NE(read(checkpoint::join(dir, "resume-no-rng-" + std::to_string(r))), straight) << "rank " << r;
-    EXPECT_NE(read(checkpoint::join(dir, "resume-no-data-" + std::to_string(r))), straight) << "rank " << r;
+    EXPECT_NE(read(io::join(dir, "resume-no-rng-" + std::to_string(r))), straight) << "rank " << r;
+    EXPECT_NE(read(io::join(dir, "resume-no-data-" + std::to_string(r))), straight) << "rank " << r;
   }
-  checkpoint::remove_tree(dir);
+  io::remove_tree(dir);
 }
 
 }  // namespace

@@ -17,10 +17,10 @@
 
 #include <gtest/gtest.h>
 
-#include "checkpoint/file_io.h"
-#include "checkpoint/index.h"
-#include "checkpoint/safetensors.h"
-#include "checkpoint/safetensors_torch.h"
+#include "base/file_io.h"
+#include "safetensors/index.h"
+#include "safetensors/safetensors.h"
+#include "safetensors/torch_dtypes.h"
 #include "fsdp/errors.h"
 
 namespace fsdp::safetensors {
@@ -67,7 +67,7 @@ class Safetensors : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
   }
-  void TearDown() override { checkpoint::remove_tree(dir_); }
+  void TearDown() override { io::remove_tree(dir_); }
 
   std::string write(const std::string& name, const std::string& bytes) {
     const std::string path = dir_ + "/" + name;

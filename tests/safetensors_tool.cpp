@@ -28,8 +28,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "checkpoint/safetensors.h"
-#include "checkpoint/safetensors_torch.h"
+#include "safetensors/safetensors.h"
+#include "safetensors/torch_dtypes.h"
 #include "fsdp/errors.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// fsdp-train's config and command line (examples/train/config.h, flags.h): the built-in defaults,
+// fsdp-train's config and command line (apps/fsdp-train/config.h, flags.h): the built-in defaults,
 // file + override precedence, strict rejection naming the dotted key and value, flag errors, and
 // the stability of config_hash.
 #include <cstdio>

@@ -1,4 +1,4 @@
-// fsdp-train's data stream (examples/train/data.h): sample k is the same whatever the world size,
+// fsdp-train's data stream (apps/fsdp-train/data.h): sample k is the same whatever the world size,
 // batch and rank slicing; rank slices partition the global batch; the synthetic task has the
 // structure it claims; .bin (nanoGPT and llm.c) and text files give contiguous windows from the
 // right split; bad files fail naming the file and the fix.

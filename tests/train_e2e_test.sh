@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end tests of fsdp-train (examples/train/) through fsdp-run: the same tiny fp32 job on 1, 2
+# End-to-end tests of fsdp-train (apps/fsdp-train/) through fsdp-run: the same tiny fp32 job on 1, 2
 # and 4 ranks with the same global batch must give the same loss at every step (relative 1e-4), for
 # each sharding strategy; bad flags and bad configs must fail with status 2 and a message naming
 # the culprit; checkpoint/resume across world sizes is checked once checkpoints are real.

@@ -72,7 +72,7 @@ struct CommunicatorOptions {
   std::vector<int> global_ranks;  // the group's members by global rank; empty = 0..size-1
   // Debug: before every collective the ranks exchange a fingerprint (sequence number, kind, tag,
   // bytes) and fail with a mismatch naming the ranks, ops and tags instead of hanging or mixing
-  // data. See Note [Collective-order check] in src/dist/communicator.cpp.
+  // data. See Note [Collective-order check] in src/comm/communicator.cpp.
   bool check_order = false;
   // With check_order: a board shared by the ranks (the rendezvous store) where each rank posts the
   // collective it has reached, so a rank that skipped one can be named when the fingerprint

@@ -43,4 +43,12 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+// The disk tier could not create, reserve or write its files (an unwritable offload.dir, a full
+// disk, a file-size limit). Raised before training when the files are created up front, or at
+// the step that first needs them, before any state of that step changes.
+class OffloadError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace fsdp

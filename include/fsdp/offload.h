@@ -1,7 +1,7 @@
 // Offload: where sharded states live between uses, chosen per unit and per state with
-// FullyShardOptions::offload (an OffloadPolicy, fsdp/options.h). This header holds the error type
-// that the disk tier throws and the per-rank figures it reports; the mechanisms are private
-// (src/offload/).
+// FullyShardOptions::offload (an OffloadPolicy, fsdp/options.h). This header holds the per-rank
+// figures the disk tier reports (its error type, OffloadError, is in fsdp/errors.h); the
+// mechanisms are private (src/tiers/).
 //
 //   auto policy = fsdp::OffloadPolicy().params(fsdp::OffloadTier::kDisk)
 //                     .optimizer_state(fsdp::OffloadTier::kDisk).dir("/nvme/offload")
@@ -16,14 +16,6 @@
 #include "fsdp/fully_shard.h"
 
 namespace fsdp {
-
-// The disk tier could not create, reserve or write its files (an unwritable offload.dir, a full
-// disk, a file-size limit). Raised before training when the files are created up front, or at
-// the step that first needs them, before any state of that step changes.
-class OffloadError : public Error {
- public:
-  using Error::Error;
-};
 
 // The disk tier's files and what of them is mapped in memory now, for one rank.
 struct DiskTierStats {

@@ -3,7 +3,7 @@
 
 #include <unordered_map>
 
-#include "offload/disk_tier.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {

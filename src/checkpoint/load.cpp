@@ -5,25 +5,24 @@
 #include <map>
 #include <set>
 
-#include "checkpoint/file_io.h"
-#include "checkpoint/index.h"
+#include "base/strings.h"
+#include "base/file_io.h"
+#include "safetensors/index.h"
 #include "checkpoint/layout.h"
-#include "checkpoint/safetensors.h"
+#include "safetensors/safetensors.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "offload/disk_tier.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
 
+using namespace io;  // NOLINT: file helpers read as plain calls here
+
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
+using base::shape_text;
 
 // One file set (e.g. "model" or "optim.exp_avg"): its validated index and headers.
 struct FileSet {

@@ -11,21 +11,22 @@
 
 #include <algorithm>
 
-#include "checkpoint/file_io.h"
-#include "checkpoint/index.h"
+#include "base/strings.h"
+#include "base/file_io.h"
+#include "safetensors/index.h"
 #include "checkpoint/layout.h"
-#include "checkpoint/safetensors.h"
+#include "safetensors/safetensors.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "offload/disk_tier.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
 
-namespace {
+using namespace io;  // NOLINT: file helpers read as plain calls here
 
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+namespace {
 
 std::function<void(const std::string&, int)>& fault_hook() {
   static std::function<void(const std::string&, int)> hook;  // tests only; see save_job.h
@@ -63,7 +64,7 @@ std::string capture(F&& f) {
   try {
     f();
   } catch (const std::exception& e) {
-    return first_line(e.what());
+    return base::first_line(e);
   }
   return "";
 }

@@ -47,7 +47,5 @@ void set_fault_hook_for_testing(std::function<void(const std::string& phase, int
 
 std::string rng_state_base64();
 void restore_rng_state_base64(const std::string& text);
-std::string base64_encode(const uint8_t* data, size_t n);
-std::vector<uint8_t> base64_decode(const std::string& text);
 
 }  // namespace fsdp::checkpoint

@@ -31,7 +31,7 @@ class DeviceStager;
 }  // namespace offload
 
 // Where a flat param's sharded states live (FullyShardOptions::offload, resolved by the root's
-// lazy init). See src/offload/ and Note [Host tier schedule].
+// lazy init). See src/tiers/ and Note [Host tier schedule].
 struct OffloadPlacement {
   OffloadTier params = OffloadTier::kNone;
   OffloadTier grads = OffloadTier::kNone;

@@ -7,7 +7,7 @@
 
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
-#include "offload/disk_tier.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

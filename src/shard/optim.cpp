@@ -14,8 +14,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
-#include "offload/chunked_step.h"
-#include "offload/disk_tier.h"
+#include "shard/streamed_step.h"
+#include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

@@ -16,12 +16,12 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "dist/transport.h"
+#include "comm/transport.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
-#include "offload/device_stager.h"
-#include "offload/disk_tier.h"
+#include "tiers/device_stager.h"
+#include "tiers/disk_tier.h"
 
 namespace fsdp {
 namespace {

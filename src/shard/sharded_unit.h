@@ -21,7 +21,7 @@
 
 #include "fsdp/device_mesh.h"
 #include "fsdp/options.h"
-#include "prefetch/execution_order.h"
+#include "shard/execution_order.h"
 #include "shard/flat_param.h"
 
 namespace torch::autograd {

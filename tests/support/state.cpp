@@ -7,7 +7,7 @@
 #include <iterator>
 #include <sstream>
 
-#include "checkpoint/file_io.h"
+#include "base/file_io.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/optim.h"
 #include "shard/sharded_unit.h"
@@ -24,8 +24,8 @@ void append_bytes(std::ostringstream& s, const at::Tensor& t) {
 
 std::map<std::string, std::string> snapshot_files(const std::string& dir) {
   std::map<std::string, std::string> out;
-  for (const auto& name : checkpoint::list_dir(dir)) {
-    std::ifstream in(checkpoint::join(dir, name), std::ios::binary);
+  for (const auto& name : io::list_dir(dir)) {
+    std::ifstream in(io::join(dir, name), std::ios::binary);
     out[name] = std::string(std::istreambuf_iterator<char>(in), {});
   }
   return out;

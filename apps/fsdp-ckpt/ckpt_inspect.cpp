@@ -1,0 +1,346 @@
+// fsdp-ckpt info and verify: what a checkpoint holds, and whether every byte of it is sound.
+//
+// Note [What verify checks]
+// verify runs every check fsdp::checkpoint::load would run and more, without a model or a process
+// group, and reports every problem it finds rather than the first:
+//   - train_state.json: valid JSON with every field save() writes, each of the right type
+//     (format_version == kFormatVersion, step and samples_seen >= 0, world_size >= 1, a known
+//     strategy, one base64 RNG state per rank, extra an object, optimizer {type, state_names,
+//     steps}, files);
+//   - the file sets: model plus exactly one optim.<state> per optimizer state name, and the same
+//     files as train_state.json "files";
+//   - each file set: its index parses, every header parses (Note [Safetensors validation]), and
+//     index and headers agree (check_index_against_headers);
+//   - model tensors are F32 (the loader refuses anything else); every optimizer file set holds
+//     exactly the trainable tensors (the keys of optimizer.steps), each with the model tensor's
+//     dtype and shape;
+//   - when fsdp-train saved it (extra.config.model): the model tensors are those of
+//     LlamaForCausalLM of that config;
+//   - every byte of every file reads back (short files, IO errors).
+#include <cinttypes>
+#include <cstdio>
+#include <set>
+
+#include "base/strings.h"
+#include "base/file_io.h"
+#include "base/base64.h"
+#include "ckpt_commands.h"
+#include "ckpt_view.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/errors.h"
+#include "fsdp/options.h"
+
+namespace fsdp_ckpt {
+
+using fsdp::CheckpointError;
+using fsdp::io::join;
+using nlohmann::json;
+namespace st = fsdp::safetensors;
+
+namespace {
+
+std::string field_text(const json& j, const char* key) {
+  return j.contains(key) ? (j[key].is_string() ? j[key].get<std::string>() : j[key].dump()) : "(missing)";
+}
+
+std::string mib(uint64_t bytes) { return fsdp::base::mib(static_cast<int64_t>(bytes), 3); }
+
+std::string one_dir_arg(const Args& args, const char* command) {
+  if (args.size() != 1 || args[0].empty() || args[0][0] == '-') {
+    throw UsageError(std::string(command) + " takes one argument, the checkpoint directory (or a save root with 'latest')");
+  }
+  return args[0];
+}
+
+// Collects problems instead of stopping at the first.
+struct Problems {
+  std::vector<std::string> lines;
+
+  void add(const std::string& what) { lines.push_back(what); }
+  template <typename F>
+  void check(F&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      lines.push_back(e.what());
+    }
+  }
+};
+
+// The train_state.json fields that the file-set checks need, as far as they could be read.
+struct StateFields {
+  int64_t world_size = -1;
+  bool has_optimizer = false;
+  std::vector<std::string> state_names;
+  std::set<std::string> trainable;  // keys of optimizer.steps
+  bool has_files = false;
+  std::set<std::string> files;
+};
+
+bool is_nonneg_int(const json& v) { return v.is_number_integer() && (v.is_number_unsigned() || v.get<int64_t>() >= 0); }
+
+StateFields check_train_state(const std::string& dir, const json& s, Problems& problems) {
+  StateFields out;
+  const std::string where = join(dir, "train_state.json") + ": ";
+  auto need = [&](const char* key) -> const json* {
+    if (!s.contains(key)) {
+      problems.add(where + "field '" + key + "' is missing");
+      return nullptr;
+    }
+    return &s[key];
+  };
+  auto bad = [&](const std::string& key, const json& v, const std::string& want) {
+    problems.add(where + "field '" + key + "' must be " + want + ", got " + v.dump().substr(0, 200));
+  };
+  if (const json* v = need("format_version")) {
+    if (!v->is_number_integer()) {
+      bad("format_version", *v, "an integer");
+    } else if (v->get<int64_t>() != fsdp::checkpoint::kFormatVersion) {
+      bad("format_version", *v, std::to_string(fsdp::checkpoint::kFormatVersion) + " (the version this build reads)");
+    }
+  }
+  for (const char* key : {"step", "samples_seen"}) {
+    if (const json* v = need(key); v && !is_nonneg_int(*v)) bad(key, *v, "a non-negative integer");
+  }
+  if (const json* v = need("world_size")) {
+    if (!v->is_number_integer() || v->get<int64_t>() < 1) {
+      bad("world_size", *v, "a positive integer");
+    } else {
+      out.world_size = v->get<int64_t>();
+    }
+  }
+  if (const json* v = need("strategy")) {
+    if (!v->is_string()) {
+      bad("strategy", *v, "a string");
+    } else {
+      problems.check([&] { fsdp::parse_strategy(v->get<std::string>()); });
+    }
+  }
+  if (const json* v = need("rng_states")) {
+    if (!v->is_array()) {
+      bad("rng_states", *v, "an array of base64 strings, one per rank");
+    } else {
+      if (out.world_size > 0 && static_cast<int64_t>(v->size()) != out.world_size) {
+        problems.add(where + "rng_states holds " + std::to_string(v->size()) + " states for world_size " +
+                     std::to_string(out.world_size));
+      }
+      for (size_t r = 0; r < v->size(); ++r) {
+        const json& x = (*v)[r];
+        if (!x.is_string() || x.get<std::string>().empty()) {
+          bad("rng_states[" + std::to_string(r) + "]", x, "a non-empty base64 string");
+          continue;
+        }
+        problems.check([&] {
+          try {
+            fsdp::base::base64_decode(x.get<std::string>());
+          } catch (const std::exception&) {
+            throw CheckpointError(where + "rng_states[" + std::to_string(r) + "] is not valid base64");
+          }
+        });
+      }
+    }
+  }
+  if (const json* v = need("extra"); v && !v->is_object()) bad("extra", *v, "an object");
+  if (const json* v = need("optimizer")) {
+    if (!v->is_object()) {
+      bad("optimizer", *v, "an object {type, state_names, steps}");
+    } else {
+      out.has_optimizer = true;
+      const json& o = *v;
+      if (!o.contains("type") || !o["type"].is_string()) bad("optimizer.type", o.value("type", json()), "a string");
+      if (!o.contains("state_names") || !o["state_names"].is_array()) {
+        bad("optimizer.state_names", o.value("state_names", json()), "an array of strings");
+      } else {
+        for (const auto& n : o["state_names"]) {
+          if (!n.is_string() || n.get<std::string>().empty()) {
+            bad("optimizer.state_names", o["state_names"], "an array of non-empty strings");
+            break;
+          }
+          out.state_names.push_back(n.get<std::string>());
+        }
+      }
+      if (!o.contains("steps") || !o["steps"].is_object()) {
+        bad("optimizer.steps", o.value("steps", json()), "an object {tensor: step}");
+      } else {
+        for (const auto& [name, step] : o["steps"].items()) {
+          if (!is_nonneg_int(step)) bad("optimizer.steps['" + name + "']", step, "a non-negative integer");
+          out.trainable.insert(name);
+        }
+      }
+    }
+  }
+  if (const json* v = need("files")) {
+    bool ok = v->is_array();
+    for (size_t i = 0; ok && i < v->size(); ++i) ok = (*v)[i].is_string();
+    if (!ok) {
+      bad("files", *v, "an array of file names");
+    } else {
+      out.has_files = true;
+      for (const auto& f : *v) out.files.insert(f.get<std::string>());
+    }
+  }
+  return out;
+}
+
+// Which file sets there must be, and that train_state.json "files" names exactly theirs.
+void check_file_set_kinds(const std::string& dir, const std::vector<std::string>& kinds, const StateFields& fields,
+                          Problems& problems) {
+  const std::string where = "checkpoint " + dir + ": ";
+  std::set<std::string> found(kinds.begin(), kinds.end());
+  std::set<std::string> expected{"model"};
+  for (const auto& n : fields.state_names) expected.insert("optim." + n);
+  for (const auto& k : expected) {
+    if (!found.count(k)) problems.add(where + k + ".safetensors.index.json is missing");
+  }
+  for (const auto& k : found) {
+    if (!expected.count(k) && fields.has_optimizer) {
+      problems.add(where + k + ".safetensors.index.json is neither the model's nor one of optimizer.state_names'");
+    }
+  }
+  if (!fields.has_files) return;
+  for (const auto& f : fields.files) {
+    if (!fsdp::io::exists(join(dir, f))) problems.add(where + "train_state.json lists " + f + ", which does not exist");
+  }
+}
+
+void check_optimizer_set(const std::string& dir, const FileSet& model, const FileSet& set, const StateFields& fields,
+                         Problems& problems) {
+  const std::string where = "checkpoint " + dir + " (";
+  for (const auto& name : set.order) {
+    const auto& t = set.tensors.at(name);
+    auto m = model.tensors.find(name);
+    if (m == model.tensors.end()) {
+      problems.add(where + t.file + "): tensor '" + name + "' is not in the model file set");
+    } else if (m->second.entry.dtype != t.entry.dtype || m->second.entry.shape != t.entry.shape) {
+      problems.add(where + t.file + "): tensor '" + name + "' is " + st::dtype_name(t.entry.dtype) + " " +
+                   shape_text(t.entry.shape) + " but the model's is " + st::dtype_name(m->second.entry.dtype) + " " +
+                   shape_text(m->second.entry.shape));
+    }
+    if (fields.has_optimizer && !fields.trainable.count(name)) {
+      problems.add(where + t.file + "): tensor '" + name + "' is not trainable (not in train_state.json optimizer.steps)");
+    }
+  }
+  for (const auto& name : fields.trainable) {
+    if (!set.tensors.count(name)) {
+      problems.add(where + set.index_name() + "): trainable tensor '" + name + "' (in optimizer.steps) is missing");
+    }
+  }
+}
+
+// Reads every byte of every file of the set; returns the bytes read.
+uint64_t read_everything(const std::string& dir, const FileSet& set) {
+  uint64_t total = 0;
+  std::string buf;
+  for (const auto& [file, header] : set.headers) {
+    const uint64_t size = fsdp::io::File::open_read(join(dir, file)).size();
+    uint64_t end = header.data_start();
+    for (const auto& e : header.tensors) end = std::max(end, header.data_start() + e.end);
+    if (size != end) {
+      throw CheckpointError(join(dir, file) + " is " + std::to_string(size) +
+                            " bytes but its header describes " + std::to_string(end));
+    }
+    for (uint64_t off = 0; off < size; off += buf.size()) read_bytes(dir, file, off, std::min<uint64_t>(size - off, 16 << 20), buf);
+    total += size;
+  }
+  return total;
+}
+
+}  // namespace
+
+int run_info(const Args& args) {
+  const Checkpoint ckpt = open_checkpoint(one_dir_arg(args, "info"));
+  const json& s = ckpt.state;
+  std::printf("checkpoint %s\n", ckpt.dir.c_str());
+  uint64_t total_bytes = 0, total_tensors = 0;
+  for (const auto& set : ckpt.sets) {
+    std::printf("\n%s (%s): %zu tensors, %" PRIu64 " bytes (%s)\n", set.kind.c_str(), set.index_name().c_str(),
+                set.tensors.size(), set.data_bytes(), mib(set.data_bytes()).c_str());
+    size_t width = 4;
+    for (const auto& n : set.order) width = std::max(width, n.size());
+    std::printf("  %-*s  %-5s  %-16s  %12s  %s\n", static_cast<int>(width), "name", "dtype", "shape", "bytes", "file");
+    for (const auto& n : set.order) {
+      const auto& t = set.tensors.at(n);
+      std::printf("  %-*s  %-5s  %-16s  %12" PRIu64 "  %s\n", static_cast<int>(width), n.c_str(),
+                  st::dtype_name(t.entry.dtype), shape_text(t.entry.shape).c_str(), t.entry.nbytes(), t.file.c_str());
+    }
+    total_bytes += set.data_bytes();
+    total_tensors += set.tensors.size();
+  }
+  std::printf("\ntotal: %" PRIu64 " tensors, %" PRIu64 " bytes (%s) in %zu file sets\n", total_tensors, total_bytes,
+              mib(total_bytes).c_str(), ckpt.sets.size());
+  std::string optimizer = "(missing)";
+  if (s.contains("optimizer") && s["optimizer"].is_object()) {
+    const json& o = s["optimizer"];
+    optimizer = field_text(o, "type");
+    if (o.contains("state_names") && o["state_names"].is_array()) {
+      std::string names;
+      for (const auto& n : o["state_names"]) names += (names.empty() ? "" : ", ") + (n.is_string() ? n.get<std::string>() : n.dump());
+      optimizer += " (states: " + names + ")";
+    }
+  }
+  std::printf("\ntrain_state:\n");
+  std::printf("  step            %s\n", field_text(s, "step").c_str());
+  std::printf("  samples_seen    %s\n", field_text(s, "samples_seen").c_str());
+  std::printf("  world_size      %s\n", field_text(s, "world_size").c_str());
+  std::printf("  strategy        %s\n", field_text(s, "strategy").c_str());
+  std::printf("  format_version  %s\n", field_text(s, "format_version").c_str());
+  std::printf("  optimizer       %s\n", optimizer.c_str());
+  return 0;
+}
+
+int run_verify(const Args& args) {
+  const std::string dir = resolve_dir(one_dir_arg(args, "verify"));
+  Problems problems;
+  StateFields fields;
+  json state;  // stays null when train_state.json cannot be read (a problem already recorded)
+  problems.check([&] { state = read_train_state(dir); });
+  if (!state.is_null()) fields = check_train_state(dir, state, problems);
+  const auto kinds = file_set_kinds(dir);
+  check_file_set_kinds(dir, kinds, fields, problems);
+  std::vector<FileSet> sets;
+  for (const auto& kind : kinds) problems.check([&] { sets.push_back(open_file_set(dir, kind)); });
+  const FileSet* model = nullptr;
+  std::set<std::string> set_files;
+  for (const auto& set : sets) {
+    if (set.kind == "model") model = &set;
+    for (const auto& [file, header] : set.headers) set_files.insert(file);
+  }
+  if (fields.has_files) {
+    for (const auto& f : set_files) {
+      if (!fields.files.count(f)) problems.add("checkpoint " + dir + ": " + f + " is not in train_state.json files");
+    }
+  }
+  if (model != nullptr) {
+    for (const auto& name : model->order) {
+      const auto& t = model->tensors.at(name);
+      if (t.entry.dtype != st::DType::F32) {
+        problems.add("checkpoint " + dir + " (" + t.file + "): tensor '" + name + "' is " +
+                     st::dtype_name(t.entry.dtype) + "; model tensors are F32 master weights");
+      }
+    }
+    for (const auto& set : sets) {
+      if (set.kind != "model") check_optimizer_set(dir, *model, set, fields, problems);
+    }
+    if (state.contains("extra") && state["extra"].is_object() && state["extra"].contains("config")) {
+      problems.check([&] {
+        const Checkpoint ckpt{dir, state, {*model}};
+        check_llama_tensors(ckpt, model_config(ckpt));
+      });
+    }
+  }
+  uint64_t tensors = 0, bytes = 0;  // bytes: every safetensors file read in full, headers included
+  for (const auto& set : sets) {
+    tensors += set.tensors.size();
+    problems.check([&] { bytes += read_everything(dir, set); });
+  }
+  if (!problems.lines.empty()) {
+    for (const auto& line : problems.lines) std::fprintf(stderr, "fsdp-ckpt: verify: %s\n", line.c_str());
+    std::fprintf(stderr, "fsdp-ckpt: verify: FAILED: %zu problem(s) in %s\n", problems.lines.size(), dir.c_str());
+    return 1;
+  }
+  std::printf("ok: %" PRIu64 " tensors, %" PRIu64 " bytes in %zu file sets (%s)\n", tensors, bytes, sets.size(),
+              dir.c_str());
+  return 0;
+}
+
+}  // namespace fsdp_ckpt

@@ -1,0 +1,237 @@
+// Metrics lines, the progress display, communication counters and the memory plan.
+#include "base/strings.h"
+#include "metrics.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <nlohmann/json.hpp>
+
+namespace train {
+namespace {
+
+constexpr int kCountersPerRank = 5;
+
+using fsdp::base::mib;
+
+std::string human_count(double x) {
+  char buf[32];
+  if (x >= 1e6) {
+    std::snprintf(buf, sizeof buf, "%.2fM", x / 1e6);
+  } else if (x >= 1e3) {
+    std::snprintf(buf, sizeof buf, "%.1fk", x / 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.0f", x);
+  }
+  return buf;
+}
+
+std::string duration(double s) {
+  char buf[32];
+  if (s >= 3600) {
+    std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
+  } else if (s >= 60) {
+    std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(std::fmod(s, 60)));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.0fs", s);
+  }
+  return buf;
+}
+
+}  // namespace
+
+std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine) {
+  const int n = world.size();
+  at::Tensor in = at::empty({kCountersPerRank}, at::kDouble);
+  double* p = in.data_ptr<double>();
+  p[0] = mine.loss;
+  p[1] = mine.allgather_bytes;
+  p[2] = mine.reduce_scatter_bytes;
+  p[3] = mine.comm_wait_s;
+  p[4] = mine.peak_rss_bytes;
+  at::Tensor out = at::empty({n * kCountersPerRank}, at::kDouble);
+  world.all_gather(out, in, "train/metrics").wait();
+  std::vector<RankCounters> all(n);
+  const double* q = out.data_ptr<double>();
+  for (int r = 0; r < n; ++r) {
+    const double* c = q + r * kCountersPerRank;
+    all[r] = {c[0], c[1], c[2], c[3], c[4]};
+  }
+  return all;
+}
+
+CommCounter::CommCounter(fsdp::DeviceMesh& mesh) {
+  for (fsdp::Communicator* c : {&mesh.dist().world(), &mesh.shard_group(), &mesh.replicate_group()}) {
+    if (std::find(comms_.begin(), comms_.end(), c) == comms_.end()) comms_.push_back(c);
+  }
+}
+
+fsdp::CommStats CommCounter::snapshot() const {
+  fsdp::CommStats total;
+  for (const fsdp::Communicator* c : comms_) {
+    const auto s = c->stats();
+    for (int k = 0; k < fsdp::kNumCollectiveKinds; ++k) {
+      total.ops[k].calls += s.ops[k].calls;
+      total.ops[k].bytes_sent += s.ops[k].bytes_sent;
+      total.ops[k].bytes_received += s.ops[k].bytes_received;
+      total.ops[k].busy_s += s.ops[k].busy_s;
+      total.ops[k].wait_s += s.ops[k].wait_s;
+    }
+  }
+  return total;
+}
+
+int64_t peak_rss_bytes() {
+  struct rusage u {};
+  if (::getrusage(RUSAGE_SELF, &u) != 0) return 0;
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+// ---- MetricsLog ----------------------------------------------------------------------------------
+
+MetricsLog::MetricsLog(const std::string& path, bool append) {
+  if (path.empty()) return;
+  file_ = std::fopen(path.c_str(), append ? "a" : "w");
+  if (file_ == nullptr) {
+    throw std::invalid_argument("--metrics " + path + ": cannot be opened for writing: " + std::strerror(errno));
+  }
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+void MetricsLog::step(const StepMetrics& m) {
+  if (file_ == nullptr) return;
+  // ordered_json: keys in the documented order, step first, for people reading the file.
+  nlohmann::ordered_json j = {{"step", m.step},
+                      {"loss", m.loss},
+                      {"lr", m.lr},
+                      {"step_time_s", m.step_time_s},
+                      {"tokens_per_s", m.tokens_per_s}};
+  auto column = [&](double RankCounters::*field, bool integral) {
+    nlohmann::ordered_json a = nlohmann::ordered_json::array();
+    for (const auto& r : m.ranks) {
+      if (integral) {
+        a.push_back(static_cast<int64_t>(r.*field));
+      } else {
+        a.push_back(r.*field);
+      }
+    }
+    return a;
+  };
+  j["allgather_bytes"] = column(&RankCounters::allgather_bytes, true);
+  j["reduce_scatter_bytes"] = column(&RankCounters::reduce_scatter_bytes, true);
+  j["comm_wait_s"] = column(&RankCounters::comm_wait_s, false);
+  j["peak_rss_bytes"] = column(&RankCounters::peak_rss_bytes, true);
+  std::fprintf(file_, "%s\n", j.dump().c_str());
+  std::fflush(file_);
+}
+
+void MetricsLog::eval(int64_t step, double loss) {
+  if (file_ == nullptr) return;
+  nlohmann::ordered_json j = {{"eval", true}, {"step", step}, {"loss", loss}};
+  std::fprintf(file_, "%s\n", j.dump().c_str());
+  std::fflush(file_);
+}
+
+// ---- Progress ------------------------------------------------------------------------------------
+
+Progress::Progress(int64_t first_step, int64_t total_steps, int64_t log_every, bool terminal)
+    : first_step_(first_step), total_steps_(total_steps), log_every_(log_every), terminal_(terminal) {}
+
+std::string Progress::eta(int64_t step) const {
+  const int64_t done = step - first_step_;
+  if (done <= 0) return "?";
+  return duration(elapsed_s_ / static_cast<double>(done) * static_cast<double>(total_steps_ - step));
+}
+
+void Progress::step(const StepMetrics& m) {
+  elapsed_s_ += m.step_time_s;
+  char line[256];
+  if (terminal_) {
+    constexpr int kWidth = 24;
+    const int filled = total_steps_ > 0 ? static_cast<int>(kWidth * m.step / total_steps_) : kWidth;
+    std::string bar(filled, '#');
+    bar.resize(kWidth, '.');
+    std::snprintf(line, sizeof line, "\r[%s] %lld/%lld  loss %.4f  %s tok/s  ETA %s   ", bar.c_str(),
+                  static_cast<long long>(m.step), static_cast<long long>(total_steps_), m.loss,
+                  human_count(m.tokens_per_s).c_str(), eta(m.step).c_str());
+    std::fputs(line, stdout);
+    std::fflush(stdout);
+    bar_drawn_ = true;
+    return;
+  }
+  if (m.step % log_every_ != 0 && m.step != total_steps_ && m.step != first_step_ + 1) return;
+  std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  lr %.2e  %s tok/s  %.3f s/step  ETA %s\n",
+                static_cast<long long>(m.step), static_cast<long long>(total_steps_), m.loss, m.lr,
+                human_count(m.tokens_per_s).c_str(), m.step_time_s, eta(m.step).c_str());
+  std::fputs(line, stdout);
+  std::fflush(stdout);
+}
+
+void Progress::eval(int64_t step, double loss) {
+  char line[96];
+  std::snprintf(line, sizeof line, "eval step %lld  loss %.4f", static_cast<long long>(step), loss);
+  note(line);
+}
+
+void Progress::note(const std::string& line) {
+  if (bar_drawn_) std::fputs("\n", stdout);
+  bar_drawn_ = false;
+  std::fputs((line + "\n").c_str(), stdout);
+  std::fflush(stdout);
+}
+
+void Progress::finish() {
+  if (bar_drawn_) std::fputs("\n", stdout);
+  bar_drawn_ = false;
+  std::fflush(stdout);
+}
+
+// ---- MemoryPlan ----------------------------------------------------------------------------------
+
+std::string MemoryPlan::to_string() const {
+  return std::to_string(num_params) + " params over " + std::to_string(shard_size) + " shard(s): params " +
+         mib(params) + ", grads " + mib(grads) + ", AdamW " + mib(optimizer) + ", largest unit (" + largest_unit +
+         ") gathered: params " + mib(gathered_params) + " + grads " + mib(gathered_grads) +
+         (tier_host + tier_disk > 0 ? "; sharded state by tier: RAM " + mib(tier_ram) + ", host " + mib(tier_host) +
+                                          ", disk " + mib(tier_disk)
+                                    : "");
+}
+
+MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
+                          const std::array<std::string, 3>& offload_tiers) {
+  const int64_t H = m.hidden_size, I = m.intermediate_size, V = m.vocab_size;
+  const int64_t kv = m.num_key_value_heads * m.head_dim();
+  const int64_t layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H;  // q, o; k, v; mlp; two norms
+  const int64_t root = V * H + H + (m.tie_word_embeddings ? 0 : V * H);  // embedding, final norm, lm_head
+  MemoryPlan p;
+  p.shard_size = shard_size;
+  p.num_params = root + m.num_hidden_layers * layer;
+  const int64_t per_rank = (p.num_params + shard_size - 1) / shard_size;
+  p.params = 4 * per_rank;
+  p.grads = 4 * per_rank;
+  p.optimizer = 8 * per_rank;
+  const int64_t by_state[3] = {p.params, p.grads, p.optimizer};
+  for (int k = 0; k < 3; ++k) {
+    int64_t& tier = offload_tiers[k] == "disk" ? p.tier_disk : offload_tiers[k] == "host" ? p.tier_host : p.tier_ram;
+    tier += by_state[k];
+  }
+  const bool root_largest = root >= layer;
+  p.largest_unit = root_largest ? "root: embedding, final norm, lm_head" : "one decoder layer";
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(param_dtype));
+  p.gathered_params = elem * (root_largest ? root : layer);
+  p.gathered_grads = p.gathered_params;
+  return p;
+}
+
+}  // namespace train

@@ -1,0 +1,56 @@
+// Small POSIX file helpers (checkpoints, the disk tier, the tools): positioned reads and writes that loop until done,
+// fsync of files and directories, and errors that name the path and the system's reason.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::io {
+
+// An open file descriptor, closed on destruction.
+class File {
+ public:
+  static File open_read(const std::string& path);
+  static File open_write(const std::string& path, bool create_truncate);
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  ~File();
+
+  void pwrite_all(const void* data, uint64_t bytes, uint64_t offset);
+  void pread_all(void* data, uint64_t bytes, uint64_t offset) const;
+  void truncate(uint64_t size);
+  void sync();
+  void close();
+  uint64_t size() const;
+  const std::string& path() const { return path_; }
+
+ private:
+  File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
+void fsync_dir(const std::string& dir);
+// Writes `text` to `path` through path.tmp + fsync + rename + fsync of the directory.
+void write_file_atomic(const std::string& path, const std::string& text);
+std::string read_small_file(const std::string& path, uint64_t limit = 64 << 20);
+bool exists(const std::string& path);
+bool is_dir(const std::string& path);
+std::string join(const std::string& a, const std::string& b);
+std::string parent_dir(const std::string& path);
+// mkdir -p.
+void make_dirs(const std::string& path);
+// rm -rf; a missing path is fine.
+void remove_tree(const std::string& path);
+void rename_path(const std::string& from, const std::string& to);
+// Names in a directory, without "." and "..", sorted.
+std::vector<std::string> list_dir(const std::string& dir);
+
+// Note [No std::filesystem next to libtorch.so]
+// The torch wheel's libtorch.so exports its own copy of std::filesystem's out-of-line functions
+// (remove_all, directory iteration, ...), built against another libstdc++. Calls from our code
+// bind to those copies and can crash (std::filesystem::remove_all jumped to address 0 here). So
+// fsdp, and its tests, do file-system work through the POSIX helpers above.
+
+}  // namespace fsdp::io

@@ -1,0 +1,277 @@
+// Rendezvous: TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it), a join check that names the
+// ranks that never arrived, and the world communicator over Gloo.
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "base/strings.h"
+#include "comm/transport.h"
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace {
+
+using base::first_line;
+
+// InitOptions::check_collectives, or FSDP_CHECK_COLLECTIVES=1 in the environment (a debug switch
+// that needs no code change in the training program).
+bool check_collectives(const InitOptions& options) {
+  if (options.check_collectives()) return true;
+  const char* v = std::getenv("FSDP_CHECK_COLLECTIVES");
+  return v != nullptr && std::string(v) == "1";
+}
+
+double as_seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
+
+std::string seconds_text(std::chrono::milliseconds ms) {
+  std::ostringstream s;
+  s << as_seconds(ms) << " s";
+  return s.str();
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+// Every rank announces itself, then waits for all others; on timeout the error lists who is missing.
+//
+// Note [Every joined rank names the missing ones]
+// All joined ranks time out at about the same moment, and rank 0's exit takes the store with it,
+// so a rank a little behind would only see "connection closed". The first rank to time out posts
+// its message under fsdp/join_failed; every rank polls that key and fails with the same message;
+// the store host (rank 0) waits up to a second for the others to read it before it goes.
+void join_check(c10d::Store& store, int rank, int world_size, std::chrono::milliseconds timeout) {
+  const std::string failed_key = "fsdp/join_failed";
+  store.set("fsdp/joined/" + std::to_string(rank), std::vector<uint8_t>{1});
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<int> missing;
+  for (;;) {
+    missing.clear();
+    for (int r = 0; r < world_size; ++r) {
+      if (!store.check({"fsdp/joined/" + std::to_string(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) return;
+    if (store.check({failed_key})) {
+      const auto v = store.get(failed_key);
+      store.set("fsdp/join_failed_seen/" + std::to_string(rank), std::vector<uint8_t>{1});
+      throw TimeoutError(std::string(v.begin(), v.end()) + " (reported to rank " + std::to_string(rank) + ")");
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::ostringstream msg;
+  msg << "fsdp: rendezvous timed out after " << seconds_text(timeout) << " on rank " << rank << ": rank"
+      << (missing.size() > 1 ? "s " : " ");
+  for (size_t i = 0; i < missing.size() && i < 16; ++i) msg << (i ? ", " : "") << missing[i];
+  if (missing.size() > 16) msg << ", ...";
+  msg << " of " << world_size << " never joined (check that every rank was started with the same "
+      << "MASTER_ADDR/MASTER_PORT and WORLD_SIZE)";
+  const std::string text = msg.str();
+  if (!store.check({failed_key})) store.set(failed_key, std::vector<uint8_t>(text.begin(), text.end()));
+  if (rank == 0) {
+    // See Note [Every joined rank names the missing ones].
+    const auto linger = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      bool all_seen = true;
+      for (int r = 1; r < world_size && all_seen; ++r) {
+        const std::string id = std::to_string(r);
+        all_seen = !store.check({"fsdp/joined/" + id}) || store.check({"fsdp/join_failed_seen/" + id});
+      }
+      if (all_seen || std::chrono::steady_clock::now() >= linger) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  throw TimeoutError(text);
+}
+
+std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
+                                         int group_size, const std::vector<int>& global_ranks,
+                                         const std::string& name, const InitOptions& options,
+                                         const std::string& hostname) {
+  CommunicatorOptions copts;
+  copts.name = name;
+  copts.timeout = options.timeout();
+  copts.global_ranks = global_ranks;
+  copts.check_order = check_collectives(options);
+  if (copts.check_order) {
+    copts.order_post = [store](const std::string& key, const std::string& value) {
+      store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    };
+    copts.order_lookup = [store](const std::string& key) -> std::optional<std::string> {
+      if (!store->check({key})) return std::nullopt;
+      const auto raw = store->get(key);
+      return std::string(raw.begin(), raw.end());
+    };
+  }
+  if (group_size == 1) return std::make_shared<Communicator>(make_local_transport(), copts);
+  GlooTransportOptions gopts;
+  gopts.timeout = options.timeout();
+  gopts.threads = options.gloo_threads();
+  gopts.hostname = hostname;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + name, store);
+  if (options.device() != "cpu" && options.device() != "cuda") {
+    throw ConfigError("fsdp: InitOptions::device must be \"cpu\" or \"cuda\", got \"" + options.device() + "\"");
+  }
+  std::unique_ptr<Transport> transport;
+  try {
+    transport = options.device() == "cuda" ? make_nccl_transport(prefixed, group_rank, group_size, options.timeout())
+                                           : make_gloo_transport(prefixed, group_rank, group_size, gopts);
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistError("fsdp: creating process group '" + name + "' failed on group rank " +
+                    std::to_string(group_rank) + " of " + std::to_string(group_size) + " within " +
+                    seconds_text(options.timeout()) + ": " + first_line(e));
+  }
+  return std::make_shared<Communicator>(std::move(transport), copts);
+}
+
+}  // namespace
+
+namespace {
+
+// InitOptions::device resolved to a device, once per Dist (see Dist::compute_device).
+c10::Device resolve_device(const InitOptions& options) {
+  if (options.device() != "cuda") return c10::Device(c10::kCPU);
+  if (!at::detail::getCUDAHooks().hasCUDA()) {
+    throw ConfigError("fsdp: InitOptions::device is \"cuda\" but no CUDA device is usable in this process "
+                      "(no GPU, CUDA_VISIBLE_DEVICES hides them, or LibTorch was built without CUDA)");
+  }
+  try {
+    return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
+  } catch (const std::exception& e) {
+    throw ConfigError("fsdp: InitOptions::device is \"cuda\" but the current CUDA device could not be read: " +
+                      first_line(e));
+  }
+}
+
+}  // namespace
+
+Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options)
+    : env_(std::move(env)), rank_(env_.rank), world_size_(env_.world_size), options_(options),
+      device_(resolve_device(options)), store_(std::move(store)) {}
+
+Dist::~Dist() = default;
+
+std::shared_ptr<Dist> Dist::single(const InitOptions& options) {
+  auto dist = std::shared_ptr<Dist>(new Dist(DistEnv{}, c10::make_intrusive<c10d::HashStore>(), options));
+  std::vector<int> ranks{0};
+  dist->world_ = make_group(dist->store_, 0, 1, ranks, "world", options, "");
+  return dist;
+}
+
+std::shared_ptr<Dist> Dist::from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                       const InitOptions& options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw ConfigError("fsdp: Dist::from_store: rank " + std::to_string(rank) + " is not in [0, " +
+                      std::to_string(world_size) + ")");
+  }
+  DistEnv env;
+  env.rank = rank;
+  env.world_size = world_size;
+  env.local_rank = rank;
+  env.local_world_size = world_size;
+  env.launcher = "store";
+  auto dist = std::shared_ptr<Dist>(new Dist(env, std::move(store), options));
+  std::vector<int> ranks;
+  for (int r = 0; r < world_size; ++r) ranks.push_back(r);
+  join_check(*dist->store_, rank, world_size, options.timeout());
+  dist->world_ = make_group(dist->store_, rank, world_size, ranks, "world", options, "127.0.0.1");
+  return dist;
+}
+
+std::shared_ptr<Communicator> Dist::new_group(const std::vector<int>& ranks, const std::string& name) {
+  int group_rank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0 && ranks[i] <= ranks[i - 1]) {
+      throw ConfigError("fsdp: new_group '" + name + "': ranks must be ascending and distinct");
+    }
+    if (ranks[i] < 0 || ranks[i] >= world_size_) {
+      throw ConfigError("fsdp: new_group '" + name + "': rank " + std::to_string(ranks[i]) +
+                        " is not in the world of size " + std::to_string(world_size_));
+    }
+    if (ranks[i] == rank_) group_rank = static_cast<int>(i);
+  }
+  if (group_rank < 0) {
+    throw ConfigError("fsdp: new_group '" + name + "': rank " + std::to_string(rank_) +
+                      " is not a member; only members create a group");
+  }
+  return make_group(store_, group_rank, static_cast<int>(ranks.size()), ranks, name, options_, gloo_host());
+}
+
+std::string Dist::gloo_host() const {
+  return env_.launcher == "store" || is_loopback(env_.master_addr) ? "127.0.0.1" : "";
+}
+
+Communicator& Dist::side_group(const std::string& name) {
+  auto it = side_groups_.find(name);
+  if (it != side_groups_.end()) return *it->second;
+  std::vector<int> all;
+  for (int r = 0; r < world_size_; ++r) all.push_back(r);
+  // Over Gloo whatever the compute device: side work passes host tensors, and a second NCCL
+  // communicator running beside training's, in no agreed order across ranks, can deadlock.
+  InitOptions host_options = options_;
+  host_options.device("cpu");
+  auto group = make_group(store_, rank_, world_size_, all, "side/" + name, host_options, gloo_host());
+  side_groups_.emplace(name, group);
+  return *group;
+}
+
+std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
+  if (options.timeout().count() <= 0) {
+    throw ConfigError("fsdp: InitOptions::timeout must be positive, got " +
+                      std::to_string(options.timeout().count()) + " ms");
+  }
+  if (env.world_size == 1) {
+    auto dist = Dist::single(options);
+    dist->env_ = env;
+    return dist;
+  }
+  c10d::TCPStoreOptions sopts;
+  sopts.port = static_cast<uint16_t>(env.master_port);
+  sopts.isServer = env.rank == 0;
+  sopts.numWorkers = env.world_size;
+  sopts.waitWorkers = false;  // join_check names the missing ranks instead
+  sopts.timeout = options.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
+  } catch (const std::exception& e) {
+    if (env.rank == 0) {
+      throw DistError("fsdp: rank 0 could not host the rendezvous store on " + where +
+                      " (MASTER_ADDR/MASTER_PORT; is the port already in use?): " + first_line(e));
+    }
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the rendezvous store on " +
+                    where + " within " + seconds_text(options.timeout()) +
+                    " (MASTER_ADDR/MASTER_PORT; is rank 0 running?): " + first_line(e));
+  }
+  auto dist = std::shared_ptr<Dist>(new Dist(env, store, options));
+  try {
+    join_check(*store, env.rank, env.world_size, options.timeout());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistError("fsdp: rendezvous on " + where + " failed on rank " + std::to_string(env.rank) +
+                    (env.rank == 0 ? ": " : ": lost the store hosted by rank 0 (did rank 0 exit?): ") + first_line(e));
+  }
+  std::vector<int> ranks;
+  for (int r = 0; r < env.world_size; ++r) ranks.push_back(r);
+  const std::string host = is_loopback(env.master_addr) ? "127.0.0.1" : "";
+  dist->world_ = make_group(store, env.rank, env.world_size, ranks, "world", options, host);
+  return dist;
+}
+
+std::shared_ptr<Dist> init_from_env(const InitOptions& options) {
+  return init_process_group(parse_dist_env(), options);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,258 @@
+// The disk tier's files and mappings: creation with reserved blocks, the residency controls the
+// streamed optimizer step uses, and the audit. See Note [Disk tier residency] in disk_tier.h.
+#include "base/strings.h"
+#include "tiers/disk_tier.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "base/file_io.h"
+#include "fsdp/errors.h"
+
+namespace fsdp::offload {
+
+struct Mapping {
+  std::shared_ptr<DiskTier> tier;  // the tier outlives its mappings
+  void* base = nullptr;
+  size_t bytes = 0;
+  int fd = -1;
+};
+
+namespace {
+
+constexpr int64_t kPage = 4096;
+constexpr int64_t kDefaultChunkElements = 1 << 20;  // 4 MiB of fp32 per tensor with no budget
+
+void delete_mapping(void* ctx) {
+  auto* m = static_cast<Mapping*>(ctx);
+  m->tier->remove(m);
+  ::munmap(m->base, m->bytes);
+  ::close(m->fd);
+  delete m;
+}
+
+std::string mib(int64_t bytes) { return std::to_string(bytes) + " bytes (" + base::mib(bytes, 1) + ")"; }
+
+Mapping* mapping_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const auto& dp = t.storage().data_ptr();
+  if (dp.get_deleter() != &delete_mapping) return nullptr;
+  return static_cast<Mapping*>(dp.get_context());
+}
+
+// The page-aligned byte range [lo, hi) of the mapping under elements [begin, end) of t.
+bool byte_range(const at::Tensor& t, int64_t begin, int64_t end, Mapping*& m, int64_t& lo, int64_t& hi) {
+  m = mapping_of(t);
+  if (m == nullptr || end <= begin) return false;
+  const int64_t first = static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(m->base);
+  lo = (first + begin * static_cast<int64_t>(t.element_size())) / kPage * kPage;
+  hi = std::min<int64_t>(static_cast<int64_t>(m->bytes),
+                         (first + end * static_cast<int64_t>(t.element_size()) + kPage - 1) / kPage * kPage);
+  return hi > lo;
+}
+
+}  // namespace
+
+std::shared_ptr<DiskTier> DiskTier::open(const std::string& dir, int64_t budget_bytes) {
+  if (dir.empty()) throw ConfigError("fsdp: offload.dir is empty; name a directory for the disk tier");
+  try {
+    io::make_dirs(dir);
+  } catch (const Error& e) {
+    throw OffloadError("fsdp: offload.dir " + dir + " cannot be created: " + e.what());
+  }
+  // Prove the directory takes files and blocks now, not at the first optimizer step.
+  const std::string probe = io::join(dir, ".fsdp-offload-probe-" + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    throw OffloadError("fsdp: offload.dir " + dir + " is not writable: cannot create " + probe + ": " +
+                       std::strerror(errno) + "; make it writable or choose another offload.dir");
+  }
+  const int rc = ::posix_fallocate(fd, 0, kPage);
+  ::close(fd);
+  ::unlink(probe.c_str());
+  if (rc != 0) {
+    throw OffloadError("fsdp: offload.dir " + dir + ": cannot reserve blocks for the disk tier's files: " +
+                       std::strerror(rc) + "; free space or choose another offload.dir");
+  }
+  return std::shared_ptr<DiskTier>(new DiskTier(dir, budget_bytes));
+}
+
+DiskTier::~DiskTier() = default;
+
+void DiskTier::check_free_space(int64_t bytes, const std::string& what) const {
+  struct statvfs st {};
+  if (::statvfs(dir_.c_str(), &st) != 0) return;  // the reservation still guards
+  const int64_t avail = static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+  if (avail < bytes) {
+    throw OffloadError("fsdp: offload.dir " + dir_ + " has " + mib(avail) + " free but " + what + " needs " +
+                       mib(bytes) + "; free space or choose another offload.dir");
+  }
+}
+
+at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
+  if (numel == 0) return at::zeros({0}, at::kFloat);
+  const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
+  std::string path;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // pid, tier and counter: unique across processes and across ranks run as threads of one.
+    char name[96];
+    std::snprintf(name, sizeof name, "fsdp-offload-%d-%p-%lld", static_cast<int>(::getpid()), static_cast<void*>(this),
+                  static_cast<long long>(counter_++));
+    path = io::join(dir_, name);
+  }
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot create a file for " + what + ": " +
+                       std::strerror(errno) + "; make it writable or choose another offload.dir");
+  }
+  ::unlink(path.c_str());  // see Note [Disk tier residency]: nothing left behind on a crash
+  // Reserve every block now: a write through the mapping to a hole on a full disk is a SIGBUS.
+  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (rc != 0) {
+    ::close(fd);
+    throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot reserve " + mib(static_cast<int64_t>(bytes)) +
+                       " for " + what + ": " + std::strerror(rc) + "; free space or choose another offload.dir");
+  }
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    const int err = errno;
+    ::close(fd);
+    throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot map " + mib(static_cast<int64_t>(bytes)) + " for " +
+                       what + ": " + std::strerror(err));
+  }
+  // No readahead on faults: what comes into memory is what the tier asks for (will_need), so the
+  // budget holds (the kernel's default window alone is 128 KiB per fault).
+  ::madvise(base, bytes, MADV_RANDOM);
+  auto* m = new Mapping{shared_from_this(), base, bytes, fd};
+  add(m);
+  return at::for_blob(base, {numel}).context(m, &delete_mapping).options(at::TensorOptions().dtype(at::kFloat)).make_tensor();
+}
+
+int64_t DiskTier::chunk_elements(int tensors) const {
+  if (budget_bytes_ <= 0) return kDefaultChunkElements;
+  const int64_t per = budget_bytes_ / (3 * std::max(tensors, 1) * static_cast<int64_t>(sizeof(float)));
+  const int64_t elems = per / 1024 * 1024;
+  if (elems < 1024) {
+    throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(budget_bytes_) + " is below the " +
+                      std::to_string(3 * tensors * kPage) + " bytes the optimizer needs to stream " +
+                      std::to_string(tensors) + " disk-tier tensors (three 4 KiB pages each)");
+  }
+  return elems;
+}
+
+void DiskTier::add(Mapping* m) {
+  std::lock_guard<std::mutex> lock(mu_);
+  mappings_.insert(m);
+}
+
+void DiskTier::remove(Mapping* m) {
+  std::lock_guard<std::mutex> lock(mu_);
+  mappings_.erase(m);
+}
+
+int64_t DiskTier::file_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const Mapping* m : mappings_) total += static_cast<int64_t>(m->bytes);
+  return total;
+}
+
+int64_t DiskTier::resident_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  std::vector<unsigned char> pages;
+  for (const Mapping* m : mappings_) {
+    pages.resize((m->bytes + kPage - 1) / kPage);
+    if (::mincore(m->base, m->bytes, pages.data()) != 0) continue;
+    for (unsigned char p : pages) total += (p & 1) ? kPage : 0;
+  }
+  return total;
+}
+
+void DiskTier::audit() {
+  if (!audit_) return;
+  const int64_t r = resident_bytes();
+  peak_resident_ = std::max(peak_resident_, r);
+}
+
+bool is_disk_backed(const at::Tensor& t) { return mapping_of(t) != nullptr; }
+
+DiskTier* tier_of(const at::Tensor& t) {
+  Mapping* m = mapping_of(t);
+  return m ? m->tier.get() : nullptr;
+}
+
+void will_need(const at::Tensor& t, int64_t begin, int64_t end) {
+  Mapping* m;
+  int64_t lo, hi;
+  if (!byte_range(t, begin, end, m, lo, hi)) return;
+  ::madvise(static_cast<char*>(m->base) + lo, static_cast<size_t>(hi - lo), MADV_WILLNEED);
+}
+
+void write_behind(const at::Tensor& t, int64_t begin, int64_t end) {
+  Mapping* m;
+  int64_t lo, hi;
+  if (!byte_range(t, begin, end, m, lo, hi)) return;
+  ::sync_file_range(m->fd, lo, hi - lo, SYNC_FILE_RANGE_WRITE);
+}
+
+void release(const at::Tensor& t, int64_t begin, int64_t end) {
+  Mapping* m;
+  int64_t lo, hi;
+  if (!byte_range(t, begin, end, m, lo, hi)) return;
+  // Unmap (dirty bits move to the page cache), wait for the range's writeback (started by
+  // write_behind a chunk earlier, so mostly done), then drop the now clean pages from the cache.
+  ::madvise(static_cast<char*>(m->base) + lo, static_cast<size_t>(hi - lo), MADV_DONTNEED);
+  ::sync_file_range(m->fd, lo, hi - lo, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+  ::posix_fadvise(m->fd, lo, hi - lo, POSIX_FADV_DONTNEED);
+}
+
+at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what) {
+  if (DiskTier* tier = tier_of(t)) return tier->zeros(t.numel(), what).view(t.sizes());
+  return at::zeros_like(t);
+}
+
+void copy_streamed(const at::Tensor& dst_in, const at::Tensor& src_in) {
+  DiskTier* tier = tier_of(dst_in) ? tier_of(dst_in) : tier_of(src_in);
+  c10::NoGradGuard no_grad;
+  if (tier == nullptr) {
+    dst_in.copy_(src_in);
+    return;
+  }
+  at::Tensor dst = dst_in.view({-1}), src = src_in.reshape({-1});
+  const int64_t chunk = tier->chunk_elements(2);
+  for (int64_t a = 0; a < src.numel(); a += chunk) {
+    const int64_t b = std::min(src.numel(), a + chunk);
+    dst.narrow(0, a, b - a).copy_(src.narrow(0, a, b - a));
+    write_behind(dst, a, b);
+    if (a > 0) {
+      release(src, a - chunk, a);
+      release(dst, a - chunk, a);
+    }
+  }
+  release(src);
+  release(dst);
+}
+
+at::Tensor clone_in_tier(const at::Tensor& t) {
+  if (!t.is_cpu()) return t.to(at::kCPU);  // a snapshot of a device shard waits in host memory
+  DiskTier* tier = tier_of(t);
+  if (tier == nullptr) return t.clone();
+  at::Tensor out = tier->zeros(t.numel(), "a checkpoint snapshot");
+  copy_streamed(out, t);
+  return out.view(t.sizes());
+}
+
+}  // namespace fsdp::offload
