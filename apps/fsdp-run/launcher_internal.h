@@ -1,0 +1,87 @@
+// fsdp-run's private parts, shared by its files:
+//   launch_options.cpp  the command line: parsing, validation, --help text;
+//   launch_env.cpp      what a rank starts with: the torchrun environment, the master port;
+//   launch_posix.cpp    small POSIX helpers and the signal self-pipe;
+//   launcher.cpp        the job: spawning the ranks and supervising them in one poll() loop.
+#pragma once
+
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "launcher.h"
+
+namespace fsdp {
+namespace launch {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kSynopsis =
+    "fsdp-run --nproc-per-node N [--master-addr A] [--master-port P] [--timeout-s T] "
+    "[--grace-s G] -- CMD [ARGS...]";
+
+// ---- launch_options.cpp
+
+// Throws std::invalid_argument when `options` cannot describe a job (see LaunchOptions).
+void validate(const LaunchOptions& options);
+
+// ---- launch_env.cpp
+
+// The environment of rank `rank`: the launcher's own, with torchrun's variables set for the job.
+std::vector<std::string> rank_environment(const LaunchOptions& options, int rank, int master_port);
+
+// Binds port 0 on loopback and returns the port the kernel chose.
+int pick_free_port();
+
+// ---- launch_posix.cpp
+
+std::string errno_text(const std::string& what);
+std::string signal_name(int sig);
+std::string format_seconds(double seconds);
+Clock::duration to_duration(double seconds);
+
+// Writes everything, retrying on EINTR and waiting out EAGAIN. Returns false if the reader is gone.
+bool write_all(int fd, const std::string& data);
+// "fsdp-run: <message>" on stderr.
+void note(const std::string& message);
+void set_fd_flag(int fd, int get_cmd, int set_cmd, int flag);
+// A pipe whose ends are both close-on-exec.
+void make_pipe(int fds[2]);
+// Parks /dev/null on a closed fd 0, 1 or 2.
+void ensure_standard_fds_open();
+
+// Owns the self-pipe (Note [Self-pipe]) and the launcher's signal dispositions for the duration of
+// a job; restores the previous dispositions when destroyed. One at a time.
+class SignalPipe {
+ public:
+  SignalPipe();
+  ~SignalPipe();
+
+  SignalPipe(const SignalPipe&) = delete;
+  SignalPipe& operator=(const SignalPipe&) = delete;
+
+  int read_fd() const { return fds_[0]; }
+
+  // The signals received since the last call, in order, SIGCHLD included.
+  std::vector<int> take();
+
+  // Blocked around fork() so that no handler runs in the child between fork and exec, where it
+  // would write into the launcher's self-pipe and fake a signal to the launcher.
+  const sigset_t& blocked_during_fork() const { return blocked_during_fork_; }
+
+  // In the child, before exec: give back the dispositions the launcher itself was started with
+  // (an ignored SIGPIPE or handled SIGINT must not leak into the ranks).
+  void restore_in_child() const;
+
+ private:
+  static constexpr int kCount = 4;
+  static constexpr int kSignals[kCount] = {SIGINT, SIGTERM, SIGCHLD, SIGPIPE};
+  int fds_[2] = {-1, -1};
+  struct sigaction saved_[kCount] {};
+  sigset_t blocked_during_fork_;
+};
+
+}  // namespace launch
+}  // namespace fsdp
