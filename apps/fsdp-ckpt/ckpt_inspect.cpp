@@ -79,101 +79,112 @@ struct StateFields {
 
 bool is_nonneg_int(const json& v) { return v.is_number_integer() && (v.is_number_unsigned() || v.get<int64_t>() >= 0); }
 
-StateFields check_train_state(const std::string& dir, const json& s, Problems& problems) {
-  StateFields out;
-  const std::string where = join(dir, "train_state.json") + ": ";
-  auto need = [&](const char* key) -> const json* {
+// Reads train_state.json's fields one by one, naming the missing and the malformed ones.
+struct StateChecker {
+  const json& s;
+  std::string where;  // "DIR/train_state.json: "
+  Problems& problems;
+
+  const json* need(const char* key) const {
     if (!s.contains(key)) {
       problems.add(where + "field '" + key + "' is missing");
       return nullptr;
     }
     return &s[key];
-  };
-  auto bad = [&](const std::string& key, const json& v, const std::string& want) {
+  }
+  void bad(const std::string& key, const json& v, const std::string& want) const {
     problems.add(where + "field '" + key + "' must be " + want + ", got " + v.dump().substr(0, 200));
-  };
-  if (const json* v = need("format_version")) {
+  }
+};
+
+void check_rng_states(const StateChecker& c, const json& v, int64_t world_size) {
+  if (!v.is_array()) {
+    c.bad("rng_states", v, "an array of base64 strings, one per rank");
+    return;
+  }
+  if (world_size > 0 && static_cast<int64_t>(v.size()) != world_size) {
+    c.problems.add(c.where + "rng_states holds " + std::to_string(v.size()) + " states for world_size " +
+                   std::to_string(world_size));
+  }
+  for (size_t r = 0; r < v.size(); ++r) {
+    const json& x = v[r];
+    if (!x.is_string() || x.get<std::string>().empty()) {
+      c.bad("rng_states[" + std::to_string(r) + "]", x, "a non-empty base64 string");
+      continue;
+    }
+    c.problems.check([&] {
+      try {
+        fsdp::base::base64_decode(x.get<std::string>());
+      } catch (const std::exception&) {
+        throw CheckpointError(c.where + "rng_states[" + std::to_string(r) + "] is not valid base64");
+      }
+    });
+  }
+}
+
+void check_optimizer(const StateChecker& c, const json& o, StateFields& out) {
+  if (!o.is_object()) {
+    c.bad("optimizer", o, "an object {type, state_names, steps}");
+    return;
+  }
+  out.has_optimizer = true;
+  if (!o.contains("type") || !o["type"].is_string()) c.bad("optimizer.type", o.value("type", json()), "a string");
+  if (!o.contains("state_names") || !o["state_names"].is_array()) {
+    c.bad("optimizer.state_names", o.value("state_names", json()), "an array of strings");
+  } else {
+    for (const auto& n : o["state_names"]) {
+      if (!n.is_string() || n.get<std::string>().empty()) {
+        c.bad("optimizer.state_names", o["state_names"], "an array of non-empty strings");
+        break;
+      }
+      out.state_names.push_back(n.get<std::string>());
+    }
+  }
+  if (!o.contains("steps") || !o["steps"].is_object()) {
+    c.bad("optimizer.steps", o.value("steps", json()), "an object {tensor: step}");
+  } else {
+    for (const auto& [name, step] : o["steps"].items()) {
+      if (!is_nonneg_int(step)) c.bad("optimizer.steps['" + name + "']", step, "a non-negative integer");
+      out.trainable.insert(name);
+    }
+  }
+}
+
+StateFields check_train_state(const std::string& dir, const json& s, Problems& problems) {
+  StateFields out;
+  const StateChecker c{s, join(dir, "train_state.json") + ": ", problems};
+  if (const json* v = c.need("format_version")) {
     if (!v->is_number_integer()) {
-      bad("format_version", *v, "an integer");
+      c.bad("format_version", *v, "an integer");
     } else if (v->get<int64_t>() != fsdp::checkpoint::kFormatVersion) {
-      bad("format_version", *v, std::to_string(fsdp::checkpoint::kFormatVersion) + " (the version this build reads)");
+      c.bad("format_version", *v, std::to_string(fsdp::checkpoint::kFormatVersion) + " (the version this build reads)");
     }
   }
   for (const char* key : {"step", "samples_seen"}) {
-    if (const json* v = need(key); v && !is_nonneg_int(*v)) bad(key, *v, "a non-negative integer");
+    if (const json* v = c.need(key); v && !is_nonneg_int(*v)) c.bad(key, *v, "a non-negative integer");
   }
-  if (const json* v = need("world_size")) {
+  if (const json* v = c.need("world_size")) {
     if (!v->is_number_integer() || v->get<int64_t>() < 1) {
-      bad("world_size", *v, "a positive integer");
+      c.bad("world_size", *v, "a positive integer");
     } else {
       out.world_size = v->get<int64_t>();
     }
   }
-  if (const json* v = need("strategy")) {
+  if (const json* v = c.need("strategy")) {
     if (!v->is_string()) {
-      bad("strategy", *v, "a string");
+      c.bad("strategy", *v, "a string");
     } else {
       problems.check([&] { fsdp::parse_strategy(v->get<std::string>()); });
     }
   }
-  if (const json* v = need("rng_states")) {
-    if (!v->is_array()) {
-      bad("rng_states", *v, "an array of base64 strings, one per rank");
-    } else {
-      if (out.world_size > 0 && static_cast<int64_t>(v->size()) != out.world_size) {
-        problems.add(where + "rng_states holds " + std::to_string(v->size()) + " states for world_size " +
-                     std::to_string(out.world_size));
-      }
-      for (size_t r = 0; r < v->size(); ++r) {
-        const json& x = (*v)[r];
-        if (!x.is_string() || x.get<std::string>().empty()) {
-          bad("rng_states[" + std::to_string(r) + "]", x, "a non-empty base64 string");
-          continue;
-        }
-        problems.check([&] {
-          try {
-            fsdp::base::base64_decode(x.get<std::string>());
-          } catch (const std::exception&) {
-            throw CheckpointError(where + "rng_states[" + std::to_string(r) + "] is not valid base64");
-          }
-        });
-      }
-    }
-  }
-  if (const json* v = need("extra"); v && !v->is_object()) bad("extra", *v, "an object");
-  if (const json* v = need("optimizer")) {
-    if (!v->is_object()) {
-      bad("optimizer", *v, "an object {type, state_names, steps}");
-    } else {
-      out.has_optimizer = true;
-      const json& o = *v;
-      if (!o.contains("type") || !o["type"].is_string()) bad("optimizer.type", o.value("type", json()), "a string");
-      if (!o.contains("state_names") || !o["state_names"].is_array()) {
-        bad("optimizer.state_names", o.value("state_names", json()), "an array of strings");
-      } else {
-        for (const auto& n : o["state_names"]) {
-          if (!n.is_string() || n.get<std::string>().empty()) {
-            bad("optimizer.state_names", o["state_names"], "an array of non-empty strings");
-            break;
-          }
-          out.state_names.push_back(n.get<std::string>());
-        }
-      }
-      if (!o.contains("steps") || !o["steps"].is_object()) {
-        bad("optimizer.steps", o.value("steps", json()), "an object {tensor: step}");
-      } else {
-        for (const auto& [name, step] : o["steps"].items()) {
-          if (!is_nonneg_int(step)) bad("optimizer.steps['" + name + "']", step, "a non-negative integer");
-          out.trainable.insert(name);
-        }
-      }
-    }
-  }
-  if (const json* v = need("files")) {
+  if (const json* v = c.need("rng_states")) check_rng_states(c, *v, out.world_size);
+  if (const json* v = c.need("extra"); v && !v->is_object()) c.bad("extra", *v, "an object");
+  if (const json* v = c.need("optimizer")) check_optimizer(c, *v, out);
+  if (const json* v = c.need("files")) {
     bool ok = v->is_array();
     for (size_t i = 0; ok && i < v->size(); ++i) ok = (*v)[i].is_string();
     if (!ok) {
-      bad("files", *v, "an array of file names");
+      c.bad("files", *v, "an array of file names");
     } else {
       out.has_files = true;
       for (const auto& f : *v) out.files.insert(f.get<std::string>());

@@ -141,6 +141,123 @@ llama::LlamaConfig parse_model(const json& doc) {
   }
 }
 
+// One reader per section, run by from_json in this order after the model (data.seq_len is checked
+// against it); each leaves a value at its default when the key is absent.
+
+void parse_data(const json& doc, TrainConfig& c) {
+  SectionReader data(doc, "data");
+  data.choice("source", c.data.source, {"synthetic", "file"});
+  data.string("path", c.data.path);
+  data.integer("seq_len", c.data.seq_len, 1);
+  data.integer("batch_size_per_rank", c.data.batch_size_per_rank, 1);
+  data.finish();
+  if (c.data.source == "file" && c.data.path.empty()) {
+    reject("data.path", json(c.data.path), "must name a file when data.source is \"file\" (or pass --data FILE)");
+  }
+  if (c.data.source == "synthetic" && !c.data.path.empty()) {
+    reject("data.path", json(c.data.path), "is set but data.source is \"synthetic\"; set data.source to \"file\"");
+  }
+  if (c.data.seq_len > c.model.max_position_embeddings) {
+    reject("data.seq_len", json(c.data.seq_len),
+           "exceeds model.max_position_embeddings=" + std::to_string(c.model.max_position_embeddings));
+  }
+}
+
+void parse_optim(const json& doc, TrainConfig& c) {
+  SectionReader optim(doc, "optim");
+  optim.number("lr", c.optim.lr, 0);
+  if (const json* b = optim.find("betas")) {
+    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number()) {
+      reject("optim.betas", *b, "must be a list of two numbers [beta1, beta2]");
+    }
+    for (int i = 0; i < 2; ++i) {
+      c.optim.betas[i] = (*b)[i].get<double>();
+      if (!(c.optim.betas[i] >= 0 && c.optim.betas[i] < 1)) reject("optim.betas", *b, "each beta must be in [0, 1)");
+    }
+  }
+  optim.number("eps", c.optim.eps, 0, /*min_open=*/true);
+  optim.number("weight_decay", c.optim.weight_decay, 0);
+  optim.integer("warmup_steps", c.optim.warmup_steps, 0);
+  optim.number("grad_clip", c.optim.grad_clip, 0);
+  optim.choice("schedule", c.optim.schedule, {"cosine", "constant"});
+  optim.number("min_lr", c.optim.min_lr, 0);
+  optim.finish();
+  if (c.optim.min_lr > c.optim.lr) {
+    reject("optim.min_lr", json(c.optim.min_lr), "exceeds optim.lr=" + json(c.optim.lr).dump());
+  }
+}
+
+void parse_offload(const json& off, OffloadConfig& out) {
+  if (!off.is_object()) reject("fsdp.offload", off, "must be an object");
+  SectionReader o(&off, "fsdp.offload");
+  o.choice("params", out.params, {"none", "host", "disk"});
+  o.choice("grads", out.grads, {"none", "host", "disk"});
+  o.choice("optimizer_state", out.optimizer_state, {"none", "host", "disk"});
+  o.string("dir", out.dir);
+  o.integer("memory_budget_bytes", out.memory_budget_bytes, 0);
+  o.finish();
+}
+
+void parse_debug(const json& dbg, FsdpConfig& out) {
+  if (!dbg.is_object()) reject("fsdp.debug", dbg, "must be an object");
+  SectionReader d(&dbg, "fsdp.debug");
+  if (const json* v = d.find("check_collectives")) {
+    if (!v->is_boolean()) reject(d.key("check_collectives"), *v, "must be true or false");
+    out.check_collectives = v->get<bool>();
+  }
+  d.finish();
+}
+
+void parse_fsdp(const json& doc, TrainConfig& c) {
+  SectionReader fs(doc, "fsdp");
+  if (const json* s = fs.find("strategy")) {
+    try {
+      if (!s->is_string()) throw std::invalid_argument("");
+      c.fsdp.strategy = fsdp::parse_strategy(s->get<std::string>());
+    } catch (const std::exception&) {
+      reject("fsdp.strategy", *s, "must be one of \"FULL_SHARD\", \"SHARD_GRAD_OP\", \"NO_SHARD\", \"HYBRID_SHARD\"");
+    }
+  }
+  for (auto [name, out] : {std::pair<const char*, at::ScalarType*>{"param_dtype", &c.fsdp.param_dtype},
+                           std::pair<const char*, at::ScalarType*>{"reduce_dtype", &c.fsdp.reduce_dtype}}) {
+    if (const json* v = fs.find(name)) {
+      if (!v->is_string()) reject(fs.key(name), *v, "must be one of \"float32\", \"bfloat16\", \"float16\"");
+      *out = parse_dtype(fs.key(name), v->get<std::string>());
+    }
+  }
+  fs.integer("prefetch_depth", c.fsdp.prefetch_depth, 0);
+  fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
+  fs.integer("replicate", c.fsdp.replicate, 1);
+  fs.choice("device", c.fsdp.device, {"cpu", "cuda"});
+  if (const json* off = fs.find("offload")) parse_offload(*off, c.fsdp.offload);
+  if (const json* dbg = fs.find("debug")) parse_debug(*dbg, c.fsdp);
+  fs.finish();
+  if (c.fsdp.replicate > 1 && c.fsdp.strategy != fsdp::ShardingStrategy::kHybridShard) {
+    reject("fsdp.replicate", json(c.fsdp.replicate),
+           std::string("needs fsdp.strategy=\"HYBRID_SHARD\" (got \"") + fsdp::strategy_name(c.fsdp.strategy) + "\")");
+  }
+  if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
+    reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
+  }
+  const bool disk = c.fsdp.offload.params == "disk" || c.fsdp.offload.grads == "disk" ||
+                    c.fsdp.offload.optimizer_state == "disk";
+  if (disk && c.fsdp.offload.dir.empty()) {
+    reject("fsdp.offload.dir", json(c.fsdp.offload.dir), "must name a directory when offloading to \"disk\"");
+  }
+}
+
+void parse_train(const json& doc, TrainConfig& c) {
+  SectionReader tr(doc, "train");
+  tr.unsigned_integer("seed", c.train.seed);
+  tr.integer("steps", c.train.steps, 0);
+  tr.integer("eval_every", c.train.eval_every, 0);
+  tr.integer("eval_batches", c.train.eval_batches, 1);
+  tr.integer("save_every", c.train.save_every, 0);
+  tr.integer("keep_last", c.train.keep_last, 0);
+  tr.integer("log_every", c.train.log_every, 1);
+  tr.finish();
+}
+
 }  // namespace
 
 llama::LlamaConfig default_model_config() {
@@ -217,107 +334,10 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   TrainConfig c;
   c.model = parse_model(doc);
 
-  SectionReader data(doc, "data");
-  data.choice("source", c.data.source, {"synthetic", "file"});
-  data.string("path", c.data.path);
-  data.integer("seq_len", c.data.seq_len, 1);
-  data.integer("batch_size_per_rank", c.data.batch_size_per_rank, 1);
-  data.finish();
-  if (c.data.source == "file" && c.data.path.empty()) {
-    reject("data.path", json(c.data.path), "must name a file when data.source is \"file\" (or pass --data FILE)");
-  }
-  if (c.data.source == "synthetic" && !c.data.path.empty()) {
-    reject("data.path", json(c.data.path), "is set but data.source is \"synthetic\"; set data.source to \"file\"");
-  }
-  if (c.data.seq_len > c.model.max_position_embeddings) {
-    reject("data.seq_len", json(c.data.seq_len),
-           "exceeds model.max_position_embeddings=" + std::to_string(c.model.max_position_embeddings));
-  }
-
-  SectionReader optim(doc, "optim");
-  optim.number("lr", c.optim.lr, 0);
-  if (const json* b = optim.find("betas")) {
-    if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number()) {
-      reject("optim.betas", *b, "must be a list of two numbers [beta1, beta2]");
-    }
-    for (int i = 0; i < 2; ++i) {
-      c.optim.betas[i] = (*b)[i].get<double>();
-      if (!(c.optim.betas[i] >= 0 && c.optim.betas[i] < 1)) reject("optim.betas", *b, "each beta must be in [0, 1)");
-    }
-  }
-  optim.number("eps", c.optim.eps, 0, /*min_open=*/true);
-  optim.number("weight_decay", c.optim.weight_decay, 0);
-  optim.integer("warmup_steps", c.optim.warmup_steps, 0);
-  optim.number("grad_clip", c.optim.grad_clip, 0);
-  optim.choice("schedule", c.optim.schedule, {"cosine", "constant"});
-  optim.number("min_lr", c.optim.min_lr, 0);
-  optim.finish();
-  if (c.optim.min_lr > c.optim.lr) {
-    reject("optim.min_lr", json(c.optim.min_lr), "exceeds optim.lr=" + json(c.optim.lr).dump());
-  }
-
-  SectionReader fs(doc, "fsdp");
-  if (const json* s = fs.find("strategy")) {
-    try {
-      if (!s->is_string()) throw std::invalid_argument("");
-      c.fsdp.strategy = fsdp::parse_strategy(s->get<std::string>());
-    } catch (const std::exception&) {
-      reject("fsdp.strategy", *s, "must be one of \"FULL_SHARD\", \"SHARD_GRAD_OP\", \"NO_SHARD\", \"HYBRID_SHARD\"");
-    }
-  }
-  for (auto [name, out] : {std::pair<const char*, at::ScalarType*>{"param_dtype", &c.fsdp.param_dtype},
-                           std::pair<const char*, at::ScalarType*>{"reduce_dtype", &c.fsdp.reduce_dtype}}) {
-    if (const json* v = fs.find(name)) {
-      if (!v->is_string()) reject(fs.key(name), *v, "must be one of \"float32\", \"bfloat16\", \"float16\"");
-      *out = parse_dtype(fs.key(name), v->get<std::string>());
-    }
-  }
-  fs.integer("prefetch_depth", c.fsdp.prefetch_depth, 0);
-  fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
-  fs.integer("replicate", c.fsdp.replicate, 1);
-  fs.choice("device", c.fsdp.device, {"cpu", "cuda"});
-  if (const json* off = fs.find("offload")) {
-    if (!off->is_object()) reject("fsdp.offload", *off, "must be an object");
-    SectionReader o(off, "fsdp.offload");
-    o.choice("params", c.fsdp.offload.params, {"none", "host", "disk"});
-    o.choice("grads", c.fsdp.offload.grads, {"none", "host", "disk"});
-    o.choice("optimizer_state", c.fsdp.offload.optimizer_state, {"none", "host", "disk"});
-    o.string("dir", c.fsdp.offload.dir);
-    o.integer("memory_budget_bytes", c.fsdp.offload.memory_budget_bytes, 0);
-    o.finish();
-  }
-  if (const json* dbg = fs.find("debug")) {
-    if (!dbg->is_object()) reject("fsdp.debug", *dbg, "must be an object");
-    SectionReader d(dbg, "fsdp.debug");
-    if (const json* v = d.find("check_collectives")) {
-      if (!v->is_boolean()) reject(d.key("check_collectives"), *v, "must be true or false");
-      c.fsdp.check_collectives = v->get<bool>();
-    }
-    d.finish();
-  }
-  fs.finish();
-  if (c.fsdp.replicate > 1 && c.fsdp.strategy != fsdp::ShardingStrategy::kHybridShard) {
-    reject("fsdp.replicate", json(c.fsdp.replicate),
-           std::string("needs fsdp.strategy=\"HYBRID_SHARD\" (got \"") + fsdp::strategy_name(c.fsdp.strategy) + "\")");
-  }
-  if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
-    reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
-  }
-  const bool disk = c.fsdp.offload.params == "disk" || c.fsdp.offload.grads == "disk" ||
-                    c.fsdp.offload.optimizer_state == "disk";
-  if (disk && c.fsdp.offload.dir.empty()) {
-    reject("fsdp.offload.dir", json(c.fsdp.offload.dir), "must name a directory when offloading to \"disk\"");
-  }
-
-  SectionReader tr(doc, "train");
-  tr.unsigned_integer("seed", c.train.seed);
-  tr.integer("steps", c.train.steps, 0);
-  tr.integer("eval_every", c.train.eval_every, 0);
-  tr.integer("eval_batches", c.train.eval_batches, 1);
-  tr.integer("save_every", c.train.save_every, 0);
-  tr.integer("keep_last", c.train.keep_last, 0);
-  tr.integer("log_every", c.train.log_every, 1);
-  tr.finish();
+  parse_data(doc, c);
+  parse_optim(doc, c);
+  parse_fsdp(doc, c);
+  parse_train(doc, c);
   return c;
 }
 

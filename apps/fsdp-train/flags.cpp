@@ -18,6 +18,52 @@ bool parse_count(const std::string& s, uint64_t& out) {
   return errno == 0 && *end == '\0';
 }
 
+// The flags that take a value ("--flag value" or "--flag=value").
+bool takes_value(const std::string& flag) {
+  for (const char* f : {"--config", "--set", "--steps", "--seed", "--data", "--save-dir", "--resume", "--metrics",
+                        "--trace"}) {
+    if (flag == f) return true;
+  }
+  return false;
+}
+
+// Records one flag that takes a value.
+void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
+  if (arg == "--config") {
+    f.config_path = v;
+    if (f.config_path.empty()) throw UsageError("flag --config needs a file name");
+  } else if (arg == "--set") {
+    const size_t eq = v.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw UsageError("flag --set expects KEY=VALUE (e.g. optim.lr=1e-3), got '" + v + "'");
+    }
+    f.overrides.emplace_back(v.substr(0, eq), v.substr(eq + 1));
+  } else if (arg == "--steps" || arg == "--seed") {
+    uint64_t n = 0;
+    if (!parse_count(v, n)) throw UsageError("flag " + arg + " expects a non-negative integer, got '" + v + "'");
+    f.overrides.emplace_back(arg == "--steps" ? "train.steps" : "train.seed", v);
+  } else if (arg == "--data") {
+    if (v.empty()) throw UsageError("flag --data needs a file name");
+    f.overrides.emplace_back("data.source", "file");
+    // Quoted so that a file named e.g. "123" is still taken as a path.
+    // replace: a path that is not UTF-8 then fails to open, naming it, instead of throwing here.
+    f.overrides.emplace_back("data.path",
+                             nlohmann::json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  } else if (arg == "--save-dir") {
+    f.save_dir = v;
+    if (f.save_dir.empty()) throw UsageError("flag --save-dir needs a directory");
+  } else if (arg == "--resume") {
+    f.resume = v;
+    if (f.resume.empty()) throw UsageError("flag --resume needs 'latest' or a checkpoint directory");
+  } else if (arg == "--metrics") {
+    f.metrics = v;
+    if (f.metrics.empty()) throw UsageError("flag --metrics needs a file name");
+  } else {  // --trace
+    f.trace = v;
+    if (f.trace.empty()) throw UsageError("flag --trace needs a file name");
+  }
+}
+
 }  // namespace
 
 const char* usage_text() {
@@ -56,49 +102,12 @@ Flags parse_flags(int argc, const char* const* argv) {
         arg = arg.substr(0, eq);
       }
     }
-    auto value = [&]() -> std::string {
-      if (inline_value) return *inline_value;
-      if (i + 1 >= argc) throw UsageError("flag " + arg + " needs a value");
-      return argv[++i];
-    };
     if (arg == "--help" || arg == "-h") {
       if (inline_value) throw UsageError("flag --help takes no value");
       f.help = true;
-    } else if (arg == "--config") {
-      f.config_path = value();
-      if (f.config_path.empty()) throw UsageError("flag --config needs a file name");
-    } else if (arg == "--set") {
-      const std::string kv = value();
-      const size_t eq = kv.find('=');
-      if (eq == std::string::npos || eq == 0) {
-        throw UsageError("flag --set expects KEY=VALUE (e.g. optim.lr=1e-3), got '" + kv + "'");
-      }
-      f.overrides.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
-    } else if (arg == "--steps" || arg == "--seed") {
-      const std::string v = value();
-      uint64_t n = 0;
-      if (!parse_count(v, n)) throw UsageError("flag " + arg + " expects a non-negative integer, got '" + v + "'");
-      f.overrides.emplace_back(arg == "--steps" ? "train.steps" : "train.seed", v);
-    } else if (arg == "--data") {
-      const std::string v = value();
-      if (v.empty()) throw UsageError("flag --data needs a file name");
-      f.overrides.emplace_back("data.source", "file");
-      // Quoted so that a file named e.g. "123" is still taken as a path.
-      // replace: a path that is not UTF-8 then fails to open, naming it, instead of throwing here.
-      f.overrides.emplace_back("data.path",
-                               nlohmann::json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
-    } else if (arg == "--save-dir") {
-      f.save_dir = value();
-      if (f.save_dir.empty()) throw UsageError("flag --save-dir needs a directory");
-    } else if (arg == "--resume") {
-      f.resume = value();
-      if (f.resume.empty()) throw UsageError("flag --resume needs 'latest' or a checkpoint directory");
-    } else if (arg == "--metrics") {
-      f.metrics = value();
-      if (f.metrics.empty()) throw UsageError("flag --metrics needs a file name");
-    } else if (arg == "--trace") {
-      f.trace = value();
-      if (f.trace.empty()) throw UsageError("flag --trace needs a file name");
+    } else if (takes_value(arg)) {
+      if (!inline_value && i + 1 >= argc) throw UsageError("flag " + arg + " needs a value");
+      apply_flag(f, arg, inline_value ? *inline_value : std::string(argv[++i]));
     } else if (arg.rfind("-", 0) == 0) {
       throw UsageError("unknown flag " + arg + " (see --help)");
     } else {
