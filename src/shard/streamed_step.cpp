@@ -1,4 +1,4 @@
-// The streamed optimizer step over disk-tier tensors. See chunked_step.h.
+// The streamed optimizer step over disk-tier tensors. See streamed_step.h.
 #include "shard/streamed_step.h"
 
 #include <ATen/ATen.h>
