@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tests of fsdp-ckpt (tools/) on real checkpoints: a tiny fsdp-train job on 2 ranks saves at steps
+# Tests of fsdp-ckpt (apps/fsdp-ckpt/) on real checkpoints: a tiny fsdp-train job on 2 ranks saves at steps
 # 2 and 3; then info, verify (clean, and on corrupted copies: truncated file, flipped header byte,
 # train_state field removed, optimizer tensor dropped), diff (itself, another step, one flipped data
 # byte, --ignore), export (files, refusals) and usage errors are checked.
