@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Tests of fsdp-ckpt (apps/fsdp-ckpt/) on real checkpoints: a tiny fsdp-train job on 2 ranks saves at steps
-# 2 and 3; then info, verify (clean, and on corrupted copies: truncated file, flipped header byte,
-# train_state field removed, optimizer tensor dropped), diff (itself, another step, one flipped data
-# byte, --ignore), export (files, refusals) and usage errors are checked.
+# Tests of fsdp-ckpt (apps/fsdp-ckpt/) on real checkpoints: a tiny fsdp-train job on 2 ranks saves
+# at steps 2 and 3; then info, verify (clean, and on corrupted copies: truncated file, flipped header
+# byte, train_state field removed, optimizer tensor dropped), diff (itself, another step, one flipped
+# data byte, --ignore), export (files, refusals) and usage errors are checked.
 # Usage: tests/fsdp_ckpt_test.sh path/to/build/bin     (a few seconds; "N passed, M failed")
 set -u
 
