@@ -196,13 +196,12 @@ def main():
                 for system in SYSTEMS:
                     ranks = 1 if system == "libtorch" else w
                     rec = {"config": cfg, "system": system, "world": w, "ranks": ranks, "repeat": repeat,
-                           "threads_per_rank": threads, "oversubscribed": w * threads > cores}
+                           "threads_per_rank": threads, "oversubscribed": ranks * threads > cores}
                     same = next((r for r in runs if r["config"] == cfg and r["system"] == system and
                                  r["repeat"] == repeat and r["threads_per_rank"] == threads), None)
                     if system == "libtorch" and same is not None:
                         # One unsharded rank with these threads already ran this repeat (another N).
                         rec.update({k: v for k, v in same.items() if k not in rec})
-                        rec["oversubscribed"] = w * threads > cores
                     else:
                         metrics = f"{p['dir']}/{system}-w{w}-r{repeat}.jsonl"
                         rec["wall_s"] = run(command(system, p, w, threads, metrics, init_only=False),
@@ -256,7 +255,7 @@ def main():
             if not lt:
                 continue
             e = {"threads_per_rank": lt["threads_per_rank"], "unsharded_step_time_s": lt["step_time_s"],
-                 "oversubscribed": lt["oversubscribed"]}
+                 "oversubscribed": w * lt["threads_per_rank"] > cores}
             for system in ("fsdp", "fsdp2"):
                 r = find(cfg, system, w)
                 if r:
