@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <chrono>
 #include <cmath>

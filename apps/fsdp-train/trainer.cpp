@@ -150,7 +150,6 @@ class Job {
   }
 
   void build() {
-
     // Built on the meta device: no rank ever holds the whole model; each materialises its shards
     // on the first forward from llama_init_fn, which gives the same values whatever the world size.
     model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
