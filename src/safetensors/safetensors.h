@@ -2,8 +2,7 @@
 // header length N, N bytes of UTF-8 JSON mapping tensor names to {dtype, shape, data_offsets} plus
 // an optional "__metadata__" object of strings, then the data buffer. This file plans the layout of
 // files we write and parses and validates the headers of files we read; moving tensor bytes is the
-// caller's business (every rank writes and reads its own byte ranges: src/checkpoint/save.cpp and
-// load.cpp).
+// caller's business (every rank writes and reads its own byte ranges, see src/checkpoint/).
 //
 // Nothing here depends on LibTorch, so the fuzz build (fuzz/) compiles it alone; the conversions
 // to and from at::ScalarType live in torch_dtypes.h.

@@ -6,12 +6,11 @@
 //
 // Note [Disk tier residency]
 // Pages of a mapping that were touched stay mapped (and count in the process's RSS as file pages)
-// until released. The tier releases them explicitly: the streamed optimizer step
-// (shard/streamed_step.h) keeps at most three chunks per tensor mapped (read-ahead, current,
-// write-behind), an all-gather releases its disk-tier master shard once it has been read, and
-// checkpoint save/load release what they touched. Releasing is MADV_DONTNEED on our mapping
-// (dirty bits move to the page cache; no data is lost) plus POSIX_FADV_DONTNEED so that clean
-// pages leave the page cache too.
+// until released. The tier releases them explicitly: the streamed optimizer step (streamed_step.h)
+// keeps at most three chunks per tensor mapped (read-ahead, current, write-behind), an all-gather
+// releases its disk-tier master shard once it has been read, and checkpoint save/load release
+// what they touched. Releasing is MADV_DONTNEED on our mapping (dirty bits move to the page
+// cache; no data is lost) plus POSIX_FADV_DONTNEED so that clean pages leave the page cache too.
 // Files are unlinked as soon as they are open: a crashed run leaves nothing behind.
 #pragma once
 
