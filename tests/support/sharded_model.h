@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "fsdp/device_mesh.h"
 #include "fsdp/fully_shard.h"
@@ -55,7 +56,7 @@ ShardedModel make_sharded_model(DeviceMesh& mesh, const ShardedModelOptions& opt
 template <class Model>
 double train_on_batch(BasicShardedModel<Model>& m, const at::Tensor& x, const at::Tensor& y,
                       std::optional<double> clip = std::nullopt) {
-  auto loss = at::mse_loss(fsdp::call(m.model, x), y);
+  at::Tensor loss = at::mse_loss(fsdp::call(m.model, x), y);
   loss.backward();
   if (clip) clip_grad_norm(*m.root, *clip);
   m.optim->step();
