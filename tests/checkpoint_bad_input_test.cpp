@@ -22,6 +22,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 
 namespace fsdp {
 namespace {
@@ -36,23 +37,16 @@ NetOptions small_net() {
   return o;
 }
 
-struct Sharded {
-  Net net{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Sharded = testing::ShardedModel;
 
+// A sharded net, initialised from `seed`, after one step.
 Sharded make(DeviceMesh& mesh, uint64_t seed) {
-  Sharded s;
-  s.net = Net(small_net());
-  auto opts = FullyShardOptions().init(init::normal(0.3, seed));
-  for (auto& b : s.net->blocks) fully_shard(b, mesh, opts);
-  s.root = fully_shard(s.net, mesh, opts);
-  s.optim = std::make_unique<AdamW>(s.root, AdamWOptions(1e-2));
+  testing::ShardedModelOptions o;
+  o.net = small_net();
+  o.shard.init(init::normal(0.3, seed));
+  auto s = testing::make_sharded_model(mesh, o);
   auto x = at::randn({4, small_net().in}), y = at::randn({4, small_net().out});
-  at::mse_loss(fsdp::call(s.net, x), y).backward();
-  s.optim->step();
-  s.optim->zero_grad();
+  testing::train_on_batch(s, x, y);
   return s;
 }
 

@@ -27,6 +27,7 @@
 #include "fsdp/fsdp.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 #include "support/state.h"
 
 namespace fsdp {
@@ -43,28 +44,19 @@ NetOptions big_net() {  // weights of 24 KiB, so files are far past the 16 KiB s
   return o;
 }
 
-struct Trained {
-  Net net{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Trained = testing::ShardedModel;
 
 Trained make(DeviceMesh& mesh) {
-  Trained t;
-  t.net = Net(big_net());
-  auto opts = FullyShardOptions().init(init::normal(0.1, 5));
-  for (auto& b : t.net->blocks) fully_shard(b, mesh, opts);
-  t.root = fully_shard(t.net, mesh, opts);
-  t.optim = std::make_unique<AdamW>(t.root, AdamWOptions(1e-2));
-  return t;
+  testing::ShardedModelOptions o;
+  o.net = big_net();
+  o.shard.init(init::normal(0.1, 5));
+  return testing::make_sharded_model(mesh, o);
 }
 
 void train_step(Trained& t, int s, int rank) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(10 * s + rank);
   auto x = at::randn({6, big_net().in}, gen), y = at::randn({6, big_net().out}, gen);
-  at::mse_loss(fsdp::call(t.net, x), y).backward();
-  t.optim->step();
-  t.optim->zero_grad();
+  testing::train_on_batch(t, x, y);
 }
 
 // Parent only: a committed step-00000001 under a fresh directory, saved by 2 thread-tier ranks.

@@ -17,6 +17,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 #include "support/state.h"
 
 namespace fsdp {
@@ -37,30 +38,22 @@ NetOptions ckpt_net() {
 
 ParamInitFn net_init(uint64_t seed) { return init::normal(0.2, seed); }
 
-struct Trained {
-  Net model{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Trained = testing::ShardedModel;
 
 // A sharded Net on `mesh`, deterministically initialised and trained for `steps` steps.
 Trained make_trained(DeviceMesh& mesh, int steps, ShardingStrategy strategy = ShardingStrategy::kFullShard,
                      NetOptions o = ckpt_net()) {
-  Trained t;
+  testing::ShardedModelOptions options;
   o.device = at::kMeta;
-  t.model = Net(o);
-  auto opts = FullyShardOptions().strategy(strategy).init(net_init(3));
-  for (auto& b : t.model->blocks) fully_shard(b, mesh, opts);
-  t.root = fully_shard(t.model, mesh, opts);
-  t.optim = std::make_unique<AdamW>(t.root, AdamWOptions(1e-2));
+  options.net = o;
+  options.shard.strategy(strategy).init(net_init(3));
+  Trained t = testing::make_sharded_model(mesh, options);
   const int n = mesh.dist().world_size(), r = mesh.dist().rank();
   for (int s = 0; s < steps; ++s) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(50 + s);
     auto x = at::randn({12, o.in}, gen), y = at::randn({12, o.out}, gen);
     const int64_t local = 12 / n;
-    at::mse_loss(fsdp::call(t.model, x.narrow(0, r * local, local)), y.narrow(0, r * local, local)).backward();
-    t.optim->step();
-    t.optim->zero_grad();
+    testing::train_on_batch(t, x.narrow(0, r * local, local), y.narrow(0, r * local, local));
   }
   if (steps == 0) t.root->units();  // lazy init: materialise the shards
   return t;

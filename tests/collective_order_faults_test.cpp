@@ -18,6 +18,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 
 namespace fsdp {
 namespace {
@@ -189,21 +190,16 @@ TEST(CollectiveOrder, CheckChangesNothingInAHealthyRun) {
         auto store = c10::make_intrusive<c10d::FileStore>(path, 2);
         auto dist = Dist::from_store(store, r, 2, InitOptions().timeout(5s).check_collectives(check));
         DeviceMesh mesh(dist);
-        testing::NetOptions o;
-        o.device = at::kMeta;  // materialised by the seeded init: the same on every run
-        testing::Net net(o);
-        auto opts = FullyShardOptions().init(init::normal(0.1, 1));
-        for (auto& b : net->blocks) fully_shard(b, mesh, opts);
-        auto root = fully_shard(net, mesh, opts);
-        AdamW optim(root, AdamWOptions(1e-2));
+        testing::ShardedModelOptions o;
+        o.net.device = at::kMeta;  // materialised by the seeded init: the same on every run
+        o.shard.init(init::normal(0.1, 1));
+        auto m = testing::make_sharded_model(mesh, o);
         for (int s = 0; s < 3; ++s) {
           auto gen = at::make_generator<at::CPUGeneratorImpl>(s * 2 + r);
-          auto x = at::randn({4, o.in}, gen), y = at::randn({4, o.out}, gen);
-          at::mse_loss(fsdp::call(net, x), y).backward();
-          optim.step();
-          optim.zero_grad();
+          auto x = at::randn({4, o.net.in}, gen), y = at::randn({4, o.net.out}, gen);
+          testing::train_on_batch(m, x, y);
         }
-        for (const auto& unit : root->units()) {
+        for (const auto& unit : m.root->units()) {
           for (auto& fp : unit->flat_params()) shards[check][r].push_back(fp->sharded_param().clone());
         }
       });

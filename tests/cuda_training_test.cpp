@@ -13,7 +13,6 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 
 #include <functional>
-#include <mutex>
 #include <thread>
 
 #include "base/file_io.h"
@@ -24,6 +23,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 
 namespace fsdp {
 namespace {
@@ -44,36 +44,24 @@ struct Config {
   std::optional<OffloadPolicy> offload;
 };
 
-struct Job {
-  testing::Net model{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Job = testing::ShardedModel;
 
 // Built on the CPU from one seed and then moved, so every device starts from the same values.
 Job build(DeviceMesh& mesh, const c10::Device& device, const Config& config) {
-  Job r;
-  {
-    static std::mutex mu;  // rank threads share the global generator
-    std::lock_guard<std::mutex> lock(mu);
-    at::manual_seed(3);
-    testing::NetOptions o;
-    o.in = 7;
-    o.dim = 61;
-    o.hidden = 333;
-    o.out = 5;
-    o.blocks = 3;
-    r.model = testing::Net(o);
-  }
-  r.model->to(device);
-  auto opts = FullyShardOptions().param_dtype(config.param_dtype);
-  for (auto& b : r.model->blocks) fully_shard(b, mesh, opts);
-  auto root_opts = opts;
-  if (config.param_dtype) root_opts.output_dtype(at::kFloat);
-  if (config.offload) root_opts.offload(*config.offload);
-  r.root = fully_shard(r.model, mesh, root_opts);
-  r.optim = std::make_unique<AdamW>(r.root, AdamWOptions(1e-2).weight_decay(0.1));
-  return r;
+  testing::ShardedModelOptions o;
+  o.net.in = 7;
+  o.net.dim = 61;
+  o.net.hidden = 333;
+  o.net.out = 5;
+  o.net.blocks = 3;
+  o.seed = 3;
+  o.move_to = device;
+  o.shard.param_dtype(config.param_dtype);
+  o.root_shard = o.shard;
+  if (config.param_dtype) o.root_shard->output_dtype(at::kFloat);
+  if (config.offload) o.root_shard->offload(*config.offload);
+  o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
+  return testing::make_sharded_model(mesh, o);
 }
 
 // One step on this rank's part of a global batch drawn on the CPU (the same data on any device).
@@ -81,13 +69,8 @@ double step(Job& r, int64_t s, int rank, int world, const c10::Device& device) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + s);
   auto x = at::randn({8, 7}, gen), y = at::randn({8, 5}, gen);
   const int64_t local = 8 / world;
-  auto out = fsdp::call(r.model, x.narrow(0, rank * local, local).to(device));
-  auto loss = at::mse_loss(out, y.narrow(0, rank * local, local).to(device));
-  loss.backward();
-  clip_grad_norm(*r.root, 0.5);
-  r.optim->step();
-  r.optim->zero_grad();
-  return loss.item<double>();
+  return testing::train_on_batch(r, x.narrow(0, rank * local, local).to(device),
+                                 y.narrow(0, rank * local, local).to(device), /*clip=*/0.5);
 }
 
 // This rank's master shard of each flat param, in host memory.

@@ -9,14 +9,14 @@
 #    status 1 or 2 and never a signal;
 #  - fsdp.debug.check_collectives=true trains exactly as without it.
 # Prints "time-to-exit: ..." lines for docs/NOTES.md.
-# Usage: tests/faults_e2e_test.sh path/to/build/bin     (about 60 s on 2 cores; "N passed, M failed")
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/faults_e2e_test.sh
+#        (ctest sets both; about 60 s on 2 cores; "N passed, M failed")
 set -u
 
-BIN=${1:?usage: $0 path/to/build/bin}
-RUN="$BIN/fsdp-run"
-TRAIN="$BIN/fsdp-train"
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
-require_executables "$RUN" "$TRAIN"
+require_programs FSDP_RUN FSDP_TRAIN
+RUN=$FSDP_RUN
+TRAIN=$FSDP_TRAIN
 TMP=$(mktemp -d /tmp/fsdp-faults-e2e.XXXXXX)  # also the marker in every command line started here
 cleanup() {
   local pids

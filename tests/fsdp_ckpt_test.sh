@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Tests of fsdp-ckpt (apps/fsdp-ckpt/) on real checkpoints: a tiny fsdp-train job on 2 ranks saves
-# at steps 2 and 3; then info, verify (clean, and on corrupted copies: truncated file, flipped header
-# byte, train_state field removed, optimizer tensor dropped), diff (itself, another step, one flipped
-# data byte, --ignore), export (files, refusals) and usage errors are checked.
-# Usage: tests/fsdp_ckpt_test.sh path/to/build/bin     (a few seconds; "N passed, M failed")
+# Tests of fsdp-ckpt (apps/fsdp-ckpt/) on real checkpoints: a tiny fsdp-train job on 2 ranks saves at
+# steps 2 and 3; then info, verify (clean, and on corrupted copies: truncated file, flipped header byte,
+# train_state field removed, optimizer tensor dropped), diff (itself, another step, one flipped data
+# byte, --ignore), export (files, refusals) and usage errors are checked.
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train FSDP_CKPT=build/bin/fsdp-ckpt \
+#          tests/fsdp_ckpt_test.sh     (ctest sets all three; a few seconds; "N passed, M failed")
 set -u
 
-BIN=${1:?usage: $0 path/to/build/bin}
-RUN="$BIN/fsdp-run"
-TRAIN="$BIN/fsdp-train"
-CKPT="$BIN/fsdp-ckpt"
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
-require_executables "$RUN" "$TRAIN" "$CKPT"
+require_programs FSDP_RUN FSDP_TRAIN FSDP_CKPT
+RUN=$FSDP_RUN
+TRAIN=$FSDP_TRAIN
+CKPT=$FSDP_CKPT
 PY=$(command -v python3 || true)
 if [ -z "$PY" ]; then
   echo "python3 is needed to corrupt files and read JSON" >&2

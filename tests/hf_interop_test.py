@@ -7,7 +7,8 @@ LibTorch (fsdp-ckpt logits, the unsharded llama::LlamaForCausalLM) within 1e-4 i
 Run for tied and untied embeddings, each trained a few steps on 2 ranks so that the weights are not
 the initial ones.
 
-Usage: hf_interop_test.py path/to/build/bin    (the venv's python; prints "N passed, M failed")
+Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train FSDP_CKPT=build/bin/fsdp-ckpt \\
+         hf_interop_test.py    (the venv's python; ctest sets all three; "N passed, M failed")
 """
 import io
 import json
@@ -79,12 +80,12 @@ def load_hf(out_dir):
     return model.eval(), info, msgs
 
 
-def case(bin_dir, tmp, tie):
+def case(programs, tmp, tie):
     label = "tied" if tie else "untied"
     root = os.path.join(tmp, label)
     save_dir, out_dir = os.path.join(root, "ckpt"), os.path.join(root, "hf")
-    rc, log = run([os.path.join(bin_dir, "fsdp-run"), "--nproc-per-node", "2", "--timeout-s", "100", "--",
-                   os.path.join(bin_dir, "fsdp-train"), *TINY,
+    rc, log = run([programs["FSDP_RUN"], "--nproc-per-node", "2", "--timeout-s", "100", "--",
+                   programs["FSDP_TRAIN"], *TINY,
                    "--set", "model.tie_word_embeddings=" + ("true" if tie else "false"),
                    "--steps", str(STEPS), "--save-dir", save_dir])
     record(f"{label}: fsdp-train on 2 ranks saves a checkpoint (status {rc})", rc == 0, log)
@@ -92,7 +93,7 @@ def case(bin_dir, tmp, tie):
         return
     ckpt = os.path.join(save_dir, "step-%08d" % STEPS)
 
-    rc, log = run([os.path.join(bin_dir, "fsdp-ckpt"), "export", save_dir, out_dir])
+    rc, log = run([programs["FSDP_CKPT"], "export", save_dir, out_dir])
     files = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     ok = rc == 0 and files == ["config.json", "model.safetensors", "model.safetensors.index.json"]
     record(f"{label}: fsdp-ckpt export writes {files} (status {rc})", ok, log)
@@ -128,7 +129,7 @@ def case(bin_dir, tmp, tie):
     tokens = np.random.default_rng(7).integers(0, VOCAB, size=(3, 24), dtype=np.int64)
     tokens_path, logits_path = os.path.join(root, "tokens.npy"), os.path.join(root, "logits.npy")
     np.save(tokens_path, tokens)
-    rc, log = run([os.path.join(bin_dir, "fsdp-ckpt"), "logits", ckpt, tokens_path, logits_path])
+    rc, log = run([programs["FSDP_CKPT"], "logits", ckpt, tokens_path, logits_path])
     record(f"{label}: fsdp-ckpt logits (status {rc})", rc == 0, log)
     if rc != 0:
         return
@@ -163,20 +164,24 @@ def case(bin_dir, tmp, tie):
 
 
 def main():
-    if len(sys.argv) != 2:
-        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+    if len(sys.argv) != 1:
+        print("\n".join(__doc__.strip().splitlines()[-2:]), file=sys.stderr)
         return 2
-    bin_dir = sys.argv[1]
-    for exe in ("fsdp-run", "fsdp-train", "fsdp-ckpt"):
-        if not os.access(os.path.join(bin_dir, exe), os.X_OK):
-            print(f"not an executable: {os.path.join(bin_dir, exe)}", file=sys.stderr)
+    programs = {var: os.environ.get(var, "") for var in ("FSDP_RUN", "FSDP_TRAIN", "FSDP_CKPT")}
+    for var, path in programs.items():
+        if not path:
+            print(f"{var} is not set (the program's path, e.g. {var}=build/bin/...; ctest sets it)",
+                  file=sys.stderr)
+            return 2
+        if not os.access(path, os.X_OK):
+            print(f"not an executable: {path}", file=sys.stderr)
             return 2
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         for tie in (True, False):
-            case(bin_dir, tmp, tie)
+            case(programs, tmp, tie)
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -23,6 +23,7 @@
 #include "fsdp/fsdp.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 
 namespace fsdp {
 namespace {
@@ -59,29 +60,18 @@ class TripNetImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TripNet);
 
-struct Model {
-  TripNet net{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Model = testing::BasicShardedModel<TripNet>;
 
 Model make_model(DeviceMesh& mesh, std::optional<int> prefetch = std::nullopt) {
-  Model m;
-  m.net = TripNet();
   auto opts = FullyShardOptions().init(init::normal(0.1, 7)).prefetch_depth(prefetch);
-  for (auto& b : m.net->blocks) fully_shard(b, mesh, opts);
-  m.root = fully_shard(m.net, mesh, opts);
-  m.optim = std::make_unique<AdamW>(m.root, AdamWOptions(1e-3));
-  return m;
+  return testing::shard_model(TripNet(), mesh, opts, opts, AdamWOptions(1e-3));
 }
 
 // One training step on a per-rank batch.
 void step(Model& m, int s, int rank) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + s * 7 + rank);
   auto x = at::randn({8, kIn}, gen), y = at::randn({8, kOut}, gen);
-  at::mse_loss(fsdp::call(m.net, x), y).backward();
-  m.optim->step();
-  m.optim->zero_grad();
+  testing::train_on_batch(m, x, y);
 }
 
 std::shared_ptr<Dist> join() { return init_from_env(InitOptions().timeout(kTimeout)); }
@@ -120,7 +110,7 @@ TEST(ModelFaults, PeerKilledDuringForwardAllGather) {
     DeviceMesh mesh(dist);
     auto m = make_model(mesh);
     step(m, 0, rank);
-    if (rank == 2) m.net->kill_after_block = 0;
+    if (rank == 2) m.model->kill_after_block = 0;
     step(m, 1, rank);
   });
   EXPECT_EQ(results[2].term_signal, SIGKILL) << testing::describe(results);
@@ -137,7 +127,7 @@ TEST(ModelFaults, PeerKilledDuringBackwardReduceScatter) {
     auto m = make_model(mesh, /*prefetch=*/0);
     step(m, 0, rank);
     if (rank == 1) {
-      m.net->blocks[2]->fc1->weight.register_hook([](const at::Tensor& g) -> at::Tensor {
+      m.model->blocks[2]->fc1->weight.register_hook([](const at::Tensor& g) -> at::Tensor {
         ::raise(SIGKILL);
         return g;
       });
@@ -156,7 +146,7 @@ TEST(ModelFaults, RankThrowingInsideBackward) {
     auto m = make_model(mesh, /*prefetch=*/0);
     step(m, 0, rank);
     if (rank == 1) {
-      m.net->blocks[1]->fc2->weight.register_hook([](const at::Tensor& g) -> at::Tensor {
+      m.model->blocks[1]->fc2->weight.register_hook([](const at::Tensor& g) -> at::Tensor {
         throw std::runtime_error("injected failure in block 1's backward");
       });
     }

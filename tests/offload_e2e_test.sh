@@ -3,17 +3,17 @@
 # (params, grads and optimizer state in files under fsdp.offload.dir) and with the host tier gives
 # bit-identical losses to no offload; a checkpoint saved with the disk tier resumes bitwise; the
 # start-of-run memory plan shows the tiers; an unwritable offload.dir fails before the first step.
-# Usage: tests/offload_e2e_test.sh path/to/build/bin      (about 20 s on 2 cores)
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/offload_e2e_test.sh
+#        (ctest sets both; about 20 s on 2 cores)
 set -u
 
-BIN=${1:?usage: $0 path/to/build/bin}
-RUN="$BIN/fsdp-run"
-TRAIN="$BIN/fsdp-train"
+. "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
+require_programs FSDP_RUN FSDP_TRAIN
+RUN=$FSDP_RUN
+TRAIN=$FSDP_TRAIN
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 export OMP_NUM_THREADS=1
-passed=0
-failed=0
 ok() { passed=$((passed + 1)); echo "ok: $*"; }
 bad() { failed=$((failed + 1)); echo "FAILED: $*"; }
 

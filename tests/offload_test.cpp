@@ -19,7 +19,6 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <sstream>
 
 #include "base/file_io.h"
@@ -32,6 +31,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 #include "support/state.h"
 
 namespace fsdp {
@@ -54,43 +54,28 @@ testing::NetOptions net_options(bool meta) {
   return o;
 }
 
-struct Job {
-  testing::Net model{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Job = testing::ShardedModel;
 
 // `offload` on the root only: the blocks inherit it.
 Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true) {
-  Job j;
-  {
-    // The non-meta model's initial values come from the global generator, which the rank threads
-    // share: seed and draw under a lock so that every rank (and every run) gets the same values.
-    static std::mutex mu;
-    std::lock_guard<std::mutex> lock(mu);
-    at::manual_seed(3);
-    j.model = testing::Net(net_options(meta));
-  }
-  auto opts = FullyShardOptions();
-  if (meta) opts.init(init::normal(0.2, 11));
-  for (auto& b : j.model->blocks) fully_shard(b, mesh, opts);
-  auto root_opts = opts;
-  if (offload) root_opts.offload(*offload);
-  j.root = fully_shard(j.model, mesh, root_opts);
-  j.optim = std::make_unique<AdamW>(j.root, AdamWOptions(1e-2).weight_decay(0.1));
-  return j;
+  testing::ShardedModelOptions o;
+  o.net = net_options(meta);
+  // The non-meta model's initial values come from the global generator, which the rank threads
+  // share: seeded and drawn under a lock so that every rank (and every run) gets the same values.
+  o.seed = 3;
+  if (meta) o.shard.init(init::normal(0.2, 11));
+  o.root_shard = o.shard;
+  if (offload) o.root_shard->offload(*offload);
+  o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
+  return testing::make_sharded_model(mesh, o);
 }
 
 double train_step(Job& j, int64_t step, int rank) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
   auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
   const int64_t local = kGlobalBatch / kWorld;
-  auto loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, rank * local, local)), y.narrow(0, rank * local, local));
-  loss.backward();
-  clip_grad_norm(*j.root, 0.5);
-  j.optim->step();
-  j.optim->zero_grad();
-  return loss.item<double>();
+  return testing::train_on_batch(j, x.narrow(0, rank * local, local), y.narrow(0, rank * local, local),
+                                 /*clip=*/0.5);
 }
 
 OffloadPolicy disk_policy(const std::string& dir, bool grads = false) {

@@ -16,6 +16,7 @@
 #include "shard/sharded_unit.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 #include "support/state.h"
 
 namespace fsdp {
@@ -24,22 +25,13 @@ namespace {
 constexpr int kWorld = 2, kHalf = 3;
 constexpr int64_t kGlobalBatch = 8;
 
-struct Job {
-  testing::Net model{nullptr};
-  std::shared_ptr<FSDPModule> root;
-  std::unique_ptr<AdamW> optim;
-};
+using Job = testing::ShardedModel;
 
 Job build(DeviceMesh& mesh) {
-  Job j;
-  testing::NetOptions o;
-  o.device = at::kMeta;
-  j.model = testing::Net(o);
-  auto opts = FullyShardOptions().init(init::normal(0.2, 11));
-  for (auto& b : j.model->blocks) fully_shard(b, mesh, opts);
-  j.root = fully_shard(j.model, mesh, opts);
-  j.optim = std::make_unique<AdamW>(j.root, AdamWOptions(1e-2));
-  return j;
+  testing::ShardedModelOptions o;
+  o.net.device = at::kMeta;
+  o.shard.init(init::normal(0.2, 11));
+  return testing::make_sharded_model(mesh, o);
 }
 
 // One step on the global samples [samples_seen, samples_seen + kGlobalBatch); inputs get noise
@@ -49,12 +41,9 @@ double train_step(Job& j, int64_t& samples_seen, int rank) {
   auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
   const int64_t local = kGlobalBatch / kWorld;
   auto xs = x.narrow(0, rank * local, local) + 0.1 * at::randn({local, 7});
-  auto loss = at::mse_loss(fsdp::call(j.model, xs), y.narrow(0, rank * local, local));
-  loss.backward();
-  j.optim->step();
-  j.optim->zero_grad();
+  const double loss = testing::train_on_batch(j, xs, y.narrow(0, rank * local, local));
   samples_seen += kGlobalBatch;
-  return loss.item<double>();
+  return loss;
 }
 
 void child_body(int rank) {

@@ -3,14 +3,14 @@
 # and 4 ranks with the same global batch must give the same loss at every step (relative 1e-4), for
 # each sharding strategy; bad flags and bad configs must fail with status 2 and a message naming
 # the culprit; checkpoint/resume across world sizes is checked once checkpoints are real.
-# Usage: tests/train_e2e_test.sh path/to/build/bin     (about 40 s on 2 cores; "N passed, M failed")
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/train_e2e_test.sh
+#        (ctest sets both; about 40 s on 2 cores; "N passed, M failed")
 set -u
 
-BIN=${1:?usage: $0 path/to/build/bin}
-RUN="$BIN/fsdp-run"
-TRAIN="$BIN/fsdp-train"
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
-require_executables "$RUN" "$TRAIN"
+require_programs FSDP_RUN FSDP_TRAIN
+RUN=$FSDP_RUN
+TRAIN=$FSDP_TRAIN
 PY=$(command -v python3 || true)
 if [ -z "$PY" ]; then
   echo "python3 is needed to compare metrics" >&2

@@ -1,5 +1,6 @@
-# Pass/fail bookkeeping shared by the shell tests (train_e2e, fsdp_ckpt, faults_e2e): source it,
-# call `record NAME OK [DETAIL-FILE...]` per check; $passed and $failed hold the counts.
+# Shared by the shell tests (train_e2e, fsdp_ckpt, faults_e2e, offload_e2e): source it, call
+# `record NAME OK [DETAIL-FILE...]` per check ($passed and $failed hold the counts) and
+# `require_programs FSDP_TRAIN ...` for the programs ctest passes by path.
 passed=0
 failed=0
 
@@ -24,5 +25,18 @@ require_executables() {  # require_executables PATH...: exit 2 naming the first 
       echo "not an executable: $exe" >&2
       exit 2
     fi
+  done
+}
+
+# require_programs VAR...: each $VAR (FSDP_RUN, FSDP_TRAIN, FSDP_CKPT, which ctest sets to the
+# targets' files) names an executable; exit 2 naming the first that does not.
+require_programs() {
+  local var
+  for var in "$@"; do
+    if [ -z "${!var:-}" ]; then
+      echo "$var is not set (the program's path, e.g. $var=build/bin/...; ctest sets it)" >&2
+      exit 2
+    fi
+    require_executables "${!var}"
   done
 }
