@@ -14,7 +14,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
 #include "tiers/disk_tier.h"
-#include "shard/sharded_unit.h"
+#include "shard/checkpoint_view.h"
 
 namespace fsdp::checkpoint {
 
@@ -85,7 +85,7 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
   for (const auto& t : layout.tensors) {
     at::Tensor dst = target(t.flat);
     if (!dst.defined()) continue;
-    const auto span = shard_span(*layout.flats[t.flat].flat, *t.entry);
+    const auto span = shard_span(layout.flats[t.flat].shard, t);
     if (!span) continue;
     const std::string& file = set.index.weight_map.at(t.name);
     auto it = files.find(file);
@@ -183,10 +183,11 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
     throw CheckpointError("fsdp: " + state_path + ": " + e.what());
   }
 
-  const CheckpointLayout layout = make_layout(root, optimizer);
+  const ModelView view = model_view(root);
+  const CheckpointLayout layout = make_layout(view, optimizer);
   // Validate what train_state.json says about the optimizer and this rank's RNG before changing
   // anything: a bad field must not leave a half-loaded model or silently dropped optimizer state.
-  Dist& dist = root.unit().mesh().dist();
+  const Dist& dist = *view.dist;
   const bool restore_rng = state.world_size == dist.world_size() &&
                            static_cast<int>(state.rng_states.size()) == dist.world_size();
   if (restore_rng) {
@@ -217,8 +218,8 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   }
   Wanted all, trainable;
   for (const auto& t : layout.tensors) {
-    all.emplace_back(t.name, t.entry->shape);
-    if (layout.flats[t.flat].optim_state != nullptr) trainable.emplace_back(t.name, t.entry->shape);
+    all.emplace_back(t.name, t.shape);
+    if (layout.flats[t.flat].optim_state != nullptr) trainable.emplace_back(t.name, t.shape);
   }
   // Validate everything before changing anything.
   FileSet model = open_file_set(dir, "model");
@@ -239,10 +240,10 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   // master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
   // the copy lands in the existing storage, so an offloaded state stays offloaded.
   std::vector<at::Tensor> params;
-  for (const auto& slot : layout.flats) params.push_back(offload::zeros_in_tier(slot.flat->sharded_param(), "checkpoint load"));
+  for (const auto& slot : layout.flats) params.push_back(offload::zeros_in_tier(*slot.shard.master_shard, "checkpoint load"));
   read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
   for (size_t f = 0; f < layout.flats.size(); ++f) {
-    offload::copy_streamed(layout.flats[f].flat->sharded_param(), params[f]);
+    offload::copy_streamed(*layout.flats[f].shard.master_shard, params[f]);
     params[f] = at::Tensor();
   }
   if (optimizer != nullptr) {
@@ -253,7 +254,7 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
         if (st == nullptr) return at::Tensor();
         optimizer->ensure_state(*st);
         auto& t = st->tensors[name];
-        if (!t.defined()) t = at::zeros_like(layout.flats[f].flat->sharded_param());
+        if (!t.defined()) t = at::zeros_like(*layout.flats[f].shard.master_shard);
         return t;
       });
     }
@@ -262,7 +263,7 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
       if (st != nullptr && saved_steps.count(t.name)) st->step = saved_steps.at(t.name);
     }
     // State never stepped when saved stays absent, as in a fresh optimizer.
-    for (auto& slot : layout.flats) {
+    for (const auto& slot : layout.flats) {
       if (slot.optim_state != nullptr && slot.optim_state->step == 0) slot.optim_state->tensors.clear();
       if (slot.optim_state == nullptr) continue;
       for (auto& [name, t] : slot.optim_state->tensors) offload::release(t);  // disk tier: read, now on disk
