@@ -1,5 +1,6 @@
-// The checkpoint's view of a sharded model: every parameter by name, in the model's order, with
-// the flat param and shard that hold it. Computed from the model alone, so every rank (and every
+// The checkpoint's layout of a sharded model: the model's view (every parameter by name, in the
+// model's order, with the flat param and shard that hold it; shard/checkpoint_view.h) and the
+// optimizer state of each flat param. Computed from the model alone, so every rank (and every
 // world size) agrees on the files' layout; each rank then knows which byte ranges are its own.
 #pragma once
 
@@ -13,18 +14,12 @@
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/optim.h"
-#include "shard/flat_param.h"
+#include "shard/checkpoint_view.h"
 
 namespace fsdp::checkpoint {
 
-struct TensorSlot {
-  std::string name;        // fully qualified, e.g. "model.layers.0.mlp.up_proj.weight"
-  size_t flat = 0;         // index into CheckpointLayout::flats
-  const FlatParamEntry* entry = nullptr;
-};
-
 struct FlatSlot {
-  FlatParam* flat = nullptr;
+  FlatShardView shard;
   ShardState* optim_state = nullptr;  // null when frozen or without an optimizer
 };
 
@@ -38,12 +33,12 @@ struct Span {
 
 struct CheckpointLayout {
   std::vector<FlatSlot> flats;
-  std::vector<TensorSlot> tensors;  // model registration order, tied tensors once
-  bool writer = true;               // replicas of a shard (HSDP, NO_SHARD): only the first writes
+  std::vector<ShardedTensorView> tensors;  // model registration order, tied tensors once
+  bool writer = true;                      // replicas of a shard (HSDP, NO_SHARD): only the first writes
 };
 
-CheckpointLayout make_layout(FSDPModule& root, ShardedOptimizer* optimizer);
-std::optional<Span> shard_span(const FlatParam& flat, const FlatParamEntry& entry);
+CheckpointLayout make_layout(const ModelView& model, ShardedOptimizer* optimizer);
+std::optional<Span> shard_span(const FlatShardView& flat, const ShardedTensorView& tensor);
 
 // A snapshot of this rank's shards: the master params and each optimizer state, per flat slot.
 struct ShardData {

@@ -1,5 +1,7 @@
-// Loading a checkpoint saved on any world size and strategy: every name, shape and dtype is
-// checked against the model first, then each rank reads only the byte ranges of its own shards.
+// Loading a checkpoint saved on any world size and strategy, in three stages: reading
+// train_state.json (every field checked), validating the file sets against the model (every name,
+// shape and dtype) and the optimizer, then copying: each rank reads only the byte ranges of its own
+// shards. Nothing in the model, the optimizer or the RNG changes before the copying starts.
 #include <ATen/ATen.h>
 
 #include <map>
@@ -14,7 +16,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
 #include "tiers/disk_tier.h"
-#include "shard/sharded_unit.h"
+#include "shard/checkpoint_view.h"
 
 namespace fsdp::checkpoint {
 
@@ -85,7 +87,7 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
   for (const auto& t : layout.tensors) {
     at::Tensor dst = target(t.flat);
     if (!dst.defined()) continue;
-    const auto span = shard_span(*layout.flats[t.flat].flat, *t.entry);
+    const auto span = shard_span(layout.flats[t.flat].shard, t);
     if (!span) continue;
     const std::string& file = set.index.weight_map.at(t.name);
     auto it = files.find(file);
@@ -101,6 +103,171 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
     }
     it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
     offload::release(dst, span->shard_begin, span->shard_begin + span->count);  // disk tier: read, now on disk
+  }
+}
+
+// ---- reading: train_state.json, every field checked before anything else is read
+
+struct SavedTrainState {
+  std::string path;  // dir/train_state.json, for messages
+  nlohmann::json json;
+  TrainState state;
+};
+
+SavedTrainState read_train_state(const std::string& dir) {
+  SavedTrainState saved;
+  saved.path = join(dir, "train_state.json");
+  const std::string& state_path = saved.path;
+  if (!exists(state_path)) {
+    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json: the save never finished)");
+  }
+  nlohmann::json& j = saved.json;
+  try {
+    j = nlohmann::json::parse(read_small_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("fsdp: " + state_path + " is not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw CheckpointError("fsdp: " + state_path + " is not a JSON object");
+  // Names the field whose type is wrong (nlohmann's own message does not).
+  auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!j.contains(key)) throw CheckpointError("fsdp: " + state_path + " has no '" + key + "'");
+    return j.at(key);
+  };
+  TrainState& state = saved.state;
+  try {
+    for (const char* key : {"format_version", "step", "samples_seen", "world_size"}) {
+      if (!field(key).is_number_integer()) {
+        throw CheckpointError("fsdp: " + state_path + ": '" + key + "' is " + field(key).dump() + ", not an integer");
+      }
+    }
+    if (!field("strategy").is_string()) {
+      throw CheckpointError("fsdp: " + state_path + ": 'strategy' is " + field("strategy").dump() + ", not a string");
+    }
+    if (!field("rng_states").is_array()) {
+      throw CheckpointError("fsdp: " + state_path + ": 'rng_states' is " + field("rng_states").dump() + ", not an array");
+    }
+    if (j.at("format_version").get<int>() != kFormatVersion) {
+      throw CheckpointError("fsdp: " + state_path + " has format_version " + j.at("format_version").dump() +
+                            "; this build reads version " + std::to_string(kFormatVersion));
+    }
+    state.step = j.at("step").get<int64_t>();
+    state.samples_seen = j.at("samples_seen").get<int64_t>();
+    state.world_size = j.at("world_size").get<int>();
+    state.strategy = j.at("strategy").get<std::string>();
+    state.rng_states = j.at("rng_states").get<std::vector<std::string>>();
+    state.extra = j.at("extra");
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError("fsdp: " + state_path + ": " + e.what());
+  }
+  return saved;
+}
+
+// Whether this rank's RNG state is restored (the world size is unchanged); a saved state that
+// cannot be restored throws here, with the generator left as it was.
+bool check_rng_state(const TrainState& state, const Dist& dist) {
+  const bool restore_rng = state.world_size == dist.world_size() &&
+                           static_cast<int>(state.rng_states.size()) == dist.world_size();
+  if (restore_rng) {
+    const std::string current = rng_state_base64();
+    restore_rng_state_base64(state.rng_states[dist.rank()]);  // throws CheckpointError when invalid
+    restore_rng_state_base64(current);
+  }
+  return restore_rng;
+}
+
+// train_state.json's "optimizer" section: the saved optimizer's type and each tensor's step count.
+struct SavedOptimizer {
+  std::string type = "no";
+  std::map<std::string, int64_t> steps;  // by tensor name
+};
+
+SavedOptimizer read_optimizer_section(const SavedTrainState& saved_state) {
+  SavedOptimizer out;
+  const nlohmann::json saved = saved_state.json.value("optimizer", nlohmann::json::object());
+  const auto bad = [&](const std::string& what) {
+    return CheckpointError("fsdp: " + saved_state.path + ": 'optimizer' " + what);
+  };
+  if (!saved.is_object()) throw bad("is " + saved.dump() + ", not an object");
+  if (saved.contains("type")) {
+    if (!saved["type"].is_string()) throw bad("type is " + saved["type"].dump() + ", not a string");
+    out.type = saved["type"].get<std::string>();
+  }
+  const nlohmann::json steps = saved.value("steps", nlohmann::json::object());
+  if (!steps.is_object()) throw bad("steps is " + steps.dump() + ", not an object");
+  for (const auto& [name, v] : steps.items()) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      throw bad("steps['" + name + "'] is " + v.dump() + ", not a non-negative integer");
+    }
+    out.steps[name] = v.get<int64_t>();
+  }
+  return out;
+}
+
+// ---- validating: the file sets against the model (names, shapes, dtypes) and the optimizer
+
+struct CheckedFiles {
+  FileSet model;
+  std::vector<FileSet> optim;  // one per optimizer state, in state_names() order
+};
+
+CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout, const ShardedOptimizer* optimizer,
+                         const std::string& saved_optim_type) {
+  Wanted all, trainable;
+  for (const auto& t : layout.tensors) {
+    all.emplace_back(t.name, t.shape);
+    if (layout.flats[t.flat].optim_state != nullptr) trainable.emplace_back(t.name, t.shape);
+  }
+  CheckedFiles files{open_file_set(dir, "model"), {}};
+  check_tensors(dir, files.model, all);
+  if (optimizer == nullptr) return files;
+  if (saved_optim_type != optimizer->type_name()) {
+    throw CheckpointError("fsdp: checkpoint " + dir + " holds " + saved_optim_type +
+                          " optimizer state but the optimizer is " + optimizer->type_name());
+  }
+  for (const auto& name : optimizer->state_names()) {
+    files.optim.push_back(open_file_set(dir, "optim." + name));
+    check_tensors(dir, files.optim.back(), trainable);
+  }
+  return files;
+}
+
+// ---- copying: into the live tensors, once everything is validated
+
+// Reads into scratch shards first and copies when every read succeeded. The scratch is in the
+// master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
+// the copy lands in the existing storage, so an offloaded state stays offloaded.
+void copy_params(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
+  std::vector<at::Tensor> params;
+  for (const auto& slot : layout.flats) params.push_back(offload::zeros_in_tier(*slot.shard.master_shard, "checkpoint load"));
+  read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    offload::copy_streamed(*layout.flats[f].shard.master_shard, params[f]);
+    params[f] = at::Tensor();
+  }
+}
+
+void copy_optimizer_state(const std::string& dir, const std::vector<FileSet>& optim_sets, const CheckpointLayout& layout,
+                          ShardedOptimizer& optimizer, const std::map<std::string, int64_t>& saved_steps) {
+  for (size_t k = 0; k < optim_sets.size(); ++k) {
+    const std::string name = optimizer.state_names()[k];
+    read_shards(dir, optim_sets[k], layout, [&](size_t f) {
+      auto* st = layout.flats[f].optim_state;
+      if (st == nullptr) return at::Tensor();
+      optimizer.ensure_state(*st);
+      auto& t = st->tensors[name];
+      if (!t.defined()) t = at::zeros_like(*layout.flats[f].shard.master_shard);
+      return t;
+    });
+  }
+  for (const auto& t : layout.tensors) {
+    auto* st = layout.flats[t.flat].optim_state;
+    if (st != nullptr && saved_steps.count(t.name)) st->step = saved_steps.at(t.name);
+  }
+  // State never stepped when saved stays absent, as in a fresh optimizer.
+  for (const auto& slot : layout.flats) {
+    if (slot.optim_state != nullptr && slot.optim_state->step == 0) slot.optim_state->tensors.clear();
+    if (slot.optim_state == nullptr) continue;
+    for (auto& [name, t] : slot.optim_state->tensors) offload::release(t);  // disk tier: read, now on disk
   }
 }
 
@@ -140,136 +307,20 @@ std::string resolve(const std::string& root_dir, const std::string& which) {
 }
 
 TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* optimizer) {
-  const std::string state_path = join(dir, "train_state.json");
-  if (!exists(state_path)) {
-    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json: the save never finished)");
-  }
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_small_file(state_path));
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError("fsdp: " + state_path + " is not valid JSON: " + e.what());
-  }
-  TrainState state;
-  if (!j.is_object()) throw CheckpointError("fsdp: " + state_path + " is not a JSON object");
-  // Names the field whose type is wrong (nlohmann's own message does not).
-  auto field = [&](const char* key) -> const nlohmann::json& {
-    if (!j.contains(key)) throw CheckpointError("fsdp: " + state_path + " has no '" + key + "'");
-    return j.at(key);
-  };
-  try {
-    for (const char* key : {"format_version", "step", "samples_seen", "world_size"}) {
-      if (!field(key).is_number_integer()) {
-        throw CheckpointError("fsdp: " + state_path + ": '" + key + "' is " + field(key).dump() + ", not an integer");
-      }
-    }
-    if (!field("strategy").is_string()) {
-      throw CheckpointError("fsdp: " + state_path + ": 'strategy' is " + field("strategy").dump() + ", not a string");
-    }
-    if (!field("rng_states").is_array()) {
-      throw CheckpointError("fsdp: " + state_path + ": 'rng_states' is " + field("rng_states").dump() + ", not an array");
-    }
-    if (j.at("format_version").get<int>() != kFormatVersion) {
-      throw CheckpointError("fsdp: " + state_path + " has format_version " + j.at("format_version").dump() +
-                            "; this build reads version " + std::to_string(kFormatVersion));
-    }
-    state.step = j.at("step").get<int64_t>();
-    state.samples_seen = j.at("samples_seen").get<int64_t>();
-    state.world_size = j.at("world_size").get<int>();
-    state.strategy = j.at("strategy").get<std::string>();
-    state.rng_states = j.at("rng_states").get<std::vector<std::string>>();
-    state.extra = j.at("extra");
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError("fsdp: " + state_path + ": " + e.what());
-  }
+  // Read and validate everything before changing anything: a bad field or file must not leave a
+  // half-loaded model or silently dropped optimizer state.
+  const SavedTrainState saved = read_train_state(dir);
+  const ModelView model = model_view(root);
+  const CheckpointLayout layout = make_layout(model, optimizer);
+  const bool restore_rng = check_rng_state(saved.state, *model.dist);
+  SavedOptimizer saved_optim;
+  if (optimizer != nullptr) saved_optim = read_optimizer_section(saved);
+  const CheckedFiles files = check_files(dir, layout, optimizer, saved_optim.type);
 
-  const CheckpointLayout layout = make_layout(root, optimizer);
-  // Validate what train_state.json says about the optimizer and this rank's RNG before changing
-  // anything: a bad field must not leave a half-loaded model or silently dropped optimizer state.
-  Dist& dist = root.unit().mesh().dist();
-  const bool restore_rng = state.world_size == dist.world_size() &&
-                           static_cast<int>(state.rng_states.size()) == dist.world_size();
-  if (restore_rng) {
-    const std::string current = rng_state_base64();
-    restore_rng_state_base64(state.rng_states[dist.rank()]);  // throws CheckpointError when invalid
-    restore_rng_state_base64(current);
-  }
-  std::map<std::string, int64_t> saved_steps;
-  std::string saved_optim_type = "no";
-  if (optimizer != nullptr) {
-    const nlohmann::json saved = j.value("optimizer", nlohmann::json::object());
-    const auto bad = [&](const std::string& what) {
-      return CheckpointError("fsdp: " + state_path + ": 'optimizer' " + what);
-    };
-    if (!saved.is_object()) throw bad("is " + saved.dump() + ", not an object");
-    if (saved.contains("type")) {
-      if (!saved["type"].is_string()) throw bad("type is " + saved["type"].dump() + ", not a string");
-      saved_optim_type = saved["type"].get<std::string>();
-    }
-    const nlohmann::json steps = saved.value("steps", nlohmann::json::object());
-    if (!steps.is_object()) throw bad("steps is " + steps.dump() + ", not an object");
-    for (const auto& [name, v] : steps.items()) {
-      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
-        throw bad("steps['" + name + "'] is " + v.dump() + ", not a non-negative integer");
-      }
-      saved_steps[name] = v.get<int64_t>();
-    }
-  }
-  Wanted all, trainable;
-  for (const auto& t : layout.tensors) {
-    all.emplace_back(t.name, t.entry->shape);
-    if (layout.flats[t.flat].optim_state != nullptr) trainable.emplace_back(t.name, t.entry->shape);
-  }
-  // Validate everything before changing anything.
-  FileSet model = open_file_set(dir, "model");
-  check_tensors(dir, model, all);
-  std::vector<FileSet> optim_sets;
-  if (optimizer != nullptr) {
-    if (saved_optim_type != optimizer->type_name()) {
-      throw CheckpointError("fsdp: checkpoint " + dir + " holds " + saved_optim_type +
-                            " optimizer state but the optimizer is " + optimizer->type_name());
-    }
-    for (const auto& name : optimizer->state_names()) {
-      optim_sets.push_back(open_file_set(dir, "optim." + name));
-      check_tensors(dir, optim_sets.back(), trainable);
-    }
-  }
-
-  // Read into scratch shards first and copy when every read succeeded. The scratch is in the
-  // master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
-  // the copy lands in the existing storage, so an offloaded state stays offloaded.
-  std::vector<at::Tensor> params;
-  for (const auto& slot : layout.flats) params.push_back(offload::zeros_in_tier(slot.flat->sharded_param(), "checkpoint load"));
-  read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
-  for (size_t f = 0; f < layout.flats.size(); ++f) {
-    offload::copy_streamed(layout.flats[f].flat->sharded_param(), params[f]);
-    params[f] = at::Tensor();
-  }
-  if (optimizer != nullptr) {
-    for (size_t k = 0; k < optim_sets.size(); ++k) {
-      const std::string name = optimizer->state_names()[k];
-      read_shards(dir, optim_sets[k], layout, [&](size_t f) {
-        auto* st = layout.flats[f].optim_state;
-        if (st == nullptr) return at::Tensor();
-        optimizer->ensure_state(*st);
-        auto& t = st->tensors[name];
-        if (!t.defined()) t = at::zeros_like(layout.flats[f].flat->sharded_param());
-        return t;
-      });
-    }
-    for (const auto& t : layout.tensors) {
-      auto* st = layout.flats[t.flat].optim_state;
-      if (st != nullptr && saved_steps.count(t.name)) st->step = saved_steps.at(t.name);
-    }
-    // State never stepped when saved stays absent, as in a fresh optimizer.
-    for (auto& slot : layout.flats) {
-      if (slot.optim_state != nullptr && slot.optim_state->step == 0) slot.optim_state->tensors.clear();
-      if (slot.optim_state == nullptr) continue;
-      for (auto& [name, t] : slot.optim_state->tensors) offload::release(t);  // disk tier: read, now on disk
-    }
-  }
-  if (restore_rng) restore_rng_state_base64(state.rng_states[dist.rank()]);
-  return state;
+  copy_params(dir, files.model, layout);
+  if (optimizer != nullptr) copy_optimizer_state(dir, files.optim, layout, *optimizer, saved_optim.steps);
+  if (restore_rng) restore_rng_state_base64(saved.state.rng_states[model.dist->rank()]);
+  return saved.state;
 }
 
 void load_unsharded(const std::string& dir, torch::nn::Module& module) {

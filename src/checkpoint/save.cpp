@@ -20,7 +20,6 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
 #include "tiers/disk_tier.h"
-#include "shard/sharded_unit.h"
 
 namespace fsdp::checkpoint {
 
@@ -80,7 +79,7 @@ std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::st
   std::vector<safetensors::TensorSpec> specs;
   for (const auto& t : job.layout.tensors) {
     if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;
-    specs.push_back({t.name, safetensors::DType::F32, t.entry->shape});
+    specs.push_back({t.name, safetensors::DType::F32, t.shape});
   }
   return specs;
 }
@@ -113,7 +112,7 @@ void write_shards(SaveJob& job, const std::string& tmp) {
     const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
     File f = File::open_write(join(tmp, kind + ".safetensors"), false);
     for (const auto& t : job.layout.tensors) {
-      const auto span = shard_span(*job.layout.flats[t.flat].flat, *t.entry);
+      const auto span = shard_span(job.layout.flats[t.flat].shard, t);
       if (!span) continue;
       at::Tensor src = source_for(job, kind, t.flat);
       if (!src.defined()) {
@@ -210,6 +209,21 @@ void commit(SaveJob& job, const std::string& tmp, const std::string& final_dir) 
   }
 }
 
+// Note [Save keys]
+// A save's store entries (RNG states, failure messages) live under a prefix unique to the save
+// and the same on every rank: its name and the number of collectives the checkpoint's side group
+// has run so far. Saves run in the same order on every rank, each one's agreements are waited
+// for before the next save is made (the async saver waits for the one in flight first), and the
+// comm layer counts a collective before its handle completes; so every rank counts the same
+// number, and each save adds its agreements. The counter lives with the communicator, not with a
+// model: two models saved over one Dist, or ranks that are threads of one process, never share one.
+std::string save_key_prefix(const std::string& name, Communicator& group) {
+  const CommStats stats = group.stats();
+  uint64_t collectives = 0;
+  for (const auto& op : stats.ops) collectives += op.calls;
+  return "fsdp/ckpt/" + name + "/" + std::to_string(collectives) + "/";
+}
+
 }  // namespace
 
 void set_fault_hook_for_testing(std::function<void(const std::string& phase, int rank)> hook) {
@@ -224,16 +238,15 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
   SaveJob job;
   job.root_dir = root_dir;
   job.name = name;
-  job.layout = make_layout(root, optimizer);
+  const ModelView model = model_view(root);
+  job.layout = make_layout(model, optimizer);
   job.data = collect_shards(job.layout, copy);
   job.state = state;
   job.options = options;
-  Dist& dist = root.unit().mesh().dist();
-  job.group = &dist.side_group("checkpoint");
-  job.store = dist.store();
-  // Unique per save and the same on every rank: saves are issued in the same order everywhere.
-  job.store_prefix = "fsdp/ckpt/" + name + "/" + std::to_string(++root.unit().root_state().checkpoint_saves) + "/";
-  job.strategy = strategy_name(root.unit().options().strategy());
+  job.group = &model.dist->side_group("checkpoint");
+  job.store = model.dist->store();
+  job.store_prefix = save_key_prefix(name, *job.group);
+  job.strategy = model.strategy;
   if (optimizer != nullptr) {
     job.optim_type = optimizer->type_name();
     job.state_names = optimizer->state_names();

@@ -21,13 +21,13 @@ namespace fsdp::checkpoint {
 struct SaveJob {
   std::string root_dir;
   std::string name;
-  CheckpointLayout layout;
+  CheckpointLayout layout;  // names, shapes and offsets: run_save reads the shards from `data` only
   ShardData data;
   TrainState state;
   SaveOptions options;
   Communicator* group = nullptr;  // the save's own communicator (Dist::side_group)
   c10::intrusive_ptr<c10d::Store> store;
-  std::string store_prefix;
+  std::string store_prefix;  // unique per save, the same on every rank (Note [Save keys], save.cpp)
   std::string strategy;
   std::string optim_type;
   std::vector<std::string> state_names;
