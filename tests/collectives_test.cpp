@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "comm/communicator_impl.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/errors.h"
 #include "support/ranks.h"
@@ -132,6 +133,32 @@ TEST(Collectives, ShapeMismatchIsRejectedBeforeCommunicating) {
     EXPECT_THROW(dist.world().reduce_scatter(in, out, ReduceOp::kSum, "bad"), ConfigError);
     EXPECT_THROW(dist.world().broadcast(in, 5, "bad"), ConfigError);
   });
+}
+
+TEST(Collectives, LocalGroupIsOneRankOfLocalCopies) {
+  auto group = make_local_group("solo", /*global_rank=*/3);
+  EXPECT_EQ(group->rank(), 0);
+  EXPECT_EQ(group->size(), 1);
+  EXPECT_EQ(group->name(), "solo");
+  EXPECT_EQ(group->global_rank(0), 3);
+  auto in = at::arange(5, at::kFloat);
+  auto out = at::empty({5}, at::kFloat);
+  auto handle = group->all_gather(out, in, "copy");
+  EXPECT_TRUE(handle.is_completed());  // one rank: run at once, on the caller's thread
+  handle.wait();
+  EXPECT_TRUE(at::equal(out, in));
+  auto shard = at::empty({5}, at::kFloat);
+  group->reduce_scatter(shard, in.clone(), ReduceOp::kAvg, "copy").wait();
+  EXPECT_TRUE(at::equal(shard, in));
+  EXPECT_EQ(group->stats().of(CollectiveKind::kAllGather).calls, 1u);
+  EXPECT_EQ(group->stats().total_bytes_sent(), 0u);
+}
+
+TEST(Collectives, CommunicatorNeedsOneGlobalRankPerRank) {
+  CommunicatorOptions options;
+  options.name = "lopsided";
+  options.global_ranks = {0, 1};
+  EXPECT_THROW(make_communicator(make_local_transport(), options), ConfigError);
 }
 
 TEST(DeviceMesh, TwoDimensionalGroups) {

@@ -10,6 +10,7 @@
 //   dir/latest                                      the name of the newest committed checkpoint
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>

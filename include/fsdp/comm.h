@@ -8,11 +8,8 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
-#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -48,8 +45,6 @@ struct CommStats {
 };
 
 class Tracer;
-class Transport;
-struct PendingCollective;
 
 // A handle on an issued collective; wait() blocks until it finishes (or throws its error).
 // Waiting twice is a no-op. Dropping a handle without waiting is allowed: the collective still
@@ -57,41 +52,32 @@ struct PendingCollective;
 class CommHandle {
  public:
   CommHandle() = default;
-  explicit CommHandle(std::shared_ptr<PendingCollective> pending) : pending_(std::move(pending)) {}
   void wait();
   bool is_completed() const;
   bool valid() const { return pending_ != nullptr; }
 
+  struct Pending;  // the issued collective; defined in the library (src/comm/communicator.cpp)
+
  private:
-  std::shared_ptr<PendingCollective> pending_;
+  friend class Communicator;
+  explicit CommHandle(std::shared_ptr<Pending> pending);
+  std::shared_ptr<Pending> pending_;
 };
 
-struct CommunicatorOptions {
-  std::string name = "world";  // shows in errors: "group 'world'"
-  std::chrono::milliseconds timeout{60000};
-  std::vector<int> global_ranks;  // the group's members by global rank; empty = 0..size-1
-  // Debug: before every collective the ranks exchange a fingerprint (sequence number, kind, tag,
-  // bytes) and fail with a mismatch naming the ranks, ops and tags instead of hanging or mixing
-  // data. See Note [Collective-order check] in src/comm/communicator.cpp.
-  bool check_order = false;
-  // With check_order: a board shared by the ranks (the rendezvous store) where each rank posts the
-  // collective it has reached, so a rank that skipped one can be named when the fingerprint
-  // exchange times out. Both may be empty.
-  std::function<void(const std::string& key, const std::string& value)> order_post;
-  std::function<std::optional<std::string>(const std::string& key)> order_lookup;
-};
-
+// A group of ranks that runs collectives together. Communicators are made by the library, never
+// by users: Dist::world(), Dist::new_group(), Dist::side_group() and the groups of a DeviceMesh.
 class Communicator {
  public:
-  Communicator(std::unique_ptr<Transport> transport, CommunicatorOptions options);
+  class Impl;  // the queue, its worker and the transport (src/comm/communicator.cpp)
+
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
-  const std::string& name() const { return options_.name; }
-  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  int rank() const;
+  int size() const;
+  const std::string& name() const;
+  std::chrono::milliseconds timeout() const;
   int global_rank(int group_rank) const;
 
   // output: size() * input.numel() elements, contiguous; rank r's input lands in chunk r.
@@ -109,18 +95,8 @@ class Communicator {
   void set_tracer(std::shared_ptr<Tracer> tracer);
 
  private:
-  CommHandle enqueue(CollectiveKind kind, const std::string& tag,
-                     std::vector<at::Tensor> keep_alive,
-                     std::function<void(Transport&, OpStats&)> body);
-  void worker_loop();
-  void check_order(Transport& transport, const PendingCollective& p, int64_t seq);
-
-  struct State;
-  std::unique_ptr<State> state_;
-  std::unique_ptr<Transport> transport_;
-  CommunicatorOptions options_;
-  int rank_;
-  int size_;
+  explicit Communicator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace fsdp

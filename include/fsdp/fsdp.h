@@ -1,6 +1,7 @@
-// fsdp: fully-sharded data-parallel training on LibTorch. The umbrella header.
+// fsdp: fully-sharded data-parallel training on LibTorch. The umbrella header: every public header.
 #pragma once
 
+#include "fsdp/checkpoint.h"
 #include "fsdp/checkpoint_activations.h"
 #include "fsdp/comm.h"
 #include "fsdp/device_mesh.h"

@@ -22,9 +22,7 @@
 // all-gather and one store write per collective (figures in docs/NOTES.md), not counted in stats.
 #include "fsdp/comm.h"
 
-#include <algorithm>
 #include <condition_variable>
-#include <cstring>
 #include <deque>
 #include <mutex>
 #include <sstream>
@@ -35,18 +33,14 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "comm/communicator_impl.h"
+#include "comm/order_check.h"
 #include "comm/transport.h"
 #include "fsdp/trace.h"
 
 namespace fsdp {
 namespace {
 using Clock = std::chrono::steady_clock;
-
-// Ranks disagree on the collective: no peer failed, so none is blamed.
-class OrderMismatch : public DistError {
- public:
-  using DistError::DistError;
-};
 
 // Adds a transport's byte counts to a collective's counters.
 void count(OpStats& s, const TransferCount& c) {
@@ -135,7 +129,7 @@ struct DeviceOrder {
   c10::Event finished;
 };
 
-struct PendingCollective {
+struct CommHandle::Pending {
   CollectiveKind kind;
   std::string description;  // "reduce_scatter 'layers.0' on rank 1 of 2 (group 'world')"
   std::chrono::milliseconds timeout;
@@ -164,7 +158,31 @@ struct PendingCollective {
   }
 };
 
-struct Communicator::State {
+namespace {
+using PendingCollective = CommHandle::Pending;
+}  // namespace
+
+// What a Communicator is: the transport, the ordered queue and its worker thread, the counters.
+class Communicator::Impl {
+ public:
+  Impl(std::unique_ptr<Transport> transport, CommunicatorOptions options);
+  ~Impl();
+  static std::shared_ptr<Communicator> wrap(std::unique_ptr<Impl> impl) {
+    return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+  }
+
+  // Queues a collective (or, in a one-rank group, runs it now). `keep_alive` holds the tensors
+  // until it has run; its last tensor is the input this rank contributes.
+  std::shared_ptr<PendingCollective> enqueue(CollectiveKind kind, const std::string& tag,
+                                             std::vector<at::Tensor> keep_alive,
+                                             std::function<void(Transport&, OpStats&)> body);
+  int global_rank(int group_rank) const { return options.global_ranks.at(group_rank); }
+
+  std::unique_ptr<Transport> transport;
+  CommunicatorOptions options;
+  int rank;
+  int size;
+
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<PendingCollective>> queue;
@@ -172,10 +190,24 @@ struct Communicator::State {
   std::string first_error;  // non-empty once broken
   std::shared_ptr<StatsBox> stats = std::make_shared<StatsBox>();
   std::shared_ptr<Tracer> tracer;
+
+ private:
+  std::shared_ptr<PendingCollective> describe(CollectiveKind kind, const std::string& tag,
+                                              const std::vector<at::Tensor>& keep_alive);
+  void run_now(PendingCollective& p);
+  void worker_loop();
+  std::shared_ptr<PendingCollective> next(std::string& broken);
+  std::exception_ptr run(PendingCollective& p, int64_t seq, OpStats& delta);
+  void run_on_device_stream(PendingCollective& p, OpStats& delta);
+  std::exception_ptr failure(const PendingCollective& p);
+  void add_stats(CollectiveKind kind, const OpStats& delta);
+
   int64_t next_seq = 0;  // collectives run so far (worker thread only)
   std::optional<c10::Stream> device_stream;  // the worker's stream for device collectives
   std::thread worker;
 };
+
+CommHandle::CommHandle(std::shared_ptr<Pending> pending) : pending_(std::move(pending)) {}
 
 void CommHandle::wait() {
   if (!pending_) return;
@@ -212,108 +244,56 @@ bool CommHandle::is_completed() const {
   return pending_->done;
 }
 
-Communicator::Communicator(std::unique_ptr<Transport> transport, CommunicatorOptions options)
-    : state_(std::make_unique<State>()),
-      transport_(std::move(transport)),
-      options_(std::move(options)),
-      rank_(transport_->rank()),
-      size_(transport_->size()) {
-  if (options_.global_ranks.empty()) {
-    for (int r = 0; r < size_; ++r) options_.global_ranks.push_back(r);
+Communicator::Impl::Impl(std::unique_ptr<Transport> transport_in, CommunicatorOptions options_in)
+    : transport(std::move(transport_in)),
+      options(std::move(options_in)),
+      rank(transport->rank()),
+      size(transport->size()) {
+  if (options.global_ranks.empty()) {
+    for (int r = 0; r < size; ++r) options.global_ranks.push_back(r);
   }
-  if (static_cast<int>(options_.global_ranks.size()) != size_) {
-    throw ConfigError("fsdp: communicator '" + options_.name + "' has " + std::to_string(size_) +
-                      " ranks but " + std::to_string(options_.global_ranks.size()) + " global ranks");
+  if (static_cast<int>(options.global_ranks.size()) != size) {
+    throw ConfigError("fsdp: communicator '" + options.name + "' has " + std::to_string(size) +
+                      " ranks but " + std::to_string(options.global_ranks.size()) + " global ranks");
   }
-  if (size_ > 1) state_->worker = std::thread([this] { worker_loop(); });
+  if (size > 1) worker = std::thread([this] { worker_loop(); });
 }
 
-Communicator::~Communicator() {
+Communicator::Impl::~Impl() {
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->stopping = true;
+    std::lock_guard<std::mutex> lock(mu);
+    stopping = true;
   }
-  state_->cv.notify_all();
-  if (state_->worker.joinable()) state_->worker.join();
+  cv.notify_all();
+  if (worker.joinable()) worker.join();
 }
 
-int Communicator::global_rank(int group_rank) const { return options_.global_ranks.at(group_rank); }
-
-void Communicator::worker_loop() {
+void Communicator::Impl::worker_loop() {
   for (;;) {
-    std::shared_ptr<PendingCollective> p;
     std::string broken;
-    {
-      std::unique_lock<std::mutex> lock(state_->mu);
-      state_->cv.wait(lock, [&] { return state_->stopping || !state_->queue.empty(); });
-      if (state_->queue.empty()) return;
-      p = state_->queue.front();
-      state_->queue.pop_front();
-      broken = state_->first_error;
-      if (state_->stopping && broken.empty()) broken = "the communicator was destroyed";
-    }
+    std::shared_ptr<PendingCollective> p = next(broken);
+    if (!p) return;
     if (!broken.empty()) {
       p->finish(std::make_exception_ptr(
-          DistError("fsdp: " + p->description + " not run: group '" + options_.name +
+          DistError("fsdp: " + p->description + " not run: group '" + options.name +
                     "' is unusable after an earlier failure: " + broken)));
       continue;
     }
     OpStats delta;
     const auto t0 = Clock::now();
-    std::exception_ptr error;
-    const int64_t seq = state_->next_seq++;
-    try {
-      if (options_.check_order) check_order(*transport_, *p, seq);
-      if (p->order) {  // Note [Collectives on the caller's stream]
-        auto& stream = state_->device_stream;
-        const c10::Device& d = p->order->device;
-        if (!stream || stream->device() != d) {
-          stream = c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d, /*isHighPriority=*/false);
-        }
-        p->order->issued.block(*stream);
-        c10::StreamGuard on_worker_stream(*stream);
-        p->body(*transport_, delta);
-        p->order->finished.record(*stream);
-      } else {
-        p->body(*transport_, delta);
-      }
-    } catch (const PeerError& e) {
-      error = std::make_exception_ptr(DistError(
-          "fsdp: " + p->description + " failed: peer rank " + std::to_string(e.peer()) +
-          " (global rank " + std::to_string(global_rank(e.peer())) + "): " + e.what()));
-    } catch (const OrderMismatch& e) {
-      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + e.what()));
-    } catch (const TimeoutError& e) {
-      error = std::make_exception_ptr(TimeoutError("fsdp: " + p->description + " failed: " + e.what()));
-    } catch (const std::exception& e) {
-      // Gloo's own collectives (all-reduce, broadcast, barrier) do not say which peer failed; in a
-      // group of two it can only be the other rank.
-      std::string peer;
-      if (size_ == 2) {
-        const int other = 1 - rank_;
-        peer = "peer rank " + std::to_string(other) + " (global rank " + std::to_string(global_rank(other)) +
-               ", the group's only other rank): ";
-      }
-      error = std::make_exception_ptr(DistError("fsdp: " + p->description + " failed: " + peer + e.what()));
-    }
+    const int64_t seq = next_seq++;
+    std::exception_ptr error = run(*p, seq, delta);
     delta.calls = 1;
     delta.busy_s = seconds_since(t0);
     if (p->tracer) p->tracer->span(std::string("fsdp::") + collective_name(p->kind), p->lane, p->issued, Clock::now(), p->tag);
-    {
-      std::lock_guard<std::mutex> lock(state_->stats->mu);
-      auto& s = state_->stats->stats.ops[static_cast<int>(p->kind)];
-      s.calls += delta.calls;
-      s.bytes_sent += delta.bytes_sent;
-      s.bytes_received += delta.bytes_received;
-      s.busy_s += delta.busy_s;
-    }
+    add_stats(p->kind, delta);
     if (error) {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      if (state_->first_error.empty()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first_error.empty()) {
         try {
           std::rethrow_exception(error);
         } catch (const std::exception& e) {
-          state_->first_error = e.what();
+          first_error = e.what();
         }
       }
     }
@@ -321,158 +301,96 @@ void Communicator::worker_loop() {
   }
 }
 
-namespace {
-// Fingerprint words: seq, kind, bytes, dtype, tag length, then the tag's bytes (truncated).
-constexpr int64_t kFingerprintWords = 40;
-constexpr int64_t kFingerprintHead = 5;
-constexpr size_t kFingerprintTagBytes = (kFingerprintWords - kFingerprintHead) * sizeof(int64_t);
-
-struct Fingerprint {
-  int64_t seq = 0, kind = 0, bytes = 0, dtype = -1;
-  std::string tag;
-  bool operator==(const Fingerprint& o) const {
-    return seq == o.seq && kind == o.kind && bytes == o.bytes && dtype == o.dtype && tag == o.tag;
-  }
-  std::string describe() const {
-    std::ostringstream s;
-    s << collective_name(static_cast<CollectiveKind>(kind)) << " '" << tag << "' (" << bytes << " bytes";
-    if (dtype >= 0) s << " of " << c10::toString(static_cast<at::ScalarType>(dtype));
-    s << ") as collective #" << seq;
-    return s.str();
-  }
-};
-
-at::Tensor encode(const Fingerprint& f) {
-  auto t = at::zeros({kFingerprintWords}, at::kLong);
-  auto* w = t.data_ptr<int64_t>();
-  w[0] = f.seq, w[1] = f.kind, w[2] = f.bytes, w[3] = f.dtype;
-  const size_t n = std::min(f.tag.size(), kFingerprintTagBytes);
-  w[4] = static_cast<int64_t>(n);
-  std::memcpy(w + kFingerprintHead, f.tag.data(), n);
-  return t;
+// The next collective to run, or nullptr once stopping with nothing queued. `broken` gets why it
+// must not run: the communicator's first error, or its destruction.
+std::shared_ptr<PendingCollective> Communicator::Impl::next(std::string& broken) {
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return stopping || !queue.empty(); });
+  if (queue.empty()) return nullptr;
+  auto p = queue.front();
+  queue.pop_front();
+  broken = first_error;
+  if (stopping && broken.empty()) broken = "the communicator was destroyed";
+  return p;
 }
 
-Fingerprint decode(const int64_t* w) {
-  Fingerprint f;
-  f.seq = w[0], f.kind = w[1], f.bytes = w[2], f.dtype = w[3];
-  const size_t n = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(w[4], 0)), kFingerprintTagBytes);
-  f.tag.assign(reinterpret_cast<const char*>(w + kFingerprintHead), n);
-  if (f.kind < 0 || f.kind >= kNumCollectiveKinds) f.kind = 0;
-  return f;
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream s;
-  s << (ranks.size() > 1 ? "ranks " : "rank ");
-  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
-  return s.str();
-}
-}  // namespace
-
-// See Note [Collective-order check].
-void Communicator::check_order(Transport& transport, const PendingCollective& p, int64_t seq) {
-  Fingerprint mine;
-  mine.seq = seq;
-  mine.kind = static_cast<int64_t>(p.kind);
-  mine.bytes = static_cast<int64_t>(p.bytes);
-  mine.dtype = p.dtype;
-  mine.tag = p.tag;
-  const std::string key_prefix = "fsdp/order/" + options_.name + "/";
-  if (options_.order_post) options_.order_post(key_prefix + std::to_string(rank_), std::to_string(seq) + "\t" + p.description);
-  // The fingerprints travel where the transport moves data (device memory for NCCL).
-  const c10::Device device = transport.device();
-  auto all = at::empty({size_ * kFingerprintWords}, at::TensorOptions().dtype(at::kLong).device(device));
-  TransferCount ignored;
+// Runs one collective on the worker thread; returns its error, worded for the caller.
+std::exception_ptr Communicator::Impl::run(PendingCollective& p, int64_t seq, OpStats& delta) {
   try {
-    transport.all_gather(all, encode(mine).to(device), ignored);
-  } catch (const std::exception& e) {
-    // Who never got here? Ask the store where every rank is.
-    std::ostringstream msg;
-    msg << "collective-order check: " << p.description << " as collective #" << seq
-        << " was not matched by every rank within " << std::chrono::duration<double>(options_.timeout).count()
-        << " s";
-    if (options_.order_lookup) {
-      try {
-        std::vector<int> behind;
-        std::ostringstream where;
-        for (int r = 0; r < size_; ++r) {
-          if (r == rank_) continue;
-          const std::string key = key_prefix + std::to_string(r);
-          const auto posted = options_.order_lookup(key);
-          if (!posted) {
-            behind.push_back(r);
-            where << "; rank " << r << " has run no collective on group '" << options_.name << "'";
-            continue;
-          }
-          const std::string& v = *posted;
-          const auto tab = v.find('\t');
-          const int64_t their = std::stoll(v.substr(0, tab));
-          if (their < seq) {
-            behind.push_back(r);
-            where << "; rank " << r << " is at collective #" << their << ": "
-                  << (tab == std::string::npos ? "" : v.substr(tab + 1));
-          }
-        }
-        if (!behind.empty()) msg << ": " << rank_list(behind) << " never reached collective #" << seq << where.str();
-      } catch (const std::exception& se) {
-        msg << " (the store could not say which rank is behind: " << se.what() << ")";
-      }
+    if (options.check_order) {
+      OrderProbe probe;
+      probe.seq = seq;
+      probe.kind = p.kind;
+      probe.bytes = p.bytes;
+      probe.dtype = p.dtype;
+      probe.tag = p.tag;
+      probe.description = p.description;
+      check_collective_order(*transport, options, rank, size, probe);
     }
-    msg << ": " << e.what();
-    throw TimeoutError(msg.str());
-  }
-  all = all.cpu();
-  const auto* w = all.data_ptr<int64_t>();
-  std::vector<Fingerprint> prints;
-  bool same = true;
-  for (int r = 0; r < size_; ++r) {
-    prints.push_back(decode(w + r * kFingerprintWords));
-    same = same && prints.back() == mine;
-  }
-  if (same) return;
-  // Group the ranks by what they issued, in rank order of first appearance.
-  std::vector<std::pair<Fingerprint, std::vector<int>>> groups;
-  for (int r = 0; r < size_; ++r) {
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == prints[r]; });
-    if (it == groups.end()) {
-      groups.push_back({prints[r], {r}});
+    if (p.order) {
+      run_on_device_stream(p, delta);
     } else {
-      it->second.push_back(r);
+      p.body(*transport, delta);
     }
+  } catch (...) {
+    return failure(p);
   }
-  std::ostringstream msg;
-  msg << "collective-order mismatch on group '" << options_.name << "' at collective #" << seq << ": ";
-  for (size_t i = 0; i < groups.size(); ++i) {
-    msg << (i ? "; " : "") << rank_list(groups[i].second) << " issued " << groups[i].first.describe();
-  }
-  msg << " (every rank must issue the same collectives in the same order)";
-  throw OrderMismatch(msg.str());
+  return nullptr;
 }
 
-CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
-                                 std::vector<at::Tensor> keep_alive,
-                                 std::function<void(Transport&, OpStats&)> body) {
-  auto p = std::make_shared<PendingCollective>();
-  p->kind = kind;
-  std::ostringstream desc;
-  desc << collective_name(kind) << " '" << tag << "' on rank " << rank_ << " of " << size_
-       << " (group '" << options_.name << "')";
-  p->description = desc.str();
-  p->timeout = options_.timeout;
-  p->stats = state_->stats;
-  p->tag = tag;
-  if (!keep_alive.empty()) {
-    // The last tensor is the input the rank contributes: see the callers.
-    p->bytes = keep_alive.back().nbytes();
-    p->dtype = static_cast<int>(keep_alive.back().scalar_type());
+// See Note [Collectives on the caller's stream].
+void Communicator::Impl::run_on_device_stream(PendingCollective& p, OpStats& delta) {
+  auto& stream = device_stream;
+  const c10::Device& d = p.order->device;
+  if (!stream || stream->device() != d) {
+    stream = c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d, /*isHighPriority=*/false);
   }
-  p->issued = Clock::now();
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    p->tracer = state_->tracer;
+  p.order->issued.block(*stream);
+  c10::StreamGuard on_worker_stream(*stream);
+  p.body(*transport, delta);
+  p.order->finished.record(*stream);
+}
+
+// The exception in flight, as the error the collective's callers see: it names the collective
+// and, when known, the peer.
+std::exception_ptr Communicator::Impl::failure(const PendingCollective& p) {
+  try {
+    throw;
+  } catch (const PeerError& e) {
+    return std::make_exception_ptr(DistError(
+        "fsdp: " + p.description + " failed: peer rank " + std::to_string(e.peer()) +
+        " (global rank " + std::to_string(global_rank(e.peer())) + "): " + e.what()));
+  } catch (const OrderMismatch& e) {
+    return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: " + e.what()));
+  } catch (const TimeoutError& e) {
+    return std::make_exception_ptr(TimeoutError("fsdp: " + p.description + " failed: " + e.what()));
+  } catch (const std::exception& e) {
+    // Gloo's own collectives (all-reduce, broadcast, barrier) do not say which peer failed; in a
+    // group of two it can only be the other rank.
+    std::string peer;
+    if (size == 2) {
+      const int other = 1 - rank;
+      peer = "peer rank " + std::to_string(other) + " (global rank " + std::to_string(global_rank(other)) +
+             ", the group's only other rank): ";
+    }
+    return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: " + peer + e.what()));
   }
-  if (p->tracer) p->lane = "comm " + options_.name;
-  if (size_ > 1 && !keep_alive.empty() && !keep_alive.front().device().is_cpu()) {
+}
+
+void Communicator::Impl::add_stats(CollectiveKind kind, const OpStats& delta) {
+  std::lock_guard<std::mutex> lock(stats->mu);
+  auto& s = stats->stats.ops[static_cast<int>(kind)];
+  s.calls += delta.calls;
+  s.bytes_sent += delta.bytes_sent;
+  s.bytes_received += delta.bytes_received;
+  s.busy_s += delta.busy_s;
+}
+
+std::shared_ptr<PendingCollective> Communicator::Impl::enqueue(CollectiveKind kind, const std::string& tag,
+                                                               std::vector<at::Tensor> keep_alive,
+                                                               std::function<void(Transport&, OpStats&)> body) {
+  auto p = describe(kind, tag, keep_alive);
+  if (size > 1 && !keep_alive.empty() && !keep_alive.front().device().is_cpu()) {
     // Note [Collectives on the caller's stream]
     const c10::Device d = keep_alive.front().device();
     p->order = std::make_shared<DeviceOrder>(d);
@@ -482,114 +400,173 @@ CommHandle Communicator::enqueue(CollectiveKind kind, const std::string& tag,
   p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) {
     body(t, s);
   };
-  if (size_ == 1) {
-    // World size 1: no thread, no queue; run now.
-    OpStats delta;
-    const auto t0 = Clock::now();
-    p->body(*transport_, delta);
-    std::lock_guard<std::mutex> lock(state_->stats->mu);
-    auto& s = state_->stats->stats.ops[static_cast<int>(kind)];
-    s.calls += 1;
-    s.busy_s += seconds_since(t0);
-    p->done = true;
-    return CommHandle(p);
+  if (size == 1) {
+    run_now(*p);
+    return p;
   }
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->queue.push_back(p);
+    std::lock_guard<std::mutex> lock(mu);
+    queue.push_back(p);
   }
-  state_->cv.notify_all();
-  return CommHandle(p);
+  cv.notify_all();
+  return p;
 }
 
+// A new pending collective with everything but its body: names, counters, tracer.
+std::shared_ptr<PendingCollective> Communicator::Impl::describe(CollectiveKind kind, const std::string& tag,
+                                                                const std::vector<at::Tensor>& keep_alive) {
+  auto p = std::make_shared<PendingCollective>();
+  p->kind = kind;
+  std::ostringstream desc;
+  desc << collective_name(kind) << " '" << tag << "' on rank " << rank << " of " << size
+       << " (group '" << options.name << "')";
+  p->description = desc.str();
+  p->timeout = options.timeout;
+  p->stats = stats;
+  p->tag = tag;
+  if (!keep_alive.empty()) {
+    // The last tensor is the input the rank contributes: see the callers.
+    p->bytes = keep_alive.back().nbytes();
+    p->dtype = static_cast<int>(keep_alive.back().scalar_type());
+  }
+  p->issued = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    p->tracer = tracer;
+  }
+  if (p->tracer) p->lane = "comm " + options.name;
+  return p;
+}
+
+// World size 1: no thread, no queue; run on the caller's thread, now.
+void Communicator::Impl::run_now(PendingCollective& p) {
+  OpStats delta;
+  const auto t0 = Clock::now();
+  p.body(*transport, delta);
+  OpStats counted;
+  counted.calls = 1;
+  counted.busy_s = seconds_since(t0);
+  add_stats(p.kind, counted);
+  p.done = true;
+}
+
+std::shared_ptr<Communicator> make_communicator(std::unique_ptr<Transport> transport, CommunicatorOptions options) {
+  return Communicator::Impl::wrap(std::make_unique<Communicator::Impl>(std::move(transport), std::move(options)));
+}
+
+std::shared_ptr<Communicator> make_local_group(const std::string& name, int global_rank,
+                                               std::chrono::milliseconds timeout) {
+  CommunicatorOptions options;
+  options.name = name;
+  options.timeout = timeout;
+  options.global_ranks = {global_rank};
+  return make_communicator(make_local_transport(), std::move(options));
+}
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Communicator::~Communicator() = default;
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::size() const { return impl_->size; }
+const std::string& Communicator::name() const { return impl_->options.name; }
+std::chrono::milliseconds Communicator::timeout() const { return impl_->options.timeout; }
+int Communicator::global_rank(int group_rank) const { return impl_->global_rank(group_rank); }
+
 CommHandle Communicator::all_gather(at::Tensor output, at::Tensor input, const std::string& tag) {
+  const int size = impl_->size;
   check_flat(output, "output", "all_gather");
   check_flat(input, "input", "all_gather");
-  if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type()) {
+  if (output.numel() != input.numel() * size || output.scalar_type() != input.scalar_type()) {
     std::ostringstream msg;
-    msg << "fsdp: all_gather '" << tag << "': output must hold size() * input.numel() = " << size_
+    msg << "fsdp: all_gather '" << tag << "': output must hold size() * input.numel() = " << size
         << " * " << input.numel() << " elements of the input's dtype, got " << output.numel() << " of "
         << output.scalar_type() << " (input " << input.scalar_type() << ")";
     throw ConfigError(msg.str());
   }
   auto out = output.view(-1), in = input.view(-1);
-  return enqueue(CollectiveKind::kAllGather, tag, {out, in}, [out, in](Transport& t, OpStats& s) {
+  auto body = [out, in](Transport& t, OpStats& s) {
     TransferCount c;
     const OnTransport o(t, out), i(t, in);
     t.all_gather(o.there, i.there, c);
     o.back();
     count(s, c);
-  });
+  };
+  return CommHandle(impl_->enqueue(CollectiveKind::kAllGather, tag, {out, in}, body));
 }
 
 CommHandle Communicator::reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op,
                                         const std::string& tag) {
+  const int size = impl_->size;
   check_flat(output, "output", "reduce_scatter");
   check_flat(input, "input", "reduce_scatter");
-  if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type()) {
+  if (input.numel() != output.numel() * size || output.scalar_type() != input.scalar_type()) {
     std::ostringstream msg;
-    msg << "fsdp: reduce_scatter '" << tag << "': input must hold size() * output.numel() = " << size_
+    msg << "fsdp: reduce_scatter '" << tag << "': input must hold size() * output.numel() = " << size
         << " * " << output.numel() << " elements of the output's dtype, got " << input.numel() << " of "
         << input.scalar_type() << " (output " << output.scalar_type() << ")";
     throw ConfigError(msg.str());
   }
   auto out = output.view(-1), in = input.view(-1);
-  return enqueue(CollectiveKind::kReduceScatter, tag, {out, in},
-                 [out, in, op](Transport& t, OpStats& s) {
-                   TransferCount c;
-                   const OnTransport o(t, out), i(t, in);
-                   t.reduce_scatter(o.there, i.there, op, c);
-                   o.back();
-                   count(s, c);
-                 });
+  auto body = [out, in, op](Transport& t, OpStats& s) {
+    TransferCount c;
+    const OnTransport o(t, out), i(t, in);
+    t.reduce_scatter(o.there, i.there, op, c);
+    o.back();
+    count(s, c);
+  };
+  return CommHandle(impl_->enqueue(CollectiveKind::kReduceScatter, tag, {out, in}, body));
 }
 
 CommHandle Communicator::all_reduce(at::Tensor tensor, ReduceOp op, const std::string& tag) {
   check_flat(tensor, "tensor", "all_reduce");
-  return enqueue(CollectiveKind::kAllReduce, tag, {tensor}, [tensor, op](Transport& t, OpStats& s) {
+  auto body = [tensor, op](Transport& t, OpStats& s) {
     TransferCount c;
     const OnTransport x(t, tensor);
     t.all_reduce(x.there, op, c);
     x.back();
     count(s, c);
-  });
+  };
+  return CommHandle(impl_->enqueue(CollectiveKind::kAllReduce, tag, {tensor}, body));
 }
 
 CommHandle Communicator::broadcast(at::Tensor tensor, int root, const std::string& tag) {
   check_flat(tensor, "tensor", "broadcast");
-  if (root < 0 || root >= size_) {
-    throw ConfigError("fsdp: broadcast '" + tag + "': root " + std::to_string(root) +
-                      " is not a rank of group '" + options_.name + "' (size " + std::to_string(size_) + ")");
+  if (root < 0 || root >= impl_->size) {
+    throw ConfigError("fsdp: broadcast '" + tag + "': root " + std::to_string(root) + " is not a rank of group '" +
+                      impl_->options.name + "' (size " + std::to_string(impl_->size) + ")");
   }
-  return enqueue(CollectiveKind::kBroadcast, tag, {tensor}, [tensor, root](Transport& t, OpStats& s) {
+  auto body = [tensor, root](Transport& t, OpStats& s) {
     TransferCount c;
     const OnTransport x(t, tensor);
     t.broadcast(x.there, root, c);
     x.back();
     count(s, c);
-  });
+  };
+  return CommHandle(impl_->enqueue(CollectiveKind::kBroadcast, tag, {tensor}, body));
 }
 
 void Communicator::barrier(const std::string& tag) {
-  enqueue(CollectiveKind::kBarrier, tag, {}, [](Transport& t, OpStats&) {
+  auto body = [](Transport& t, OpStats&) {
     TransferCount c;
     t.barrier(c);
-  }).wait();
+  };
+  CommHandle(impl_->enqueue(CollectiveKind::kBarrier, tag, {}, body)).wait();
 }
 
 CommStats Communicator::stats() const {
-  std::lock_guard<std::mutex> lock(state_->stats->mu);
-  return state_->stats->stats;
+  std::lock_guard<std::mutex> lock(impl_->stats->mu);
+  return impl_->stats->stats;
 }
 
 void Communicator::set_tracer(std::shared_ptr<Tracer> tracer) {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  state_->tracer = std::move(tracer);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->tracer = std::move(tracer);
 }
 
 void Communicator::reset_stats() {
-  std::lock_guard<std::mutex> lock(state_->stats->mu);
-  state_->stats->stats = CommStats{};
+  std::lock_guard<std::mutex> lock(impl_->stats->mu);
+  impl_->stats->stats = CommStats{};
 }
 
 }  // namespace fsdp

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/transport.h"
+#include "comm/communicator_impl.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
@@ -16,13 +16,9 @@ std::shared_ptr<Communicator> borrow_world(const std::shared_ptr<Dist>& dist) {
   return std::shared_ptr<Communicator>(dist, &dist->world());
 }
 
-std::shared_ptr<Communicator> self_group(int global_rank, const std::string& name,
-                                         const InitOptions& options) {
-  CommunicatorOptions copts;
-  copts.name = name;
-  copts.timeout = options.timeout();
-  copts.global_ranks = {global_rank};
-  return std::make_shared<Communicator>(make_local_transport(), copts);
+// A mesh dimension of size 1: this rank alone.
+std::shared_ptr<Communicator> self_group(int global_rank, const std::string& name, const InitOptions& options) {
+  return make_local_group(name, global_rank, options.timeout());
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "base/strings.h"
+#include "comm/communicator_impl.h"
 #include "comm/transport.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
@@ -92,10 +93,9 @@ void join_check(c10d::Store& store, int rank, int world_size, std::chrono::milli
   throw TimeoutError(text);
 }
 
-std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
-                                         int group_size, const std::vector<int>& global_ranks,
-                                         const std::string& name, const InitOptions& options,
-                                         const std::string& hostname) {
+// The options of a group of more than one rank: the order check's board is the rendezvous store.
+CommunicatorOptions group_options(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& global_ranks,
+                                  const std::string& name, const InitOptions& options) {
   CommunicatorOptions copts;
   copts.name = name;
   copts.timeout = options.timeout();
@@ -111,7 +111,15 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
       return std::string(raw.begin(), raw.end());
     };
   }
-  if (group_size == 1) return std::make_shared<Communicator>(make_local_transport(), copts);
+  return copts;
+}
+
+std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
+                                         int group_size, const std::vector<int>& global_ranks,
+                                         const std::string& name, const InitOptions& options,
+                                         const std::string& hostname) {
+  // One rank: local copies, no order check (a one-rank group runs each collective at once).
+  if (group_size == 1) return make_local_group(name, global_ranks.at(0), options.timeout());
   GlooTransportOptions gopts;
   gopts.timeout = options.timeout();
   gopts.threads = options.gloo_threads();
@@ -131,7 +139,7 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
                     std::to_string(group_rank) + " of " + std::to_string(group_size) + " within " +
                     seconds_text(options.timeout()) + ": " + first_line(e));
   }
-  return std::make_shared<Communicator>(std::move(transport), copts);
+  return make_communicator(std::move(transport), group_options(store, global_ranks, name, options));
 }
 
 }  // namespace

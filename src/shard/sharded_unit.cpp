@@ -16,7 +16,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "comm/transport.h"
+#include "comm/communicator_impl.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/trace.h"
@@ -127,10 +127,7 @@ ShardedUnit::ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const
       replicate_group_ = &mesh_.replicate_group();
       break;
     case ShardingStrategy::kNoShard: {
-      CommunicatorOptions copts;
-      copts.name = "no_shard/" + std::to_string(mesh_.dist().rank());
-      copts.global_ranks = {mesh_.dist().rank()};
-      no_shard_group_ = std::make_shared<Communicator>(make_local_transport(), copts);
+      no_shard_group_ = make_local_group("no_shard/" + std::to_string(mesh_.dist().rank()), mesh_.dist().rank());
       shard_group_ = no_shard_group_.get();
       replicate_group_ = &mesh_.dist().world();
       reshard_after_forward_ = false;
