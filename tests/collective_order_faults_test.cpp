@@ -16,6 +16,7 @@
 
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 
@@ -203,7 +204,7 @@ TEST(CollectiveOrder, CheckChangesNothingInAHealthyRun) {
           optim.step();
           optim.zero_grad();
         }
-        for (const auto& unit : root->units()) {
+        for (const auto& unit : fsdp::testing::units(*root)) {
           for (auto& fp : unit->flat_params()) shards[check][r].push_back(fp->sharded_param().clone());
         }
       });

@@ -11,6 +11,7 @@
 
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 
@@ -100,12 +101,12 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       }
     }
     FullyShardOptions opts;
-    opts.strategy(cfg.strategy).param_dtype(cfg.param_dtype).reduce_dtype(cfg.reduce_dtype);
+    opts.strategy(cfg.strategy).mp_policy(MixedPrecisionPolicy().param_dtype(cfg.param_dtype).reduce_dtype(cfg.reduce_dtype));
     if (cfg.deferred_init) opts.init(net_init());
     for (auto& block : model->blocks) fully_shard(block, mesh, opts);
     // Only the root casts its output back to fp32 for the loss; blocks hand bf16 to each other.
     auto root_opts = opts;
-    if (cfg.param_dtype) root_opts.output_dtype(at::kFloat);
+    if (cfg.param_dtype) root_opts.mp_policy().output_dtype(at::kFloat);
     auto root = fully_shard(model, mesh, root_opts);
 
     std::unique_ptr<ShardedOptimizer> optim;
@@ -181,7 +182,7 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
     // Each rank's master shard equals the matching slice of the reference.
     std::map<std::string, at::Tensor> ref_named;
     for (auto& item : ref->named_parameters()) ref_named[item.key()] = item.value();
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       for (auto& fp : unit->flat_params()) {
         std::vector<at::Tensor> flat;
         for (const auto& e : fp->entries()) flat.push_back(ref_named.at(unit->prefix() + e.name).detach().reshape({-1}));
@@ -194,7 +195,8 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       }
     }
     // Frozen parameters have no optimizer state.
-    for (auto& s : optim->states()) EXPECT_TRUE(s.flat->config().requires_grad);
+    const auto flats = fsdp::testing::flat_params(*root);
+    for (auto& s : optim->states()) EXPECT_TRUE(flats.at(s.flat_index)->config().requires_grad);
   }
 }
 
@@ -333,7 +335,7 @@ TEST(ParityFeatures, TiedWeights) {
     }
     // The tied tensor is one entry of the root's flat params, with the second name as an alias.
     int entries = 0;
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       for (auto& fp : unit->flat_params()) {
         for (auto& e : fp->entries()) {
           if (e.name == "embed.weight") {
@@ -365,7 +367,7 @@ TEST(ParityFeatures, TiedWeights) {
       dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
       EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5 * ref_loss.item<double>()) << "step " << step;
       int64_t padded = 0, root_padded = 0, last_padded = 0;
-      for (const auto& unit : root->units()) {
+      for (const auto& unit : fsdp::testing::units(*root)) {
         for (auto& fp : unit->flat_params()) {
           padded += fp->padded_numel();
           if (unit->is_root()) root_padded += fp->padded_numel();

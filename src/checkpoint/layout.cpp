@@ -10,16 +10,16 @@ namespace fsdp::checkpoint {
 
 CheckpointLayout make_layout(FSDPModule& root, ShardedOptimizer* optimizer) {
   CheckpointLayout layout;
-  std::unordered_map<const FlatParam*, ShardState*> state_of;
+  std::unordered_map<size_t, ShardState*> state_of;  // by flat index, the order below
   if (optimizer != nullptr) {
-    for (auto& s : optimizer->states()) state_of[s.flat] = &s;
+    for (auto& s : optimizer->states()) state_of[s.flat_index] = &s;
   }
   std::unordered_map<const void*, std::pair<size_t, const FlatParamEntry*>> by_tensor;
   std::unordered_map<const void*, std::string> name_of;
-  for (const auto& unit : root.units()) {
+  for (ShardedUnit* unit : units_of(root)) {
     for (auto& fp : unit->flat_params()) {
       const size_t index = layout.flats.size();
-      auto it = state_of.find(fp.get());
+      auto it = state_of.find(index);
       layout.flats.push_back({fp.get(), it == state_of.end() ? nullptr : it->second});
       for (const auto& e : fp->entries()) {
         by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e};
@@ -29,7 +29,7 @@ CheckpointLayout make_layout(FSDPModule& root, ShardedOptimizer* optimizer) {
     }
   }
   // The model's own registration order gives files that read like the model.
-  auto module = root.unit().module().lock();
+  auto module = unit_of(root).module().lock();
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     const void* key = item.value().unsafeGetTensorImpl();
     auto it = by_tensor.find(key);

@@ -186,7 +186,7 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   const CheckpointLayout layout = make_layout(root, optimizer);
   // Validate what train_state.json says about the optimizer and this rank's RNG before changing
   // anything: a bad field must not leave a half-loaded model or silently dropped optimizer state.
-  Dist& dist = root.unit().mesh().dist();
+  Dist& dist = unit_of(root).mesh().dist();
   const bool restore_rng = state.world_size == dist.world_size() &&
                            static_cast<int>(state.rng_states.size()) == dist.world_size();
   if (restore_rng) {

@@ -228,12 +228,15 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
   job.data = collect_shards(job.layout, copy);
   job.state = state;
   job.options = options;
-  Dist& dist = root.unit().mesh().dist();
+  Dist& dist = unit_of(root).mesh().dist();
   job.group = &dist.side_group("checkpoint");
   job.store = dist.store();
   // Unique per save and the same on every rank: saves are issued in the same order everywhere.
-  job.store_prefix = "fsdp/ckpt/" + name + "/" + std::to_string(++root.unit().root_state().checkpoint_saves) + "/";
-  job.strategy = strategy_name(root.unit().options().strategy());
+  // Counted per thread, since a rank issues its saves from one thread (and the threads-as-ranks
+  // tests run one rank per thread in one process).
+  static thread_local int64_t saves = 0;
+  job.store_prefix = "fsdp/ckpt/" + name + "/" + std::to_string(++saves) + "/";
+  job.strategy = strategy_name(unit_of(root).options().strategy);
   if (optimizer != nullptr) {
     job.optim_type = optimizer->type_name();
     job.state_names = optimizer->state_names();
