@@ -308,6 +308,30 @@ TEST(ParityFeatures, DeferredInitEqualsEagerInit) {
   run_parity(c);
 }
 
+// FULL_SHARD and SHARD_GRAD_OP shard over every rank of a 1-D mesh; on a 2-D mesh they would
+// shard within rows and replicate across them, which is HYBRID_SHARD, so fully_shard refuses them
+// on every rank, naming the strategy, the mesh's shape and the way out.
+TEST(StrategyMesh, FullShardAndShardGradOpRefuseA2DMesh) {
+  testing::run_threads(4, [&](Dist& dist) {
+    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
+    DeviceMesh mesh(dist_ptr, /*replicate_size=*/2, /*shard_size=*/2);
+    for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      Net model = make_net(NetOptions(), 42);
+      try {
+        fully_shard(model, mesh, FullyShardOptions().strategy(s));
+        ADD_FAILURE() << strategy_name(s) << " on a 2x2 mesh did not throw on rank " << dist.rank();
+      } catch (const ConfigError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find(strategy_name(s)), std::string::npos) << what;
+        EXPECT_NE(what.find("replicate_size=2, shard_size=2"), std::string::npos) << what;
+        EXPECT_NE(what.find("use HYBRID_SHARD"), std::string::npos) << what;
+        EXPECT_NE(what.find("DeviceMesh(dist)"), std::string::npos) << what;
+      }
+      EXPECT_EQ(detail::unit_of(*model), nullptr);  // nothing half-applied
+    }
+  });
+}
+
 // Tied embedding / output projection: one owner, gathered once and reduced once per step, and the
 // training matches the unsharded reference where the tie is kept too.
 TEST(ParityFeatures, TiedWeights) {
