@@ -1,19 +1,28 @@
 // The compute floor for `scripts/bench compare`: fsdp-train's model, data, loss, clipping and LR
-// schedule trained on one process with plain LibTorch (no sharding, no communication,
-// torch::optim::AdamW), writing the same --metrics lines as fsdp-train. It also dumps the training
-// batches for the Python FSDP2 run, so all three systems see the very same tokens.
+// schedule trained on one process with plain LibTorch (no sharding, no communication), writing the
+// same --metrics lines as fsdp-train. It also dumps the training batches for the Python FSDP2 run,
+// so all three systems see the very same tokens.
 //
 //   bench_unsharded [fsdp-train flags: --set K=V, --steps N, --seed, --config] --metrics run.jsonl
 //   bench_unsharded [same] --dump-data batches.bin --world 2
+//   bench_unsharded [same] --init-only --metrics base.jsonl   # memory baseline: no model built
+//
+// The optimizer step and clipping use fsdp's own element-wise kernels (kernels/ops.h) on each
+// unsharded parameter, in fsdp's two groups (weight decay on >= 2-D parameters only): the same
+// arithmetic fsdp's sharded AdamW and clip_grad_norm do, so "fsdp on 1 rank / this" is the cost of
+// sharding alone, not that cost mixed with the gain of a fused optimizer over torch::optim::AdamW.
+// (fsdp's own AdamW would need a fully_shard'ed model even on one rank: flat buffers, unit hooks
+// and copies, the very costs this floor leaves out.)
 //
 // --dump-data writes int64 little-endian [steps, world, 2 (inputs, targets), batch_per_rank,
 // seq_len]: rank r of step s trains on element [s, r], as fsdp-train's rank_batch gives it.
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/nn/utils/clip_grad.h>
-#include <torch/optim/adamw.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -28,6 +37,8 @@
 #include "flags.h"
 #include "fsdp/init.h"
 #include "fsdp/optim.h"
+#include "fsdp/options.h"
+#include "kernels/ops.h"
 #include "llama.h"
 #include "metrics.h"
 
@@ -36,6 +47,7 @@ namespace {
 struct Extra {
   std::string dump_path;  // --dump-data FILE
   int world = 1;          // --world N (with --dump-data)
+  bool init_only = false;  // --init-only: report the peak RSS before any model is built, then exit
 };
 
 // Takes this tool's own flags out of argv; the rest are fsdp-train's.
@@ -50,6 +62,8 @@ Extra take_extra_flags(std::vector<const char*>& args) {
     };
     if (a == "--dump-data") {
       extra.dump_path = value();
+    } else if (a == "--init-only") {
+      extra.init_only = true;
     } else if (a == "--world") {
       extra.world = std::stoi(value());
       if (extra.world < 1) throw std::invalid_argument("--world must be >= 1");
@@ -89,46 +103,98 @@ double lr_at(const train::OptimConfig& o, int64_t step, int64_t total_steps) {
   return fsdp::WarmupCosine(o.lr, o.warmup_steps, total_steps, o.min_lr).lr_at(step);
 }
 
-void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, const train::Dataset& data) {
+// One unsharded parameter and its AdamW state, stepped by fsdp's fused kernel.
+struct ParamState {
+  at::Tensor param, exp_avg, exp_avg_sq;
+  double weight_decay = 0;
+  int64_t step = 0;
+};
+
+// fsdp::clip_grad_norm's arithmetic on unsharded gradients: the sum of squares in double, one
+// scale when the norm exceeds max_norm.
+void clip_grad_norm(const std::vector<ParamState>& states, double max_norm) {
+  auto sq = at::zeros({1}, at::kDouble);
+  for (const auto& s : states) {
+    if (s.param.grad().defined()) fsdp::kernels::sum_of_squares(s.param.grad(), sq);
+  }
+  const double coef = max_norm / (std::sqrt(sq.item<double>()) + 1e-6);
+  if (coef >= 1) return;
+  for (const auto& s : states) {
+    if (s.param.grad().defined()) fsdp::kernels::scale_(s.param.grad(), coef);
+  }
+}
+
+void adamw_step(std::vector<ParamState>& states, const train::OptimConfig& o, double lr) {
+  at::NoGradGuard no_grad;
+  for (auto& s : states) {
+    if (!s.param.grad().defined()) continue;
+    fsdp::kernels::AdamWArgs args;
+    args.lr = lr;
+    args.beta1 = o.betas[0];
+    args.beta2 = o.betas[1];
+    args.eps = o.eps;
+    args.weight_decay = s.weight_decay;
+    args.step = ++s.step;
+    fsdp::kernels::fused_adamw(args, s.param, s.param.grad(), s.exp_avg, s.exp_avg_sq);
+  }
+}
+
+void write_line(std::FILE* metrics, const nlohmann::json& line) {
+  std::fprintf(metrics, "%s\n", line.dump().c_str());
+  std::fflush(metrics);
+}
+
+void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, const train::Dataset& data,
+                     bool init_only) {
   using Clock = std::chrono::steady_clock;
+  std::FILE* metrics = flags.metrics.empty() ? nullptr : std::fopen(flags.metrics.c_str(), "w");
+  if (!flags.metrics.empty() && metrics == nullptr) throw std::runtime_error("cannot write " + flags.metrics);
+  if (init_only) {
+    // The process's own baseline: libraries loaded, config and data ready, no model yet.
+    if (metrics != nullptr) {
+      write_line(metrics, {{"init_only", true}, {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}});
+      std::fclose(metrics);
+    }
+    std::printf("bench_unsharded: init only, peak RSS %.1f MiB\n", static_cast<double>(train::peak_rss_bytes()) / (1 << 20));
+    return;
+  }
   // The same initial values as fsdp-train's: its shards are materialised from this function too.
   llama::LlamaForCausalLM model(cfg.model, at::kMeta);
   fsdp::init::materialize(*model, llama::llama_init_fn(cfg.model, cfg.train.seed));
   const auto& o = cfg.optim;
-  auto params = llama::unique_parameters(*model);
-  torch::optim::AdamW optim(params, torch::optim::AdamWOptions(o.lr)
-                                        .betas({o.betas[0], o.betas[1]})
-                                        .eps(o.eps)
-                                        .weight_decay(o.weight_decay));
-  std::FILE* metrics = flags.metrics.empty() ? nullptr : std::fopen(flags.metrics.c_str(), "w");
-  if (!flags.metrics.empty() && metrics == nullptr) throw std::runtime_error("cannot write " + flags.metrics);
+  std::vector<ParamState> states;
+  for (const auto& p : llama::unique_parameters(*model)) {
+    ParamState s;
+    s.param = p;
+    s.exp_avg = at::zeros_like(p);
+    s.exp_avg_sq = at::zeros_like(p);
+    s.weight_decay = fsdp::default_param_group("", p) == 0 ? o.weight_decay : 0.0;
+    states.push_back(std::move(s));
+  }
   const int64_t batch = cfg.data.batch_size_per_rank;
   double total_s = 0;
   for (int64_t step = 0; step < cfg.train.steps; ++step) {
     const auto t0 = Clock::now();
     const double lr = lr_at(o, step, cfg.train.steps);
-    for (auto& group : optim.param_groups()) group.options().set_lr(lr);
     const auto b = train::rank_batch(data, step * batch, batch, 0, train::Split::kTrain);
     auto loss = llama::loss(model->forward(b.inputs), b.targets);
     loss.backward();
-    if (o.grad_clip > 0) torch::nn::utils::clip_grad_norm_(params, o.grad_clip);
-    optim.step();
-    optim.zero_grad();
+    if (o.grad_clip > 0) clip_grad_norm(states, o.grad_clip);
+    adamw_step(states, o, lr);
+    for (auto& s : states) s.param.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
     const double loss_value = loss.item<double>();
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     total_s += dt;
     if (metrics != nullptr) {
-      const nlohmann::json line = {{"step", step + 1},
-                                   {"loss", loss_value},
-                                   {"lr", lr},
-                                   {"step_time_s", dt},
-                                   {"tokens_per_s", static_cast<double>(batch * cfg.data.seq_len) / dt},
-                                   {"allgather_bytes", {0.0}},
-                                   {"reduce_scatter_bytes", {0.0}},
-                                   {"comm_wait_s", {0.0}},
-                                   {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}};
-      std::fprintf(metrics, "%s\n", line.dump().c_str());
-      std::fflush(metrics);
+      write_line(metrics, {{"step", step + 1},
+                           {"loss", loss_value},
+                           {"lr", lr},
+                           {"step_time_s", dt},
+                           {"tokens_per_s", static_cast<double>(batch * cfg.data.seq_len) / dt},
+                           {"allgather_bytes", {0.0}},
+                           {"reduce_scatter_bytes", {0.0}},
+                           {"comm_wait_s", {0.0}},
+                           {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}});
     }
   }
   if (metrics != nullptr) std::fclose(metrics);
@@ -152,7 +218,7 @@ int main(int argc, char** argv) {
     int threads = 1;
     if (const char* env = std::getenv("FSDP_THREADS")) threads = std::max(1, std::atoi(env));
     at::set_num_threads(threads);
-    train_unsharded(cfg, flags, data);
+    train_unsharded(cfg, flags, data, extra.init_only);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_unsharded: error: %s\n", e.what());

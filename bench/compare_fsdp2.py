@@ -1,21 +1,35 @@
 """The PyTorch FSDP2 side of `scripts/bench compare`.
 
 Trains Hugging Face's LlamaForCausalLM, built from the config.json that `fsdp-ckpt export` wrote
-for fsdp-train's step-0 checkpoint and loaded with those same initial weights, with FSDP2
-(`fully_shard` on every decoder layer and on the root) on CPU over Gloo. The batches come from
+for fsdp-train's step-0 checkpoint and loaded with those same initial weights, with FSDP2 in its
+stock configuration as its documentation recommends: `fully_shard` on every decoder layer, then on
+the root, reshard_after_forward left at its default; CPU over Gloo. The batches come from
 `bench_unsharded --dump-data` (fsdp-train's own data stream), the optimizer settings and LR
 schedule from the checkpoint's train_state.json, so the three systems of the comparison do the
-same work. Writes fsdp-train's --metrics line format (rank 0).
+same work:
+- torch.optim.AdamW(fused=True) (the fused CPU kernel rather than the default per-parameter
+  loop), in fsdp's two parameter groups: weight decay on parameters of 2 or more dimensions, none
+  on 1-D ones (norm weights, biases);
+- attn_implementation="eager" set explicitly (transformers otherwise picks SDPA when it can;
+  fsdp's Llama spells out the eager attention), use_cache=False (training keeps no KV cache).
+Writes fsdp-train's --metrics line format (rank 0).
 
 Launch one process per rank (fsdp-run or torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
   fsdp-run --nproc-per-node 2 -- python bench/compare_fsdp2.py --hf HF_DIR --checkpoint CKPT \
-      --data batches.bin --steps 10 --threads 1 --metrics out.jsonl
+      --data batches.bin --data-world 2 --steps 10 --threads 1 --metrics out.jsonl
+With --init-only it imports everything, joins the process group, builds the device mesh and
+writes one line {"init_only": true, "peak_rss_bytes": [per rank]}, without building the model:
+the process's own memory baseline.
 
 Communication is measured by wrapping the torch.distributed collectives FSDP2 calls
 (all_gather_into_tensor, reduce_scatter_tensor, all_reduce) and Work.wait:
 - bytes: what a bandwidth-optimal ring sends per rank for the sizes FSDP2 passes, (N-1)/N of the
   gathered or reduced buffer (2(N-1)/N for all_reduce); Gloo's own algorithms may send more.
-- blocked time: the wall time of synchronous calls plus the time spent in Work.wait.
+- blocked time: each interval in which the training thread blocks on communication, counted once:
+  the wall time of a synchronous call (the Work.wait it makes inside is not counted again), and
+  the time in Work.wait of an asynchronous one. The functional collectives of DTensor's
+  clip_grad_norm_ do not pass through either, so FSDP2's clipping all-reduce is not counted (fsdp's
+  is): a small advantage to FSDP2.
 """
 import argparse
 import inspect
@@ -40,6 +54,7 @@ class CommMeter:
         self.allreduce_bytes = 0.0
         self.wait_s = 0.0
         self.enabled = False
+        self.in_sync_call = 0  # > 0 inside a synchronous collective: its wall time is the blocked time
 
     def install(self):
         meter = self
@@ -59,7 +74,13 @@ class CommMeter:
                 a = bound.arguments
                 group, async_op = a.get("group"), a.get("async_op", False)
                 t0 = time.perf_counter()
-                work = fn(*args, **kwargs)
+                if not async_op:
+                    meter.in_sync_call += 1
+                try:
+                    work = fn(*args, **kwargs)
+                finally:
+                    if not async_op:
+                        meter.in_sync_call -= 1
                 dt = time.perf_counter() - t0
                 if meter.enabled:
                     n = group_size(group)
@@ -85,7 +106,8 @@ class CommMeter:
             try:
                 return orig_wait(work, *args, **kwargs)
             finally:
-                if meter.enabled:
+                # Inside a synchronous call the call's own wall time already covers this wait.
+                if meter.enabled and meter.in_sync_call == 0:
                     meter.wait_s += time.perf_counter() - t0
 
         dist.Work.wait = timed_wait
@@ -119,6 +141,8 @@ def main():
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--metrics", default="")
+    ap.add_argument("--init-only", action="store_true",
+                    help="stop after imports, the process group and the mesh: report peak RSS, build no model")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -134,27 +158,46 @@ def main():
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    mesh = init_device_mesh("cpu", (world,))
+    if args.init_only:
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, torch.tensor([float(peak_rss_bytes())], dtype=torch.float64))
+        if args.metrics and rank == 0:
+            with open(args.metrics, "w") as f:
+                f.write(json.dumps({"init_only": True, "peak_rss_bytes": [t.item() for t in every]}) + "\n")
+        dist.destroy_process_group()
+        return
+
     with open(os.path.join(args.checkpoint, "train_state.json")) as f:
         cfg = json.load(f)["extra"]["config"]
     optim_cfg, data_cfg = cfg["optim"], cfg["data"]
     batch, seq = data_cfg["batch_size_per_rank"], data_cfg["seq_len"]
 
-    config = LlamaConfig.from_pretrained(args.hf)
-    config._attn_implementation = "eager"  # fsdp's Llama spells out transformers' eager attention
+    # fsdp's Llama spells out transformers' eager attention; transformers would otherwise pick SDPA.
+    # The exported config.json is for inference (use_cache true); training keeps no KV cache.
+    config = LlamaConfig.from_pretrained(args.hf, attn_implementation="eager", use_cache=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
+    if model.config._attn_implementation != "eager" or model.config.use_cache:
+        raise SystemExit(f"compare_fsdp2: model built with attn_implementation={model.config._attn_implementation}, "
+                         f"use_cache={model.config.use_cache}; expected eager, False")
     missing, unexpected = model.load_state_dict(load_file(os.path.join(args.hf, "model.safetensors")), strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
         raise SystemExit(f"compare_fsdp2: weights do not match the model: missing {missing}, unexpected {unexpected}")
     model.train()
 
-    mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg["lr"], betas=tuple(optim_cfg["betas"]),
-                                  eps=optim_cfg["eps"], weight_decay=optim_cfg["weight_decay"])
+    # fsdp's groups (fsdp::default_param_group): decay on >= 2-D parameters, none on 1-D ones. A
+    # DTensor's ndim is the full parameter's.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim_cfg["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=optim_cfg["lr"], betas=tuple(optim_cfg["betas"]), eps=optim_cfg["eps"],
+                                  fused=True)
 
     # [steps, world, 2, batch, seq] int64
     data = np.fromfile(args.data, dtype=np.int64)
@@ -172,7 +215,7 @@ def main():
         targets = torch.from_numpy(data[step, rank, 1].copy())
         meter.enabled = True
         before = meter.snapshot()
-        logits = model(input_ids=inputs).logits
+        logits = model(input_ids=inputs, use_cache=False).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
         if optim_cfg["grad_clip"] > 0:

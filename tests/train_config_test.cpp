@@ -212,6 +212,8 @@ TEST(TrainFlags, ParsesEveryFlagInBothForms) {
   EXPECT_EQ(f.overrides[1], std::make_pair(std::string("train.seed"), std::string("3")));
   EXPECT_EQ(f.overrides[2], std::make_pair(std::string("optim.lr"), std::string("1e-3")));
   EXPECT_TRUE(flags_of({"--help"}).help);
+  EXPECT_FALSE(f.init_only);
+  EXPECT_TRUE(flags_of({"--init-only"}).init_only);
 }
 
 TEST(TrainFlags, BadFlagsAreRejectedNamingThem) {
@@ -233,6 +235,7 @@ TEST(TrainFlags, BadFlagsAreRejectedNamingThem) {
   EXPECT_NE(usage_error({"--seed", "-1"}).find("--seed expects a non-negative integer, got '-1'"), std::string::npos);
   EXPECT_NE(usage_error({"--set", "optim.lr"}).find("expects KEY=VALUE"), std::string::npos);
   EXPECT_NE(usage_error({"--set", "=1"}).find("expects KEY=VALUE"), std::string::npos);
+  EXPECT_NE(usage_error({"--init-only=1"}).find("--init-only takes no value"), std::string::npos);
   EXPECT_NE(usage_error({"--resume", "latest"}).find("--resume latest needs --save-dir"), std::string::npos);
   EXPECT_NE(usage_error({"--help=yes"}).find("--help takes no value"), std::string::npos);
 }

@@ -22,7 +22,8 @@ bool parse_count(const std::string& s, uint64_t& out) {
 
 const char* usage_text() {
   return "usage: fsdp-train [--config FILE] [--set KEY=VALUE]... [--steps N] [--seed N] [--data FILE]\n"
-         "                  [--save-dir DIR] [--resume latest|DIR] [--metrics FILE] [--trace FILE] [--help]\n"
+         "                  [--save-dir DIR] [--resume latest|DIR] [--metrics FILE] [--trace FILE] [--init-only]\n"
+         "                  [--help]\n"
          "\n"
          "Trains a Llama-style decoder with fully-sharded data parallelism. Launch one process per rank,\n"
          "e.g. fsdp-run --nproc-per-node 2 -- fsdp-train; without a launcher it runs as one process.\n"
@@ -39,6 +40,9 @@ const char* usage_text() {
          "  --trace FILE        Chrome trace (Perfetto, chrome://tracing) of the step phases and of fsdp's\n"
          "                      gathers, reductions and waits; with several ranks each writes FILE with\n"
          "                      .rankK before the extension\n"
+         "  --init-only         join the job and exit without building the model: each rank's peak RSS\n"
+         "                      (printed, and one --metrics line {\"init_only\": true, \"peak_rss_bytes\"})\n"
+         "                      is the process's baseline that memory figures are measured against\n"
          "  --help              this text\n"
          "\n"
          "Environment: FSDP_THREADS (intra-op threads per rank, default 1).\n";
@@ -64,6 +68,9 @@ Flags parse_flags(int argc, const char* const* argv) {
     if (arg == "--help" || arg == "-h") {
       if (inline_value) throw UsageError("flag --help takes no value");
       f.help = true;
+    } else if (arg == "--init-only") {
+      if (inline_value) throw UsageError("flag --init-only takes no value");
+      f.init_only = true;
     } else if (arg == "--config") {
       f.config_path = value();
       if (f.config_path.empty()) throw UsageError("flag --config needs a file name");

@@ -26,6 +26,7 @@ struct Flags {
   std::string resume;    // --resume latest|DIR
   std::string metrics;   // --metrics FILE
   std::string trace;     // --trace FILE
+  bool init_only = false;  // --init-only: join the job, report peak RSS, build no model
   bool help = false;
 };
 

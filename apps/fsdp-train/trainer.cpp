@@ -77,6 +77,11 @@ class Job {
       : cfg_(config), flags_(flags), data_(std::move(data)) {}
 
   void run() {
+    join();
+    if (flags_.init_only) {
+      report_baseline();
+      return;
+    }
     build();
     resume_if_asked();
     reserve_offloaded_state();
@@ -99,7 +104,8 @@ class Job {
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local)));
   }
 
-  void build() {
+  // The process group and the mesh: everything a run has before its model.
+  void join() {
     if (cfg_.fsdp.device == "cuda") use_local_gpu();
     dist_ = fsdp::init_from_env(fsdp::InitOptions()
                                     .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000)))
@@ -121,7 +127,29 @@ class Job {
     }
     shard_size_ = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kNoShard ? 1 : mesh_->shard_size();
     global_batch_ = cfg_.data.batch_size_per_rank * world_;
+  }
 
+  // --init-only: each rank's peak RSS with the libraries loaded, the data open and the job joined,
+  // before any model exists (bench/compare.py subtracts it from a run's peak).
+  void report_baseline() {
+    RankCounters mine;
+    mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+    const auto all = gather_counters(dist_->world(), mine);
+    if (rank_ != 0) return;
+    std::printf("fsdp-train: init only, %d rank(s), no model built; peak RSS per rank:", world_);
+    for (const auto& r : all) std::printf(" %.1f MiB", r.peak_rss_bytes / (1 << 20));
+    std::printf("\n");
+    std::fflush(stdout);
+    if (flags_.metrics.empty()) return;
+    nlohmann::json rss = nlohmann::json::array();
+    for (const auto& r : all) rss.push_back(r.peak_rss_bytes);
+    std::FILE* f = std::fopen(flags_.metrics.c_str(), "w");
+    if (f == nullptr) throw std::runtime_error("cannot write " + flags_.metrics);
+    std::fprintf(f, "%s\n", nlohmann::json({{"init_only", true}, {"peak_rss_bytes", rss}}).dump().c_str());
+    std::fclose(f);
+  }
+
+  void build() {
     // Built on the meta device: no rank ever holds the whole model; each materialises its shards
     // on the first forward from llama_init_fn, which gives the same values whatever the world size.
     model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
