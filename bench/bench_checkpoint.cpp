@@ -29,6 +29,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 
 namespace {
 
@@ -74,7 +75,7 @@ Model make_model(fsdp::DeviceMesh& mesh, int64_t dim, int layers) {
   auto opts = fsdp::FullyShardOptions().init(fsdp::init::normal(1.0 / std::sqrt(double(dim)), 17));
   for (auto& b : m.stack->blocks) fsdp::fully_shard(b, mesh, opts);
   m.root = fsdp::fully_shard(m.stack, mesh, opts);
-  m.root->units();  // lazy init: materialise this rank's shards now, not inside a timed phase
+  fsdp::testing::units(*m.root);  // lazy init: materialise this rank's shards now, not inside a timed phase
   m.optim = std::make_unique<fsdp::AdamW>(m.root, fsdp::AdamWOptions(1e-4));
   return m;
 }
@@ -90,7 +91,7 @@ void train_step(Model& m, int64_t dim, int step) {
 // This rank's shards and optimizer state, in a fixed order (to check a load bit for bit).
 std::vector<at::Tensor> local_state(Model& m) {
   std::vector<at::Tensor> parts;
-  for (const auto& unit : m.root->units()) {
+  for (const auto& unit : fsdp::testing::units(*m.root)) {
     for (auto& fp : unit->flat_params()) parts.push_back(fp->sharded_param());
   }
   for (auto& s : m.optim->states()) {

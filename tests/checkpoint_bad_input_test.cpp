@@ -20,6 +20,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 #include "support/sharded_model.h"
@@ -63,7 +64,7 @@ void write_all(const std::string& path, const std::string& bytes) {
 // The shards and optimizer state of a model, to check a failed load changed nothing.
 std::vector<at::Tensor> state_of(Sharded& s) {
   std::vector<at::Tensor> out;
-  for (const auto& unit : s.root->units()) {
+  for (const auto& unit : fsdp::testing::units(*s.root)) {
     for (auto& fp : unit->flat_params()) out.push_back(fp->sharded_param().clone());
   }
   return out;

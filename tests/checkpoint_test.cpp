@@ -15,6 +15,7 @@
 #include "base/file_io.h"
 #include "checkpoint/save_job.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 #include "support/sharded_model.h"
@@ -55,7 +56,7 @@ Trained make_trained(DeviceMesh& mesh, int steps, ShardingStrategy strategy = Sh
     const int64_t local = 12 / n;
     testing::train_on_batch(t, x.narrow(0, r * local, local), y.narrow(0, r * local, local));
   }
-  if (steps == 0) t.root->units();  // lazy init: materialise the shards
+  if (steps == 0) fsdp::testing::units(*t.root);  // lazy init: materialise the shards
   return t;
 }
 
@@ -76,13 +77,13 @@ std::map<std::string, at::Tensor> full_params(const std::string& dir) {
 
 // Every rank's shard equals the matching slice of the full tensors.
 void expect_shards_match(FSDPModule& root, const std::map<std::string, at::Tensor>& full) {
-  for (const auto& unit : root.units()) {
+  for (const auto& unit : fsdp::testing::units(root)) {
     for (auto& fp : unit->flat_params()) {
       std::vector<at::Tensor> parts;
       for (const auto& e : fp->entries()) parts.push_back(full.at(unit->prefix() + e.name).reshape({-1}));
       auto flat = at::constant_pad_nd(at::cat(parts), {0, fp->padded_numel() - fp->numel()});
       EXPECT_TRUE(at::equal(fp->sharded_param(), flat.narrow(0, fp->shard_offset(), fp->shard_numel())))
-          << unit->name() << " rank " << root.unit().mesh().dist().rank();
+          << unit->name() << " rank " << fsdp::testing::unit(root).mesh().dist().rank();
     }
   }
 }
@@ -117,7 +118,7 @@ TEST(Checkpoint, RoundTripSameWorldSizeIsBitExact) {
     EXPECT_EQ(loaded.samples_seen, 36);
     EXPECT_EQ(loaded.world_size, 2);
     EXPECT_EQ(loaded.strategy, "FULL_SHARD");
-    auto ua = a.root->units(), ub = b.root->units();
+    auto ua = fsdp::testing::units(*a.root), ub = fsdp::testing::units(*b.root);
     for (size_t u = 0; u < ua.size(); ++u) {
       for (size_t f = 0; f < ua[u]->flat_params().size(); ++f) {
         EXPECT_TRUE(at::equal(ua[u]->flat_params()[f]->sharded_param(), ub[u]->flat_params()[f]->sharded_param()));
@@ -235,7 +236,7 @@ TEST(Checkpoint, AsyncSaveKeepsTheValuesAtTheCall) {
     DeviceMesh mesh(d);
     auto t = make_trained(mesh, 2);
     std::vector<at::Tensor> at_call;
-    for (const auto& unit : t.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*t.root)) {
       for (auto& fp : unit->flat_params()) at_call.push_back(fp->sharded_param().clone());
     }
     checkpoint::AsyncSaver saver;
@@ -243,14 +244,14 @@ TEST(Checkpoint, AsyncSaveKeepsTheValuesAtTheCall) {
     st.step = 2;
     saver.save(dir, "async", *t.root, t.optim.get(), st);
     // Training goes on while the save is written; the save must hold the values at the call.
-    for (const auto& unit : t.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*t.root)) {
       for (auto& fp : unit->flat_params()) fp->sharded_param().add_(1.0);
     }
     saver.wait();
     auto b = make_trained(mesh, 0);
     checkpoint::load(join(dir, "async"), *b.root, nullptr);
     size_t i = 0;
-    for (const auto& unit : b.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*b.root)) {
       for (auto& fp : unit->flat_params()) EXPECT_TRUE(at::equal(fp->sharded_param(), at_call[i++]));
     }
   });

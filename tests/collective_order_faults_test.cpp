@@ -16,6 +16,7 @@
 
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 #include "support/sharded_model.h"
@@ -199,7 +200,7 @@ TEST(CollectiveOrder, CheckChangesNothingInAHealthyRun) {
           auto x = at::randn({4, o.net.in}, gen), y = at::randn({4, o.net.out}, gen);
           testing::train_on_batch(m, x, y);
         }
-        for (const auto& unit : m.root->units()) {
+        for (const auto& unit : fsdp::testing::units(*m.root)) {
           for (auto& fp : unit->flat_params()) shards[check][r].push_back(fp->sharded_param().clone());
         }
       });

@@ -21,6 +21,7 @@
 #include "tiers/device_stager.h"
 #include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 #include "support/sharded_model.h"
@@ -56,9 +57,9 @@ Job build(DeviceMesh& mesh, const c10::Device& device, const Config& config) {
   o.net.blocks = 3;
   o.seed = 3;
   o.move_to = device;
-  o.shard.param_dtype(config.param_dtype);
+  o.shard.mp_policy(MixedPrecisionPolicy().param_dtype(config.param_dtype));
   o.root_shard = o.shard;
-  if (config.param_dtype) o.root_shard->output_dtype(at::kFloat);
+  if (config.param_dtype) o.root_shard->mp_policy().output_dtype(at::kFloat);
   if (config.offload) o.root_shard->offload(*config.offload);
   o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
   return testing::make_sharded_model(mesh, o);
@@ -76,7 +77,7 @@ double step(Job& r, int64_t s, int rank, int world, const c10::Device& device) {
 // This rank's master shard of each flat param, in host memory.
 std::vector<at::Tensor> shards(Job& r) {
   std::vector<at::Tensor> out;
-  for (const auto& unit : r.root->units()) {
+  for (const auto& unit : fsdp::testing::units(*r.root)) {
     for (auto& fp : unit->flat_params()) out.push_back(fp->sharded_param().cpu());
   }
   return out;
@@ -94,7 +95,7 @@ struct Result {
 void finish(Result& res, Job& r) {
   res.flats = shards(r);
   res.params = at::cat(res.flats);
-  for (const auto& unit : r.root->units()) {
+  for (const auto& unit : fsdp::testing::units(*r.root)) {
     for (auto& fp : unit->flat_params()) res.numels.push_back(fp->numel());
   }
 }
@@ -154,7 +155,7 @@ TEST(CudaTraining, OneGpuMatchesTheCpu) {
   Config bf16{at::kBFloat16, std::nullopt};
   const Result cpu16 = train_single(kCpu, bf16, kSteps);
   const Result gpu16 = train_single(kGpu0, bf16, kSteps, [](Job& r) {
-    for (const auto& unit : r.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*r.root)) {
       for (auto& fp : unit->flat_params()) {
         EXPECT_TRUE(fp->sharded_param().is_cuda());
         EXPECT_EQ(fp->unsharded_bytes(), 0) << fp->config().tag << " kept its gathered buffer after the step";
@@ -181,7 +182,7 @@ TEST(CudaTraining, HostAndDiskTiersMatchNoOffloadOnOneGpu) {
   // The optimizer steps on the CPU (the CPU twin of the fused AdamW kernel): equal up to the
   // kernels' rounding (Note [Twin numerics]).
   const Result host = train_single(kGpu0, {std::nullopt, all_in(OffloadTier::kHost)}, kSteps, [](Job& r) {
-    for (const auto& unit : r.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*r.root)) {
       for (auto& fp : unit->flat_params()) {
         ASSERT_TRUE(fp->offload().stager != nullptr);
         EXPECT_STREQ(fp->offload().stager->name(), "cuda");
@@ -198,7 +199,7 @@ TEST(CudaTraining, HostAndDiskTiersMatchNoOffloadOnOneGpu) {
 
   const std::string dir = testing::temp_path("cuda-disk");
   const Result disk = train_single(kGpu0, {std::nullopt, all_in(OffloadTier::kDisk, dir)}, kSteps, [](Job& r) {
-    for (const auto& unit : r.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*r.root)) {
       for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
     }
   });

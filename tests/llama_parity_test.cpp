@@ -6,6 +6,7 @@
 #include "fsdp/fsdp.h"
 #include "llama.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/ranks.h"
 
 namespace fsdp {
@@ -69,7 +70,7 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy) {
     }
     std::map<std::string, at::Tensor> named;
     for (auto& item : ref->named_parameters()) named[item.key()] = item.value();
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       for (auto& fp : unit->flat_params()) {
         std::vector<at::Tensor> flat;
         for (const auto& e : fp->entries()) flat.push_back(named.at(unit->prefix() + e.name).detach().reshape({-1}));

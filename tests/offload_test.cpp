@@ -29,6 +29,7 @@
 #include "tiers/device_stager.h"
 #include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 #include "support/sharded_model.h"
@@ -117,7 +118,7 @@ TEST(Offload, DiskTierEqualsInMemoryTrainingBitwise) {
   const auto reference = train(std::nullopt, 4);
   const auto disk = train(disk_policy(dir), 4, true, [&](Job& j, int rank) {
     // The states really are in files, and the streamed step stayed within the budget.
-    for (const auto& unit : j.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*j.root)) {
       for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
     }
     for (auto& st : j.optim->states()) {
@@ -149,7 +150,7 @@ TEST(Offload, HostTierEqualsNoOffloadBitwise) {
   for (bool meta : {true, false}) {
     const auto reference = train(std::nullopt, 4, meta);
     const auto host = train(host_policy(), 4, meta, [](Job& j, int) {
-      for (const auto& unit : j.root->units()) {
+      for (const auto& unit : fsdp::testing::units(*j.root)) {
         for (auto& fp : unit->flat_params()) {
           EXPECT_EQ(fp->offload().params, OffloadTier::kHost);
           ASSERT_TRUE(fp->offload().stager != nullptr);
@@ -173,7 +174,7 @@ TEST(Offload, PerUnitPolicyOverridesTheRoots) {
     for (size_t i = 1; i < model->blocks.size(); ++i) fully_shard(model->blocks[i], mesh, opts);
     auto root = fully_shard(model, mesh, FullyShardOptions(opts).offload(disk_policy(dir)));
     AdamW optim(root, AdamWOptions(1e-2));
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       const bool in_memory = unit->prefix() == "blocks_0.";
       for (auto& fp : unit->flat_params()) {
         EXPECT_EQ(offload::is_disk_backed(fp->sharded_param()), !in_memory) << unit->name();
@@ -235,7 +236,7 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
     const auto st = checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
     EXPECT_EQ(st.step, 3);
     // Loaded in place: the states are still in the disk tier, and loading left nothing mapped.
-    for (const auto& unit : j.root->units()) {
+    for (const auto& unit : fsdp::testing::units(*j.root)) {
       for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
     }
     for (auto& s : j.optim->states()) {
@@ -416,14 +417,14 @@ TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
     SGD sgd(root, SGDOptions(0.1).momentum(0.9));
     auto x = at::ones({2, 7}), y = at::zeros({2, 5});
     at::mse_loss(fsdp::call(model, x), y).backward();
-    const at::Tensor before = root->units().front()->flat_params().front()->sharded_param().clone();
+    const at::Tensor before = fsdp::testing::units(*root).front()->flat_params().front()->sharded_param().clone();
     try {
       sgd.step();
       ADD_FAILURE() << "SGD's momentum buffer cannot be offloaded";
     } catch (const ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("momentum_buffer"), std::string::npos) << e.what();
     }
-    EXPECT_TRUE(at::equal(before, root->units().front()->flat_params().front()->sharded_param()));
+    EXPECT_TRUE(at::equal(before, fsdp::testing::units(*root).front()->flat_params().front()->sharded_param()));
   });
   io::remove_tree(dir);
 }

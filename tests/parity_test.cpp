@@ -11,6 +11,7 @@
 
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 
@@ -100,12 +101,12 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       }
     }
     FullyShardOptions opts;
-    opts.strategy(cfg.strategy).param_dtype(cfg.param_dtype).reduce_dtype(cfg.reduce_dtype);
+    opts.strategy(cfg.strategy).mp_policy(MixedPrecisionPolicy().param_dtype(cfg.param_dtype).reduce_dtype(cfg.reduce_dtype));
     if (cfg.deferred_init) opts.init(net_init());
     for (auto& block : model->blocks) fully_shard(block, mesh, opts);
     // Only the root casts its output back to fp32 for the loss; blocks hand bf16 to each other.
     auto root_opts = opts;
-    if (cfg.param_dtype) root_opts.output_dtype(at::kFloat);
+    if (cfg.param_dtype) root_opts.mp_policy().output_dtype(at::kFloat);
     auto root = fully_shard(model, mesh, root_opts);
 
     std::unique_ptr<ShardedOptimizer> optim;
@@ -181,7 +182,7 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
     // Each rank's master shard equals the matching slice of the reference.
     std::map<std::string, at::Tensor> ref_named;
     for (auto& item : ref->named_parameters()) ref_named[item.key()] = item.value();
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       for (auto& fp : unit->flat_params()) {
         std::vector<at::Tensor> flat;
         for (const auto& e : fp->entries()) flat.push_back(ref_named.at(unit->prefix() + e.name).detach().reshape({-1}));
@@ -194,7 +195,8 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       }
     }
     // Frozen parameters have no optimizer state.
-    for (auto& s : optim->states()) EXPECT_TRUE(s.flat->config().requires_grad);
+    const auto flats = fsdp::testing::flat_params(*root);
+    for (auto& s : optim->states()) EXPECT_TRUE(flats.at(s.flat_index)->config().requires_grad);
   }
 }
 
@@ -306,6 +308,30 @@ TEST(ParityFeatures, DeferredInitEqualsEagerInit) {
   run_parity(c);
 }
 
+// FULL_SHARD and SHARD_GRAD_OP shard over every rank of a 1-D mesh; on a 2-D mesh they would
+// shard within rows and replicate across them, which is HYBRID_SHARD, so fully_shard refuses them
+// on every rank, naming the strategy, the mesh's shape and the way out.
+TEST(StrategyMesh, FullShardAndShardGradOpRefuseA2DMesh) {
+  testing::run_threads(4, [&](Dist& dist) {
+    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
+    DeviceMesh mesh(dist_ptr, /*replicate_size=*/2, /*shard_size=*/2);
+    for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      Net model = make_net(NetOptions(), 42);
+      try {
+        fully_shard(model, mesh, FullyShardOptions().strategy(s));
+        ADD_FAILURE() << strategy_name(s) << " on a 2x2 mesh did not throw on rank " << dist.rank();
+      } catch (const ConfigError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find(strategy_name(s)), std::string::npos) << what;
+        EXPECT_NE(what.find("replicate_size=2, shard_size=2"), std::string::npos) << what;
+        EXPECT_NE(what.find("use HYBRID_SHARD"), std::string::npos) << what;
+        EXPECT_NE(what.find("DeviceMesh(dist)"), std::string::npos) << what;
+      }
+      EXPECT_EQ(detail::unit_of(*model), nullptr);  // nothing half-applied
+    }
+  });
+}
+
 // Tied embedding / output projection: one owner, gathered once and reduced once per step, and the
 // training matches the unsharded reference where the tie is kept too.
 TEST(ParityFeatures, TiedWeights) {
@@ -333,7 +359,7 @@ TEST(ParityFeatures, TiedWeights) {
     }
     // The tied tensor is one entry of the root's flat params, with the second name as an alias.
     int entries = 0;
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       for (auto& fp : unit->flat_params()) {
         for (auto& e : fp->entries()) {
           if (e.name == "embed.weight") {
@@ -365,7 +391,7 @@ TEST(ParityFeatures, TiedWeights) {
       dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
       EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5 * ref_loss.item<double>()) << "step " << step;
       int64_t padded = 0, root_padded = 0, last_padded = 0;
-      for (const auto& unit : root->units()) {
+      for (const auto& unit : fsdp::testing::units(*root)) {
         for (auto& fp : unit->flat_params()) {
           padded += fp->padded_numel();
           if (unit->is_root()) root_padded += fp->padded_numel();

@@ -13,6 +13,7 @@
 
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 
@@ -65,10 +66,10 @@ Outcome train(Dist& dist, const PrefetchRun& setup) {
     optim.zero_grad();
     out.losses.push_back(loss.item<double>());
   }
-  for (const auto& unit : root->units()) {
+  for (const auto& unit : fsdp::testing::units(*root)) {
     for (auto& fp : unit->flat_params()) out.shards.push_back(fp->sharded_param().clone());
   }
-  out.peak_units = root->unit().root_state().peak_gathered_units;
+  out.peak_units = fsdp::testing::unit(*root).root_state().peak_gathered_units;
   return out;
 }
 
@@ -131,7 +132,7 @@ TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
       for (auto& b : model->blocks) blocks.push_back(fully_shard(b, mesh, opts));
       auto root = fully_shard(model, mesh, FullyShardOptions().init(init::normal(0.3, 9)));
       AdamW optim(root, AdamWOptions(1e-2));
-      auto& last = blocks.back()->unit();
+      auto& last = fsdp::testing::unit(*blocks.back());
       std::vector<double> losses;
       std::vector<uint64_t> gathered;
       for (int step = 0; step < 3; ++step) {
@@ -141,7 +142,7 @@ TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
         auto loss = at::mse_loss(fsdp::call(model, x), y);
         const bool kept = last.flat_params()[0]->state() == ShardedState::kUnsharded;
         EXPECT_EQ(kept, !reshard.has_value() && step > 0) << "step " << step;
-        EXPECT_EQ(blocks[0]->unit().flat_params()[0]->state(), ShardedState::kSharded);
+        EXPECT_EQ(fsdp::testing::unit(*blocks[0]).flat_params()[0]->state(), ShardedState::kSharded);
         loss.backward();
         EXPECT_EQ(last.flat_params()[0]->state(), ShardedState::kSharded) << "freed by the end of backward";
         optim.step();
@@ -175,14 +176,14 @@ TEST(Prefetch, ExplicitUnshardHandle) {
     testing::Net model(testing::NetOptions{});
     auto block = fully_shard(model->blocks[0], mesh);
     auto root = fully_shard(model, mesh);
-    root->units();
-    EXPECT_FALSE(block->unit().is_gathered_or_gathering());
+    fsdp::testing::units(*root);
+    EXPECT_FALSE(fsdp::testing::unit(*block).is_gathered_or_gathering());
     auto handle = block->unshard(/*async=*/true);
-    EXPECT_TRUE(block->unit().is_gathered_or_gathering());
+    EXPECT_TRUE(fsdp::testing::unit(*block).is_gathered_or_gathering());
     handle->wait();
-    EXPECT_EQ(block->unit().flat_params()[0]->state(), ShardedState::kUnsharded);
+    EXPECT_EQ(fsdp::testing::unit(*block).flat_params()[0]->state(), ShardedState::kUnsharded);
     block->reshard();
-    EXPECT_FALSE(block->unit().is_gathered_or_gathering());
+    EXPECT_FALSE(fsdp::testing::unit(*block).is_gathered_or_gathering());
   });
 }
 

@@ -6,6 +6,7 @@
 
 #include "fsdp/fsdp.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 
@@ -28,7 +29,7 @@ void check_traffic_and_memory(int world) {
     AdamW optim(root, AdamWOptions(1e-3));
 
     int64_t padded = 0, largest_unit = 0, root_unit = 0;
-    for (const auto& unit : root->units()) {
+    for (const auto& unit : fsdp::testing::units(*root)) {
       int64_t unit_bytes = 0;
       for (auto& fp : unit->flat_params()) {
         padded += fp->padded_numel();

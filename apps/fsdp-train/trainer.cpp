@@ -158,12 +158,12 @@ class Job {
                     .prefetch_depth(static_cast<int>(cfg_.fsdp.prefetch_depth))
                     .init(llama::llama_init_fn(cfg_.model, cfg_.train.seed));
     const bool mixed = cfg_.fsdp.param_dtype != at::kFloat;
-    if (mixed) opts.param_dtype(cfg_.fsdp.param_dtype);
-    if (mixed || cfg_.fsdp.reduce_dtype != at::kFloat) opts.reduce_dtype(cfg_.fsdp.reduce_dtype);
+    if (mixed) opts.mp_policy().param_dtype(cfg_.fsdp.param_dtype);
+    if (mixed || cfg_.fsdp.reduce_dtype != at::kFloat) opts.mp_policy().reduce_dtype(cfg_.fsdp.reduce_dtype);
     for (auto& layer : model_->model->layers) fsdp::fully_shard(layer, *mesh_, opts);
     auto root_opts = opts;
     // The loss is computed in fp32 whatever the compute dtype.
-    if (mixed) root_opts.output_dtype(at::kFloat);
+    if (mixed) root_opts.mp_policy().output_dtype(at::kFloat);
     // Offload is set on the root; the layers inherit it (their own policy is unset).
     const auto& off = cfg_.fsdp.offload;
     root_opts.offload(fsdp::OffloadPolicy()

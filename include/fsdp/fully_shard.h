@@ -28,17 +28,22 @@
 
 namespace fsdp {
 
-class ShardedUnit;
+class FSDPModule;
+class ShardedUnit;  // private (src/shard): only handles and fsdp::call's scope hold one
 class Tracer;
-struct MemoryReport;
+
+namespace detail {
+struct FSDPModuleAccess;  // the library's own access to the unit behind a handle
+}  // namespace detail
 
 // A gather issued with FSDPModule::unshard(async = true); wait() makes the params usable.
 class UnshardHandle {
  public:
-  explicit UnshardHandle(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
   void wait();
 
  private:
+  friend class FSDPModule;
+  explicit UnshardHandle(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
   std::shared_ptr<ShardedUnit> unit_;
 };
 
@@ -46,16 +51,10 @@ class UnshardHandle {
 // nested inside it). The unit applied last over a module tree is the root.
 class FSDPModule {
  public:
-  explicit FSDPModule(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
-  ShardedUnit& unit() const { return *unit_; }
-  const std::shared_ptr<ShardedUnit>& unit_ptr() const { return unit_; }
-
   // Gradient accumulation: with sync off, backward keeps unreduced gradients locally and skips
   // communication; the next backward with sync on reduces the sum. Applies to every unit under
   // this one.
   void set_requires_gradient_sync(bool sync);
-  // This unit and the units nested under it, pre-order (this one first).
-  std::vector<std::shared_ptr<ShardedUnit>> units() const;
 
   // Explicit control of gathering: unshard() issues this unit's all-gather (and waits unless
   // async); reshard() frees the gathered params. The lists below replace the recorded-order
@@ -69,6 +68,8 @@ class FSDPModule {
   void set_tracer(std::shared_ptr<Tracer> tracer);
 
  private:
+  friend struct detail::FSDPModuleAccess;
+  explicit FSDPModule(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
   std::shared_ptr<ShardedUnit> unit_;
 };
 
@@ -81,10 +82,10 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::ModuleHolder<ModuleType>& mod
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), mesh, options);
 }
 
+namespace detail {
 // The unit of a sharded module, or null.
 ShardedUnit* unit_of(const torch::nn::Module& module);
 
-namespace detail {
 // Runs around the wrapped forward: before() gathers, after() frees and hooks outputs for backward.
 class ForwardScope {
  public:
@@ -92,8 +93,8 @@ class ForwardScope {
   ~ForwardScope();
   ForwardScope(const ForwardScope&) = delete;
   ForwardScope& operator=(const ForwardScope&) = delete;
-  at::Tensor input(const at::Tensor& t);   // casts floating inputs to param_dtype
-  at::Tensor output(const at::Tensor& t);  // casts to output_dtype, registers the pre-backward hook
+  at::Tensor input(const at::Tensor& t);   // casts floating inputs to the policy's param_dtype
+  at::Tensor output(const at::Tensor& t);  // casts to its output_dtype, registers the pre-backward hook
   void finish();                           // post-forward
 
  private:
@@ -131,7 +132,7 @@ T map_output(ForwardScope&, T v) {
 // std::shared_ptr to a module.
 template <typename M, typename... Args>
 auto call(M& module, Args&&... args) -> decltype(module->forward(std::forward<Args>(args)...)) {
-  ShardedUnit* unit = unit_of(*module);
+  ShardedUnit* unit = detail::unit_of(*module);
   if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
   detail::ForwardScope scope(*unit);
   auto out = module->forward(detail::map_input(scope, std::forward<Args>(args))...);

@@ -20,8 +20,6 @@
 
 namespace fsdp {
 
-class FlatParam;
-
 // Hyper-parameters that differ per optimizer group (see FullyShardOptions::param_group).
 struct GroupOptions {
   TORCH_ARG(double, lr_scale) = 1.0;
@@ -49,7 +47,10 @@ struct SGDOptions {
 
 // The optimizer state of one flat param: tensors in the flat shard layout, plus its step count.
 struct ShardState {
-  FlatParam* flat = nullptr;
+  // Which flat param: its place in the root's order (units pre-order, then each unit's flat
+  // params in order, frozen ones included), and its tag for messages ("layers.0/1").
+  size_t flat_index = 0;
+  std::string tag;
   std::map<std::string, at::Tensor> tensors;
   int64_t step = 0;
 };

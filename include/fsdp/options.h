@@ -10,6 +10,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include "fsdp/mixed_precision.h"
+
 namespace fsdp {
 
 enum class ShardingStrategy {
@@ -18,6 +20,8 @@ enum class ShardingStrategy {
   kNoShard,       // DDP-equivalent: every rank keeps everything; gradients all-reduced
   kHybridShard,   // kFullShard within a row of a 2-D mesh, replicated (all-reduce) across rows
 };
+// kFullShard and kShardGradOp shard over a 1-D mesh (every rank); on a 2-D mesh fully_shard
+// throws ConfigError rather than guess: kHybridShard is the strategy for a 2-D mesh.
 
 const char* strategy_name(ShardingStrategy s);
 ShardingStrategy parse_strategy(const std::string& name);  // "FULL_SHARD", "full_shard", ...
@@ -68,11 +72,9 @@ struct FullyShardOptions {
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
   // Default: true for kFullShard and kHybridShard, false for kShardGradOp and kNoShard.
   TORCH_ARG(std::optional<bool>, reshard_after_forward) = std::nullopt;
-  // Mixed precision: params gathered and computed in param_dtype; gradients reduced in
-  // reduce_dtype (default: param_dtype); outputs cast to output_dtype. Master shards stay fp32.
-  TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
-  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
-  TORCH_ARG(std::optional<at::ScalarType>, output_dtype) = std::nullopt;
+  // Mixed precision (fsdp/mixed_precision.h): the dtypes this unit computes, reduces and returns
+  // in. Master shards stay fp32.
+  TORCH_ARG(MixedPrecisionPolicy, mp_policy) = MixedPrecisionPolicy();
   TORCH_ARG(ParamGroupFn, param_group) = default_param_group;
   // Required when the module's parameters are on the meta device (deferred init).
   TORCH_ARG(ParamInitFn, init) = nullptr;

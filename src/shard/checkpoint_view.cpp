@@ -19,7 +19,7 @@ ModelView model_view(FSDPModule& root) {
     std::string prefix;
   };
   std::unordered_map<const void*, Placed> by_tensor;
-  for (const auto& unit : root.units()) {
+  for (ShardedUnit* unit : units_of(root)) {
     for (auto& fp : unit->flat_params()) {
       const size_t index = view.flats.size();
       view.flats.push_back({&fp->sharded_param(), fp->shard_offset(), fp->shard_numel(), fp->config().requires_grad,
@@ -29,7 +29,7 @@ ModelView model_view(FSDPModule& root) {
     }
   }
   // The model's own registration order gives files that read like the model.
-  auto module = root.unit().module().lock();
+  auto module = unit_of(root).module().lock();
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     auto it = by_tensor.find(item.value().unsafeGetTensorImpl());
     if (it == by_tensor.end()) continue;
@@ -44,22 +44,18 @@ ModelView model_view(FSDPModule& root) {
     view.tensors.push_back(std::move(t));
     by_tensor.erase(it);  // tied: once
   }
-  view.dist = &root.unit().mesh().dist();
-  view.strategy = strategy_name(root.unit().options().strategy());
+  view.dist = &unit_of(root).mesh().dist();
+  view.strategy = strategy_name(unit_of(root).options().strategy);
   return view;
 }
 
-// Note [Matching optimizer states to flat params]
-// A ShardState names its flat param; the view's flats carry the address of each one's master
-// shard, which is unique per flat param, so the match needs nothing else of the model.
+// A ShardState carries its flat param's index in the root's order (units pre-order, then each
+// unit's flat params), the order the view's flats follow.
 std::vector<ShardState*> states_by_flat(const ModelView& view, ShardedOptimizer* optimizer) {
   std::vector<ShardState*> states(view.flats.size(), nullptr);
   if (optimizer == nullptr) return states;
-  std::unordered_map<const at::Tensor*, size_t> index_of;
-  for (const auto& f : view.flats) index_of[f.master_shard] = f.index;
   for (auto& s : optimizer->states()) {
-    auto it = index_of.find(&s.flat->sharded_param());
-    if (it != index_of.end()) states[it->second] = &s;
+    if (s.flat_index < states.size()) states[s.flat_index] = &s;
   }
   return states;
 }

@@ -7,7 +7,7 @@ namespace fsdp {
 namespace {
 
 offload::DiskTier* disk_tier_of(FSDPModule& root) {
-  ShardedUnit& unit = root.unit();
+  ShardedUnit& unit = unit_of(root);
   if (unit.root() != &unit) unit.lazy_init();
   return unit.root_state().disk_tier.get();
 }

@@ -39,29 +39,27 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
       r.tier_device += bytes;
     }
   };
-  for (const auto& unit : root.units()) {
-    for (auto& fp : unit->flat_params()) {
-      r.sharded_params += fp->sharded_param().numel() * fp->sharded_param().element_size();
-      by_tier(fp->sharded_param(), fp->offload().params);
-      const auto& g = fp->sharded_grad();
-      if (g.defined()) {
-        r.sharded_grads += g.numel() * g.element_size();
-        by_tier(g, fp->offload().grads);
-      }
-      r.unsharded_alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
+  const auto flats = flat_params_of(root);
+  for (FlatParam* fp : flats) {
+    r.sharded_params += fp->sharded_param().numel() * fp->sharded_param().element_size();
+    by_tier(fp->sharded_param(), fp->offload().params);
+    const auto& g = fp->sharded_grad();
+    if (g.defined()) {
+      r.sharded_grads += g.numel() * g.element_size();
+      by_tier(g, fp->offload().grads);
     }
+    r.unsharded_alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
   }
   if (optimizer != nullptr) {
     for (const auto& s : const_cast<ShardedOptimizer*>(optimizer)->states()) {
       for (const auto& [name, t] : s.tensors) {
-        if (t.defined()) by_tier(t, s.flat->offload().optimizer_state);
+        if (t.defined()) by_tier(t, flats.at(s.flat_index)->offload().optimizer_state);
       }
     }
   }
   r.disk_resident = disk_tier_stats(root).resident_bytes;
-  if (root.unit().root() != nullptr) {
-    r.peak_unsharded = std::max(root.unit().root_state().peak_unsharded_bytes, r.unsharded_alive);
-  }
+  ShardedUnit& unit = unit_of(root);
+  if (unit.root() != nullptr) r.peak_unsharded = std::max(unit.root_state().peak_unsharded_bytes, r.unsharded_alive);
   if (optimizer != nullptr) r.optimizer_state = optimizer->state_bytes();
   return r;
 }

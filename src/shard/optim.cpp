@@ -22,13 +22,13 @@ namespace fsdp {
 
 ShardedOptimizer::ShardedOptimizer(const std::shared_ptr<FSDPModule>& root) : root_(root) {
   if (!root_) throw ConfigError("fsdp: optimizer got a null module; pass the FSDPModule fully_shard returned");
-  for (const auto& unit : root_->units()) {
-    for (auto& fp : unit->flat_params()) {
-      if (!fp->config().requires_grad) continue;  // frozen: no optimizer state
-      ShardState s;
-      s.flat = fp.get();
-      states_.push_back(std::move(s));
-    }
+  const auto flats = flat_params_of(*root_);
+  for (size_t i = 0; i < flats.size(); ++i) {
+    if (!flats[i]->config().requires_grad) continue;  // frozen: no optimizer state
+    ShardState s;
+    s.flat_index = i;
+    s.tag = flats[i]->config().tag;
+    states_.push_back(std::move(s));
   }
 }
 
@@ -55,21 +55,23 @@ double ShardedOptimizer::group_weight_decay(int group) const {
 
 void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
-  Tracer* tracer = root_->unit().tracer();
+  Tracer* tracer = unit_of(*root_).tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
   reserve_offloaded_state();
+  const auto flats = flat_params_of(*root_);
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
     auto& s = *it;
-    s.flat->finalize_grads();
-    auto& grad = s.flat->sharded_grad();
+    FlatParam& flat = *flats.at(s.flat_index);
+    flat.finalize_grads();
+    auto& grad = flat.sharded_grad();
     if (!grad.defined()) continue;
     if (s.tensors.empty()) init_state(s);
     ++s.step;
-    const int group = s.flat->config().group;
+    const int group = flat.config().group;
     const double lr = group_lr(group), wd = group_weight_decay(group);
-    at::Tensor& param = s.flat->sharded_param();
+    at::Tensor& param = flat.sharded_param();
     if (offload::needs_streaming(s, param, grad)) {
       offload::step_in_chunks(s, param, grad, [&](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
         step_shard(chunk, p, g, lr, wd);
@@ -87,31 +89,36 @@ void ShardedOptimizer::step() {
 void ShardedOptimizer::reserve_offloaded_state() {
   int64_t disk_bytes = 0;
   offload::DiskTier* tier = nullptr;
+  const auto flats = flat_params_of(*root_);
   for (auto& s : states_) {
-    if (!s.tensors.empty() || s.flat->offload().optimizer_state != OffloadTier::kDisk) continue;
-    tier = s.flat->offload().disk.get();
-    disk_bytes += s.flat->shard_numel() * static_cast<int64_t>(sizeof(float) * state_names().size());
+    const FlatParam& flat = *flats.at(s.flat_index);
+    if (!s.tensors.empty() || flat.offload().optimizer_state != OffloadTier::kDisk) continue;
+    tier = flat.offload().disk.get();
+    disk_bytes += flat.shard_numel() * static_cast<int64_t>(sizeof(float) * state_names().size());
   }
   if (tier != nullptr) tier->check_free_space(disk_bytes, type_name() + " state");
   for (auto& s : states_) {
-    if (s.tensors.empty() && s.flat->offload().optimizer_state != OffloadTier::kNone) init_state(s);
+    const bool offloaded = flats.at(s.flat_index)->offload().optimizer_state != OffloadTier::kNone;
+    if (s.tensors.empty() && offloaded) init_state(s);
     for (const auto& [name, t] : s.tensors) {
-      if (!t.defined() && s.flat->offload().optimizer_state != OffloadTier::kNone) {
+      if (!t.defined() && offloaded) {
         throw ConfigError("fsdp: " + type_name() + " creates its state '" + name + "' in its first step, so it " +
-                          "cannot be offloaded (" + s.flat->config().tag + "); set offload.optimizer_state to \"none\"");
+                          "cannot be offloaded (" + s.tag + "); set offload.optimizer_state to \"none\"");
       }
     }
   }
 }
 
 at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name) const {
-  return s.flat->new_state_tensor(type_name() + " " + name);
+  return flat_params_of(*root_).at(s.flat_index)->new_state_tensor(type_name() + " " + name);
 }
 
 void ShardedOptimizer::zero_grad() {
+  const auto flats = flat_params_of(*root_);
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
-    it->flat->finalize_grads();
-    it->flat->zero_grad();
+    FlatParam& flat = *flats.at(it->flat_index);
+    flat.finalize_grads();
+    flat.zero_grad();
   }
 }
 
@@ -215,9 +222,9 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
   // reduces every group, with or without gradients of its own.
   std::vector<std::pair<Communicator*, at::Tensor>> partial;
   std::vector<at::Tensor> grads;
-  const auto units = root.units();
+  const auto units = units_of(root);
   for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
-  for (const auto& unit : units) {
+  for (ShardedUnit* unit : units) {
     for (auto& fp : unit->flat_params()) {
       if (!fp->config().requires_grad) continue;
       Communicator* group = fp->shard_group().size() > 1 ? &fp->shard_group() : nullptr;

@@ -10,6 +10,11 @@
 //              wait for every reduction, reshard everything, reset.
 // Every transition is idempotent: a unit used twice in a forward, used by a recomputation
 // inside backward, or not used at all in a step goes through the same code.
+//
+// Three files, along FSDP2's seams: fully_shard.cpp (the public API: fully_shard, FSDPModule,
+// UnshardHandle, fsdp::call's scope), unit_init.cpp (parameter discovery and flat params, the
+// root's lazy init, option resolution, offload placement), sharded_unit.cpp (the forward and
+// backward state machine above).
 #pragma once
 
 #include <chrono>
@@ -20,9 +25,11 @@
 #include <torch/nn/module.h>
 
 #include "fsdp/device_mesh.h"
+#include "fsdp/fully_shard.h"
 #include "fsdp/options.h"
 #include "shard/execution_order.h"
 #include "shard/flat_param.h"
+#include "shard/resolved_options.h"
 
 namespace torch::autograd {
 struct Node;
@@ -41,9 +48,7 @@ struct RootState {
   bool callback_queued = false;
   bool in_backward = false;
   std::vector<FlatParam*> pending_reduces;  // reduce-scatters issued and not yet collected
-  int64_t checkpoint_saves = 0;             // keys a save's store entries
   ExecutionOrder order;
-  int max_unsharded_units = 0;
   std::shared_ptr<Tracer> tracer;
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
@@ -68,7 +73,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   bool is_root() const { return root_ == this; }
   ShardedUnit* root() { return root_; }
   RootState& root_state() { return *root_->root_state_; }
-  // Makes this unit the root of every unit in its module tree (names, deferred init).
+  // Makes this unit the root of every unit in its module tree (names, inherited options, offload
+  // placement, deferred init).
   void lazy_init();
   // This unit and every unit nested in its module tree, pre-order.
   std::vector<ShardedUnit*> subtree_units() const;
@@ -91,27 +97,32 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
   // ---- parts
   std::vector<std::unique_ptr<FlatParam>>& flat_params() { return flat_params_; }
-  const FullyShardOptions& options() const { return options_; }
+  const ResolvedOptions& options() const { return options_; }
   DeviceMesh& mesh() { return mesh_; }
-  bool reshard_after_forward() const { return reshard_after_forward_; }
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   TrainingState training_state() const { return state_; }
   std::weak_ptr<torch::nn::Module> module() const { return module_; }
 
  private:
+  // unit_init.cpp
+  void make_flat_params(const torch::nn::Module& module);
+  void register_grad_hooks();
+  void resolve_inherited_options();  // root only, in lazy_init
+  void open_offload_tiers();         // root only, in lazy_init
+  void place_offloaded_states();     // root only, in lazy_init
+  // sharded_unit.cpp
   void on_grad_ready(size_t flat_index);
-  int prefetch_depth() const;
   void prefetch(const std::vector<ShardedUnit*>& targets);
   void post_backward(size_t flat_index);
   void note_memory();
   void reset_after_backward();
-  void place_offloaded_states();  // root only, in lazy_init
 
   std::weak_ptr<torch::nn::Module> module_;
   DeviceMesh mesh_;
-  FullyShardOptions options_;
-  bool reshard_after_forward_ = true;
+  // What the user passed; read only to resolve options_ (at fully_shard and the root's lazy init).
+  FullyShardOptions requested_;
+  ResolvedOptions options_;
   bool requires_gradient_sync_ = true;
   Communicator* shard_group_ = nullptr;
   Communicator* replicate_group_ = nullptr;
@@ -131,5 +142,24 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::unique_ptr<RootState> root_state_;
   TrainingState state_ = TrainingState::kIdle;
 };
+
+// ---- the units behind public handles (FSDPModule keeps its unit opaque)
+
+namespace detail {
+struct FSDPModuleAccess {
+  static std::shared_ptr<FSDPModule> make(std::shared_ptr<ShardedUnit> unit) {
+    return std::shared_ptr<FSDPModule>(new FSDPModule(std::move(unit)));
+  }
+  static ShardedUnit& unit(const FSDPModule& handle) { return *handle.unit_; }
+};
+}  // namespace detail
+
+// The unit of a handle fully_shard returned.
+inline ShardedUnit& unit_of(const FSDPModule& handle) { return detail::FSDPModuleAccess::unit(handle); }
+// The handle's unit and the units nested under it, pre-order (lazy init first when no root has
+// claimed them yet).
+std::vector<ShardedUnit*> units_of(const FSDPModule& handle);
+// Their flat params in that order, each unit's in turn: ShardState::flat_index indexes this.
+std::vector<FlatParam*> flat_params_of(const FSDPModule& handle);
 
 }  // namespace fsdp

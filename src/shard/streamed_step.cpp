@@ -25,7 +25,7 @@ void step_in_chunks(ShardState& s, at::Tensor& param, const at::Tensor& grad, co
   for (const auto& [name, t] : s.tensors) {
     if (!t.defined()) {
       // e.g. SGD's momentum buffer, created by its first step: a chunk could not create it whole.
-      throw ConfigError("fsdp: " + (s.flat ? s.flat->config().tag : std::string("?")) + ": optimizer state '" + name +
+      throw ConfigError("fsdp: " + (s.tag.empty() ? std::string("?") : s.tag) + ": optimizer state '" + name +
                         "' does not exist before its first step, so the step cannot stream through the disk tier; "
                         "offload params and optimizer_state to \"none\" or \"host\" with this optimizer");
     }
@@ -50,7 +50,8 @@ void step_in_chunks(ShardState& s, at::Tensor& param, const at::Tensor& grad, co
     const int64_t b = std::min(n, a + chunk);
     each(b, std::min(n, b + chunk), &will_need);  // read-ahead: chunk k+1 comes in while k computes
     ShardState view;
-    view.flat = s.flat;
+    view.flat_index = s.flat_index;
+    view.tag = s.tag;
     view.step = s.step;
     for (const auto& [name, t] : s.tensors) view.tensors[name] = t.defined() ? t.narrow(0, a, b - a) : t;
     at::Tensor p = param.narrow(0, a, b - a);
@@ -60,7 +61,7 @@ void step_in_chunks(ShardState& s, at::Tensor& param, const at::Tensor& grad, co
       const auto& v = view.tensors[name];
       if (t.defined() != v.defined() || (t.defined() && v.data_ptr() != t.narrow(0, a, b - a).data_ptr())) {
         throw ConfigError("fsdp: the optimizer replaced its state tensor '" + name + "' of " +
-                          (s.flat ? s.flat->config().tag : std::string("?")) +
+                          (s.tag.empty() ? std::string("?") : s.tag) +
                           " instead of updating it in place; its state cannot be offloaded (use offload "
                           "optimizer_state \"none\", or an optimizer whose state exists from the first step)");
       }

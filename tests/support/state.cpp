@@ -11,6 +11,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/optim.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 
 namespace fsdp::testing {
 namespace {
@@ -38,7 +39,7 @@ std::string state_bytes(const std::vector<double>& losses, FSDPModule& root, Sha
     std::snprintf(buf, sizeof(buf), "%a\n", l);
     s << buf;
   }
-  for (const auto& unit : root.units()) {
+  for (const auto& unit : fsdp::testing::units(root)) {
     for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
   }
   if (optim != nullptr) {

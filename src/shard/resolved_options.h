@@ -1,0 +1,45 @@
+// ResolvedOptions: the options a unit runs with. FullyShardOptions says what the user asked for,
+// with unset fields that fall back to the root's or to a default; each field is resolved once,
+// here, and the rest of the shard core reads only this struct.
+#pragma once
+
+#include "fsdp/device_mesh.h"
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+// | field                                  | scope                                        | resolved at          |
+// |----------------------------------------|----------------------------------------------|----------------------|
+// | strategy                               | per unit                                     | fully_shard          |
+// | reshard_after_forward (+ _explicit)    | per unit (unset: true for FULL_SHARD and     | fully_shard          |
+// |                                        | HYBRID_SHARD, else false; NO_SHARD: false)   |                      |
+// | mp_policy                              | per unit                                     | fully_shard          |
+// | param_group                            | per unit                                     | fully_shard          |
+// | init                                   | per unit                                     | fully_shard          |
+// | prefetch_depth                         | inherited: own, else the root's, else 1      | the root's lazy init |
+// | offload                                | inherited: own, else the root's, else none;  | the root's lazy init |
+// |                                        | validated there                              |                      |
+// | max_unsharded_units                    | root only (the root's, copied to every unit) | the root's lazy init |
+//
+// fully_shard is resolve_unit_options (the fields a unit needs to build its flat params, and the
+// checks of strategy against mesh and of the dtypes); the root's lazy init is
+// ShardedUnit::resolve_inherited_options (every unit under the root, in one place).
+struct ResolvedOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  bool reshard_after_forward = true;
+  // Set explicitly by the user: Note [The last unit keeps its params] guesses only when it was not.
+  bool reshard_after_forward_explicit = false;
+  MixedPrecisionPolicy mp_policy;
+  ParamGroupFn param_group = default_param_group;
+  ParamInitFn init;
+  int prefetch_depth = 1;
+  OffloadPolicy offload;
+  int max_unsharded_units = 0;
+};
+
+// The per-unit fields of `options` (inherited and root-only ones keep their defaults until the
+// root's lazy init). Throws ConfigError for a strategy that does not fit `mesh` or a
+// non-floating mixed-precision dtype.
+ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const DeviceMesh& mesh);
+
+}  // namespace fsdp

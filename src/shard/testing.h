@@ -1,0 +1,21 @@
+// Introspection for tests and benchmarks: the units and flat params behind a public handle, which
+// the public API keeps opaque. Not installed; library code uses sharded_unit.h directly.
+#pragma once
+
+#include <vector>
+
+#include "fsdp/fully_shard.h"
+#include "shard/flat_param.h"
+#include "shard/sharded_unit.h"
+
+namespace fsdp::testing {
+
+// The handle's own unit.
+inline ShardedUnit& unit(const FSDPModule& handle) { return unit_of(handle); }
+// The handle's unit and every unit nested under it, pre-order; lazy-initialises an unclaimed root
+// (materialises deferred-init shards).
+inline std::vector<ShardedUnit*> units(const FSDPModule& handle) { return units_of(handle); }
+// Their flat params in order: ShardState::flat_index indexes this.
+inline std::vector<FlatParam*> flat_params(const FSDPModule& handle) { return flat_params_of(handle); }
+
+}  // namespace fsdp::testing

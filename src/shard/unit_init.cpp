@@ -1,0 +1,379 @@
+// ShardedUnit's construction and the root's lazy init: option resolution, parameter discovery and
+// flat params, the gradient hooks, and where each flat param's sharded states live (offload).
+// See sharded_unit.h.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <map>
+#include <optional>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "comm/communicator_impl.h"
+#include "fsdp/errors.h"
+#include "shard/sharded_unit.h"
+#include "tiers/device_stager.h"
+#include "tiers/disk_tier.h"
+
+namespace fsdp {
+namespace {
+
+constexpr const char* kAnchorName = "_fsdp_unit";
+
+// Registered as a child of a sharded module: how fsdp::call finds the unit, and what keeps the
+// unit alive as long as its module. It holds no parameters or buffers, so state dicts and
+// named_parameters() are unchanged.
+class UnitAnchor : public torch::nn::Module {
+ public:
+  explicit UnitAnchor(std::shared_ptr<ShardedUnit> unit) : unit_(std::move(unit)) {}
+  ShardedUnit* unit() const { return unit_.get(); }
+
+ private:
+  std::shared_ptr<ShardedUnit> unit_;
+};
+
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+// Parameters owned by units nested under `module` (not counting `module`'s own unit).
+void collect_nested_params(const torch::nn::Module& module, std::unordered_set<const void*>& out, bool top) {
+  if (!top) {
+    if (ShardedUnit* unit = detail::unit_of(module)) {
+      for (auto& fp : unit->flat_params()) {
+        for (auto& e : fp->entries()) out.insert(e.param.unsafeGetTensorImpl());
+      }
+      return;
+    }
+  }
+  for (const auto& child : module.named_children()) {
+    if (child.key() != kAnchorName) collect_nested_params(*child.value(), out, false);
+  }
+}
+
+struct Found {
+  std::string name;
+  at::Tensor param;
+  std::vector<std::string> aliases;
+};
+
+// This unit's parameters in registration order, tied ones once, skipping nested units' subtrees.
+void collect_own_params(const torch::nn::Module& module, const std::string& prefix, bool top,
+                        std::vector<Found>& out, std::unordered_map<const void*, size_t>& index) {
+  if (!top && detail::unit_of(module) != nullptr) return;
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    const void* key = p.value().unsafeGetTensorImpl();
+    auto it = index.find(key);
+    if (it != index.end()) {
+      out[it->second].aliases.push_back(prefix + p.key());
+      continue;
+    }
+    index[key] = out.size();
+    out.push_back({prefix + p.key(), p.value(), {}});
+  }
+  for (const auto& child : module.named_children()) {
+    if (child.key() == kAnchorName) continue;
+    collect_own_params(*child.value(), prefix + child.key() + ".", false, out, index);
+  }
+}
+
+void check_param(const Found& f, const std::unordered_set<const void*>& nested) {
+  if (nested.count(f.param.unsafeGetTensorImpl())) {
+    throw ConfigError("fsdp: parameter '" + f.name + "' is shared with a nested unit; tied parameters must "
+                      "belong to one unit: shard their common ancestor instead of each user");
+  }
+  if (!f.param.is_floating_point()) {
+    throw ConfigError("fsdp: parameter '" + f.name + "' has dtype " + std::string(c10::toString(f.param.scalar_type())) +
+                      "; only floating-point parameters can be sharded");
+  }
+}
+
+// The strategy's mesh: FULL_SHARD and SHARD_GRAD_OP shard over every rank of a 1-D mesh, and
+// HYBRID_SHARD needs rows to replicate across. A 2-D mesh with FULL_SHARD used to shard within a
+// row and replicate across rows, which is HYBRID_SHARD under another name: refused rather than
+// guessed, so that a config says what it does.
+void check_strategy_fits_mesh(ShardingStrategy strategy, const DeviceMesh& mesh) {
+  const std::string shape =
+      "replicate_size=" + std::to_string(mesh.replicate_size()) + ", shard_size=" + std::to_string(mesh.shard_size());
+  switch (strategy) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      if (mesh.is_hybrid()) {
+        throw ConfigError(std::string("fsdp: ") + strategy_name(strategy) + " needs a 1-D mesh, but this mesh is 2-D (" +
+                          shape + "): use HYBRID_SHARD to shard within rows and replicate across them, or a 1-D "
+                          "DeviceMesh(dist) to shard over every rank");
+      }
+      break;
+    case ShardingStrategy::kHybridShard:
+      if (!mesh.is_hybrid()) {
+        throw ConfigError("fsdp: HYBRID_SHARD needs a 2-D mesh with more than one replica: build it with "
+                          "DeviceMesh(dist, replicate_size, shard_size); this mesh has " + shape);
+      }
+      break;
+    case ShardingStrategy::kNoShard:
+      break;
+  }
+}
+
+void check_floating(const char* field, const std::optional<at::ScalarType>& dtype) {
+  if (dtype && !at::isFloatingType(*dtype)) {
+    throw ConfigError(std::string("fsdp: ") + field + " must be a floating type, got " +
+                      std::string(c10::toString(*dtype)));
+  }
+}
+
+// A unit on a device offloads all of its states or none (the optimizer steps where the master
+// shard lives, reading its gradient and state there).
+void check_offload_on_device(const OffloadPolicy& policy, const std::string& unit, c10::Device device) {
+  if (device.is_cpu() || !policy.any()) return;
+  if (policy.params() != OffloadTier::kNone && policy.grads() != OffloadTier::kNone &&
+      policy.optimizer_state() != OffloadTier::kNone) {
+    return;
+  }
+  throw ConfigError(std::string("fsdp: unit '") + unit + "' offloads some states but not all (params=" +
+                    offload_tier_name(policy.params()) + ", grads=" + offload_tier_name(policy.grads()) +
+                    ", optimizer_state=" + offload_tier_name(policy.optimizer_state()) + ") while computing on " +
+                    device.str() + "; on a device the optimizer steps on the CPU, so offload params, grads "
+                    "and optimizer_state together (each \"host\" or \"disk\") or none of them");
+}
+
+}  // namespace
+
+namespace detail {
+ShardedUnit* unit_of(const torch::nn::Module& module) {
+  const auto children = module.named_children();
+  const auto* anchor = children.find(kAnchorName);
+  if (anchor == nullptr) return nullptr;
+  const auto* typed = dynamic_cast<const UnitAnchor*>(anchor->get());
+  return typed ? typed->unit() : nullptr;
+}
+}  // namespace detail
+
+// ---- options
+
+ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const DeviceMesh& mesh) {
+  ResolvedOptions r;
+  r.strategy = options.strategy();
+  check_strategy_fits_mesh(r.strategy, mesh);
+  r.reshard_after_forward_explicit = options.reshard_after_forward().has_value();
+  r.reshard_after_forward = options.reshard_after_forward().value_or(
+      r.strategy == ShardingStrategy::kFullShard || r.strategy == ShardingStrategy::kHybridShard);
+  if (r.strategy == ShardingStrategy::kNoShard) r.reshard_after_forward = false;  // nothing to free
+  r.mp_policy = options.mp_policy();
+  check_floating("param_dtype", r.mp_policy.param_dtype());
+  check_floating("reduce_dtype", r.mp_policy.reduce_dtype());
+  r.param_group = options.param_group();
+  r.init = options.init();
+  return r;
+}
+
+// Every unit under the root, once the root is known: what a unit leaves unset comes from the
+// root's options. Runs again if a larger root claims units that lazy-initialised on their own.
+void ShardedUnit::resolve_inherited_options() {
+  const c10::Device device = mesh_.dist().compute_device();
+  for (ShardedUnit* unit : root_state_->units) {
+    const FullyShardOptions& own = unit->requested_;
+    ResolvedOptions& o = unit->options_;
+    o.prefetch_depth = own.prefetch_depth().value_or(requested_.prefetch_depth().value_or(1));
+    o.max_unsharded_units = requested_.max_unsharded_units();
+    o.offload = own.offload() ? *own.offload() : requested_.offload().value_or(OffloadPolicy());
+    o.offload.validate();
+    check_offload_on_device(o.offload, unit->name(), device);
+  }
+}
+
+// ---- construction
+
+ShardedUnit::ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const DeviceMesh& mesh,
+                         FullyShardOptions options)
+    : module_(module), mesh_(mesh), requested_(std::move(options)), options_(resolve_unit_options(requested_, mesh_)) {
+  if (options_.strategy == ShardingStrategy::kNoShard) {
+    // Every rank holds everything: a one-rank shard group, gradients all-reduced over the world.
+    const int rank = mesh_.dist().rank();
+    no_shard_group_ = make_local_group("no_shard/" + std::to_string(rank), rank);
+    shard_group_ = no_shard_group_.get();
+    replicate_group_ = &mesh_.dist().world();
+  } else {
+    shard_group_ = &mesh_.shard_group();
+    replicate_group_ = &mesh_.replicate_group();
+  }
+}
+
+ShardedUnit::~ShardedUnit() = default;
+
+void ShardedUnit::build() {
+  auto module = module_.lock();
+  make_flat_params(*module);
+  register_grad_hooks();
+  module->register_module(kAnchorName, std::make_shared<UnitAnchor>(shared_from_this()));
+}
+
+// One flat param per (dtype, requires_grad, optimizer group) of the unit's own parameters, in
+// first-seen order.
+void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
+  std::unordered_set<const void*> nested;
+  collect_nested_params(module, nested, /*top=*/true);
+  std::vector<Found> found;
+  std::unordered_map<const void*, size_t> index;
+  collect_own_params(module, "", /*top=*/true, found, index);
+
+  std::map<std::tuple<int, bool, int>, size_t> slot;
+  std::vector<std::vector<FlatParamEntry>> groups;
+  std::vector<FlatParamConfig> configs;
+  const auto& mp = options_.mp_policy;
+  for (auto& f : found) {
+    check_param(f, nested);
+    const int group = options_.param_group(f.name, f.param);
+    const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group);
+    auto it = slot.find(key);
+    if (it == slot.end()) {
+      it = slot.emplace(key, groups.size()).first;
+      groups.emplace_back();
+      FlatParamConfig c;
+      c.compute_dtype = mp.param_dtype().value_or(f.param.scalar_type());
+      c.reduce_dtype = mp.reduce_dtype().value_or(c.compute_dtype);
+      c.requires_grad = f.param.requires_grad();
+      c.group = group;
+      c.device = mesh_.dist().compute_device();
+      configs.push_back(c);
+    }
+    FlatParamEntry e;
+    e.name = f.name;
+    e.aliases = f.aliases;
+    e.param = f.param;
+    groups[it->second].push_back(std::move(e));
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    configs[i].tag = "unit/" + std::to_string(i);
+    flat_params_.push_back(std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *shard_group_, *replicate_group_));
+    has_frozen_ = has_frozen_ || !configs[i].requires_grad;
+  }
+  grads_landed_.assign(flat_params_.size(), 0);
+  post_backward_done_.assign(flat_params_.size(), false);
+}
+
+// Counts each parameter's gradient as AccumulateGrad finishes with it. The accumulators are held
+// here: autograd keeps only a weak reference to them.
+void ShardedUnit::register_grad_hooks() {
+  std::weak_ptr<ShardedUnit> weak = weak_from_this();
+  for (size_t i = 0; i < flat_params_.size(); ++i) {
+    if (!flat_params_[i]->config().requires_grad) continue;
+    for (const auto& e : flat_params_[i]->entries()) {
+      auto acc = torch::autograd::impl::grad_accumulator(e.param);
+      acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i] {
+        if (auto unit = weak.lock()) unit->on_grad_ready(i);
+      }));
+      grad_accumulators_.push_back(std::move(acc));
+    }
+  }
+}
+
+std::vector<ShardedUnit*> ShardedUnit::subtree_units() const {
+  std::vector<ShardedUnit*> out;
+  auto module = module_.lock();
+  for (const auto& item : module->modules(/*include_self=*/true)) {
+    if (ShardedUnit* unit = detail::unit_of(*item)) out.push_back(unit);
+  }
+  return out;
+}
+
+// ---- the root's lazy init
+
+void ShardedUnit::lazy_init() {
+  if (root_ == this) return;
+  auto module = module_.lock();
+  root_state_ = std::make_unique<RootState>();
+  root_ = this;
+  prefix_ = "";
+  for (const auto& item : module->named_modules("", /*include_self=*/true)) {
+    ShardedUnit* unit = detail::unit_of(*item.value());
+    if (unit == nullptr) continue;
+    if (unit != this) {
+      unit->root_ = this;
+      unit->root_state_.reset();
+      unit->prefix_ = item.key() + ".";
+    }
+    root_state_->units.push_back(unit);
+  }
+  for (ShardedUnit* unit : root_state_->units) {
+    for (size_t i = 0; i < unit->flat_params_.size(); ++i) unit->flat_params_[i]->set_tag(unit->name() + "/" + std::to_string(i));
+  }
+  resolve_inherited_options();
+  open_offload_tiers();
+  place_offloaded_states();  // before materialize: deferred init writes straight into the tiers
+  for (ShardedUnit* unit : root_state_->units) {
+    for (auto& fp : unit->flat_params_) fp->materialize(unit->options_.init, unit->prefix_);
+  }
+}
+
+// Opens what the units' offload policies use: one disk tier per rank (its directory and budget
+// are per rank: every unit that offloads to disk must agree with the first one that does) and
+// one stager.
+void ShardedUnit::open_offload_tiers() {
+  RootState& rs = *root_state_;
+  const c10::Device device = mesh_.dist().compute_device();
+  const OffloadPolicy* disk_policy = nullptr;
+  bool needs_stager = false;
+  for (ShardedUnit* unit : rs.units) {
+    const OffloadPolicy& policy = unit->options_.offload;
+    needs_stager = needs_stager || policy.uses(OffloadTier::kHost) || (policy.any() && !device.is_cpu());
+    if (!policy.uses(OffloadTier::kDisk)) continue;
+    if (disk_policy && (disk_policy->dir() != policy.dir() ||
+                        disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
+      throw ConfigError("fsdp: unit '" + unit->name() + "' sets offload.dir=" + policy.dir() +
+                        " and offload.memory_budget_bytes=" + std::to_string(policy.memory_budget_bytes()) +
+                        " but another unit set " + disk_policy->dir() + " and " +
+                        std::to_string(disk_policy->memory_budget_bytes()) +
+                        "; the disk tier is one per rank: set them on the root only");
+    }
+    disk_policy = &policy;
+  }
+  if (disk_policy) rs.disk_tier = offload::DiskTier::open(disk_policy->dir(), disk_policy->memory_budget_bytes());
+  // The stager copies host-tier states (on CPU runs too: Note [Host tier schedule]) and, on a
+  // device, disk-tier states between host and device memory.
+  if (needs_stager) rs.stager = offload::make_stager(device);
+}
+
+// Moves each flat param's states to the tiers of its unit's offload policy, once the disk's free
+// space for all of them is checked.
+void ShardedUnit::place_offloaded_states() {
+  RootState& rs = *root_state_;
+  if (!rs.disk_tier && !rs.stager) return;
+  int64_t disk_bytes = 0;
+  for (ShardedUnit* unit : rs.units) {
+    const OffloadPolicy& policy = unit->options_.offload;
+    for (auto& fp : unit->flat_params_) {
+      const int64_t bytes = fp->shard_numel() * static_cast<int64_t>(sizeof(float));
+      if (policy.params() == OffloadTier::kDisk) disk_bytes += bytes;
+      if (policy.grads() == OffloadTier::kDisk && fp->config().requires_grad) disk_bytes += bytes;
+    }
+  }
+  if (rs.disk_tier) rs.disk_tier->check_free_space(disk_bytes, "the offloaded master and gradient shards");
+  for (ShardedUnit* unit : rs.units) {
+    const OffloadPolicy& policy = unit->options_.offload;
+    if (!policy.any()) continue;
+    for (auto& fp : unit->flat_params_) {
+      OffloadPlacement p;
+      p.params = policy.params();
+      p.grads = fp->config().requires_grad ? policy.grads() : OffloadTier::kNone;
+      p.optimizer_state = fp->config().requires_grad ? policy.optimizer_state() : OffloadTier::kNone;
+      p.disk = rs.disk_tier;
+      p.stager = rs.stager;
+      fp->set_offload(std::move(p));
+    }
+  }
+}
+
+}  // namespace fsdp
