@@ -48,7 +48,7 @@ struct ModelView {
   std::string strategy;                     // the root's sharding strategy, e.g. "FULL_SHARD"
 };
 
-// The view of `root` (lazily initialising it first, as FSDPModule::units() does).
+// The view of `root` (lazily initialising it first).
 ModelView model_view(FSDPModule& root);
 
 // The optimizer state of each of view.flats (same order), null where the optimizer holds none
