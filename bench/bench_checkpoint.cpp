@@ -111,7 +111,7 @@ bool same_state(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>&
 int64_t dir_bytes(const std::string& dir) {
   int64_t total = 0;
   for (const auto& name : fsdp::io::list_dir(dir)) {
-    struct stat st{};
+    struct stat st {};
     if (::stat(fsdp::io::join(dir, name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
   }
   return total;
@@ -222,8 +222,12 @@ int main(int argc, char** argv) {
   const bool checked = same.item<double>() == 0;
   saved_state.clear();
   const double load_s = *std::min_element(load_runs.begin(), load_runs.end());
-  out["load"] = {{"seconds", load_s}, {"bytes", bytes}, {"gb_per_s", bytes / load_s / 1e9}, {"runs", load_runs},
-                 {"cache", cold ? "cold (dropped)" : "warm (could not drop the page cache)"}, {"data_checked", checked}};
+  out["load"] = {{"seconds", load_s},
+                 {"bytes", bytes},
+                 {"gb_per_s", bytes / load_s / 1e9},
+                 {"runs", load_runs},
+                 {"cache", cold ? "cold (dropped)" : "warm (could not drop the page cache)"},
+                 {"data_checked", checked}};
   if (lead) fsdp::io::remove_tree(fsdp::io::join(dir, "step-00000001"));
 
   // ---- the stall of a background save
@@ -251,9 +255,9 @@ int main(int argc, char** argv) {
     const double done_s = seconds_since(call);
     comm.barrier("async/done");
     const double plain_s = median(plain);
-    out["async"] = {{"plain_step_seconds", plain_s}, {"plain_steps", plain},
+    out["async"] = {{"plain_step_seconds", plain_s},    {"plain_steps", plain},
                     {"step_with_save_seconds", step_s}, {"stall_seconds", step_s - plain_s},
-                    {"save_call_seconds", call_s}, {"background_done_seconds", done_s}};
+                    {"save_call_seconds", call_s},      {"background_done_seconds", done_s}};
   }
 
   if (lead) {

@@ -81,18 +81,24 @@ int main(int argc, char** argv) {
     const double S = numel * 4.0;
     auto add = [&](const char* op, const char* impl, double sent, double t) {
       const double algbw = S / t;
-      records.push_back({{"op", op}, {"impl", impl}, {"world_size", n}, {"bytes_per_rank_buffer", (int64_t)S},
-                         {"bytes_sent_per_rank", (int64_t)sent}, {"time_s", t}, {"algbw", algbw},
-                         {"busbw", algbw * (n - 1) / n}, {"iterations", iters}});
+      records.push_back({{"op", op},
+                         {"impl", impl},
+                         {"world_size", n},
+                         {"bytes_per_rank_buffer", (int64_t)S},
+                         {"bytes_sent_per_rank", (int64_t)sent},
+                         {"time_s", t},
+                         {"algbw", algbw},
+                         {"busbw", algbw * (n - 1) / n},
+                         {"iterations", iters}});
     };
     add("all_gather", "fsdp", stats.of(fsdp::CollectiveKind::kAllGather).bytes_sent / calls, median(t_ours_ag));
     add("all_gather", "gloo", S * (n - 1) / n, median(t_gloo_ag));
-    add("reduce_scatter", "fsdp", stats.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent / calls,
-        median(t_ours_rs));
+    add("reduce_scatter", "fsdp", stats.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent / calls, median(t_ours_rs));
     add("reduce_scatter", "gloo", 2 * S * (n - 1) / n, median(t_gloo_rs));
     if (rank == 0) {
-      std::printf("N=%d buffer %8.0f KiB  all_gather fsdp %.4f s gloo %.4f s | reduce_scatter fsdp %.4f s gloo %.4f s\n",
-                  n, S / 1024, median(t_ours_ag), median(t_gloo_ag), median(t_ours_rs), median(t_gloo_rs));
+      std::printf(
+          "N=%d buffer %8.0f KiB  all_gather fsdp %.4f s gloo %.4f s | reduce_scatter fsdp %.4f s gloo %.4f s\n", n,
+          S / 1024, median(t_ours_ag), median(t_gloo_ag), median(t_ours_rs), median(t_gloo_rs));
       std::fflush(stdout);
     }
   }

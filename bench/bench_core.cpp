@@ -78,8 +78,10 @@ int main(int argc, char** argv) {
     out["zero3_model_state_bytes"] = 16.0 * psi / n;
     for (int r = 0; r < n; ++r) {
       auto v = all.narrow(0, 5 * r, 5);
-      out["ranks"].push_back({{"all_gather_bytes", v[0].item<double>()}, {"reduce_scatter_bytes", v[1].item<double>()},
-                              {"model_state_bytes", v[2].item<double>()}, {"peak_unsharded_bytes", v[3].item<double>()},
+      out["ranks"].push_back({{"all_gather_bytes", v[0].item<double>()},
+                              {"reduce_scatter_bytes", v[1].item<double>()},
+                              {"model_state_bytes", v[2].item<double>()},
+                              {"peak_unsharded_bytes", v[3].item<double>()},
                               {"peak_rss_bytes", v[4].item<double>()}});
     }
     std::printf("%s\n", out.dump().c_str());

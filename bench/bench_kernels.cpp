@@ -108,10 +108,17 @@ int main(int argc, char** argv) {
       std::vector<Op> ops = {
           {"adamw", 28, [&] { k::fused_adamw(a, p, g, m, v); }, aten_adamw},
           {"adamw+bf16 copy", 30, [&] { k::fused_adamw(a, p, g, m, v, bf16); },
-           [&] { aten_adamw(); bf16.copy_(p); }},
+           [&] {
+             aten_adamw();
+             bf16.copy_(p);
+           }},
           {"copy_in fp32->bf16", 6, [&] { k::copy_in(p, bf16); }, [&] { bf16.copy_(p); }},
           {"copy_out bf16->fp32", 6, [&] { k::copy_out(bf16, g32); }, [&] { g32.copy_(bf16); }},
-          {"copy_out bf16->fp32 +=", 10, [&] { k::copy_out(bf16, g32, {1.0, true}); }, [&] { g32.add_(bf16); }},
+          {"copy_out bf16->fp32 +=", 10,
+           [&] {
+             k::copy_out(bf16, g32, {1.0, true});
+           },
+           [&] { g32.add_(bf16); }},
           {"sum_of_squares", 4, [&] { k::sum_of_squares(g, sq); }, [&] { sq.add_(g.to(at::kDouble).pow(2).sum()); }},
           {"scale_", 8, [&] { k::scale_(g32, 1.0000001); }, [&] { g32.mul_(1.0000001); }},
       };
@@ -122,12 +129,10 @@ int main(int argc, char** argv) {
         auto src = at::empty({half}, opts.dtype(at::kByte)).fill_(1), dst = at::empty({half}, opts.dtype(at::kByte));
         auto* s = static_cast<const char*>(src.data_ptr());
         auto* d = static_cast<char*>(dst.data_ptr());
-        auto copy = cuda ? std::function<void()>([&] { dst.copy_(src); })
-                         : std::function<void()>([&] {
-                             at::parallel_for(0, half, 1 << 20, [&](int64_t b, int64_t e) {
-                               std::memcpy(d + b, s + b, static_cast<size_t>(e - b));
-                             });
-                           });
+        auto copy = cuda ? std::function<void()>([&] { dst.copy_(src); }) : std::function<void()>([&] {
+          at::parallel_for(0, half, 1 << 20,
+                           [&](int64_t b, int64_t e) { std::memcpy(d + b, s + b, static_cast<size_t>(e - b)); });
+        });
         const double t_op = time_median(op.run, reps, cuda);
         const double t_copy = time_median(copy, reps, cuda);
         const double t_aten = time_median(op.aten, reps, cuda);

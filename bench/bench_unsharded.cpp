@@ -45,8 +45,8 @@
 namespace {
 
 struct Extra {
-  std::string dump_path;  // --dump-data FILE
-  int world = 1;          // --world N (with --dump-data)
+  std::string dump_path;   // --dump-data FILE
+  int world = 1;           // --world N (with --dump-data)
   bool init_only = false;  // --init-only: report the peak RSS before any model is built, then exit
 };
 
@@ -155,7 +155,8 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
       write_line(metrics, {{"init_only", true}, {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}});
       std::fclose(metrics);
     }
-    std::printf("bench_unsharded: init only, peak RSS %.1f MiB\n", static_cast<double>(train::peak_rss_bytes()) / (1 << 20));
+    std::printf("bench_unsharded: init only, peak RSS %.1f MiB\n",
+                static_cast<double>(train::peak_rss_bytes()) / (1 << 20));
     return;
   }
   // The same initial values as fsdp-train's: its shards are materialised from this function too.

@@ -50,8 +50,7 @@ void check_round_trip(const st::Header& h) {
   for (size_t i = 0; i < h.tensors.size(); ++i) {
     const st::TensorEntry& a = h.tensors[i];
     const st::TensorEntry& b = back.tensors[i];
-    require(a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.begin == b.begin &&
-            a.end == b.end);
+    require(a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.begin == b.begin && a.end == b.end);
   }
 }
 

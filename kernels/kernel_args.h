@@ -21,9 +21,9 @@ struct AdamWScalars {
   float lerp_coeff = 0;      // w = 1 - beta1 when lerp_small, else w - 1 (then g + (w - 1) * (g - m))
   float beta2 = 0;
   float one_minus_beta2 = 0;
-  float sqrt_bc2 = 1;        // sqrt(1 - beta2^step)
+  float sqrt_bc2 = 1;  // sqrt(1 - beta2^step)
   float eps = 0;
-  float step_size = 0;       // -lr / (1 - beta1^step)
+  float step_size = 0;  // -lr / (1 - beta1^step)
 };
 
 }  // namespace fsdp::kernels

@@ -43,15 +43,16 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, const c
   std::string allowed;
   for (auto d : dtypes) allowed += std::string(allowed.empty() ? "" : " or ") + c10::toString(d);
   check(dtype_ok, op, std::string(name) + " must be " + allowed + ", got " + describe(t));
-  check(t.is_contiguous(), op, std::string(name) + " must be contiguous, got " + describe(t) + " with strides " +
-                                   c10::str(t.strides()));
-  check(t.device() == device, op, std::string(name) + " is " + describe(t) + " but the first argument is on " +
-                                      device.str() + "; all tensors must be on one device");
+  check(t.is_contiguous(), op,
+        std::string(name) + " must be contiguous, got " + describe(t) + " with strides " + c10::str(t.strides()));
+  check(t.device() == device, op,
+        std::string(name) + " is " + describe(t) + " but the first argument is on " + device.str() +
+            "; all tensors must be on one device");
 }
 
 void check_numel(const char* op, const char* name, const at::Tensor& t, int64_t numel) {
-  check(t.numel() == numel, op, std::string(name) + " has " + std::to_string(t.numel()) + " elements, expected " +
-                                    std::to_string(numel));
+  check(t.numel() == numel, op,
+        std::string(name) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
 }
 
 bool overlap(const at::Tensor& a, const at::Tensor& b) {
@@ -131,8 +132,8 @@ void copy_in(const at::Tensor& src, const at::Tensor& dst, double divide_by) {
   check_tensor(op, "dst", dst, src.device(), {at::kFloat, at::kBFloat16, at::kHalf});
   check(dst.numel() >= src.numel(), op, "dst (" + describe(dst) + ") is smaller than src (" + describe(src) + ")");
   check_disjoint(op, "src", src, "dst", dst);
-  check(std::isfinite(divide_by) && divide_by != 0, op, "divide_by must be finite and non-zero, got " +
-                                                            std::to_string(divide_by));
+  check(std::isfinite(divide_by) && divide_by != 0, op,
+        "divide_by must be finite and non-zero, got " + std::to_string(divide_by));
   if (dst.numel() == 0) return;
   const float d = static_cast<float>(divide_by);
   if (src.is_cuda()) return cuda::copy_in(src, dst, d);

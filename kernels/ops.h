@@ -45,9 +45,8 @@ struct AdamWArgs {
 //   param_copy = cast(p)
 // This is element for element the ATen sequence p.mul_, m.lerp_, v.mul_.addcmul_,
 // p.addcdiv_(m, v.sqrt() / sqrt(bc2) + eps, -lr / bc1). grad may not overlap the outputs.
-void fused_adamw(const AdamWArgs& args, const at::Tensor& param, const at::Tensor& grad,
-                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                 const at::Tensor& param_copy = at::Tensor());
+void fused_adamw(const AdamWArgs& args, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                 const at::Tensor& exp_avg_sq, const at::Tensor& param_copy = at::Tensor());
 
 // Mixed-precision copy-in: dst[i] = cast(src[i] / divide_by) for i < src.numel(), and dst[i] = 0
 // for the padding src.numel() <= i < dst.numel(). src and dst: fp32, bf16 or fp16 (any pair);

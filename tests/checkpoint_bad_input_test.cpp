@@ -291,10 +291,12 @@ TEST_F(CheckpointBadInput, MalformedTrainState) {
       {[](json& j) { j["optimizer"]["steps"] = "many"; }, "'optimizer' steps is \"many\""},
       {[](json& j) {
          for (auto& [k, v] : j["optimizer"]["steps"].items()) v = "x";
-       }, "not a non-negative integer"},
+       },
+       "not a non-negative integer"},
       {[](json& j) {
          for (auto& [k, v] : j["optimizer"]["steps"].items()) v = -3;
-       }, "not a non-negative integer"},
+       },
+       "not a non-negative integer"},
       {[](json& j) { j = json::array(); }, "is not a JSON object"},
   };
   for (const auto& [edit, needle] : cases) {

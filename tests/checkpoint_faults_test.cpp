@@ -34,9 +34,9 @@ namespace fsdp {
 namespace {
 using namespace std::chrono_literals;
 using io::join;
-using testing::snapshot_files;
 using testing::Net;
 using testing::NetOptions;
+using testing::snapshot_files;
 
 NetOptions big_net() {  // weights of 24 KiB, so files are far past the 16 KiB size limit below
   NetOptions o;
@@ -162,8 +162,10 @@ TEST(CheckpointFaults, DiskFullOnOneRankFailsEveryRankAndKeepsEarlierCheckpoints
 std::string make_read_only(const std::string& dir) {
   if (::geteuid() != 0) return ::chmod(dir.c_str(), 0555) == 0 ? "" : std::strerror(errno);
   if (::unshare(CLONE_NEWNS) != 0) return std::string("unshare: ") + std::strerror(errno);
-  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return std::string("private: ") + std::strerror(errno);
-  if (::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) != 0) return std::string("bind: ") + std::strerror(errno);
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
+    return std::string("private: ") + std::strerror(errno);
+  if (::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND, nullptr) != 0)
+    return std::string("bind: ") + std::strerror(errno);
   if (::mount(nullptr, dir.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY, nullptr) != 0) {
     return std::string("remount read-only: ") + std::strerror(errno);
   }
@@ -196,8 +198,8 @@ TEST(CheckpointFaults, ReadOnlyDirectoryFailsEveryRankAndKeepsEarlierCheckpoints
     std::printf("save failed: %s\n", error.c_str());
     EXPECT_NE(error.find("failed on rank 0"), std::string::npos) << error;
     EXPECT_NE(error.find(dir), std::string::npos) << error;
-    const bool names_cause = error.find(std::strerror(EROFS)) != std::string::npos ||
-                             error.find(std::strerror(EACCES)) != std::string::npos;
+    const bool names_cause =
+        error.find(std::strerror(EROFS)) != std::string::npos || error.find(std::strerror(EACCES)) != std::string::npos;
     EXPECT_TRUE(names_cause) << error;
     EXPECT_NE(error.find("nothing was committed"), std::string::npos) << error;
     // Training goes on and saves elsewhere.

@@ -164,12 +164,9 @@ nlohmann::json reference_expected() {
   size_t i = 0;
   for (const auto& item : ref->named_parameters()) {
     const auto& p = item.value();
-    out["tensors"][item.key()] = {{"shape", p.sizes().vec()},
-                                  {"sum", sum64(p)},
-                                  {"wsum", weighted_sum64(p)},
-                                  {"first", first_values(p)},
-                                  {"exp_avg_sum", sum64(exp_avg[i])},
-                                  {"exp_avg_first", first_values(exp_avg[i])}};
+    out["tensors"][item.key()] = {{"shape", p.sizes().vec()},         {"sum", sum64(p)},
+                                  {"wsum", weighted_sum64(p)},        {"first", first_values(p)},
+                                  {"exp_avg_sum", sum64(exp_avg[i])}, {"exp_avg_first", first_values(exp_avg[i])}};
     ++i;
   }
   return out;

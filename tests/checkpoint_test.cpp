@@ -25,9 +25,9 @@ namespace fsdp {
 namespace {
 using io::exists;
 using io::join;
-using testing::snapshot_files;
 using testing::Net;
 using testing::NetOptions;
+using testing::snapshot_files;
 
 std::mutex g_seed_mutex;
 

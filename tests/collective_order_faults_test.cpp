@@ -142,7 +142,8 @@ TEST(CollectiveOrder, SkippedLastCollectiveNamesTheRankThatNeverReachedIt) {
     }
     rank0_done = true;
   });
-  expect_has(out.errors[0], "collective-order check: all_gather 'head' on rank 0 of 2 (group 'world') as collective #1");
+  expect_has(out.errors[0],
+             "collective-order check: all_gather 'head' on rank 0 of 2 (group 'world') as collective #1");
   expect_has(out.errors[0], "rank 1 never reached collective #1; rank 1 is at collective #0: all_gather 'embed'");
   EXPECT_EQ(out.errors[1], "");
   EXPECT_LT(out.seconds[0], 2.0 + 10);
@@ -156,26 +157,29 @@ TEST(CollectiveOrder, ShardedModelWithUnitsInAnotherOrderOnOneRank) {
   testing::ProcessOptions opts;
   opts.extra_env = {{"FSDP_CHECK_COLLECTIVES", "1"}};
   opts.timeout = 30s;
-  auto results = testing::run_processes(2, [](int rank) {
-    auto dist = init_from_env(InitOptions().timeout(3s));
-    DeviceMesh mesh(dist);
-    testing::NetOptions o;
-    o.reverse_blocks = rank == 1;
-    testing::Net net(o);
-    auto opts = FullyShardOptions().init(init::normal(0.1, 1)).prefetch_depth(0);
-    for (auto& b : net->blocks) fully_shard(b, mesh, opts);
-    auto root = fully_shard(net, mesh, opts);
-    auto x = at::randn({4, o.in}), y = at::randn({4, o.out});
-    at::mse_loss(fsdp::call(net, x), y).backward();
-  }, opts);
+  auto results = testing::run_processes(
+      2,
+      [](int rank) {
+        auto dist = init_from_env(InitOptions().timeout(3s));
+        DeviceMesh mesh(dist);
+        testing::NetOptions o;
+        o.reverse_blocks = rank == 1;
+        testing::Net net(o);
+        auto opts = FullyShardOptions().init(init::normal(0.1, 1)).prefetch_depth(0);
+        for (auto& b : net->blocks) fully_shard(b, mesh, opts);
+        auto root = fully_shard(net, mesh, opts);
+        auto x = at::randn({4, o.in}), y = at::randn({4, o.out});
+        at::mse_loss(fsdp::call(net, x), y).backward();
+      },
+      opts);
   for (const auto& r : results) {
     EXPECT_EQ(r.exit_code, 3) << testing::describe(results);
     EXPECT_LT(r.seconds, 3.0 + 10) << testing::describe(results);
     expect_has(r.output, "collective-order mismatch on group 'world'");
     expect_has(r.output, "rank 0 issued all_gather 'blocks_0/");
     expect_has(r.output, "rank 1 issued all_gather 'blocks_2/");
-    std::printf("time-to-exit: units in another order on rank 1 (order check, timeout 3 s): rank %d %.2f s\n",
-                r.rank, r.seconds);
+    std::printf("time-to-exit: units in another order on rank 1 (order check, timeout 3 s): rank %d %.2f s\n", r.rank,
+                r.seconds);
   }
 }
 

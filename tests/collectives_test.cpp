@@ -19,9 +19,7 @@ at::Tensor rank_input(int rank, int64_t n, at::ScalarType dtype, int seed = 0) {
   return at::randn({n}, gen, at::TensorOptions().dtype(at::kFloat)).to(dtype);
 }
 
-double tolerance(at::ScalarType dtype, int world) {
-  return dtype == at::kBFloat16 ? 0.02 * world : 1e-5;
-}
+double tolerance(at::ScalarType dtype, int world) { return dtype == at::kBFloat16 ? 0.02 * world : 1e-5; }
 
 struct Case {
   int world;
@@ -100,11 +98,10 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Collectives, CollectiveSweep,
-                         ::testing::Values(Case{1, 5, at::kFloat}, Case{2, 1, at::kFloat},
-                                           Case{2, 7, at::kFloat}, Case{3, 13, at::kFloat},
-                                           Case{4, 15, at::kFloat}, Case{3, 300001, at::kFloat},
-                                           Case{2, 9, at::kBFloat16}, Case{3, 11, at::kBFloat16},
-                                           Case{4, 1023, at::kBFloat16}),
+                         ::testing::Values(Case{1, 5, at::kFloat}, Case{2, 1, at::kFloat}, Case{2, 7, at::kFloat},
+                                           Case{3, 13, at::kFloat}, Case{4, 15, at::kFloat},
+                                           Case{3, 300001, at::kFloat}, Case{2, 9, at::kBFloat16},
+                                           Case{3, 11, at::kBFloat16}, Case{4, 1023, at::kBFloat16}),
                          case_name);
 
 TEST(Collectives, ManyOutstandingOpsCompleteInIssueOrder) {

@@ -87,7 +87,7 @@ at::Tensor masters(Job& r) { return at::cat(shards(r)); }
 
 struct Result {
   std::vector<double> losses;
-  at::Tensor params;  // master shards after training (host memory)
+  at::Tensor params;              // master shards after training (host memory)
   std::vector<at::Tensor> flats;  // the same, per flat param
   std::vector<int64_t> numels;    // each flat param's unpadded length
 };
@@ -136,7 +136,8 @@ TEST(CudaTraining, CudaDeviceWithoutAGpuIsAClearError) {
     FAIL() << "a CUDA process group without a GPU was made";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("InitOptions::device is \"cuda\" but no CUDA device is usable"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -265,8 +266,8 @@ TEST(CudaTraining, FullShardOnTwoGpusMatchesOneGpu) {
         const c10::Device device(c10::kCUDA, rank);
         c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);  // before the process group
         auto store = c10::make_intrusive<c10d::FileStore>(path, 2);
-        auto dist = Dist::from_store(store, rank, 2,
-                                     InitOptions().device("cuda").check_collectives(true).timeout(std::chrono::seconds(60)));
+        auto dist = Dist::from_store(
+            store, rank, 2, InitOptions().device("cuda").check_collectives(true).timeout(std::chrono::seconds(60)));
         EXPECT_EQ(dist->compute_device(), device);
         DeviceMesh mesh(dist);
         Job r = build(mesh, device, {});
@@ -289,7 +290,8 @@ TEST(CudaTraining, FullShardOnTwoGpusMatchesOneGpu) {
     const int64_t n = one.numels[i];
     const at::Tensor two = at::cat({results[0].flats[i], results[1].flats[i]}).narrow(0, 0, n);
     EXPECT_TRUE(at::allclose(two, one.flats[i].narrow(0, 0, n), 1e-4, 1e-5))
-        << "flat param " << i << " differs by up to " << (two - one.flats[i].narrow(0, 0, n)).abs().max().item<double>();
+        << "flat param " << i << " differs by up to "
+        << (two - one.flats[i].narrow(0, 0, n)).abs().max().item<double>();
   }
 }
 

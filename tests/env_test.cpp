@@ -39,8 +39,12 @@ void expect_env_error(const Vars& vars, const std::string& needle) {
   }
 }
 
-const Vars kTorchrun = {{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}};
+const Vars kTorchrun = {{"RANK", "1"},
+                        {"WORLD_SIZE", "4"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "10.0.0.1"},
+                        {"MASTER_PORT", "29500"}};
 
 Vars with(Vars v, const std::string& k, const std::string& val) {
   v[k] = val;
@@ -70,8 +74,11 @@ TEST(Env, Torchrun) {
 }
 
 TEST(Env, Slurm) {
-  auto env = parse({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
-                    {"MASTER_ADDR", "node1"}, {"MASTER_PORT", "1234"}});
+  auto env = parse({{"SLURM_PROCID", "3"},
+                    {"SLURM_NTASKS", "8"},
+                    {"SLURM_LOCALID", "1"},
+                    {"MASTER_ADDR", "node1"},
+                    {"MASTER_PORT", "1234"}});
   EXPECT_EQ(env.launcher, "slurm");
   EXPECT_EQ(env.rank, 3);
   EXPECT_EQ(env.world_size, 8);
@@ -82,13 +89,15 @@ TEST(Env, Slurm) {
 }
 
 TEST(Env, OpenMpi) {
-  auto env = parse({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"},
-                    {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "99"}});
+  auto env = parse({{"OMPI_COMM_WORLD_RANK", "2"},
+                    {"OMPI_COMM_WORLD_SIZE", "3"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                    {"MASTER_ADDR", "h"},
+                    {"MASTER_PORT", "99"}});
   EXPECT_EQ(env.launcher, "openmpi");
   EXPECT_EQ(env.rank, 2);
   EXPECT_EQ(env.world_size, 3);
-  expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}},
-                   "MASTER_PORT");
+  expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT");
   expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_SIZE");
 }
 

@@ -68,13 +68,16 @@ TEST(ProcessTier, PeerKilledDuringReduceScatter) {
 TEST(ProcessTier, StoppedPeerTimesOut) {
   testing::ProcessOptions opts;
   opts.may_hang = {1};
-  auto results = testing::run_processes(3, [](int rank) {
-    auto dist = join();
-    dist->world().barrier("warm-up");
-    if (rank == 1) ::raise(SIGSTOP);
-    auto out = at::empty({3 * 1000});
-    dist->world().all_gather(out, at::ones({1000}), "stopped").wait();
-  }, opts);
+  auto results = testing::run_processes(
+      3,
+      [](int rank) {
+        auto dist = join();
+        dist->world().barrier("warm-up");
+        if (rank == 1) ::raise(SIGSTOP);
+        auto out = at::empty({3 * 1000});
+        dist->world().all_gather(out, at::ones({1000}), "stopped").wait();
+      },
+      opts);
   expect_survivors_fail(results, 1, "all_gather 'stopped'");
 }
 

@@ -53,8 +53,8 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, Toleranc
   auto err = (a - e).abs();
   auto bound = e.abs() * tol.rtol + tol.atol;
   const int64_t bad = (err > bound).sum().item<int64_t>();
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << a.numel() << " elements beyond rtol " << tol.rtol
-                    << " atol " << tol.atol << ", max error " << err.max().item<double>();
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << a.numel() << " elements beyond rtol " << tol.rtol << " atol "
+                    << tol.atol << ", max error " << err.max().item<double>();
 }
 
 struct AdamWCase {
@@ -162,7 +162,8 @@ TEST(Kernel, CopyOutTwinMatchesATen) {
       for (bool accumulate : {false, true}) {
         for (double divide_by : {1.0, 3.0}) {
           const std::string what = "n=" + std::to_string(n) + " " + c10::toString(src_dtype) +
-                                   " accumulate=" + std::to_string(accumulate) + " divide_by=" + std::to_string(divide_by);
+                                   " accumulate=" + std::to_string(accumulate) +
+                                   " divide_by=" + std::to_string(divide_by);
           auto src = random_view(n, 3, src_dtype, 300 + n);
           auto dst = random_view(n, 1, at::kFloat, 400 + n);
           auto scaled = src.to(at::kFloat).div(divide_by);
@@ -284,8 +285,8 @@ TEST(Kernel, BaselineTwinMatchesDispatchedTwin) {
 // ---- CUDA kernels against their twins --------------------------------------------------------
 
 bool skip_without_gpu() { return !cuda_kernels_built() || !at::hasCUDA(); }
-#define FSDP_SKIP_WITHOUT_GPU()                                                                     \
-  if (skip_without_gpu()) {                                                                         \
+#define FSDP_SKIP_WITHOUT_GPU()                                                                       \
+  if (skip_without_gpu()) {                                                                           \
     GTEST_SKIP() << (cuda_kernels_built() ? "no GPU on this machine" : "built without CUDA kernels"); \
   }
 
@@ -294,8 +295,8 @@ TEST(KernelCuda, AdamWMatchesTwin) {
   for (int64_t n : kSizes) {
     for (const auto& c : kAdamWCases) {
       for (bool aligned : {true, false}) {
-        const std::string what = "n=" + std::to_string(n) + " beta1=" + std::to_string(c.beta1) +
-                                 " aligned=" + std::to_string(aligned);
+        const std::string what =
+            "n=" + std::to_string(n) + " beta1=" + std::to_string(c.beta1) + " aligned=" + std::to_string(aligned);
         auto in = adamw_inputs(n, 800 + n);
         if (aligned) in = AdamWInputs{in.p.clone(), in.g.clone(), in.m.clone(), in.v.clone()};
         // On the GPU at offset 1 (vector body with a head) or at the inputs' mixed offsets (scalar).
@@ -335,7 +336,8 @@ TEST(KernelCuda, CopyInMatchesTwin) {
           // dst at offset 0 (4-wide body, src copied to offset 0 too) or 1 (offsets differ: scalar).
           for (int64_t dst_offset : {0, 1}) {
             auto gsrc = src.cuda();
-            auto gdst = at::full({n + 5 + dst_offset}, 9.0, dst.options().device(at::kCUDA)).narrow(0, dst_offset, n + 5);
+            auto gdst =
+                at::full({n + 5 + dst_offset}, 9.0, dst.options().device(at::kCUDA)).narrow(0, dst_offset, n + 5);
             copy_in(gsrc, gdst, divide_by);
             expect_close(gdst, dst, tolerance_for(dst_dtype),
                          "n=" + std::to_string(n) + " " + c10::toString(src_dtype) + "->" + c10::toString(dst_dtype) +
@@ -361,8 +363,9 @@ TEST(KernelCuda, CopyOutMatchesTwin) {
         copy_out(src, dst, {2.0, accumulate});
         for (const auto& gdst : {gdst_aligned, gdst_offset}) {
           copy_out(gsrc, gdst, {2.0, accumulate});
-          expect_close(gdst, dst, kFp32Tol, "n=" + std::to_string(n) + " " + c10::toString(src_dtype) +
-                                                " dst offset " + std::to_string(gdst.storage_offset()));
+          expect_close(gdst, dst, kFp32Tol,
+                       "n=" + std::to_string(n) + " " + c10::toString(src_dtype) + " dst offset " +
+                           std::to_string(gdst.storage_offset()));
         }
       }
     }

@@ -47,9 +47,9 @@ std::vector<std::string> hf_names(int layers) {
   std::vector<std::string> n = {"model.embed_tokens.weight"};
   for (int i = 0; i < layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    for (const char* s : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                          "post_attention_layernorm"}) {
+    for (const char* s :
+         {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+          "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"}) {
       n.push_back(p + s + ".weight");
     }
   }
@@ -105,24 +105,22 @@ void fill_reference_weights(LlamaForCausalLM& model) {
 // logits[:, :, 0:4] and the loss against the tokens shifted by one, printed by transformers 5.23.0
 // (LlamaForCausalLM, attn_implementation="eager", fp32) for MatchesTransformersLogits.
 constexpr float kUntiedFirst4[56] = {
-    -0.0095986668f, 0.62600058f, 0.13123202f, -0.55875915f, -0.13406202f, 0.40733236f, -0.019081498f,
-    -0.65686852f, 0.43120509f, -0.22056289f, -0.024254203f, -0.21422182f, -0.38633758f, -0.19566023f,
-    0.52961069f, -0.61935908f, 1.1506571f, -0.26109859f, -0.011720103f, -0.35770977f, 0.25271487f,
-    -0.12359248f, -0.66366595f, -0.30992013f, 0.14365707f, 0.67363667f, 0.4475399f, -0.5179618f, 0.2438224f,
-    -0.44244373f, 0.058290374f, 0.14439766f, 0.24382246f, -0.44244403f, 0.058290377f, 0.14439762f,
-    0.24382246f, -0.44244367f, 0.058290441f, 0.1443976f, 0.037994873f, -0.35880637f, -0.039460886f,
-    -0.55104673f, 0.28174511f, -0.45207393f, 0.10515647f, -0.09095373f, 0.20330858f, -0.34773427f,
-    0.035081591f, -0.13726442f, 0.50613528f, -0.10810653f, -0.054202285f, 0.24264617f};
+    -0.0095986668f, 0.62600058f,  0.13123202f,   -0.55875915f, -0.13406202f, 0.40733236f,  -0.019081498f, -0.65686852f,
+    0.43120509f,    -0.22056289f, -0.024254203f, -0.21422182f, -0.38633758f, -0.19566023f, 0.52961069f,   -0.61935908f,
+    1.1506571f,     -0.26109859f, -0.011720103f, -0.35770977f, 0.25271487f,  -0.12359248f, -0.66366595f,  -0.30992013f,
+    0.14365707f,    0.67363667f,  0.4475399f,    -0.5179618f,  0.2438224f,   -0.44244373f, 0.058290374f,  0.14439766f,
+    0.24382246f,    -0.44244403f, 0.058290377f,  0.14439762f,  0.24382246f,  -0.44244367f, 0.058290441f,  0.1443976f,
+    0.037994873f,   -0.35880637f, -0.039460886f, -0.55104673f, 0.28174511f,  -0.45207393f, 0.10515647f,   -0.09095373f,
+    0.20330858f,    -0.34773427f, 0.035081591f,  -0.13726442f, 0.50613528f,  -0.10810653f, -0.054202285f, 0.24264617f};
 constexpr double kUntiedLoss = 3.300163507;
 constexpr float kTiedFirst4[56] = {
-    -0.075467467f, 0.43330735f, 0.14515567f, -0.23075765f, -0.029304245f, -0.3706938f, 0.034629613f,
-    -0.031639598f, 0.55373156f, -0.24396612f, 0.13577132f, 0.14171784f, -0.024711519f, -0.14776175f,
-    0.45802882f, -0.05527468f, 1.4442225f, 0.093303122f, -0.12613237f, -0.14759599f, 0.29113176f,
-    -0.18025483f, -0.72996008f, -0.043950118f, 0.048827808f, 0.79240865f, 0.32067895f, -0.13784726f,
-    0.055096716f, -0.31314605f, 0.58576798f, 0.31846762f, 0.055096883f, -0.31314617f, 0.58576798f,
-    0.31846768f, 0.055096805f, -0.31314608f, 0.58576804f, 0.31846768f, -0.22957243f, -0.43926015f,
-    0.15179163f, -0.56387508f, 0.21479094f, -0.52308583f, 0.1954976f, -0.1863399f, 0.24802458f, -0.31839597f,
-    0.096557781f, -0.072381869f, 0.58906645f, -0.2154474f, 0.12571183f, -0.41321453f};
+    -0.075467467f, 0.43330735f,  0.14515567f,  -0.23075765f,  -0.029304245f, -0.3706938f,  0.034629613f, -0.031639598f,
+    0.55373156f,   -0.24396612f, 0.13577132f,  0.14171784f,   -0.024711519f, -0.14776175f, 0.45802882f,  -0.05527468f,
+    1.4442225f,    0.093303122f, -0.12613237f, -0.14759599f,  0.29113176f,   -0.18025483f, -0.72996008f, -0.043950118f,
+    0.048827808f,  0.79240865f,  0.32067895f,  -0.13784726f,  0.055096716f,  -0.31314605f, 0.58576798f,  0.31846762f,
+    0.055096883f,  -0.31314617f, 0.58576798f,  0.31846768f,   0.055096805f,  -0.31314608f, 0.58576804f,  0.31846768f,
+    -0.22957243f,  -0.43926015f, 0.15179163f,  -0.56387508f,  0.21479094f,   -0.52308583f, 0.1954976f,   -0.1863399f,
+    0.24802458f,   -0.31839597f, 0.096557781f, -0.072381869f, 0.58906645f,   -0.2154474f,  0.12571183f,  -0.41321453f};
 constexpr double kTiedLoss = 3.490888596;
 
 TEST(LlamaModel, ParameterNamesMatchTransformersUntied) {
@@ -205,8 +203,9 @@ TEST(LlamaModel, MatchesTransformersLogits) {
     auto logits = model->forward(tokens);
     const auto expected_first4 = tied ? kTiedFirst4 : kUntiedFirst4;
     auto expected = at::tensor(std::vector<float>(expected_first4, expected_first4 + 56)).view({2, 7, 4});
-    EXPECT_TRUE(at::allclose(logits.slice(2, 0, 4), expected, 1e-5, 1e-5))
-        << "tied=" << tied << "\n" << logits.slice(2, 0, 4) << "\nexpected\n" << expected;
+    EXPECT_TRUE(at::allclose(logits.slice(2, 0, 4), expected, 1e-5, 1e-5)) << "tied=" << tied << "\n"
+                                                                           << logits.slice(2, 0, 4) << "\nexpected\n"
+                                                                           << expected;
     EXPECT_NEAR(llama::loss(logits, tokens.roll(-1, 1)).item<double>(), tied ? kTiedLoss : kUntiedLoss, 1e-5)
         << "tied=" << tied;
   }
@@ -241,8 +240,9 @@ TEST(LlamaModel, GroupedQueryAttentionMatchesPerHeadReference) {
       for (int64_t t = 0; t < T; ++t) {
         std::vector<double> s;
         for (int64_t u = 0; u <= t; ++u) {
-          s.push_back(at::dot(rope_reference(q[t], t, c.rope_theta), rope_reference(k[u], u, c.rope_theta))
-                          .item<double>() / std::sqrt(static_cast<double>(D)));
+          s.push_back(
+              at::dot(rope_reference(q[t], t, c.rope_theta), rope_reference(k[u], u, c.rope_theta)).item<double>() /
+              std::sqrt(static_cast<double>(D)));
         }
         double mx = s[0], z = 0;
         for (double e : s) mx = std::max(mx, e);

@@ -75,7 +75,8 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy) {
         std::vector<at::Tensor> flat;
         for (const auto& e : fp->entries()) flat.push_back(named.at(unit->prefix() + e.name).detach().reshape({-1}));
         auto full = at::constant_pad_nd(at::cat(flat), {0, fp->padded_numel() - fp->numel()});
-        const double err = (fp->sharded_param() - full.narrow(0, fp->shard_offset(), fp->shard_numel())).abs().max().item<double>();
+        const double err =
+            (fp->sharded_param() - full.narrow(0, fp->shard_offset(), fp->shard_numel())).abs().max().item<double>();
         EXPECT_LE(err, 2e-5) << fp->config().tag << " rank " << dist.rank();
       }
     }

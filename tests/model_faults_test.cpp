@@ -161,14 +161,17 @@ TEST(ModelFaults, RankThrowingInsideBackward) {
 TEST(ModelFaults, PeerStoppedMidStep) {
   testing::ProcessOptions opts;
   opts.may_hang = {1};
-  auto results = testing::run_processes(2, [](int rank) {
-    auto dist = join();
-    DeviceMesh mesh(dist);
-    auto m = make_model(mesh);
-    step(m, 0, rank);
-    if (rank == 1) ::raise(SIGSTOP);
-    step(m, 1, rank);
-  }, opts);
+  auto results = testing::run_processes(
+      2,
+      [](int rank) {
+        auto dist = join();
+        DeviceMesh mesh(dist);
+        auto m = make_model(mesh);
+        step(m, 0, rank);
+        if (rank == 1) ::raise(SIGSTOP);
+        step(m, 1, rank);
+      },
+      opts);
   EXPECT_TRUE(results[1].killed_by_parent) << testing::describe(results);
   expect_survivors_fail(results, {1}, {"all_gather '", "peer rank 1", "Timed out"}, "SIGSTOP mid-step, 2 ranks");
 }
@@ -191,9 +194,10 @@ TEST(ModelFaults, PeerKilledDuringCheckpointSave) {
     checkpoint::save(dir, "step-00000001", *m.root, m.optim.get(), {});
   });
   EXPECT_EQ(results[1].term_signal, SIGKILL) << testing::describe(results);
-    // The save's agreement is a Gloo all-reduce, which does not say which peer went away; in a group
+  // The save's agreement is a Gloo all-reduce, which does not say which peer went away; in a group
   // of two the communicator names the other rank.
-  expect_survivors_fail(results, {1}, {"all_reduce 'checkpoint/writing its shards'", "group 'side/checkpoint'", "peer rank 1"},
+  expect_survivors_fail(results, {1},
+                        {"all_reduce 'checkpoint/writing its shards'", "group 'side/checkpoint'", "peer rank 1"},
                         "SIGKILL during checkpoint save, 2 ranks");
   EXPECT_FALSE(io::exists(io::join(dir, "step-00000001")));
   EXPECT_THROW(checkpoint::resolve(dir, "latest"), CheckpointError);
@@ -204,17 +208,20 @@ TEST(ModelFaults, StoreHostDiesDuringRendezvous) {
   // Rank 0 hosts the store and dies while rank 1 waits in the join check for rank 2, which never
   // comes: rank 1 must fail at once on the lost store, not wait out the timeout.
   testing::ProcessOptions opts;
-  auto results = testing::run_processes(3, [](int rank) {
-    if (rank == 2) return;  // never joins
-    if (rank == 0) {
-      std::thread([] {
-        std::this_thread::sleep_for(800ms);
-        ::raise(SIGKILL);
-      }).detach();
-    }
-    auto dist = init_from_env(InitOptions().timeout(6s));  // longer than rank 0's life
-    ADD_FAILURE() << "rendezvous completed without rank 2";
-  }, opts);
+  auto results = testing::run_processes(
+      3,
+      [](int rank) {
+        if (rank == 2) return;  // never joins
+        if (rank == 0) {
+          std::thread([] {
+            std::this_thread::sleep_for(800ms);
+            ::raise(SIGKILL);
+          }).detach();
+        }
+        auto dist = init_from_env(InitOptions().timeout(6s));  // longer than rank 0's life
+        ADD_FAILURE() << "rendezvous completed without rank 2";
+      },
+      opts);
   EXPECT_EQ(results[0].term_signal, SIGKILL) << testing::describe(results);
   EXPECT_EQ(results[1].exit_code, 3) << testing::describe(results);
   EXPECT_FALSE(results[1].killed_by_parent) << testing::describe(results);
@@ -236,7 +243,8 @@ TEST(ModelFaults, StoreHostDiesMidTraining) {
     step(m, 2, rank);
   });
   EXPECT_EQ(results[0].term_signal, SIGKILL) << testing::describe(results);
-  expect_survivors_fail(results, {0}, {"all_gather '", "peer rank 0"}, "store host (rank 0) killed mid-training, 2 ranks");
+  expect_survivors_fail(results, {0}, {"all_gather '", "peer rank 0"},
+                        "store host (rank 0) killed mid-training, 2 ranks");
 }
 
 TEST(ModelFaults, RankThatNeverJoins) {

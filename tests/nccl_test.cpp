@@ -33,7 +33,8 @@ TEST(Nccl, AllGatherAndReduceScatterOnTwoGpus) {
         auto full = at::arange(10, at::TensorOptions().dtype(at::kFloat).device(dev)) * (r + 1);
         auto shard = at::empty({5}, full.options());
         dist->world().reduce_scatter(shard, full, ReduceOp::kSum, "rs").wait();
-        if (!at::equal(shard.cpu(), at::arange(5 * r, 5 * r + 5, at::kFloat) * 3)) errors[r] = "reduce_scatter mismatch";
+        if (!at::equal(shard.cpu(), at::arange(5 * r, 5 * r + 5, at::kFloat) * 3))
+          errors[r] = "reduce_scatter mismatch";
         // Host tensors (flags, norms) travel through the device and come back in place.
         auto host = at::full({3}, static_cast<double>(r + 1), at::kDouble);
         dist->world().all_reduce(host, ReduceOp::kSum, "host").wait();
@@ -64,7 +65,8 @@ TEST(Nccl, UnknownDeviceIsRejected) {
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < 2; ++r) EXPECT_NE(errors[r].find("must be \"cpu\" or \"cuda\", got \"tpu\""), std::string::npos) << errors[r];
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(errors[r].find("must be \"cpu\" or \"cuda\", got \"tpu\""), std::string::npos) << errors[r];
 }
 
 }  // namespace

@@ -97,19 +97,22 @@ OffloadPolicy host_policy() {
 std::vector<std::string> train(const std::optional<OffloadPolicy>& offload, int steps, bool meta = true,
                                const std::function<void(Job&, int)>& check = nullptr, int skip_losses = 0) {
   std::vector<std::string> prints(kWorld);
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
-    Job j = build(mesh, offload, meta);
-    if (offload) set_disk_tier_audit(*j.root, true);
-    std::vector<double> losses;
-    for (int s = 0; s < steps; ++s) {
-      const double loss = train_step(j, s, dist.rank());
-      if (s >= skip_losses) losses.push_back(loss);
-    }
-    if (check) check(j, dist.rank());
-    prints[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
-  }, std::chrono::seconds(60));
+  testing::run_threads(
+      kWorld,
+      [&](Dist& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        Job j = build(mesh, offload, meta);
+        if (offload) set_disk_tier_audit(*j.root, true);
+        std::vector<double> losses;
+        for (int s = 0; s < steps; ++s) {
+          const double loss = train_step(j, s, dist.rank());
+          if (s >= skip_losses) losses.push_back(loss);
+        }
+        if (check) check(j, dist.rank());
+        prints[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
+      },
+      std::chrono::seconds(60));
   return prints;
 }
 
@@ -213,40 +216,46 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
   const auto straight = train(std::nullopt, 6);
   // 3 steps and an async save with the disk tier on; then a fresh model with the disk tier loads
   // and runs 3 more.
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
-    Job j = build(mesh, disk_policy(io::join(dir, "offload-a")));
-    for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
-    checkpoint::TrainState st;
-    st.step = 3;
-    // A background save: its snapshot of the disk-tier state (disk-tier files too) must not see
-    // the step that runs while it writes.
-    checkpoint::AsyncSaver saver;
-    saver.save(ckpt, "step-3", *j.root, j.optim.get(), st);
-    train_step(j, 3, dist.rank());
-    saver.wait();
-  }, std::chrono::seconds(60));
+  testing::run_threads(
+      kWorld,
+      [&](Dist& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        Job j = build(mesh, disk_policy(io::join(dir, "offload-a")));
+        for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
+        checkpoint::TrainState st;
+        st.step = 3;
+        // A background save: its snapshot of the disk-tier state (disk-tier files too) must not see
+        // the step that runs while it writes.
+        checkpoint::AsyncSaver saver;
+        saver.save(ckpt, "step-3", *j.root, j.optim.get(), st);
+        train_step(j, 3, dist.rank());
+        saver.wait();
+      },
+      std::chrono::seconds(60));
   std::vector<std::string> resumed(kWorld);
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
-    Job j = build(mesh, disk_policy(io::join(dir, "offload-b")));
-    set_disk_tier_audit(*j.root, true);
-    const auto st = checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
-    EXPECT_EQ(st.step, 3);
-    // Loaded in place: the states are still in the disk tier, and loading left nothing mapped.
-    for (const auto& unit : fsdp::testing::units(*j.root)) {
-      for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
-    }
-    for (auto& s : j.optim->states()) {
-      for (const auto& [name, t] : s.tensors) EXPECT_TRUE(offload::is_disk_backed(t)) << name;
-    }
-    EXPECT_LE(disk_tier_stats(*j.root).resident_bytes, kBudget);
-    std::vector<double> losses;
-    for (int s = 3; s < 6; ++s) losses.push_back(train_step(j, s, dist.rank()));
-    resumed[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
-  }, std::chrono::seconds(60));
+  testing::run_threads(
+      kWorld,
+      [&](Dist& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        Job j = build(mesh, disk_policy(io::join(dir, "offload-b")));
+        set_disk_tier_audit(*j.root, true);
+        const auto st = checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
+        EXPECT_EQ(st.step, 3);
+        // Loaded in place: the states are still in the disk tier, and loading left nothing mapped.
+        for (const auto& unit : fsdp::testing::units(*j.root)) {
+          for (auto& fp : unit->flat_params()) EXPECT_TRUE(offload::is_disk_backed(fp->sharded_param()));
+        }
+        for (auto& s : j.optim->states()) {
+          for (const auto& [name, t] : s.tensors) EXPECT_TRUE(offload::is_disk_backed(t)) << name;
+        }
+        EXPECT_LE(disk_tier_stats(*j.root).resident_bytes, kBudget);
+        std::vector<double> losses;
+        for (int s = 3; s < 6; ++s) losses.push_back(train_step(j, s, dist.rank()));
+        resumed[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
+      },
+      std::chrono::seconds(60));
   const auto straight_tail = train(std::nullopt, 6, true, nullptr, /*skip_losses=*/3);
   for (int r = 0; r < kWorld; ++r) {
     ASSERT_GT(straight_tail[r].size(), 1000u);
@@ -399,7 +408,8 @@ TEST(Offload, RealFullDiskOnATinyTmpfs) {
     } catch (const OffloadError& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find(dir), std::string::npos) << what;
-      EXPECT_TRUE(what.find("free but") != std::string::npos || what.find("No space left") != std::string::npos) << what;
+      EXPECT_TRUE(what.find("free but") != std::string::npos || what.find("No space left") != std::string::npos)
+          << what;
     }
   });
   ::umount(dir.c_str());

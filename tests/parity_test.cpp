@@ -65,7 +65,8 @@ struct ReferenceOptimizer {
       if (cfg.sgd) {
         auto d = g.add(p, wd);
         auto& buf = momentum[p.unsafeGetTensorImpl()];
-        if (!buf.defined()) buf = d.clone(); else buf.mul_(0.9).add_(d);
+        if (!buf.defined()) buf = d.clone();
+        else buf.mul_(0.9).add_(d);
         p.add_(buf, -cfg.lr);
         continue;
       }
@@ -84,7 +85,8 @@ struct ReferenceOptimizer {
 void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
   {
     std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
-    auto mesh = cfg.replicate > 1 ? DeviceMesh(dist_ptr, cfg.replicate, cfg.world / cfg.replicate) : DeviceMesh(dist_ptr);
+    auto mesh =
+        cfg.replicate > 1 ? DeviceMesh(dist_ptr, cfg.replicate, cfg.world / cfg.replicate) : DeviceMesh(dist_ptr);
 
     Net ref = make_net(cfg.net, 42);
     NetOptions sharded_opts = cfg.net;
@@ -101,7 +103,8 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       }
     }
     FullyShardOptions opts;
-    opts.strategy(cfg.strategy).mp_policy(MixedPrecisionPolicy().param_dtype(cfg.param_dtype).reduce_dtype(cfg.reduce_dtype));
+    opts.strategy(cfg.strategy)
+        .mp_policy(MixedPrecisionPolicy().param_dtype(cfg.param_dtype).reduce_dtype(cfg.reduce_dtype));
     if (cfg.deferred_init) opts.init(net_init());
     for (auto& block : model->blocks) fully_shard(block, mesh, opts);
     // Only the root casts its output back to fp32 for the loss; blocks hand bf16 to each other.
@@ -151,7 +154,8 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
           for (size_t i = 0; i < lp.size(); ++i) {
             if (!lp[i].grad().defined()) continue;
             auto g = lp[i].grad().to(at::kFloat);
-            if (ref_params[i].grad().defined()) ref_params[i].mutable_grad().add_(g); else ref_params[i].mutable_grad() = g;
+            if (ref_params[i].grad().defined()) ref_params[i].mutable_grad().add_(g);
+            else ref_params[i].mutable_grad() = g;
           }
         } else {
           ref_loss = at::mse_loss(ref->forward(x), y) / cfg.microbatches;
@@ -167,11 +171,14 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       if (cfg.clip > 0) {
         const double norm = clip_grad_norm(*root, cfg.clip);
         double sq = 0;
-        for (auto& p : ref_params) if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+        for (auto& p : ref_params)
+          if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
         const double ref_norm = std::sqrt(sq);
         EXPECT_NEAR(norm, ref_norm, 1e-4 * ref_norm) << "step " << step;
         const double coef = cfg.clip / (ref_norm + 1e-6);
-        if (coef < 1) for (auto& p : ref_params) if (p.grad().defined()) p.mutable_grad().mul_(coef);
+        if (coef < 1)
+          for (auto& p : ref_params)
+            if (p.grad().defined()) p.mutable_grad().mul_(coef);
       }
       optim->step();
       optim->zero_grad();
@@ -185,7 +192,8 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
     for (const auto& unit : fsdp::testing::units(*root)) {
       for (auto& fp : unit->flat_params()) {
         std::vector<at::Tensor> flat;
-        for (const auto& e : fp->entries()) flat.push_back(ref_named.at(unit->prefix() + e.name).detach().reshape({-1}));
+        for (const auto& e : fp->entries())
+          flat.push_back(ref_named.at(unit->prefix() + e.name).detach().reshape({-1}));
         auto full = at::cat(flat);
         full = at::constant_pad_nd(full, {0, fp->padded_numel() - fp->numel()});
         auto expect = full.narrow(0, fp->shard_offset(), fp->shard_numel());

@@ -203,7 +203,8 @@ TEST(Prefetch, TraceHasEverySpanWithTheUnit) {
   for (const auto& e : j.at("traceEvents")) {
     if (e.at("ph") != "X") continue;
     count[e.at("name")]++;
-    if (e.at("name") == "fsdp::all_gather" && e.at("args").at("unit").get<std::string>().rfind("blocks_", 0) == 0) unit_named = true;
+    if (e.at("name") == "fsdp::all_gather" && e.at("args").at("unit").get<std::string>().rfind("blocks_", 0) == 0)
+      unit_named = true;
   }
   for (const char* name : {"fsdp::forward", "fsdp::backward", "fsdp::all_gather", "fsdp::all_gather_wait",
                            "fsdp::reduce_scatter", "fsdp::optimizer_step"}) {

@@ -75,7 +75,8 @@ void child_body(int rank) {
     for (; step < kHalf; ++step) train_step(j, samples_seen, rank);
   }
   for (; step < 2 * kHalf; ++step) losses.push_back(train_step(j, samples_seen, rank));
-  std::ofstream(io::join(dir, mode + "-" + std::to_string(rank)), std::ios::binary) << testing::state_bytes(losses, *j.root);
+  std::ofstream(io::join(dir, mode + "-" + std::to_string(rank)), std::ios::binary)
+      << testing::state_bytes(losses, *j.root);
 }
 
 std::string read(const std::string& path) {

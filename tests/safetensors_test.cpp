@@ -33,9 +33,7 @@ std::string le64(uint64_t v) {
 }
 
 // A whole file: length prefix, header text as given, data.
-std::string file_bytes(const std::string& json, const std::string& data) {
-  return le64(json.size()) + json + data;
-}
+std::string file_bytes(const std::string& json, const std::string& data) { return le64(json.size()) + json + data; }
 
 // Runs `f` and checks that it throws CheckpointError whose message holds every one of `needles`.
 void expect_error(const std::function<void()>& f, const std::vector<std::string>& needles) {
@@ -54,10 +52,10 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
   ADD_FAILURE() << "did not throw";
 }
 
-#define EXPECT_CHECKPOINT_ERROR(stmt, ...)          \
-  do {                                              \
-    SCOPED_TRACE(#stmt);                            \
-    expect_error([&] { stmt; }, {__VA_ARGS__});     \
+#define EXPECT_CHECKPOINT_ERROR(stmt, ...)      \
+  do {                                          \
+    SCOPED_TRACE(#stmt);                        \
+    expect_error([&] { stmt; }, {__VA_ARGS__}); \
   } while (0)
 
 class Safetensors : public ::testing::Test {
@@ -121,7 +119,7 @@ const std::vector<TensorSpec> kSpecs = {
 
 TEST_F(Safetensors, DTypeNamesAndSizes) {
   const std::vector<std::pair<DType, size_t>> all = {
-      {DType::BOOL, 1}, {DType::U8, 1},  {DType::I8, 1},  {DType::I16, 2},     {DType::U16, 2},
+      {DType::BOOL, 1}, {DType::U8, 1},   {DType::I8, 1},  {DType::I16, 2},     {DType::U16, 2},
       {DType::F16, 2},  {DType::BF16, 2}, {DType::I32, 4}, {DType::U32, 4},     {DType::F32, 4},
       {DType::F64, 8},  {DType::I64, 8},  {DType::U64, 8}, {DType::F8_E4M3, 1}, {DType::F8_E5M2, 1}};
   for (const auto& [dtype, size] : all) {
@@ -200,38 +198,34 @@ TEST_F(Safetensors, PlanIsDeterministic) {
   EXPECT_EQ(a.file_size, b.file_size);
   // The exact bytes, so that a change of format is a visible decision.
   const FilePlan c = plan_file({{"a", DType::F32, {2}}, {"b", DType::BF16, {1, 3}}}, {{"format", "pt"}});
-  const std::string json =
-      R"({"__metadata__":{"format":"pt"},"a":{"data_offsets":[0,8],"dtype":"F32","shape":[2]},)"
-      R"("b":{"data_offsets":[8,14],"dtype":"BF16","shape":[1,3]}})";
+  const std::string json = R"({"__metadata__":{"format":"pt"},"a":{"data_offsets":[0,8],"dtype":"F32","shape":[2]},)"
+                           R"("b":{"data_offsets":[8,14],"dtype":"BF16","shape":[1,3]}})";
   const std::string padded = json + std::string((8 - json.size() % 8) % 8, ' ');
   EXPECT_EQ(c.header_bytes, le64(padded.size()) + padded);
   EXPECT_EQ(c.file_size, 8 + padded.size() + 14);
 }
 
 TEST_F(Safetensors, PlanRejectsBadSpecs) {
-  EXPECT_CHECKPOINT_ERROR(plan_file({{"w", DType::F32, {2}}, {"w", DType::F32, {3}}}, {}), "'w'",
-                          "twice");
-  EXPECT_CHECKPOINT_ERROR(plan_file({{"__metadata__", DType::F32, {2}}}, {}), "'__metadata__'",
-                          "reserved");
+  EXPECT_CHECKPOINT_ERROR(plan_file({{"w", DType::F32, {2}}, {"w", DType::F32, {3}}}, {}), "'w'", "twice");
+  EXPECT_CHECKPOINT_ERROR(plan_file({{"__metadata__", DType::F32, {2}}}, {}), "'__metadata__'", "reserved");
   EXPECT_CHECKPOINT_ERROR(plan_file({{"neg", DType::F32, {2, -1}}}, {}), "'neg'", "negative");
-  EXPECT_CHECKPOINT_ERROR(plan_file({{"big", DType::F32, {int64_t{1} << 62, 8}}}, {}), "'big'",
-                          "overflows");
-  EXPECT_CHECKPOINT_ERROR(
-      plan_file({{"a", DType::U8, {int64_t{1} << 62}}, {"b", DType::U8, {int64_t{1} << 62}},
-                 {"c", DType::U8, {int64_t{1} << 62}}, {"d", DType::U8, {int64_t{1} << 62}}},
-                {}),
-      "'d'", "2^64");
+  EXPECT_CHECKPOINT_ERROR(plan_file({{"big", DType::F32, {int64_t{1} << 62, 8}}}, {}), "'big'", "overflows");
+  EXPECT_CHECKPOINT_ERROR(plan_file({{"a", DType::U8, {int64_t{1} << 62}},
+                                     {"b", DType::U8, {int64_t{1} << 62}},
+                                     {"c", DType::U8, {int64_t{1} << 62}},
+                                     {"d", DType::U8, {int64_t{1} << 62}}},
+                                    {}),
+                          "'d'", "2^64");
   EXPECT_CHECKPOINT_ERROR(plan_file({{"bad\xff", DType::F32, {1}}}, {}), "UTF-8");
   EXPECT_CHECKPOINT_ERROR(plan_file({}, {{"k", "\xc0\xaf"}}), "'k'", "UTF-8");
 }
 
 TEST_F(Safetensors, ReadsForeignLayouts) {
   // Entries in any key order, padding, an empty tensor sharing an offset: as Python writes them.
-  const std::string json =
-      R"({"b":{"dtype":"I16","shape":[3],"data_offsets":[8,14]},"__metadata__":{"format":"pt"},)"
-      R"( "z_empty":{"dtype":"F64","shape":[0],"data_offsets":[8,8]},)"
-      R"( "a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},"s":{"dtype":"U8","shape":[],)"
-      R"("data_offsets":[14,15]}}    )";
+  const std::string json = R"({"b":{"dtype":"I16","shape":[3],"data_offsets":[8,14]},"__metadata__":{"format":"pt"},)"
+                           R"( "z_empty":{"dtype":"F64","shape":[0],"data_offsets":[8,8]},)"
+                           R"( "a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},"s":{"dtype":"U8","shape":[],)"
+                           R"("data_offsets":[14,15]}}    )";
   const Header h = read_header(write("x.safetensors", file_bytes(json, std::string(15, 'x'))));
   ASSERT_EQ(h.tensors.size(), 4u);
   EXPECT_EQ(h.tensors[0].name, "a");
@@ -292,12 +286,11 @@ TEST_F(Safetensors, RejectsHeaderLengthOverTheLimit) {
   const std::string huge = write("huge.safetensors", le64(~uint64_t{0}) + kOneTensor);
   EXPECT_CHECKPOINT_ERROR(read_header(huge), huge, "limit");
   // parse_header checks it too, whatever the caller says the file size is.
-  EXPECT_CHECKPOINT_ERROR(parse_header("f.safetensors", "{}", kMaxHeaderLen + 1, ~uint64_t{0}),
-                          "f.safetensors", "limit");
+  EXPECT_CHECKPOINT_ERROR(parse_header("f.safetensors", "{}", kMaxHeaderLen + 1, ~uint64_t{0}), "f.safetensors",
+                          "limit");
   const std::string past = write("past.safetensors", le64(1000) + kOneTensor);
   EXPECT_CHECKPOINT_ERROR(read_header(past), past, "header length 1000 runs past the end");
-  EXPECT_CHECKPOINT_ERROR(parse_header("f.safetensors", "{}", 3, 100), "f.safetensors",
-                          "header text is 2 bytes");
+  EXPECT_CHECKPOINT_ERROR(parse_header("f.safetensors", "{}", 3, 100), "f.safetensors", "header text is 2 bytes");
 }
 
 TEST_F(Safetensors, RejectsHeadersThatAreNotJsonObjects) {
@@ -309,8 +302,8 @@ TEST_F(Safetensors, RejectsHeadersThatAreNotJsonObjects) {
       {"{} x", "not valid JSON"},
       {"{\"w\":{\"dtype\":\"F32\",", "not valid JSON"},
       {"{\"a\xff\":1}", "not valid UTF-8"},
-      {"{\"\xc0\xaf\":1}", "not valid UTF-8"},      // overlong '/'
-      {"{\"\xed\xa0\x80\":1}", "not valid UTF-8"},  // a UTF-16 surrogate
+      {"{\"\xc0\xaf\":1}", "not valid UTF-8"},          // overlong '/'
+      {"{\"\xed\xa0\x80\":1}", "not valid UTF-8"},      // a UTF-16 surrogate
       {"{\"\xf4\x90\x80\x80\":1}", "not valid UTF-8"},  // above U+10FFFF
   };
   int i = 0;
@@ -332,8 +325,7 @@ TEST_F(Safetensors, RejectsMalformedEntries) {
       {R"({"w":{"shape":[2],"data_offsets":[0,8]}})", {"'w'", "'dtype' is missing"}},
       {R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", {"'w'", "'shape' is missing"}},
       {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"extra":1}})", {"'w'", "'extra'"}},
-      {R"({"w":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-       {"'w'", "'dtype' appears twice"}},
+      {R"({"w":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}})", {"'w'", "'dtype' appears twice"}},
       {R"({"w":{"dtype":5,"shape":[2],"data_offsets":[0,8]}})", {"'w'", "'dtype' is a number"}},
       {R"({"w":{"dtype":"F128","shape":[2],"data_offsets":[0,8]}})", {"'w'", "unknown dtype 'F128'"}},
       {R"({"w":{"dtype":"f32","shape":[2],"data_offsets":[0,8]}})", {"'w'", "unknown dtype 'f32'"}},
@@ -343,8 +335,7 @@ TEST_F(Safetensors, RejectsMalformedEntries) {
       {R"({"w":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}})", {"'w'", "-0 is negative"}},
       {R"({"w":{"dtype":"F32","shape":[true],"data_offsets":[0,8]}})", {"'w'", "shape holds a boolean"}},
       {R"({"w":{"dtype":"F32","shape":[[2]],"data_offsets":[0,8]}})", {"'w'", "shape holds an array"}},
-      {R"({"w":{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,0]}})",
-       {"'w'", "does not fit in int64"}},
+      {R"({"w":{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,0]}})", {"'w'", "does not fit in int64"}},
       {R"({"w":{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,8]}})",
        {"'w'", "not a non-negative integer"}},
       {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", {"'w'", "has 1 values, not 2"}},
@@ -372,26 +363,29 @@ TEST_F(Safetensors, RejectsInconsistentSizesAndOffsets) {
     std::vector<std::string> needles;
   };
   const std::vector<Case> cases = {
-      {R"({"model.norm.weight":{"dtype":"F32","shape":[32],"data_offsets":[0,64]}})", 64,
+      {R"({"model.norm.weight":{"dtype":"F32","shape":[32],"data_offsets":[0,64]}})",
+       64,
        {"'model.norm.weight'", "data span [0, 64) is 64 bytes but shape [32] x F32 needs 128"}},
-      {R"({"big":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})", 8,
-       {"'big'", "overflows"}},
+      {R"({"big":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})", 8, {"'big'", "overflows"}},
       // Overflow of a partial product counts even when a later dimension is 0.
-      {R"({"big":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}})", 0,
-       {"'big'", "overflows"}},
+      {R"({"big":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}})", 0, {"'big'", "overflows"}},
       {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8, {"'w'", "end before they begin"}},
-      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4,
-       {"'w'", "runs past the end of the data buffer"}},
-      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,0]}})", 8,
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4, {"'w'", "runs past the end of the data buffer"}},
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,0]}})",
+       8,
        {"'w'", "end before they begin"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-       12, {"'b'", "overlaps tensor 'a'"}},
+       12,
+       {"'b'", "overlaps tensor 'a'"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-       8, {"'b'", "overlaps tensor 'a'"}},
+       8,
+       {"'b'", "overlaps tensor 'a'"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
-       8, {"'e'", "overlaps tensor 'a'"}},
+       8,
+       {"'e'", "overlaps tensor 'a'"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})",
-       20, {"'b'", "bytes [8, 12)", "gap"}},
+       20,
+       {"'b'", "bytes [8, 12)", "gap"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12, {"'a'", "bytes [0, 4)", "gap"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 9, {"'a'", "1 bytes of trailing data"}},
       {R"({})", 3, {"no tensors", "3 bytes"}},
@@ -405,8 +399,8 @@ TEST_F(Safetensors, RejectsInconsistentSizesAndOffsets) {
   int i = 0;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.json);
-    const std::string path = write("o" + std::to_string(i++) + ".safetensors",
-                                   file_bytes(c.json, std::string(c.data_len, 0)));
+    const std::string path =
+        write("o" + std::to_string(i++) + ".safetensors", file_bytes(c.json, std::string(c.data_len, 0)));
     std::vector<std::string> all = c.needles;
     all.push_back(path);
     EXPECT_CHECKPOINT_ERROR(read_header(path), all);
@@ -425,8 +419,7 @@ TEST_F(Safetensors, QuotesHostileNames) {
   const std::string path = write("q.safetensors", file_bytes(json, std::string(8, 0)));
   EXPECT_CHECKPOINT_ERROR(read_header(path), "'a\\x0ab\\x1b[31m'");
   const std::string long_name(5000, 'n');
-  EXPECT_CHECKPOINT_ERROR(plan_file({{long_name, DType::F32, {1}}, {long_name, DType::F32, {1}}}, {}),
-                          "(5000 bytes)");
+  EXPECT_CHECKPOINT_ERROR(plan_file({{long_name, DType::F32, {1}}, {long_name, DType::F32, {1}}}, {}), "(5000 bytes)");
 }
 
 TEST_F(Safetensors, RejectsUnreadablePaths) {
@@ -446,8 +439,7 @@ TEST_F(Safetensors, IndexParsesAndRoundTrips) {
   const Index index = parse_index("model.safetensors.index.json", kIndexText);
   EXPECT_EQ(index.metadata.at("total_size"), 28);
   EXPECT_EQ(index.weight_map.size(), 3u);
-  EXPECT_EQ(index.files(),
-            (std::vector<std::string>{"model-00001.safetensors", "model-00002.safetensors"}));
+  EXPECT_EQ(index.files(), (std::vector<std::string>{"model-00001.safetensors", "model-00002.safetensors"}));
   const std::string text = index_to_json(index);
   EXPECT_EQ(text, index_to_json(parse_index("again", text)));
   const Index back = parse_index("again", text);
@@ -462,8 +454,7 @@ TEST_F(Safetensors, IndexParsesAndRoundTrips) {
 }
 
 TEST_F(Safetensors, IndexRejectsUnsafeFileNames) {
-  const std::vector<std::string> bad = {"../x", "/abs", "a/b", "a\\b", "..\\x", "", ".", "..",
-                                        std::string("a\0b", 3)};
+  const std::vector<std::string> bad = {"../x", "/abs", "a/b", "a\\b", "..\\x", "", ".", "..", std::string("a\0b", 3)};
   for (const std::string& file : bad) {
     SCOPED_TRACE(file);
     const std::string text = nlohmann::json{{"weight_map", {{"layer.w", file}}}}.dump();
@@ -472,8 +463,8 @@ TEST_F(Safetensors, IndexRejectsUnsafeFileNames) {
     index.weight_map["layer.w"] = file;
     EXPECT_CHECKPOINT_ERROR(index_to_json(index), "'layer.w'", "file name");
   }
-  EXPECT_CHECKPOINT_ERROR(parse_index("idx.json", R"({"weight_map":{"w":"../../etc/passwd"}})"),
-                          "'../../etc/passwd'", "is a path");
+  EXPECT_CHECKPOINT_ERROR(parse_index("idx.json", R"({"weight_map":{"w":"../../etc/passwd"}})"), "'../../etc/passwd'",
+                          "is a path");
 }
 
 TEST_F(Safetensors, IndexRejectsMalformedText) {
@@ -500,8 +491,8 @@ TEST_F(Safetensors, IndexRejectsMalformedText) {
     EXPECT_CHECKPOINT_ERROR(parse_index("idx.json", text), "idx.json", needle);
   }
   // 64 levels in all (root, metadata, 62 arrays) is fine.
-  EXPECT_NO_THROW(parse_index("idx.json", R"({"metadata":{"x":)" + std::string(62, '[') +
-                                              std::string(62, ']') + R"(},"weight_map":{}})"));
+  EXPECT_NO_THROW(parse_index(
+      "idx.json", R"({"metadata":{"x":)" + std::string(62, '[') + std::string(62, ']') + R"(},"weight_map":{}})"));
 }
 
 Header header_of(const std::vector<std::string>& names) {
@@ -533,8 +524,8 @@ TEST_F(Safetensors, IndexAgreesWithHeaders) {
 
   auto twice = headers;
   twice["model-00002.safetensors"] = header_of({"b", "c"});
-  EXPECT_CHECKPOINT_ERROR(check_index_against_headers("ckpt", index, twice), "ckpt", "'c'",
-                          "two files", "'model-00001.safetensors'", "'model-00002.safetensors'");
+  EXPECT_CHECKPOINT_ERROR(check_index_against_headers("ckpt", index, twice), "ckpt", "'c'", "two files",
+                          "'model-00001.safetensors'", "'model-00002.safetensors'");
 
   auto moved = headers;
   moved["model-00001.safetensors"] = header_of({"a"});

@@ -41,32 +41,27 @@ using fsdp::safetensors::TensorSpec;
 // Given in decreasing itemsize, as the reference writer orders them, so every tensor is aligned;
 // "odd.bf16" and the F8 tensors have odd byte counts and come last.
 const std::vector<TensorSpec> kTensors = {
-    {"layers.0.f64", DType::F64, {4}},
-    {"layers.0.i64", DType::I64, {2, 3}},
-    {"layers.0.u64", DType::U64, {3}},
-    {"layers.0.f32", DType::F32, {3, 5}},
-    {"layers.0.scalar", DType::F32, {}},
-    {"layers.0.empty", DType::F32, {0, 3}},
-    {"layers.0.i32", DType::I32, {5}},
-    {"layers.0.u32", DType::U32, {2, 2}},
-    {"layers.0.bf16", DType::BF16, {7, 2}},
-    {"layers.0.f16", DType::F16, {2, 3, 1}},
-    {"layers.0.i16", DType::I16, {3}},
-    {"layers.0.u16", DType::U16, {3}},
-    {"layers.1.odd.bf16", DType::BF16, {7}},
-    {"layers.1.i8", DType::I8, {9}},
-    {"layers.1.u8", DType::U8, {4, 4}},
-    {"layers.1.bool", DType::BOOL, {6}},
-    {"layers.1.f8_e4m3", DType::F8_E4M3, {5}},
-    {"layers.1.f8_e5m2", DType::F8_E5M2, {17}},
+    {"layers.0.f64", DType::F64, {4}},         {"layers.0.i64", DType::I64, {2, 3}},
+    {"layers.0.u64", DType::U64, {3}},         {"layers.0.f32", DType::F32, {3, 5}},
+    {"layers.0.scalar", DType::F32, {}},       {"layers.0.empty", DType::F32, {0, 3}},
+    {"layers.0.i32", DType::I32, {5}},         {"layers.0.u32", DType::U32, {2, 2}},
+    {"layers.0.bf16", DType::BF16, {7, 2}},    {"layers.0.f16", DType::F16, {2, 3, 1}},
+    {"layers.0.i16", DType::I16, {3}},         {"layers.0.u16", DType::U16, {3}},
+    {"layers.1.odd.bf16", DType::BF16, {7}},   {"layers.1.i8", DType::I8, {9}},
+    {"layers.1.u8", DType::U8, {4, 4}},        {"layers.1.bool", DType::BOOL, {6}},
+    {"layers.1.f8_e4m3", DType::F8_E4M3, {5}}, {"layers.1.f8_e5m2", DType::F8_E5M2, {17}},
 };
 
 double scale_of(DType dtype) {
   switch (dtype) {
-    case DType::I16: case DType::U16: return 256.0;
-    case DType::I32: case DType::U32: return 1048576.0;
-    case DType::I64: case DType::U64: return 1099511627776.0;
-    case DType::I8: case DType::U8: return 1.0;
+    case DType::I16:
+    case DType::U16: return 256.0;
+    case DType::I32:
+    case DType::U32: return 1048576.0;
+    case DType::I64:
+    case DType::U64: return 1099511627776.0;
+    case DType::I8:
+    case DType::U8: return 1.0;
     default: return 0.25;
   }
 }
@@ -119,8 +114,7 @@ void pread_all(int fd, char* data, size_t len, uint64_t offset, const std::strin
 }
 
 int write_file(const std::string& path) {
-  const auto plan = fsdp::safetensors::plan_file(
-      kTensors, {{"format", "pt"}, {"writer", "safetensors_tool"}});
+  const auto plan = fsdp::safetensors::plan_file(kTensors, {{"format", "pt"}, {"writer", "safetensors_tool"}});
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   check_io(fd >= 0, "cannot create", path);
   check_io(::ftruncate(fd, static_cast<off_t>(plan.file_size)) == 0, "cannot size", path);
@@ -129,8 +123,8 @@ int write_file(const std::string& path) {
   for (auto it = kTensors.rbegin(); it != kTensors.rend(); ++it) {
     const at::Tensor t = values_of(*it);
     const auto* entry = plan.header.find(it->name);
-    pwrite_all(fd, static_cast<const char*>(t.const_data_ptr()), t.nbytes(),
-               plan.header.data_start() + entry->begin, path);
+    pwrite_all(fd, static_cast<const char*>(t.const_data_ptr()), t.nbytes(), plan.header.data_start() + entry->begin,
+               path);
   }
   check_io(::close(fd) == 0, "cannot close", path);
   return 0;
@@ -144,17 +138,15 @@ int dump_file(const std::string& path) {
     std::vector<char> bytes(std::max<uint64_t>(e.nbytes(), 1));
     pread_all(fd, bytes.data(), e.nbytes(), header.data_start() + e.begin, path);
     const at::Tensor t =
-        at::from_blob(bytes.data(), e.shape, at::TensorOptions().dtype(
-                                                 fsdp::safetensors::to_scalar_type(e.dtype)))
+        at::from_blob(bytes.data(), e.shape, at::TensorOptions().dtype(fsdp::safetensors::to_scalar_type(e.dtype)))
             .to(at::kDouble)
             .flatten();
     const at::Tensor weights = at::remainder(at::arange(t.numel(), at::kDouble), 7) + 1;
     std::string shape = "[";
     for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
     shape += "]";
-    std::printf("tensor\t%s\t%s\t%s\t%.17g\t%.17g\n", e.name.c_str(),
-                fsdp::safetensors::dtype_name(e.dtype), shape.c_str(), t.sum().item<double>(),
-                (t * weights).sum().item<double>());
+    std::printf("tensor\t%s\t%s\t%s\t%.17g\t%.17g\n", e.name.c_str(), fsdp::safetensors::dtype_name(e.dtype),
+                shape.c_str(), t.sum().item<double>(), (t * weights).sum().item<double>());
   }
   for (const auto& kv : header.metadata) {
     std::printf("metadata\t%s\t%s\n", kv.first.c_str(), kv.second.c_str());

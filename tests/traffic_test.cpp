@@ -35,7 +35,8 @@ void check_traffic_and_memory(int world) {
         padded += fp->padded_numel();
         unit_bytes += fp->padded_numel() * 4;
       }
-      if (unit->is_root()) root_unit = unit_bytes; else largest_unit = std::max(largest_unit, unit_bytes);
+      if (unit->is_root()) root_unit = unit_bytes;
+      else largest_unit = std::max(largest_unit, unit_bytes);
     }
     auto x = at::randn({4, o.in}), y = at::randn({4, o.out});
     auto& comm = dist.world();

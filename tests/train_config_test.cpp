@@ -77,9 +77,9 @@ TEST(TrainConfig, DefaultsAreTheSmallBuiltInJob) {
 }
 
 TEST(TrainConfig, ToJsonListsEveryKeyAndRoundTrips) {
-  TrainConfig c = from_args({"--set", "fsdp.strategy=HYBRID_SHARD", "--set", "fsdp.replicate=2", "--set",
-                             "fsdp.param_dtype=bf16", "--set", "optim.schedule=constant", "--set", "fsdp.device=cuda",
-                             "--seed", "7"});
+  TrainConfig c =
+      from_args({"--set", "fsdp.strategy=HYBRID_SHARD", "--set", "fsdp.replicate=2", "--set", "fsdp.param_dtype=bf16",
+                 "--set", "optim.schedule=constant", "--set", "fsdp.device=cuda", "--seed", "7"});
   const json j = c.to_json();
   for (const char* section : {"model", "data", "optim", "fsdp", "train"}) EXPECT_TRUE(j.contains(section)) << section;
   EXPECT_EQ(j["fsdp"]["strategy"], "HYBRID_SHARD");
@@ -99,9 +99,9 @@ TEST(TrainConfig, FileThenOverridesInCommandLineOrder) {
     "train": {"steps": 5, "seed": 11}
   })");
   // --set before --config still applies after the file; later overrides win over earlier ones.
-  const TrainConfig c = from_args({"--set", "optim.lr=0.02", "--config", path, "--steps", "7", "--set",
-                                   "optim.betas=[0.8, 0.9]", "--set", "fsdp.strategy=SHARD_GRAD_OP", "--set",
-                                   "train.steps=9", "--data", "corpus.txt"});
+  const TrainConfig c =
+      from_args({"--set", "optim.lr=0.02", "--config", path, "--steps", "7", "--set", "optim.betas=[0.8, 0.9]", "--set",
+                 "fsdp.strategy=SHARD_GRAD_OP", "--set", "train.steps=9", "--data", "corpus.txt"});
   EXPECT_DOUBLE_EQ(c.optim.lr, 0.02);
   EXPECT_EQ(c.optim.warmup_steps, 3);  // from the file
   EXPECT_EQ(c.train.steps, 9);         // the last override
@@ -252,8 +252,8 @@ TEST(TrainConfig, HashIsStableAndCoversOnlyModelAndDataStream) {
   // means checkpoints saved before no longer resume; change it only on purpose.
   EXPECT_EQ(h, "0d63ae6f22e4ff4d");
   // Training knobs and the per-rank batch (which changes with the world size) are not identity.
-  for (const char* set : {"optim.lr=0.01", "train.steps=9", "data.batch_size_per_rank=2", "fsdp.strategy=NO_SHARD",
-                          "train.seed=5"}) {
+  for (const char* set :
+       {"optim.lr=0.01", "train.steps=9", "data.batch_size_per_rank=2", "fsdp.strategy=NO_SHARD", "train.seed=5"}) {
     EXPECT_EQ(from_args({"--set", set}).config_hash(), h) << set;
   }
   // The model and the sample stream are.

@@ -17,8 +17,8 @@
 
 namespace {
 
-using train::Dataset;
 using train::DataConfig;
+using train::Dataset;
 using train::Split;
 
 DataConfig synthetic(int64_t seq_len) {
@@ -183,8 +183,10 @@ TEST(TrainData, BadFilesFailNamingTheFile) {
   EXPECT_NE(error_of(file(empty, 8), 256).find("data file '" + empty + "': is empty"), std::string::npos);
 
   const auto tiny = write_bytes("tiny.txt", {'a', 'b', 'c'});
-  EXPECT_NE(error_of(file(tiny, 8), 256).find("data file '" + tiny + "': holds 3 tokens (raw bytes), fewer than one "
-                                                                     "sample needs: data.seq_len + 1 = 9"),
+  EXPECT_NE(error_of(file(tiny, 8), 256)
+                .find("data file '" + tiny +
+                      "': holds 3 tokens (raw bytes), fewer than one "
+                      "sample needs: data.seq_len + 1 = 9"),
             std::string::npos);
 
   const auto big_ids = write_counting_bin("big_ids.bin", 600, false);

@@ -54,12 +54,14 @@ DiffOptions parse_diff_args(const Args& args) {
       if (i + 1 >= args.size()) throw UsageError("diff: " + a + " needs a value");
       const std::string v = args[++i];
       if (a == "--ignore") {
-        if (v.empty() || v[0] != '/') throw UsageError("diff: --ignore takes a JSON pointer such as /extra/config/fsdp, got '" + v + "'");
+        if (v.empty() || v[0] != '/')
+          throw UsageError("diff: --ignore takes a JSON pointer such as /extra/config/fsdp, got '" + v + "'");
         o.ignore.push_back(v);
       } else {
         char* end = nullptr;
         const long n = std::strtol(v.c_str(), &end, 10);
-        if (v.empty() || *end != '\0' || n < 1) throw UsageError("diff: --max-diffs expects a positive integer, got '" + v + "'");
+        if (v.empty() || *end != '\0' || n < 1)
+          throw UsageError("diff: --max-diffs expects a positive integer, got '" + v + "'");
         o.max_diffs = static_cast<size_t>(n);
       }
     } else if (!a.empty() && a[0] == '-') {
@@ -90,7 +92,8 @@ struct Differences {
     in_section = 0;
   }
   void end() {
-    if (in_section > max_shown) std::printf("... and %zu more differences in %s\n", in_section - max_shown, section.c_str());
+    if (in_section > max_shown)
+      std::printf("... and %zu more differences in %s\n", in_section - max_shown, section.c_str());
     in_section = 0;
   }
   void add(const std::string& what) {
@@ -101,7 +104,8 @@ struct Differences {
 
 bool ignored(const std::string& pointer, const std::vector<std::string>& ignore) {
   for (const auto& p : ignore) {
-    if (pointer == p || (pointer.size() > p.size() && pointer.compare(0, p.size(), p) == 0 && pointer[p.size()] == '/')) {
+    if (pointer == p ||
+        (pointer.size() > p.size() && pointer.compare(0, p.size(), p) == 0 && pointer[p.size()] == '/')) {
       return true;
     }
   }
@@ -155,7 +159,8 @@ std::string diff_data(const Checkpoint& ca, const TensorLocation& ta, const Chec
     read_bytes(cb.dir, tb.file, tb.offset + off, n, bytes_b);
     if (bytes_a == bytes_b) continue;
     auto as_double = [&](std::string& bytes) {
-      return at::from_blob(bytes.data(), {static_cast<int64_t>(n / item)}, at::TensorOptions().dtype(type)).to(at::kDouble);
+      return at::from_blob(bytes.data(), {static_cast<int64_t>(n / item)}, at::TensorOptions().dtype(type))
+          .to(at::kDouble);
     };
     const at::Tensor x = as_double(bytes_a), y = as_double(bytes_b);
     max_abs = std::max(max_abs, (x - y).abs().nan_to_num(0).max().item<double>());
@@ -222,7 +227,8 @@ int run_diff(const Args& args) {
   diff_train_state(a.state, b.state, o, d);
   d.end();
   if (d.count == 0) {
-    std::printf("identical: %" PRIu64 " tensors in %zu file sets, and train_state.json (ignoring", compared, a.sets.size());
+    std::printf("identical: %" PRIu64 " tensors in %zu file sets, and train_state.json (ignoring", compared,
+                a.sets.size());
     for (const auto& p : o.ignore) std::printf(" %s", p.c_str());
     std::printf(")\n");
     return 0;

@@ -121,7 +121,8 @@ int run_export(const Args& args) {
   // Last: a directory with config.json is what from_pretrained takes for a model.
   fsdp::io::write_file_atomic(join(out, "config.json"), hf_config(config).dump(2) + "\n");
 
-  std::printf("exported %zu tensors, %" PRIu64 " bytes of %s (step %s) to %s: config.json, model.safetensors, "
+  std::printf("exported %zu tensors, %" PRIu64
+              " bytes of %s (step %s) to %s: config.json, model.safetensors, "
               "model.safetensors.index.json\n",
               names.size(), bytes, ckpt.dir.c_str(), ckpt.state.value("step", json()).dump().c_str(), out.c_str());
   return 0;
@@ -129,20 +130,22 @@ int run_export(const Args& args) {
 
 int run_logits(const Args& args) {
   if (args.size() != 3) {
-    throw UsageError("logits takes three arguments: the checkpoint directory, an int64 .npy of tokens [B, T] and "
-                     "the .npy to write float32 logits [B, T, vocab] to");
+    throw UsageError(
+        "logits takes three arguments: the checkpoint directory, an int64 .npy of tokens [B, T] and "
+        "the .npy to write float32 logits [B, T, vocab] to");
   }
   const Checkpoint ckpt = open_checkpoint(args[0]);
   const llama::LlamaConfig config = model_config(ckpt);
   at::Tensor tokens = read_npy_int64(args[1]);
   if (tokens.dim() == 1) tokens = tokens.unsqueeze(0);
   if (tokens.dim() != 2 || tokens.numel() == 0) {
-    throw std::invalid_argument("logits: tokens must be a non-empty [B, T] (or [T]) array, got shape " + shape_text(tokens.sizes().vec()));
+    throw std::invalid_argument("logits: tokens must be a non-empty [B, T] (or [T]) array, got shape " +
+                                shape_text(tokens.sizes().vec()));
   }
   const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
   if (lo < 0 || hi >= config.vocab_size) {
-    throw std::invalid_argument("logits: tokens must lie in [0, " + std::to_string(config.vocab_size) + "), got values from " +
-                     std::to_string(lo) + " to " + std::to_string(hi));
+    throw std::invalid_argument("logits: tokens must lie in [0, " + std::to_string(config.vocab_size) +
+                                "), got values from " + std::to_string(lo) + " to " + std::to_string(hi));
   }
   llama::LlamaForCausalLM model(config, at::kCPU);  // random init, overwritten by the load
   fsdp::checkpoint::load_unsharded(ckpt.dir, *model);

@@ -47,7 +47,8 @@ std::string mib(uint64_t bytes) { return fsdp::base::mib(static_cast<int64_t>(by
 
 std::string one_dir_arg(const Args& args, const char* command) {
   if (args.size() != 1 || args[0].empty() || args[0][0] == '-') {
-    throw UsageError(std::string(command) + " takes one argument, the checkpoint directory (or a save root with 'latest')");
+    throw UsageError(std::string(command) +
+                     " takes one argument, the checkpoint directory (or a save root with 'latest')");
   }
   return args[0];
 }
@@ -228,7 +229,8 @@ void check_optimizer_set(const std::string& dir, const FileSet& model, const Fil
                    shape_text(m->second.entry.shape));
     }
     if (fields.has_optimizer && !fields.trainable.count(name)) {
-      problems.add(where + t.file + "): tensor '" + name + "' is not trainable (not in train_state.json optimizer.steps)");
+      problems.add(where + t.file + "): tensor '" + name +
+                   "' is not trainable (not in train_state.json optimizer.steps)");
     }
   }
   for (const auto& name : fields.trainable) {
@@ -247,10 +249,11 @@ uint64_t read_everything(const std::string& dir, const FileSet& set) {
     uint64_t end = header.data_start();
     for (const auto& e : header.tensors) end = std::max(end, header.data_start() + e.end);
     if (size != end) {
-      throw CheckpointError(join(dir, file) + " is " + std::to_string(size) +
-                            " bytes but its header describes " + std::to_string(end));
+      throw CheckpointError(join(dir, file) + " is " + std::to_string(size) + " bytes but its header describes " +
+                            std::to_string(end));
     }
-    for (uint64_t off = 0; off < size; off += buf.size()) read_bytes(dir, file, off, std::min<uint64_t>(size - off, 16 << 20), buf);
+    for (uint64_t off = 0; off < size; off += buf.size())
+      read_bytes(dir, file, off, std::min<uint64_t>(size - off, 16 << 20), buf);
     total += size;
   }
   return total;
@@ -285,7 +288,8 @@ int run_info(const Args& args) {
     optimizer = field_text(o, "type");
     if (o.contains("state_names") && o["state_names"].is_array()) {
       std::string names;
-      for (const auto& n : o["state_names"]) names += (names.empty() ? "" : ", ") + (n.is_string() ? n.get<std::string>() : n.dump());
+      for (const auto& n : o["state_names"])
+        names += (names.empty() ? "" : ", ") + (n.is_string() ? n.get<std::string>() : n.dump());
       optimizer += " (states: " + names + ")";
     }
   }

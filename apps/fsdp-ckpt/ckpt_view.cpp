@@ -49,12 +49,12 @@ const FileSet& Checkpoint::model() const {
 
 std::string resolve_dir(const std::string& path) {
   if (!fsdp::io::is_dir(path)) {
-    throw CheckpointError(path + " is not a checkpoint: " +
-                          (exists(path) ? "not a directory" : "no such directory"));
+    throw CheckpointError(path + " is not a checkpoint: " + (exists(path) ? "not a directory" : "no such directory"));
   }
   if (exists(join(path, "train_state.json"))) return path;
   if (exists(join(path, "latest"))) return fsdp::checkpoint::resolve(path, "latest");
-  throw CheckpointError(path + " is not a checkpoint: it has neither train_state.json (a committed "
+  throw CheckpointError(path +
+                        " is not a checkpoint: it has neither train_state.json (a committed "
                         "checkpoint; a save that never finished has none) nor latest (a save root)");
 }
 
@@ -127,7 +127,8 @@ llama::LlamaConfig model_config(const Checkpoint& ckpt) {
   const auto& s = ckpt.state;
   if (!s.contains("extra") || !s["extra"].is_object() || !s["extra"].contains("config") ||
       !s["extra"]["config"].is_object() || !s["extra"]["config"].contains("model")) {
-    throw CheckpointError(where + " has no model config (extra.config.model): only checkpoints "
+    throw CheckpointError(where +
+                          " has no model config (extra.config.model): only checkpoints "
                           "saved by fsdp-train record the model they hold");
   }
   try {
@@ -160,8 +161,8 @@ void check_llama_tensors(const Checkpoint& ckpt, const llama::LlamaConfig& confi
     }
     const auto& e = it->second.entry;
     if (e.dtype != st::DType::F32 || e.shape != shape) {
-      throw CheckpointError("checkpoint " + ckpt.dir + " (" + it->second.file + "): tensor '" + name +
-                            "' is " + st::dtype_name(e.dtype) + " " + shape_text(e.shape) +
+      throw CheckpointError("checkpoint " + ckpt.dir + " (" + it->second.file + "): tensor '" + name + "' is " +
+                            st::dtype_name(e.dtype) + " " + shape_text(e.shape) +
                             " but LlamaForCausalLM of its config has F32 " + shape_text(shape));
     }
   }

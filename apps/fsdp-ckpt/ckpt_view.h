@@ -39,16 +39,16 @@ struct FileSet {
   std::string kind;  // "model", "optim.exp_avg", ...
   fsdp::safetensors::Index index;
   std::map<std::string, fsdp::safetensors::Header> headers;  // by file name
-  std::map<std::string, TensorLocation> tensors;              // by tensor name
-  std::vector<std::string> order;                             // tensor names by (file, offset)
+  std::map<std::string, TensorLocation> tensors;             // by tensor name
+  std::vector<std::string> order;                            // tensor names by (file, offset)
 
   std::string index_name() const { return kind + ".safetensors.index.json"; }
   uint64_t data_bytes() const;
 };
 
 struct Checkpoint {
-  std::string dir;       // the resolved checkpoint directory
-  nlohmann::json state;  // train_state.json as parsed, fields unchecked (see verify)
+  std::string dir;            // the resolved checkpoint directory
+  nlohmann::json state;       // train_state.json as parsed, fields unchecked (see verify)
   std::vector<FileSet> sets;  // "model" first, then the others by name
 
   const FileSet* find(const std::string& kind) const;

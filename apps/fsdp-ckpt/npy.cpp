@@ -85,8 +85,8 @@ at::Tensor read_npy_int64(const std::string& path) {
   at::Tensor t = at::empty(shape, at::kLong);
   const uint64_t bytes = static_cast<uint64_t>(t.numel()) * sizeof(int64_t);
   if (10 + header_len + bytes != size) {
-    fail(path, "shape " + dict_value(path, header, "shape") + " needs " + std::to_string(bytes) + " data bytes, the file has " +
-                   std::to_string(size - 10 - header_len));
+    fail(path, "shape " + dict_value(path, header, "shape") + " needs " + std::to_string(bytes) +
+                   " data bytes, the file has " + std::to_string(size - 10 - header_len));
   }
   f.pread_all(t.data_ptr<int64_t>(), bytes, 10 + header_len);
   return t;

@@ -38,8 +38,8 @@ std::vector<std::string> rank_environment(const LaunchOptions& options, int rank
   for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
     const std::string text(*entry);
     const std::string key = text.substr(0, text.find('='));
-    const bool overridden = std::any_of(overrides.begin(), overrides.end(),
-                                        [&](const auto& kv) { return kv.first == key; });
+    const bool overridden =
+        std::any_of(overrides.begin(), overrides.end(), [&](const auto& kv) { return kv.first == key; });
     if (!overridden) env.push_back(text);
   }
   for (const auto& kv : overrides) env.push_back(kv.first + "=" + kv.second);

@@ -14,11 +14,9 @@ namespace {
 
 constexpr double kMaxSeconds = 1e8;  // keeps the conversion to Clock::duration from overflowing
 
-long parse_integer(const std::string& flag, const std::string& text, long lo, long hi,
-                   const char* expected) {
-  const bool digits =
-      !text.empty() && text.size() <= 9 &&
-      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+long parse_integer(const std::string& flag, const std::string& text, long lo, long hi, const char* expected) {
+  const bool digits = !text.empty() && text.size() <= 9 &&
+                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
   const long value = digits ? std::strtol(text.c_str(), nullptr, 10) : 0;
   if (!digits || value < lo || value > hi) {
     throw std::invalid_argument(flag + " must be " + expected + ", got '" + text + "'");
@@ -30,10 +28,9 @@ double parse_seconds(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   errno = 0;
   const double value = text.empty() ? -1 : std::strtod(text.c_str(), &end);
-  if (text.empty() || errno != 0 || *end != '\0' || !std::isfinite(value) || value < 0 ||
-      value > kMaxSeconds) {
-    throw std::invalid_argument(flag + " must be a number of seconds in [0, " +
-                                format_seconds(kMaxSeconds) + "], got '" + text + "'");
+  if (text.empty() || errno != 0 || *end != '\0' || !std::isfinite(value) || value < 0 || value > kMaxSeconds) {
+    throw std::invalid_argument(flag + " must be a number of seconds in [0, " + format_seconds(kMaxSeconds) +
+                                "], got '" + text + "'");
   }
   return value;
 }
@@ -42,22 +39,20 @@ double parse_seconds(const std::string& flag, const std::string& text) {
 
 void validate(const LaunchOptions& options) {
   if (options.nproc_per_node < 1 || options.nproc_per_node > kMaxProcsPerNode) {
-    throw std::invalid_argument("--nproc-per-node must be an integer in [1, " +
-                                std::to_string(kMaxProcsPerNode) + "], got " +
-                                std::to_string(options.nproc_per_node));
+    throw std::invalid_argument("--nproc-per-node must be an integer in [1, " + std::to_string(kMaxProcsPerNode) +
+                                "], got " + std::to_string(options.nproc_per_node));
   }
   if (options.command.empty()) {
     throw std::invalid_argument(std::string("missing command after '--'; usage: ") + kSynopsis);
   }
   if (options.master_addr.empty()) throw std::invalid_argument("--master-addr must not be empty");
   if (options.master_port < 0 || options.master_port > 65535) {
-    throw std::invalid_argument("--master-port must be in [1, 65535], got " +
-                                std::to_string(options.master_port));
+    throw std::invalid_argument("--master-port must be in [1, 65535], got " + std::to_string(options.master_port));
   }
   if (!(options.timeout_s >= 0 && options.timeout_s <= kMaxSeconds) ||
       !(options.grace_s >= 0 && options.grace_s <= kMaxSeconds)) {
-    throw std::invalid_argument("--timeout-s and --grace-s must be in [0, " +
-                                format_seconds(kMaxSeconds) + "] seconds");
+    throw std::invalid_argument("--timeout-s and --grace-s must be in [0, " + format_seconds(kMaxSeconds) +
+                                "] seconds");
   }
 }
 
@@ -82,12 +77,10 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
     const size_t equals = arg.find('=');
     std::string flag = arg.substr(0, equals);
     std::replace(flag.begin(), flag.end(), '_', '-');  // torchrun accepts --nproc_per_node too
-    static const char* const kFlags[] = {"--nproc-per-node", "--master-addr", "--master-port",
-                                         "--timeout-s", "--grace-s"};
-    if (std::none_of(std::begin(kFlags), std::end(kFlags),
-                     [&](const char* f) { return flag == f; })) {
-      throw std::invalid_argument("unknown option '" + arg.substr(0, equals) +
-                                  "' (see fsdp-run --help)");
+    static const char* const kFlags[] = {"--nproc-per-node", "--master-addr", "--master-port", "--timeout-s",
+                                         "--grace-s"};
+    if (std::none_of(std::begin(kFlags), std::end(kFlags), [&](const char* f) { return flag == f; })) {
+      throw std::invalid_argument("unknown option '" + arg.substr(0, equals) + "' (see fsdp-run --help)");
     }
     std::string value;
     if (equals != std::string::npos) {
@@ -98,16 +91,15 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
       throw std::invalid_argument("option " + flag + " needs a value");
     }
     if (flag == "--nproc-per-node") {
-      options.nproc_per_node = static_cast<int>(launch::parse_integer(
-          flag, value, 1, kMaxProcsPerNode,
-          ("a positive integer (at most " + std::to_string(kMaxProcsPerNode) + ")").c_str()));
+      options.nproc_per_node = static_cast<int>(
+          launch::parse_integer(flag, value, 1, kMaxProcsPerNode,
+                                ("a positive integer (at most " + std::to_string(kMaxProcsPerNode) + ")").c_str()));
       saw_nproc = true;
     } else if (flag == "--master-addr") {
       if (value.empty()) throw std::invalid_argument("--master-addr must not be empty");
       options.master_addr = value;
     } else if (flag == "--master-port") {
-      options.master_port =
-          static_cast<int>(launch::parse_integer(flag, value, 1, 65535, "an integer in [1, 65535]"));
+      options.master_port = static_cast<int>(launch::parse_integer(flag, value, 1, 65535, "an integer in [1, 65535]"));
     } else if (flag == "--timeout-s") {
       options.timeout_s = launch::parse_seconds(flag, value);
     } else {
@@ -115,11 +107,9 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
     }
   }
   if (i == args.size()) {
-    throw std::invalid_argument(std::string("missing '--' before the command; usage: ") +
-                                kSynopsis);
+    throw std::invalid_argument(std::string("missing '--' before the command; usage: ") + kSynopsis);
   }
-  if (!saw_nproc)
-    throw std::invalid_argument(std::string("--nproc-per-node is required; usage: ") + kSynopsis);
+  if (!saw_nproc) throw std::invalid_argument(std::string("--nproc-per-node is required; usage: ") + kSynopsis);
   options.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
   launch::validate(options);
   return options;

@@ -73,8 +73,7 @@ void note(const std::string& message) { write_all(STDERR_FILENO, "fsdp-run: " + 
 
 void set_fd_flag(int fd, int get_cmd, int set_cmd, int flag) {
   const int flags = ::fcntl(fd, get_cmd);
-  if (flags < 0 || ::fcntl(fd, set_cmd, flags | flag) < 0)
-    throw std::runtime_error(errno_text("fcntl"));
+  if (flags < 0 || ::fcntl(fd, set_cmd, flags | flag) < 0) throw std::runtime_error(errno_text("fcntl"));
 }
 
 // A pipe whose ends are both close-on-exec: otherwise every rank would inherit the other ranks'
@@ -90,8 +89,7 @@ void make_pipe(int fds[2]) {
 void ensure_standard_fds_open() {
   for (int fd = 0; fd <= 2; ++fd) {
     if (::fcntl(fd, F_GETFD) < 0 && errno == EBADF && ::open("/dev/null", O_RDWR) != fd) {
-      throw std::runtime_error("cannot open /dev/null on closed standard descriptor " +
-                               std::to_string(fd));
+      throw std::runtime_error("cannot open /dev/null on closed standard descriptor " + std::to_string(fd));
     }
   }
 }

@@ -203,19 +203,16 @@ class LocalJob {
     ::sigprocmask(SIG_SETMASK, &saved_mask, nullptr);
     // stdin is /dev/null: a rank in a background process group that read the terminal would
     // be stopped by SIGTTIN, and N ranks sharing one stdin is never what was meant.
-    if (::dup2(null_fd, STDIN_FILENO) < 0 || ::dup2(out_fd, STDOUT_FILENO) < 0 ||
-        ::dup2(err_fd, STDERR_FILENO) < 0) {
+    if (::dup2(null_fd, STDIN_FILENO) < 0 || ::dup2(out_fd, STDOUT_FILENO) < 0 || ::dup2(err_fd, STDERR_FILENO) < 0) {
       ::_exit(127);
     }
     environ = envp;
     ::execvp(argv[0], argv);
     char message[1024];
     const int length =
-        std::snprintf(message, sizeof(message), "fsdp-run: cannot execute %s: %s\n", argv[0],
-                      std::strerror(errno));
+        std::snprintf(message, sizeof(message), "fsdp-run: cannot execute %s: %s\n", argv[0], std::strerror(errno));
     if (length > 0) {
-      const ssize_t ignored =
-          ::write(STDERR_FILENO, message, std::min<size_t>(length, sizeof(message) - 1));
+      const ssize_t ignored = ::write(STDERR_FILENO, message, std::min<size_t>(length, sizeof(message) - 1));
       (void)ignored;
     }
     ::_exit(127);
@@ -242,8 +239,7 @@ class LocalJob {
       if (rank.failed() && stop_reason_ == StopReason::kNone) {
         stop_reason_ = StopReason::kRankFailed;
         failed_rank_ = rank.rank;
-        note("rank " + std::to_string(rank.rank) + " failed (" + describe_exit(rank) +
-             "); stopping all ranks");
+        note("rank " + std::to_string(rank.rank) + " failed (" + describe_exit(rank) + "); stopping all ranks");
         begin_shutdown(SIGTERM);
       }
     }
@@ -327,8 +323,7 @@ class LocalJob {
     const std::string prefix = "[rank " + std::to_string(stream.rank) + "] ";
     std::string out;
     size_t begin = 0;
-    for (size_t end; (end = stream.pending.find('\n', begin)) != std::string::npos;
-         begin = end + 1) {
+    for (size_t end; (end = stream.pending.find('\n', begin)) != std::string::npos; begin = end + 1) {
       out += prefix;
       out.append(stream.pending, begin, end - begin + 1);
     }
@@ -358,8 +353,7 @@ class LocalJob {
   }
 
   bool all_streams_closed() const {
-    return std::all_of(streams_.begin(), streams_.end(),
-                       [](const OutputStream& s) { return s.fd < 0; });
+    return std::all_of(streams_.begin(), streams_.end(), [](const OutputStream& s) { return s.fd < 0; });
   }
 
   static std::string describe_exit(const RankProcess& rank) {
@@ -374,16 +368,14 @@ class LocalJob {
       case StopReason::kRankFailed: {
         const RankProcess& rank = ranks_[static_cast<size_t>(failed_rank_)];
         note("rank " + std::to_string(rank.rank) + " failed first (" + describe_exit(rank) + ")");
-        const bool pass_through = rank.term_signal == 0 && rank.exit_code >= 1 &&
-                                  rank.exit_code <= kMaxRankExitCodePassedThrough;
+        const bool pass_through =
+            rank.term_signal == 0 && rank.exit_code >= 1 && rank.exit_code <= kMaxRankExitCodePassedThrough;
         return pass_through ? rank.exit_code : 1;
       }
       case StopReason::kTimeout:
         note("timed out after " + format_seconds(options_.timeout_s) + " s");
         return kExitTimeout;
-      case StopReason::kSignal:
-        note("stopped by " + signal_name(received_signal_));
-        return 128 + received_signal_;
+      case StopReason::kSignal: note("stopped by " + signal_name(received_signal_)); return 128 + received_signal_;
     }
     return 1;
   }

@@ -37,8 +37,9 @@ ResumePoint load_checkpoint(const std::string& save_dir, const std::string& whic
   if (p.extra.contains("config_hash") && p.extra["config_hash"].is_string() &&
       p.extra["config_hash"].get<std::string>() != config_hash) {
     throw std::invalid_argument("checkpoint " + p.dir + " was saved with config_hash " +
-                                p.extra["config_hash"].get<std::string>() + " (model and data sections), this run has " +
-                                config_hash + "; resume with the checkpoint's model and data config (saved in its "
+                                p.extra["config_hash"].get<std::string>() +
+                                " (model and data sections), this run has " + config_hash +
+                                "; resume with the checkpoint's model and data config (saved in its "
                                 "train_state.json under extra.config)");
   }
   return p;

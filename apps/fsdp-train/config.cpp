@@ -44,8 +44,8 @@ class SectionReader {
   void integer(const char* name, int64_t& out, int64_t min) {
     const json* v = find(name);
     if (v == nullptr) return;
-    const bool too_big = v->is_number_unsigned() &&
-                         v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    const bool too_big =
+        v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
     if (!v->is_number_integer() || too_big) reject(key(name), *v, "must be an integer");
     out = v->get<int64_t>();
     if (out < min) reject(key(name), *v, "must be >= " + std::to_string(min));
@@ -239,8 +239,8 @@ void parse_fsdp(const json& doc, TrainConfig& c) {
   if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
     reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
   }
-  const bool disk = c.fsdp.offload.params == "disk" || c.fsdp.offload.grads == "disk" ||
-                    c.fsdp.offload.optimizer_state == "disk";
+  const bool disk =
+      c.fsdp.offload.params == "disk" || c.fsdp.offload.grads == "disk" || c.fsdp.offload.optimizer_state == "disk";
   if (disk && c.fsdp.offload.dir.empty()) {
     reject("fsdp.offload.dir", json(c.fsdp.offload.dir), "must name a directory when offloading to \"disk\"");
   }
@@ -296,11 +296,18 @@ const char* dtype_name(at::ScalarType t) {
 json TrainConfig::to_json() const {
   json j;
   j["model"] = model.to_json();
-  j["data"] = {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len},
+  j["data"] = {{"source", data.source},
+               {"path", data.path},
+               {"seq_len", data.seq_len},
                {"batch_size_per_rank", data.batch_size_per_rank}};
-  j["optim"] = {{"lr", optim.lr}, {"betas", {optim.betas[0], optim.betas[1]}}, {"eps", optim.eps},
-                {"weight_decay", optim.weight_decay}, {"warmup_steps", optim.warmup_steps},
-                {"grad_clip", optim.grad_clip}, {"schedule", optim.schedule}, {"min_lr", optim.min_lr}};
+  j["optim"] = {{"lr", optim.lr},
+                {"betas", {optim.betas[0], optim.betas[1]}},
+                {"eps", optim.eps},
+                {"weight_decay", optim.weight_decay},
+                {"warmup_steps", optim.warmup_steps},
+                {"grad_clip", optim.grad_clip},
+                {"schedule", optim.schedule},
+                {"min_lr", optim.min_lr}};
   j["fsdp"] = {{"strategy", fsdp::strategy_name(this->fsdp.strategy)},
                {"param_dtype", dtype_name(this->fsdp.param_dtype)},
                {"reduce_dtype", dtype_name(this->fsdp.reduce_dtype)},
@@ -315,9 +322,13 @@ json TrainConfig::to_json() const {
                  {"dir", this->fsdp.offload.dir},
                  {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}},
                {"debug", {{"check_collectives", this->fsdp.check_collectives}}}};
-  j["train"] = {{"seed", train.seed},           {"steps", train.steps},         {"eval_every", train.eval_every},
-                {"eval_batches", train.eval_batches}, {"save_every", train.save_every},
-                {"keep_last", train.keep_last}, {"log_every", train.log_every}};
+  j["train"] = {{"seed", train.seed},
+                {"steps", train.steps},
+                {"eval_every", train.eval_every},
+                {"eval_batches", train.eval_batches},
+                {"save_every", train.save_every},
+                {"keep_last", train.keep_last},
+                {"log_every", train.log_every}};
   return j;
 }
 
@@ -346,7 +357,7 @@ std::string TrainConfig::config_hash() const {
                          {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
   // nlohmann's json keeps object keys sorted, so dump() is canonical.
   const std::string s = identity.dump(-1, ' ', false, json::error_handler_t::replace);  // a path may not be UTF-8
-  uint64_t h = 1469598103934665603ULL;  // FNV-1a 64-bit offset basis
+  uint64_t h = 1469598103934665603ULL;                                                  // FNV-1a 64-bit offset basis
   for (unsigned char ch : s) {
     h ^= ch;
     h *= 1099511628211ULL;  // FNV prime

@@ -37,7 +37,7 @@ struct OptimConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   int64_t warmup_steps = 20;
-  double grad_clip = 1.0;  // max global gradient norm; 0 turns clipping off
+  double grad_clip = 1.0;           // max global gradient norm; 0 turns clipping off
   std::string schedule = "cosine";  // "cosine" (to min_lr at train.steps) or "constant"
   double min_lr = 6e-4;
 };
@@ -64,13 +64,13 @@ struct FsdpConfig {
 };
 
 struct RunConfig {
-  uint64_t seed = 0;          // parameter init and data order
-  int64_t steps = 200;        // the total number of optimizer steps to reach
-  int64_t eval_every = 50;    // 0: no evaluation
-  int64_t eval_batches = 4;   // global batches per evaluation
-  int64_t save_every = 0;     // 0: save only at the end (needs --save-dir)
-  int64_t keep_last = 0;      // committed checkpoints to keep; 0 keeps all
-  int64_t log_every = 10;     // plain log lines (when stdout is not a terminal)
+  uint64_t seed = 0;         // parameter init and data order
+  int64_t steps = 200;       // the total number of optimizer steps to reach
+  int64_t eval_every = 50;   // 0: no evaluation
+  int64_t eval_batches = 4;  // global batches per evaluation
+  int64_t save_every = 0;    // 0: save only at the end (needs --save-dir)
+  int64_t keep_last = 0;     // committed checkpoints to keep; 0 keeps all
+  int64_t log_every = 10;    // plain log lines (when stdout is not a terminal)
 };
 
 struct TrainConfig {

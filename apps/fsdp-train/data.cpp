@@ -86,7 +86,8 @@ class SyntheticSource : public TokenSource {
   }
 
   std::string describe() const override {
-    return "synthetic (sparse Markov chain over " + std::to_string(vocab_) + " tokens, second half of each window "
+    return "synthetic (sparse Markov chain over " + std::to_string(vocab_) +
+           " tokens, second half of each window "
            "repeats the first)";
   }
 
@@ -156,8 +157,9 @@ class FileSource : public TokenSource {
       count_ = static_cast<int64_t>(file_.size());
     }
     if (count_ < window) {
-      file_error(path_, "holds " + std::to_string(count_) + " tokens (" + format_ + "), fewer than one sample needs: " +
-                            "data.seq_len + 1 = " + std::to_string(window) + "; use a longer file or a smaller data.seq_len");
+      file_error(path_, "holds " + std::to_string(count_) + " tokens (" + format_ +
+                            "), fewer than one sample needs: " + "data.seq_len + 1 = " + std::to_string(window) +
+                            "; use a longer file or a smaller data.seq_len");
     }
     check_vocab(vocab);
     // Hold out the tail for evaluation when both parts fit a window; see data.h.
@@ -215,8 +217,8 @@ class FileSource : public TokenSource {
       count_ = i32(2);
       const size_t need = kLlmcHeaderBytes + static_cast<size_t>(std::max(count_, int64_t{0})) * width_;
       if (count_ < 0 || need != file_.size()) {
-        file_error(path_, "llm.c header says " + std::to_string(count_) + " tokens, which needs " + std::to_string(need) +
-                              " bytes, but the file has " + std::to_string(file_.size()));
+        file_error(path_, "llm.c header says " + std::to_string(count_) + " tokens, which needs " +
+                              std::to_string(need) + " bytes, but the file has " + std::to_string(file_.size()));
       }
       return;
     }
@@ -256,7 +258,8 @@ class FileSource : public TokenSource {
 }  // namespace
 
 Dataset::Dataset(const DataConfig& data, int64_t vocab_size, uint64_t seed) : seq_len_(data.seq_len) {
-  if (data.seq_len < 1) throw std::invalid_argument("config: data.seq_len=" + std::to_string(data.seq_len) + ": must be >= 1");
+  if (data.seq_len < 1)
+    throw std::invalid_argument("config: data.seq_len=" + std::to_string(data.seq_len) + ": must be >= 1");
   if (data.source == "synthetic") {
     if (vocab_size < 8) {
       throw std::invalid_argument("config: model.vocab_size=" + std::to_string(vocab_size) +

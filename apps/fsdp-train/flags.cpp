@@ -20,8 +20,8 @@ bool parse_count(const std::string& s, uint64_t& out) {
 
 // The flags that take a value ("--flag value" or "--flag=value").
 bool takes_value(const std::string& flag) {
-  for (const char* f : {"--config", "--set", "--steps", "--seed", "--data", "--save-dir", "--resume", "--metrics",
-                        "--trace"}) {
+  for (const char* f :
+       {"--config", "--set", "--steps", "--seed", "--data", "--save-dir", "--resume", "--metrics", "--trace"}) {
     if (flag == f) return true;
   }
   return false;

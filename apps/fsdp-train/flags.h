@@ -22,10 +22,10 @@ struct Flags {
   // Config overrides in command-line order: --set k=v, and --steps / --seed / --data, which are
   // shorthands for train.steps, train.seed and data.{source, path}. Applied after the file.
   std::vector<std::pair<std::string, std::string>> overrides;
-  std::string save_dir;  // --save-dir DIR
-  std::string resume;    // --resume latest|DIR
-  std::string metrics;   // --metrics FILE
-  std::string trace;     // --trace FILE
+  std::string save_dir;    // --save-dir DIR
+  std::string resume;      // --resume latest|DIR
+  std::string metrics;     // --metrics FILE
+  std::string trace;       // --trace FILE
   bool init_only = false;  // --init-only: join the job, report peak RSS, build no model
   bool help = false;
 };

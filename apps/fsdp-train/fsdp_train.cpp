@@ -21,7 +21,6 @@
 #include "fsdp/errors.h"
 #include "trainer.h"
 
-
 int main(int argc, char** argv) {
   train::Flags flags;
   train::TrainConfig config;

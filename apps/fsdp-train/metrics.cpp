@@ -113,10 +113,10 @@ void MetricsLog::step(const StepMetrics& m) {
   if (file_ == nullptr) return;
   // ordered_json: keys in the documented order, step first, for people reading the file.
   nlohmann::ordered_json j = {{"step", m.step},
-                      {"loss", m.loss},
-                      {"lr", m.lr},
-                      {"step_time_s", m.step_time_s},
-                      {"tokens_per_s", m.tokens_per_s}};
+                              {"loss", m.loss},
+                              {"lr", m.lr},
+                              {"step_time_s", m.step_time_s},
+                              {"tokens_per_s", m.tokens_per_s}};
   auto column = [&](double RankCounters::*field, bool integral) {
     nlohmann::ordered_json a = nlohmann::ordered_json::array();
     for (const auto& r : m.ranks) {
@@ -212,7 +212,7 @@ MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtyp
                           const std::array<std::string, 3>& offload_tiers) {
   const int64_t H = m.hidden_size, I = m.intermediate_size, V = m.vocab_size;
   const int64_t kv = m.num_key_value_heads * m.head_dim();
-  const int64_t layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H;  // q, o; k, v; mlp; two norms
+  const int64_t layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H;      // q, o; k, v; mlp; two norms
   const int64_t root = V * H + H + (m.tie_word_embeddings ? 0 : V * H);  // embedding, final norm, lm_head
   MemoryPlan p;
   p.shard_size = shard_size;

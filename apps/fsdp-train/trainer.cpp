@@ -98,8 +98,9 @@ class Job {
     const int gpus = hooks.hasCUDA() ? hooks.getNumGPUs() : 0;
     const int local = fsdp::parse_dist_env().local_rank;
     if (local >= gpus) {
-      throw std::invalid_argument("config: fsdp.device=cuda: local rank " + std::to_string(local) + " needs CUDA device " +
-                                  std::to_string(local) + " but this process sees " + std::to_string(gpus));
+      throw std::invalid_argument("config: fsdp.device=cuda: local rank " + std::to_string(local) +
+                                  " needs CUDA device " + std::to_string(local) + " but this process sees " +
+                                  std::to_string(gpus));
     }
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local)));
   }
@@ -107,10 +108,11 @@ class Job {
   // The process group and the mesh: everything a run has before its model.
   void join() {
     if (cfg_.fsdp.device == "cuda") use_local_gpu();
-    dist_ = fsdp::init_from_env(fsdp::InitOptions()
-                                    .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000)))
-                                    .device(cfg_.fsdp.device)
-                                    .check_collectives(cfg_.fsdp.check_collectives));
+    dist_ =
+        fsdp::init_from_env(fsdp::InitOptions()
+                                .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg_.fsdp.timeout_s * 1000)))
+                                .device(cfg_.fsdp.device)
+                                .check_collectives(cfg_.fsdp.check_collectives));
     device_ = dist_->compute_device();
     rank_ = dist_->rank();
     world_ = dist_->world_size();
@@ -209,7 +211,8 @@ class Job {
     if (rank_ != 0) return;
     const auto& m = cfg_.model;
     const auto& off = cfg_.fsdp.offload;
-    const auto plan = predict_memory(m, cfg_.fsdp.param_dtype, shard_size_, {off.params, off.grads, off.optimizer_state});
+    const auto plan =
+        predict_memory(m, cfg_.fsdp.param_dtype, shard_size_, {off.params, off.grads, off.optimizer_state});
     std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n",
                 world_, fsdp::strategy_name(cfg_.fsdp.strategy), mesh_->shard_size(), mesh_->replicate_size(),
                 dtype_name(cfg_.fsdp.param_dtype), dtype_name(cfg_.fsdp.reduce_dtype));
@@ -226,22 +229,23 @@ class Job {
     std::printf("optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s\n",
                 o.lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, o.schedule.c_str(),
                 static_cast<long long>(o.warmup_steps),
-                o.schedule == "cosine" ? (", min_lr " + fmt("%g", o.min_lr) + " at step " +
-                                          std::to_string(cfg_.train.steps)).c_str()
-                                       : "",
+                o.schedule == "cosine"
+                    ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg_.train.steps)).c_str()
+                    : "",
                 o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
     if (off.params != "none" || off.grads != "none" || off.optimizer_state != "none") {
-      std::printf("offload: params %s, grads %s, optimizer_state %s%s%s, memory_budget_bytes %lld\n", off.params.c_str(),
-                  off.grads.c_str(), off.optimizer_state.c_str(), off.dir.empty() ? "" : ", dir ", off.dir.c_str(),
-                  static_cast<long long>(off.memory_budget_bytes));
+      std::printf("offload: params %s, grads %s, optimizer_state %s%s%s, memory_budget_bytes %lld\n",
+                  off.params.c_str(), off.grads.c_str(), off.optimizer_state.c_str(), off.dir.empty() ? "" : ", dir ",
+                  off.dir.c_str(), static_cast<long long>(off.memory_budget_bytes));
     }
     if (flags_.save_dir.empty()) {
       std::printf("checkpoints: off (pass --save-dir DIR)\n");
     } else {
       std::printf("checkpoints: %s, %s, keep_last %lld\n", flags_.save_dir.c_str(),
-                  cfg_.train.save_every > 0 ? ("every " + std::to_string(cfg_.train.save_every) + " steps and at the end").c_str()
-                                            : "at the end",
+                  cfg_.train.save_every > 0
+                      ? ("every " + std::to_string(cfg_.train.save_every) + " steps and at the end").c_str()
+                      : "at the end",
                   static_cast<long long>(cfg_.train.keep_last));
     }
     if (!resumed_from_.empty()) {
@@ -352,13 +356,16 @@ class Job {
     if (flags_.save_dir.empty()) return;
     fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_save", "train", "");
     const auto& o = cfg_.optim;
-    const nlohmann::json extra = {
-        {"config", cfg_.to_json()},
-        {"config_hash", cfg_.config_hash()},
-        {"lr_schedule",
-         {{"schedule", o.schedule}, {"lr", o.lr}, {"warmup_steps", o.warmup_steps},
-          {"total_steps", cfg_.train.steps}, {"min_lr", o.min_lr}, {"next_lr", sched_->lr_at(step_)}}},
-        {"global_batch", global_batch_}};
+    const nlohmann::json extra = {{"config", cfg_.to_json()},
+                                  {"config_hash", cfg_.config_hash()},
+                                  {"lr_schedule",
+                                   {{"schedule", o.schedule},
+                                    {"lr", o.lr},
+                                    {"warmup_steps", o.warmup_steps},
+                                    {"total_steps", cfg_.train.steps},
+                                    {"min_lr", o.min_lr},
+                                    {"next_lr", sched_->lr_at(step_)}}},
+                                  {"global_batch", global_batch_}};
     last_checkpoint_ =
         save_checkpoint(flags_.save_dir, step_, samples_seen_, *root_, *optim_, extra, cfg_.train.keep_last);
     last_saved_step_ = step_;
@@ -373,13 +380,14 @@ class Job {
     if (tracer_) tracer_->write(trace_path(flags_.trace, rank_, world_));
     if (rank_ != 0) return;
     if (steps_trained_ > 0) {
-      std::printf("done: %lld steps in %.1f s (%.3f s/step), step %lld, loss %.4f", static_cast<long long>(steps_trained_),
-                  train_seconds_, train_seconds_ / static_cast<double>(steps_trained_), static_cast<long long>(step_),
-                  last_loss_);
+      std::printf("done: %lld steps in %.1f s (%.3f s/step), step %lld, loss %.4f",
+                  static_cast<long long>(steps_trained_), train_seconds_,
+                  train_seconds_ / static_cast<double>(steps_trained_), static_cast<long long>(step_), last_loss_);
     } else {
       std::printf("done: no steps trained, step %lld", static_cast<long long>(step_));
     }
-    if (last_eval_step_ >= 0) std::printf(", eval loss %.4f (step %lld)", last_eval_loss_, static_cast<long long>(last_eval_step_));
+    if (last_eval_step_ >= 0)
+      std::printf(", eval loss %.4f (step %lld)", last_eval_loss_, static_cast<long long>(last_eval_step_));
     std::printf("\nmemory measured (rank 0): %s\npeak RSS per rank:", report.to_string().c_str());
     for (const auto& r : all) std::printf(" %.1f MiB", r.peak_rss_bytes / (1 << 20));
     std::printf("\n");

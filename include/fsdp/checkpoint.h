@@ -47,8 +47,8 @@ struct SaveOptions {
 // Saves into root_dir/name atomically (written as name.tmp, renamed on success). Collective: every
 // rank calls it. A failure on any rank raises the same error on every rank naming the failing
 // rank, and nothing is committed. Returns the committed directory.
-std::string save(const std::string& root_dir, const std::string& name, FSDPModule& root,
-                 ShardedOptimizer* optimizer, const TrainState& state, const SaveOptions& options = {});
+std::string save(const std::string& root_dir, const std::string& name, FSDPModule& root, ShardedOptimizer* optimizer,
+                 const TrainState& state, const SaveOptions& options = {});
 
 // Background saving: snapshot() copies this rank's shards to host memory and returns; the files
 // are written by a background thread. One save in flight: a second save waits for the first.

@@ -62,8 +62,8 @@ struct InitOptions {
 class Dist {
  public:
   // Joins with an existing store (tests use a FileStore; ranks may be threads of one process).
-  static std::shared_ptr<Dist> from_store(c10::intrusive_ptr<c10d::Store> store, int rank,
-                                          int world_size, const InitOptions& options = {});
+  static std::shared_ptr<Dist> from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                          const InitOptions& options = {});
   // A single process: every collective is a local copy.
   static std::shared_ptr<Dist> single(const InitOptions& options = {});
 

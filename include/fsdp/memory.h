@@ -11,16 +11,16 @@ namespace fsdp {
 class ShardedOptimizer;
 
 struct MemoryReport {
-  int64_t sharded_params = 0;        // fp32 master shards
-  int64_t sharded_grads = 0;         // fp32 gradient shards
-  int64_t optimizer_state = 0;       // e.g. AdamW exp_avg + exp_avg_sq shards
-  int64_t unsharded_alive = 0;       // gathered param and gradient buffers alive now
-  int64_t peak_unsharded = 0;        // the most gathered bytes alive at once so far
+  int64_t sharded_params = 0;   // fp32 master shards
+  int64_t sharded_grads = 0;    // fp32 gradient shards
+  int64_t optimizer_state = 0;  // e.g. AdamW exp_avg + exp_avg_sq shards
+  int64_t unsharded_alive = 0;  // gathered param and gradient buffers alive now
+  int64_t peak_unsharded = 0;   // the most gathered bytes alive at once so far
   // The sharded states above (params + grads + optimizer state) by where they live (fsdp/offload.h):
-  int64_t tier_device = 0;           // not offloaded: device memory (RAM on CPU runs)
-  int64_t tier_host = 0;             // host tier: host memory (pinned with CUDA)
-  int64_t tier_disk = 0;             // disk tier: bytes in files under offload.dir
-  int64_t disk_resident = 0;         // of the disk tier, pages in memory now
+  int64_t tier_device = 0;    // not offloaded: device memory (RAM on CPU runs)
+  int64_t tier_host = 0;      // host tier: host memory (pinned with CUDA)
+  int64_t tier_disk = 0;      // disk tier: bytes in files under offload.dir
+  int64_t disk_resident = 0;  // of the disk tier, pages in memory now
   int64_t model_state() const { return sharded_params + sharded_grads + optimizer_state; }
   std::string to_string() const;
 };

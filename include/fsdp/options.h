@@ -15,10 +15,10 @@
 namespace fsdp {
 
 enum class ShardingStrategy {
-  kFullShard,     // ZeRO-3: params, grads and optimizer state sharded; params freed after use
-  kShardGradOp,   // ZeRO-2: like kFullShard but params stay gathered from forward to backward
-  kNoShard,       // DDP-equivalent: every rank keeps everything; gradients all-reduced
-  kHybridShard,   // kFullShard within a row of a 2-D mesh, replicated (all-reduce) across rows
+  kFullShard,    // ZeRO-3: params, grads and optimizer state sharded; params freed after use
+  kShardGradOp,  // ZeRO-2: like kFullShard but params stay gathered from forward to backward
+  kNoShard,      // DDP-equivalent: every rank keeps everything; gradients all-reduced
+  kHybridShard,  // kFullShard within a row of a 2-D mesh, replicated (all-reduce) across rows
 };
 // kFullShard and kShardGradOp shard over a 1-D mesh (every rank); on a 2-D mesh fully_shard
 // throws ConfigError rather than guess: kHybridShard is the strategy for a 2-D mesh.
@@ -36,8 +36,8 @@ int default_param_group(const std::string& name, const at::Tensor& param);
 // Deferred initialisation: fills `out` with elements [offset, offset + out.numel()) of the
 // row-major flattened parameter `name` of shape `shape`. Must give the same values whatever the
 // range, so that every rank can materialise only its shard. See fsdp/init.h for ready-made ones.
-using ParamInitFn = std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset,
-                                       at::Tensor& out)>;
+using ParamInitFn =
+    std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset, at::Tensor& out)>;
 
 // Where a sharded state lives between uses (see fsdp/offload.h and docs/NOTES.md, "Offload").
 enum class OffloadTier {
@@ -46,8 +46,8 @@ enum class OffloadTier {
   kDisk,  // a file under OffloadPolicy::dir, memory-mapped; streamed through the optimizer step
 };
 
-const char* offload_tier_name(OffloadTier t);                   // "none", "host", "disk"
-OffloadTier parse_offload_tier(const std::string& name);        // throws ConfigError naming it
+const char* offload_tier_name(OffloadTier t);             // "none", "host", "disk"
+OffloadTier parse_offload_tier(const std::string& name);  // throws ConfigError naming it
 
 // Per-state offload choices for one unit. Unset on a unit: the root's policy. dir and
 // memory_budget_bytes are per rank and taken from the root (one disk tier per rank).

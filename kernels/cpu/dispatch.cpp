@@ -22,8 +22,8 @@ bool use_avx2() { return false; }
 
 const char* capability() { return use_avx2() ? "avx2" : "default"; }
 
-void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-           void* param_copy, ElemType copy_type, int64_t n) {
+void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* param_copy,
+           ElemType copy_type, int64_t n) {
   FSDP_TWIN(adamw)(s, param, grad, exp_avg, exp_avg_sq, param_copy, copy_type, n);
 }
 

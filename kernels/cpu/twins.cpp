@@ -50,29 +50,17 @@ void widen(const T* src, float* out, int64_t len) {
 // round-to-nearest-even paths.
 void to_float(const void* src, ElemType t, int64_t i, float* out, int64_t len) {
   switch (t) {
-    case ElemType::kFloat32:
-      std::memcpy(out, static_cast<const float*>(src) + i, len * sizeof(float));
-      return;
-    case ElemType::kBFloat16:
-      widen(static_cast<const c10::BFloat16*>(src) + i, out, len);
-      return;
-    case ElemType::kFloat16:
-      widen(static_cast<const c10::Half*>(src) + i, out, len);
-      return;
+    case ElemType::kFloat32: std::memcpy(out, static_cast<const float*>(src) + i, len * sizeof(float)); return;
+    case ElemType::kBFloat16: widen(static_cast<const c10::BFloat16*>(src) + i, out, len); return;
+    case ElemType::kFloat16: widen(static_cast<const c10::Half*>(src) + i, out, len); return;
   }
 }
 
 void from_float(const float* in, void* dst, ElemType t, int64_t i, int64_t len) {
   switch (t) {
-    case ElemType::kFloat32:
-      std::memcpy(static_cast<float*>(dst) + i, in, len * sizeof(float));
-      return;
-    case ElemType::kBFloat16:
-      at::vec::convert(in, static_cast<c10::BFloat16*>(dst) + i, len);
-      return;
-    case ElemType::kFloat16:
-      at::vec::convert(in, static_cast<c10::Half*>(dst) + i, len);
-      return;
+    case ElemType::kFloat32: std::memcpy(static_cast<float*>(dst) + i, in, len * sizeof(float)); return;
+    case ElemType::kBFloat16: at::vec::convert(in, static_cast<c10::BFloat16*>(dst) + i, len); return;
+    case ElemType::kFloat16: at::vec::convert(in, static_cast<c10::Half*>(dst) + i, len); return;
   }
 }
 
@@ -86,8 +74,8 @@ void divide_block(float* x, int64_t len, float divide_by) {
 
 }  // namespace
 
-void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-           void* param_copy, ElemType copy_type, int64_t n) {
+void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* param_copy,
+           ElemType copy_type, int64_t n) {
   at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) {
     const Vec decay(s.decay), coeff(s.lerp_coeff), beta2(s.beta2), one_minus_beta2(s.one_minus_beta2),
         sqrt_bc2(s.sqrt_bc2), eps(s.eps), step_size(s.step_size);
@@ -100,13 +88,13 @@ void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_av
         const Vec g = Vec::loadu(grad + i, c);
         Vec m = Vec::loadu(exp_avg + i, c);
         Vec v = Vec::loadu(exp_avg_sq + i, c);
-        if (s.apply_decay) p = p * decay;                                  // p.mul_(1 - lr*wd)
-        m = s.lerp_small ? at::vec::fmadd(coeff, g - m, m)                 // m.lerp_(g, 1 - b1)
+        if (s.apply_decay) p = p * decay;                   // p.mul_(1 - lr*wd)
+        m = s.lerp_small ? at::vec::fmadd(coeff, g - m, m)  // m.lerp_(g, 1 - b1)
                          : at::vec::fmadd(coeff, g - m, g);
-        v = v * beta2;                                                     // v.mul_(b2)
-        v = v + one_minus_beta2 * g * g;                                   // .addcmul_(g, g, 1 - b2)
-        const Vec denom = v.sqrt() / sqrt_bc2 + eps;                       // v.sqrt() / sqrt(bc2) + eps
-        p = p + step_size * m / denom;                                     // p.addcdiv_(m, denom, -lr/bc1)
+        v = v * beta2;                                // v.mul_(b2)
+        v = v + one_minus_beta2 * g * g;              // .addcmul_(g, g, 1 - b2)
+        const Vec denom = v.sqrt() / sqrt_bc2 + eps;  // v.sqrt() / sqrt(bc2) + eps
+        p = p + step_size * m / denom;                // p.addcdiv_(m, denom, -lr/bc1)
         p.store(param + i, c);
         m.store(exp_avg + i, c);
         v.store(exp_avg_sq + i, c);
@@ -183,7 +171,8 @@ double sum_of_squares(const float* x, int64_t n) {
         const double d = p[i];
         acc[0] += d * d;
       }
-      partial[static_cast<size_t>(b)] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      partial[static_cast<size_t>(b)] =
+          ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
   });
   double total = 0;

@@ -10,14 +10,13 @@
 
 namespace fsdp::kernels::cpu {
 
-#define FSDP_KERNELS_CPU_DECLARE                                                                  \
-  void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg,             \
-             float* exp_avg_sq, void* param_copy, ElemType copy_type, int64_t n);                \
-  void copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, int64_t n,      \
-               int64_t dst_n, float divide_by);                                                   \
-  void copy_out(const void* src, ElemType src_type, float* dst, int64_t n, float divide_by,     \
-                bool accumulate);                                                                 \
-  double sum_of_squares(const float* x, int64_t n);                                               \
+#define FSDP_KERNELS_CPU_DECLARE                                                                              \
+  void adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,       \
+             void* param_copy, ElemType copy_type, int64_t n);                                                \
+  void copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, int64_t n, int64_t dst_n,    \
+               float divide_by);                                                                              \
+  void copy_out(const void* src, ElemType src_type, float* dst, int64_t n, float divide_by, bool accumulate); \
+  double sum_of_squares(const float* x, int64_t n);                                                           \
   void scale(float* x, int64_t n, float factor);
 
 namespace DEFAULT {
@@ -28,8 +27,9 @@ FSDP_KERNELS_CPU_DECLARE
 }
 FSDP_KERNELS_CPU_DECLARE  // run-time dispatch to one of the above
 
-// Which build the dispatch uses on this CPU: "avx2" or "default" (benchmarks report it).
-const char* capability();
+    // Which build the dispatch uses on this CPU: "avx2" or "default" (benchmarks report it).
+    const char*
+    capability();
 
 #undef FSDP_KERNELS_CPU_DECLARE
 

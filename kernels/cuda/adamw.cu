@@ -22,8 +22,8 @@ __device__ __forceinline__ void adamw_element(const AdamWScalars& s, float& p, f
 
 template <typename CopyT>
 __global__ void adamw_kernel(AdamWScalars s, float* __restrict__ param, const float* __restrict__ grad,
-                             float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
-                             CopyT* __restrict__ copy, int64_t n, Split split) {
+                             float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, CopyT* __restrict__ copy,
+                             int64_t n, Split split) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t k = tid; k < split.nvec; k += stride) {
@@ -59,8 +59,8 @@ __global__ void adamw_kernel(AdamWScalars s, float* __restrict__ param, const fl
 template <typename CopyT>
 cudaError_t launch(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                    CopyT* copy, int64_t n, cudaStream_t stream) {
-  int offsets[5] = {pack_offset(param, 4), pack_offset(grad, 4), pack_offset(exp_avg, 4),
-                    pack_offset(exp_avg_sq, 4), copy ? pack_offset(copy, sizeof(CopyT)) : pack_offset(param, 4)};
+  int offsets[5] = {pack_offset(param, 4), pack_offset(grad, 4), pack_offset(exp_avg, 4), pack_offset(exp_avg_sq, 4),
+                    copy ? pack_offset(copy, sizeof(CopyT)) : pack_offset(param, 4)};
   const Split split = split_for(n, offsets, 5);
   const unsigned blocks = grid_for(split.nvec + (n - 4 * split.nvec));
   adamw_kernel<CopyT><<<blocks, kThreads, 0, stream>>>(s, param, grad, exp_avg, exp_avg_sq, copy, n, split);
@@ -69,9 +69,8 @@ cudaError_t launch(const AdamWScalars& s, float* param, const float* grad, float
 
 }  // namespace
 
-cudaError_t launch_adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg,
-                         float* exp_avg_sq, void* param_copy, ElemType copy_type, int64_t n,
-                         cudaStream_t stream) {
+cudaError_t launch_adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                         void* param_copy, ElemType copy_type, int64_t n, cudaStream_t stream) {
   if (param_copy == nullptr) {
     return launch<float>(s, param, grad, exp_avg, exp_avg_sq, nullptr, n, stream);
   }

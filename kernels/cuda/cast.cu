@@ -35,8 +35,8 @@ __global__ void copy_in_kernel(const SrcT* __restrict__ src, DstT* __restrict__ 
 }
 
 template <typename SrcT>
-__global__ void copy_out_kernel(const SrcT* src, float* dst, int64_t n, float divide_by, bool divide,
-                                bool accumulate, Split split) {
+__global__ void copy_out_kernel(const SrcT* src, float* dst, int64_t n, float divide_by, bool divide, bool accumulate,
+                                Split split) {
   // No __restrict__: src may be dst (in place, fp32, without accumulate).
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -98,8 +98,8 @@ cudaError_t copy_out_typed(const void* src, float* dst, int64_t n, float divide_
 
 }  // namespace
 
-cudaError_t launch_copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, int64_t n,
-                           int64_t dst_n, float divide_by, cudaStream_t stream) {
+cudaError_t launch_copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, int64_t n, int64_t dst_n,
+                           float divide_by, cudaStream_t stream) {
   switch (src_type) {
     case ElemType::kFloat32: return copy_in_to<float>(src, dst, dst_type, n, dst_n, divide_by, stream);
     case ElemType::kBFloat16: return copy_in_to<__nv_bfloat16>(src, dst, dst_type, n, dst_n, divide_by, stream);
@@ -108,8 +108,8 @@ cudaError_t launch_copy_in(const void* src, ElemType src_type, void* dst, ElemTy
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_copy_out(const void* src, ElemType src_type, float* dst, int64_t n, float divide_by,
-                            bool accumulate, cudaStream_t stream) {
+cudaError_t launch_copy_out(const void* src, ElemType src_type, float* dst, int64_t n, float divide_by, bool accumulate,
+                            cudaStream_t stream) {
   switch (src_type) {
     case ElemType::kFloat32: return copy_out_typed<float>(src, dst, n, divide_by, accumulate, stream);
     case ElemType::kBFloat16: return copy_out_typed<__nv_bfloat16>(src, dst, n, divide_by, accumulate, stream);

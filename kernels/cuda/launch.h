@@ -12,13 +12,12 @@
 
 namespace fsdp::kernels::cuda {
 
-cudaError_t launch_adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg,
-                         float* exp_avg_sq, void* param_copy, ElemType copy_type, int64_t n,
-                         cudaStream_t stream);
-cudaError_t launch_copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, int64_t n,
-                           int64_t dst_n, float divide_by, cudaStream_t stream);
-cudaError_t launch_copy_out(const void* src, ElemType src_type, float* dst, int64_t n, float divide_by,
-                            bool accumulate, cudaStream_t stream);
+cudaError_t launch_adamw(const AdamWScalars& s, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                         void* param_copy, ElemType copy_type, int64_t n, cudaStream_t stream);
+cudaError_t launch_copy_in(const void* src, ElemType src_type, void* dst, ElemType dst_type, int64_t n, int64_t dst_n,
+                           float divide_by, cudaStream_t stream);
+cudaError_t launch_copy_out(const void* src, ElemType src_type, float* dst, int64_t n, float divide_by, bool accumulate,
+                            cudaStream_t stream);
 // Adds the sum of squares of x to *out (device memory).
 cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* out, cudaStream_t stream);
 cudaError_t launch_scale(float* x, int64_t n, float factor, cudaStream_t stream);

@@ -63,8 +63,8 @@ std::string known_keys() {
 }
 
 int64_t parse_int(const std::string& key, const json& value) {
-  const bool too_big = value.is_number_unsigned() &&
-                       value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  const bool too_big =
+      value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   if (!value.is_number_integer() || too_big) reject(key, value, "must be an integer");
   return value.get<int64_t>();
 }
@@ -143,8 +143,9 @@ void LlamaConfig::validate() const {
   }
   if (head_dim() % 2 != 0) {
     reject("hidden_size", hidden_size,
-           "gives head_dim=" + std::to_string(head_dim()) + " (hidden_size / num_attention_heads), which must be "
-           "even for rotary embeddings");
+           "gives head_dim=" + std::to_string(head_dim()) +
+               " (hidden_size / num_attention_heads), which must be "
+               "even for rotary embeddings");
   }
   for (const auto& k : kDoubleKeys) {
     const double v = this->*k.field;
@@ -196,8 +197,7 @@ LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
   if (!kv_heads_given) config.num_key_value_heads = config.num_attention_heads;
   if (nested_rope_theta) {
     if (j.contains("rope_theta") && config.rope_theta != *nested_rope_theta) {
-      reject("rope_parameters.rope_theta", *nested_rope_theta,
-             "disagrees with rope_theta=" + show(config.rope_theta));
+      reject("rope_parameters.rope_theta", *nested_rope_theta, "disagrees with rope_theta=" + show(config.rope_theta));
     }
     config.rope_theta = *nested_rope_theta;
   }
@@ -211,8 +211,8 @@ void from_json(const nlohmann::json& j, LlamaConfig& config) { config = LlamaCon
 // ---- building blocks ---------------------------------------------------------------------------
 
 BiasFreeLinearImpl::BiasFreeLinearImpl(int64_t in_features, int64_t out_features, at::Device device)
-    : weight(register_parameter("weight",
-                                at::empty({out_features, in_features}, at::TensorOptions().device(device)))) {}
+    : weight(register_parameter("weight", at::empty({out_features, in_features}, at::TensorOptions().device(device)))) {
+}
 
 BiasFreeLinearImpl::BiasFreeLinearImpl(at::Tensor shared_weight)
     : weight(register_parameter("weight", std::move(shared_weight))) {}
@@ -256,9 +256,7 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config, at::Device device)
-    : num_heads_(config.num_attention_heads),
-      num_kv_heads_(config.num_key_value_heads),
-      head_dim_(config.head_dim()) {
+    : num_heads_(config.num_attention_heads), num_kv_heads_(config.num_key_value_heads), head_dim_(config.head_dim()) {
   const int64_t hidden = config.hidden_size;
   q_proj = register_module("q_proj", BiasFreeLinear(hidden, num_heads_ * head_dim_, device));
   k_proj = register_module("k_proj", BiasFreeLinear(hidden, num_kv_heads_ * head_dim_, device));
@@ -363,10 +361,9 @@ void LlamaForCausalLMImpl::init_weights() {
 }
 
 at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) {
-  TORCH_CHECK(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
-                  logits.size(1) == targets.size(1),
-              "llama::loss expects logits [B, T, V] and targets [B, T], got ", logits.sizes(), " and ",
-              targets.sizes());
+  TORCH_CHECK(
+      logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) && logits.size(1) == targets.size(1),
+      "llama::loss expects logits [B, T, V] and targets [B, T], got ", logits.sizes(), " and ", targets.sizes());
   return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(2)}), targets.reshape({-1}));
 }
 

@@ -73,7 +73,8 @@ void File::pread_all(void* data, uint64_t bytes, uint64_t offset) const {
       if (errno == EINTR) continue;
       fail("read failed on", path_, errno);
     }
-    if (n == 0) throw CheckpointError("fsdp: unexpected end of file in " + path_ + " at byte " + std::to_string(offset));
+    if (n == 0)
+      throw CheckpointError("fsdp: unexpected end of file in " + path_ + " at byte " + std::to_string(offset));
     p += n;
     bytes -= static_cast<uint64_t>(n);
     offset += static_cast<uint64_t>(n);
@@ -125,7 +126,9 @@ void write_file_atomic(const std::string& path, const std::string& text) {
 std::string read_small_file(const std::string& path, uint64_t limit) {
   File f = File::open_read(path);
   const uint64_t n = f.size();
-  if (n > limit) throw CheckpointError("fsdp: " + path + " is " + std::to_string(n) + " bytes, over the limit of " + std::to_string(limit));
+  if (n > limit)
+    throw CheckpointError("fsdp: " + path + " is " + std::to_string(n) + " bytes, over the limit of " +
+                          std::to_string(limit));
   std::string text(n, '\0');
   if (n > 0) f.pread_all(text.data(), n, 0);
   return text;

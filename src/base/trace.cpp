@@ -30,13 +30,20 @@ void Tracer::write(const std::string& path) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& e : events_) {
     auto it = lanes.emplace(e.lane, static_cast<int>(lanes.size())).first;
-    events.push_back({{"name", e.name}, {"cat", "fsdp"}, {"ph", "X"}, {"ts", e.ts_us}, {"dur", e.dur_us},
-                      {"pid", rank_}, {"tid", it->second}, {"args", {{"unit", e.unit}}}});
+    events.push_back({{"name", e.name},
+                      {"cat", "fsdp"},
+                      {"ph", "X"},
+                      {"ts", e.ts_us},
+                      {"dur", e.dur_us},
+                      {"pid", rank_},
+                      {"tid", it->second},
+                      {"args", {{"unit", e.unit}}}});
   }
   for (const auto& [lane, tid] : lanes) {
     events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank_}, {"tid", tid}, {"args", {{"name", lane}}}});
   }
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank_}, {"args", {{"name", "rank " + std::to_string(rank_)}}}});
+  events.push_back(
+      {{"name", "process_name"}, {"ph", "M"}, {"pid", rank_}, {"args", {{"name", "rank " + std::to_string(rank_)}}}});
   std::ofstream out(path);
   if (!out) throw ConfigError("fsdp: cannot write trace file " + path);
   out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";

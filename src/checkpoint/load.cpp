@@ -43,7 +43,8 @@ FileSet open_file_set(const std::string& dir, const std::string& kind) {
   for (const auto& file : set.index.files()) {
     const std::string path = join(dir, file);
     if (!exists(path)) {
-      throw CheckpointError("fsdp: checkpoint " + dir + ": " + index_name + " lists " + file + ", which does not exist");
+      throw CheckpointError("fsdp: checkpoint " + dir + ": " + index_name + " lists " + file +
+                            ", which does not exist");
     }
     set.headers[file] = safetensors::read_header(path);
   }
@@ -66,7 +67,8 @@ void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wan
     const auto* entry = set.headers.at(it->second).find(name);
     if (entry->dtype != safetensors::DType::F32) {
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + it->second + "): tensor '" + name + "' is " +
-                            safetensors::dtype_name(entry->dtype) + " but the model's master copy is F32; no silent cast");
+                            safetensors::dtype_name(entry->dtype) +
+                            " but the model's master copy is F32; no silent cast");
     }
     if (entry->shape != shape) {
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + it->second + "): tensor '" + name + "' has shape " +
@@ -75,7 +77,8 @@ void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wan
   }
   for (const auto& [name, file] : set.index.weight_map) {
     if (!names.count(name)) {
-      throw CheckpointError("fsdp: checkpoint " + dir + " (" + file + ") has tensor '" + name + "' that the model does not have");
+      throw CheckpointError("fsdp: checkpoint " + dir + " (" + file + ") has tensor '" + name +
+                            "' that the model does not have");
     }
   }
 }
@@ -119,7 +122,8 @@ SavedTrainState read_train_state(const std::string& dir) {
   saved.path = join(dir, "train_state.json");
   const std::string& state_path = saved.path;
   if (!exists(state_path)) {
-    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json: the save never finished)");
+    throw CheckpointError("fsdp: " + dir +
+                          " is not a committed checkpoint (no train_state.json: the save never finished)");
   }
   nlohmann::json& j = saved.json;
   try {
@@ -144,7 +148,8 @@ SavedTrainState read_train_state(const std::string& dir) {
       throw CheckpointError("fsdp: " + state_path + ": 'strategy' is " + field("strategy").dump() + ", not a string");
     }
     if (!field("rng_states").is_array()) {
-      throw CheckpointError("fsdp: " + state_path + ": 'rng_states' is " + field("rng_states").dump() + ", not an array");
+      throw CheckpointError("fsdp: " + state_path + ": 'rng_states' is " + field("rng_states").dump() +
+                            ", not an array");
     }
     if (j.at("format_version").get<int>() != kFormatVersion) {
       throw CheckpointError("fsdp: " + state_path + " has format_version " + j.at("format_version").dump() +
@@ -165,8 +170,8 @@ SavedTrainState read_train_state(const std::string& dir) {
 // Whether this rank's RNG state is restored (the world size is unchanged); a saved state that
 // cannot be restored throws here, with the generator left as it was.
 bool check_rng_state(const TrainState& state, const Dist& dist) {
-  const bool restore_rng = state.world_size == dist.world_size() &&
-                           static_cast<int>(state.rng_states.size()) == dist.world_size();
+  const bool restore_rng =
+      state.world_size == dist.world_size() && static_cast<int>(state.rng_states.size()) == dist.world_size();
   if (restore_rng) {
     const std::string current = rng_state_base64();
     restore_rng_state_base64(state.rng_states[dist.rank()]);  // throws CheckpointError when invalid
@@ -238,7 +243,8 @@ CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout,
 // the copy lands in the existing storage, so an offloaded state stays offloaded.
 void copy_params(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
   std::vector<at::Tensor> params;
-  for (const auto& slot : layout.flats) params.push_back(offload::zeros_in_tier(*slot.shard.master_shard, "checkpoint load"));
+  for (const auto& slot : layout.flats)
+    params.push_back(offload::zeros_in_tier(*slot.shard.master_shard, "checkpoint load"));
   read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
   for (size_t f = 0; f < layout.flats.size(); ++f) {
     offload::copy_streamed(*layout.flats[f].shard.master_shard, params[f]);
@@ -246,8 +252,9 @@ void copy_params(const std::string& dir, const FileSet& model, const CheckpointL
   }
 }
 
-void copy_optimizer_state(const std::string& dir, const std::vector<FileSet>& optim_sets, const CheckpointLayout& layout,
-                          ShardedOptimizer& optimizer, const std::map<std::string, int64_t>& saved_steps) {
+void copy_optimizer_state(const std::string& dir, const std::vector<FileSet>& optim_sets,
+                          const CheckpointLayout& layout, ShardedOptimizer& optimizer,
+                          const std::map<std::string, int64_t>& saved_steps) {
   for (size_t k = 0; k < optim_sets.size(); ++k) {
     const std::string name = optimizer.state_names()[k];
     read_shards(dir, optim_sets[k], layout, [&](size_t f) {
@@ -301,7 +308,8 @@ std::string resolve(const std::string& root_dir, const std::string& which) {
     dir = join(root_dir, which);
   }
   if (!exists(join(dir, "train_state.json"))) {
-    throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json: the save never finished)");
+    throw CheckpointError("fsdp: " + dir +
+                          " is not a committed checkpoint (no train_state.json: the save never finished)");
   }
   return dir;
 }
@@ -343,7 +351,8 @@ void load_unsharded(const std::string& dir, torch::nn::Module& module) {
     const auto& header = model.headers.at(file);
     const auto* entry = header.find(name);
     at::Tensor buf = at::empty(p.sizes(), at::kFloat);
-    File::open_read(join(dir, file)).pread_all(buf.data_ptr<float>(), entry->nbytes(), header.data_start() + entry->begin);
+    File::open_read(join(dir, file))
+        .pread_all(buf.data_ptr<float>(), entry->nbytes(), header.data_start() + entry->begin);
     p.copy_(buf);
   }
 }

@@ -46,15 +46,15 @@ void agree(SaveJob& job, const std::string& phase, const std::string& local_erro
   const std::string key = job.store_prefix + phase + "/";
   if (!local_error.empty()) {
     flags[job.group->rank()] = 1;
-    job.store->set(key + std::to_string(job.group->rank()), std::vector<uint8_t>(local_error.begin(), local_error.end()));
+    job.store->set(key + std::to_string(job.group->rank()),
+                   std::vector<uint8_t>(local_error.begin(), local_error.end()));
   }
   job.group->all_reduce(flags, ReduceOp::kSum, "checkpoint/" + phase).wait();
   for (int r = 0; r < world; ++r) {
     if (flags[r].item<float>() == 0) continue;
     const auto bytes = job.store->get(key + std::to_string(r));
-    throw CheckpointError("fsdp: saving checkpoint '" + job.name + "' failed on rank " + std::to_string(r) +
-                          " while " + phase + ": " + std::string(bytes.begin(), bytes.end()) +
-                          " (nothing was committed)");
+    throw CheckpointError("fsdp: saving checkpoint '" + job.name + "' failed on rank " + std::to_string(r) + " while " +
+                          phase + ": " + std::string(bytes.begin(), bytes.end()) + " (nothing was committed)");
   }
 }
 

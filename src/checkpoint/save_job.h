@@ -15,7 +15,6 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/comm.h"
 
-
 namespace fsdp::checkpoint {
 
 struct SaveJob {

@@ -48,9 +48,7 @@ void count(OpStats& s, const TransferCount& c) {
   s.bytes_received += c.received;
 }
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Host tensors given to a device transport (the small control-plane collectives: save flags,
 // clipping norms, metrics) travel through a device copy made on the worker; other tensors go as
@@ -139,7 +137,7 @@ struct CommHandle::Pending {
   std::string tag;
   uint64_t bytes = 0;  // payload bytes of this rank's input (for the order check)
   int dtype = -1;      // at::ScalarType of the payload; -1 for none
-  std::string lane;  // "comm <group>"
+  std::string lane;    // "comm <group>"
   Clock::time_point issued;
   std::shared_ptr<DeviceOrder> order;  // device collectives on a worker thread only
 
@@ -202,7 +200,7 @@ class Communicator::Impl {
   std::exception_ptr failure(const PendingCollective& p);
   void add_stats(CollectiveKind kind, const OpStats& delta);
 
-  int64_t next_seq = 0;  // collectives run so far (worker thread only)
+  int64_t next_seq = 0;                      // collectives run so far (worker thread only)
   std::optional<c10::Stream> device_stream;  // the worker's stream for device collectives
   std::thread worker;
 };
@@ -253,8 +251,8 @@ Communicator::Impl::Impl(std::unique_ptr<Transport> transport_in, CommunicatorOp
     for (int r = 0; r < size; ++r) options.global_ranks.push_back(r);
   }
   if (static_cast<int>(options.global_ranks.size()) != size) {
-    throw ConfigError("fsdp: communicator '" + options.name + "' has " + std::to_string(size) +
-                      " ranks but " + std::to_string(options.global_ranks.size()) + " global ranks");
+    throw ConfigError("fsdp: communicator '" + options.name + "' has " + std::to_string(size) + " ranks but " +
+                      std::to_string(options.global_ranks.size()) + " global ranks");
   }
   if (size > 1) worker = std::thread([this] { worker_loop(); });
 }
@@ -274,9 +272,8 @@ void Communicator::Impl::worker_loop() {
     std::shared_ptr<PendingCollective> p = next(broken);
     if (!p) return;
     if (!broken.empty()) {
-      p->finish(std::make_exception_ptr(
-          DistError("fsdp: " + p->description + " not run: group '" + options.name +
-                    "' is unusable after an earlier failure: " + broken)));
+      p->finish(std::make_exception_ptr(DistError("fsdp: " + p->description + " not run: group '" + options.name +
+                                                  "' is unusable after an earlier failure: " + broken)));
       continue;
     }
     OpStats delta;
@@ -285,7 +282,8 @@ void Communicator::Impl::worker_loop() {
     std::exception_ptr error = run(*p, seq, delta);
     delta.calls = 1;
     delta.busy_s = seconds_since(t0);
-    if (p->tracer) p->tracer->span(std::string("fsdp::") + collective_name(p->kind), p->lane, p->issued, Clock::now(), p->tag);
+    if (p->tracer)
+      p->tracer->span(std::string("fsdp::") + collective_name(p->kind), p->lane, p->issued, Clock::now(), p->tag);
     add_stats(p->kind, delta);
     if (error) {
       std::lock_guard<std::mutex> lock(mu);
@@ -357,9 +355,9 @@ std::exception_ptr Communicator::Impl::failure(const PendingCollective& p) {
   try {
     throw;
   } catch (const PeerError& e) {
-    return std::make_exception_ptr(DistError(
-        "fsdp: " + p.description + " failed: peer rank " + std::to_string(e.peer()) +
-        " (global rank " + std::to_string(global_rank(e.peer())) + "): " + e.what()));
+    return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: peer rank " +
+                                             std::to_string(e.peer()) + " (global rank " +
+                                             std::to_string(global_rank(e.peer())) + "): " + e.what()));
   } catch (const OrderMismatch& e) {
     return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: " + e.what()));
   } catch (const TimeoutError& e) {
@@ -397,9 +395,7 @@ std::shared_ptr<PendingCollective> Communicator::Impl::enqueue(CollectiveKind ki
     p->order->issued.record(c10::impl::VirtualGuardImpl(d.type()).getStream(d));
   }
   // The tensors stay referenced until the collective has run: see Note [One ordered queue].
-  p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) {
-    body(t, s);
-  };
+  p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) { body(t, s); };
   if (size == 1) {
     run_now(*p);
     return p;
@@ -418,8 +414,8 @@ std::shared_ptr<PendingCollective> Communicator::Impl::describe(CollectiveKind k
   auto p = std::make_shared<PendingCollective>();
   p->kind = kind;
   std::ostringstream desc;
-  desc << collective_name(kind) << " '" << tag << "' on rank " << rank << " of " << size
-       << " (group '" << options.name << "')";
+  desc << collective_name(kind) << " '" << tag << "' on rank " << rank << " of " << size << " (group '" << options.name
+       << "')";
   p->description = desc.str();
   p->timeout = options.timeout;
   p->stats = stats;
@@ -479,9 +475,9 @@ CommHandle Communicator::all_gather(at::Tensor output, at::Tensor input, const s
   check_flat(input, "input", "all_gather");
   if (output.numel() != input.numel() * size || output.scalar_type() != input.scalar_type()) {
     std::ostringstream msg;
-    msg << "fsdp: all_gather '" << tag << "': output must hold size() * input.numel() = " << size
-        << " * " << input.numel() << " elements of the input's dtype, got " << output.numel() << " of "
-        << output.scalar_type() << " (input " << input.scalar_type() << ")";
+    msg << "fsdp: all_gather '" << tag << "': output must hold size() * input.numel() = " << size << " * "
+        << input.numel() << " elements of the input's dtype, got " << output.numel() << " of " << output.scalar_type()
+        << " (input " << input.scalar_type() << ")";
     throw ConfigError(msg.str());
   }
   auto out = output.view(-1), in = input.view(-1);
@@ -495,16 +491,15 @@ CommHandle Communicator::all_gather(at::Tensor output, at::Tensor input, const s
   return CommHandle(impl_->enqueue(CollectiveKind::kAllGather, tag, {out, in}, body));
 }
 
-CommHandle Communicator::reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op,
-                                        const std::string& tag) {
+CommHandle Communicator::reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op, const std::string& tag) {
   const int size = impl_->size;
   check_flat(output, "output", "reduce_scatter");
   check_flat(input, "input", "reduce_scatter");
   if (input.numel() != output.numel() * size || output.scalar_type() != input.scalar_type()) {
     std::ostringstream msg;
-    msg << "fsdp: reduce_scatter '" << tag << "': input must hold size() * output.numel() = " << size
-        << " * " << output.numel() << " elements of the output's dtype, got " << input.numel() << " of "
-        << input.scalar_type() << " (output " << output.scalar_type() << ")";
+    msg << "fsdp: reduce_scatter '" << tag << "': input must hold size() * output.numel() = " << size << " * "
+        << output.numel() << " elements of the output's dtype, got " << input.numel() << " of " << input.scalar_type()
+        << " (output " << output.scalar_type() << ")";
     throw ConfigError(msg.str());
   }
   auto out = output.view(-1), in = input.view(-1);

@@ -36,9 +36,8 @@ DeviceMesh::DeviceMesh(std::shared_ptr<Dist> dist, int replicate_size, int shard
   if (!dist_) throw ConfigError("fsdp: DeviceMesh needs a Dist (fsdp::init_from_env())");
   const int world = dist_->world_size();
   if (replicate_size < 1 || shard_size < 1 || replicate_size * shard_size != world) {
-    throw ConfigError("fsdp: DeviceMesh(replicate_size=" + std::to_string(replicate_size) +
-                      ", shard_size=" + std::to_string(shard_size) + "): the product must equal the world size " +
-                      std::to_string(world));
+    throw ConfigError("fsdp: DeviceMesh(replicate_size=" + std::to_string(replicate_size) + ", shard_size=" +
+                      std::to_string(shard_size) + "): the product must equal the world size " + std::to_string(world));
   }
   const int rank = dist_->rank();
   replicate_rank_ = rank / shard_size;

@@ -41,8 +41,7 @@ class EnvReader {
     return static_cast<int>(value);
   }
 
-  int optional_integer(const std::string& name, int fallback, int lo, int hi,
-                       const std::string& context) const {
+  int optional_integer(const std::string& name, int fallback, int lo, int hi, const std::string& context) const {
     return has(name) ? integer(name, lo, hi, context) : fallback;
   }
 
@@ -59,12 +58,12 @@ void read_master(const EnvReader& env, DistEnv& out, const std::string& context)
 
 void check_rank(const DistEnv& out, const std::string& rank_var, const std::string& size_var) {
   if (out.rank >= out.world_size) {
-    throw EnvError("fsdp: " + rank_var + "=" + std::to_string(out.rank) + " must be less than " +
-                   size_var + "=" + std::to_string(out.world_size));
+    throw EnvError("fsdp: " + rank_var + "=" + std::to_string(out.rank) + " must be less than " + size_var + "=" +
+                   std::to_string(out.world_size));
   }
   if (out.local_rank >= out.local_world_size) {
-    throw EnvError("fsdp: local rank " + std::to_string(out.local_rank) +
-                   " must be less than the local world size " + std::to_string(out.local_world_size));
+    throw EnvError("fsdp: local rank " + std::to_string(out.local_rank) + " must be less than the local world size " +
+                   std::to_string(out.local_world_size));
   }
 }
 
@@ -83,7 +82,9 @@ DistEnv parse_dist_env(const EnvLookup& lookup) {
     if (out.world_size > 1 || env.has("MASTER_ADDR") || env.has("MASTER_PORT")) read_master(env, out, ctx);
     check_rank(out, "RANK", "WORLD_SIZE");
   } else if (env.has("OMPI_COMM_WORLD_RANK") || env.has("OMPI_COMM_WORLD_SIZE")) {
-    const std::string ctx = " (OpenMPI launch: set MASTER_ADDR and MASTER_PORT for the rendezvous, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT)";
+    const std::string ctx =
+        " (OpenMPI launch: set MASTER_ADDR and MASTER_PORT for the rendezvous, e.g. mpirun -x MASTER_ADDR -x "
+        "MASTER_PORT)";
     out.launcher = "openmpi";
     out.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, kMaxInt, ctx);
     out.rank = env.integer("OMPI_COMM_WORLD_RANK", 0, kMaxInt, ctx);
@@ -92,7 +93,8 @@ DistEnv parse_dist_env(const EnvLookup& lookup) {
     if (out.world_size > 1) read_master(env, out, ctx);
     check_rank(out, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
   } else if (env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")) {
-    const std::string ctx = " (Slurm launch: export MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT before srun)";
+    const std::string ctx =
+        " (Slurm launch: export MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT before srun)";
     out.launcher = "slurm";
     out.world_size = env.integer("SLURM_NTASKS", 1, kMaxInt, ctx);
     out.rank = env.integer("SLURM_PROCID", 0, kMaxInt, ctx);

@@ -65,7 +65,8 @@ class NcclTransport final : public Transport {
     opts.timeout = timeout_;
     wait(pg_->broadcast(ts, opts), "broadcast");
     const uint64_t bytes = tensor.numel() * tensor.element_size();
-    if (rank_ == root) count.sent += bytes; else count.received += bytes;
+    if (rank_ == root) count.sent += bytes;
+    else count.received += bytes;
   }
   void barrier(TransferCount&) override {
     c10d::BarrierOptions opts;

@@ -96,8 +96,7 @@ std::string who_is_behind(const CommunicatorOptions& options, int rank, int size
                                   const std::exception& e) {
   std::ostringstream msg;
   msg << "collective-order check: " << probe.description << " as collective #" << probe.seq
-      << " was not matched by every rank within " << std::chrono::duration<double>(options.timeout).count()
-      << " s";
+      << " was not matched by every rank within " << std::chrono::duration<double>(options.timeout).count() << " s";
   if (options.order_lookup) {
     try {
       msg << who_is_behind(options, rank, size, probe.seq);
@@ -141,7 +140,8 @@ void check_collective_order(Transport& transport, const CommunicatorOptions& opt
   mine.dtype = probe.dtype;
   mine.tag = probe.tag;
   if (options.order_post) {
-    options.order_post(key_prefix(options) + std::to_string(rank), std::to_string(probe.seq) + "\t" + probe.description);
+    options.order_post(key_prefix(options) + std::to_string(rank),
+                       std::to_string(probe.seq) + "\t" + probe.description);
   }
   // The fingerprints travel where the transport moves data (device memory for NCCL).
   const c10::Device device = transport.device();

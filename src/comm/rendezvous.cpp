@@ -38,9 +38,7 @@ std::string seconds_text(std::chrono::milliseconds ms) {
   return s.str();
 }
 
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
-}
+bool is_loopback(const std::string& addr) { return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1"; }
 
 // Every rank announces itself, then waits for all others; on timeout the error lists who is missing.
 //
@@ -114,10 +112,9 @@ CommunicatorOptions group_options(const c10::intrusive_ptr<c10d::Store>& store, 
   return copts;
 }
 
-std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
-                                         int group_size, const std::vector<int>& global_ranks,
-                                         const std::string& name, const InitOptions& options,
-                                         const std::string& hostname) {
+std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int group_rank, int group_size,
+                                         const std::vector<int>& global_ranks, const std::string& name,
+                                         const InitOptions& options, const std::string& hostname) {
   // One rank: local copies, no order check (a one-rank group runs each collective at once).
   if (group_size == 1) return make_local_group(name, global_ranks.at(0), options.timeout());
   GlooTransportOptions gopts;
@@ -135,9 +132,9 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
   } catch (const ConfigError&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistError("fsdp: creating process group '" + name + "' failed on group rank " +
-                    std::to_string(group_rank) + " of " + std::to_string(group_size) + " within " +
-                    seconds_text(options.timeout()) + ": " + first_line(e));
+    throw DistError("fsdp: creating process group '" + name + "' failed on group rank " + std::to_string(group_rank) +
+                    " of " + std::to_string(group_size) + " within " + seconds_text(options.timeout()) + ": " +
+                    first_line(e));
   }
   return make_communicator(std::move(transport), group_options(store, global_ranks, name, options));
 }
@@ -150,8 +147,9 @@ namespace {
 c10::Device resolve_device(const InitOptions& options) {
   if (options.device() != "cuda") return c10::Device(c10::kCPU);
   if (!at::detail::getCUDAHooks().hasCUDA()) {
-    throw ConfigError("fsdp: InitOptions::device is \"cuda\" but no CUDA device is usable in this process "
-                      "(no GPU, CUDA_VISIBLE_DEVICES hides them, or LibTorch was built without CUDA)");
+    throw ConfigError(
+        "fsdp: InitOptions::device is \"cuda\" but no CUDA device is usable in this process "
+        "(no GPU, CUDA_VISIBLE_DEVICES hides them, or LibTorch was built without CUDA)");
   }
   try {
     return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
@@ -164,8 +162,12 @@ c10::Device resolve_device(const InitOptions& options) {
 }  // namespace
 
 Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options)
-    : env_(std::move(env)), rank_(env_.rank), world_size_(env_.world_size), options_(options),
-      device_(resolve_device(options)), store_(std::move(store)) {}
+    : env_(std::move(env)),
+      rank_(env_.rank),
+      world_size_(env_.world_size),
+      options_(options),
+      device_(resolve_device(options)),
+      store_(std::move(store)) {}
 
 Dist::~Dist() = default;
 
@@ -235,8 +237,8 @@ Communicator& Dist::side_group(const std::string& name) {
 
 std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
   if (options.timeout().count() <= 0) {
-    throw ConfigError("fsdp: InitOptions::timeout must be positive, got " +
-                      std::to_string(options.timeout().count()) + " ms");
+    throw ConfigError("fsdp: InitOptions::timeout must be positive, got " + std::to_string(options.timeout().count()) +
+                      " ms");
   }
   if (env.world_size == 1) {
     auto dist = Dist::single(options);
@@ -258,8 +260,8 @@ std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& 
       throw DistError("fsdp: rank 0 could not host the rendezvous store on " + where +
                       " (MASTER_ADDR/MASTER_PORT; is the port already in use?): " + first_line(e));
     }
-    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the rendezvous store on " +
-                    where + " within " + seconds_text(options.timeout()) +
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the rendezvous store on " + where +
+                    " within " + seconds_text(options.timeout()) +
                     " (MASTER_ADDR/MASTER_PORT; is rank 0 running?): " + first_line(e));
   }
   auto dist = std::shared_ptr<Dist>(new Dist(env, store, options));

@@ -60,13 +60,12 @@ class GlooRingTransport final : public Transport {
     const int next = mod(rank_ + 1, size_), prev = mod(rank_ - 1, size_);
     // No compute to overlap here: one message per step moves the whole chunk fastest.
     for (int s = 0; s < size_ - 1; ++s) {
-      exchange(output.narrow(0, mod(rank_ - s, size_) * n, n), next,
-               output.narrow(0, mod(rank_ - s - 1, size_) * n, n), prev, count);
+      exchange(output.narrow(0, mod(rank_ - s, size_) * n, n), next, output.narrow(0, mod(rank_ - s - 1, size_) * n, n),
+               prev, count);
     }
   }
 
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                      TransferCount& count) override {
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, TransferCount& count) override {
     const int64_t n = output.numel();
     const int next = mod(rank_ + 1, size_), prev = mod(rank_ - 1, size_);
     const int64_t seg = segment_elems(output);
@@ -153,9 +152,7 @@ class GlooRingTransport final : public Transport {
     return c10d::ProcessGroupGloo::createDefaultDevice();
   }
 
-  static int64_t segment_elems(const at::Tensor& t) {
-    return std::max<int64_t>(1, kSegmentBytes / t.element_size());
-  }
+  static int64_t segment_elems(const at::Tensor& t) { return std::max<int64_t>(1, kSegmentBytes / t.element_size()); }
 
   int tag() const { return static_cast<int>(seq_ & 0x3fffffff); }
   void next_tag() { ++seq_; }
@@ -177,8 +174,7 @@ class GlooRingTransport final : public Transport {
     }
   }
 
-  void exchange(const at::Tensor& send_buf, int to, const at::Tensor& recv_buf, int from,
-                TransferCount& count) {
+  void exchange(const at::Tensor& send_buf, int to, const at::Tensor& recv_buf, int from, TransferCount& count) {
     auto rw = post_recv(recv_buf, from);
     auto sw = post_send(send_buf, to);
     wait_work(rw, from, "receive from");
@@ -193,8 +189,8 @@ class GlooRingTransport final : public Transport {
     try {
       ok = work->wait(timeout_);
     } catch (const std::exception& e) {
-      std::string msg = std::string(what) + (peer >= 0 ? " rank " + std::to_string(peer) : "") +
-                        " failed: " + describe(e);
+      std::string msg =
+          std::string(what) + (peer >= 0 ? " rank " + std::to_string(peer) : "") + " failed: " + describe(e);
       if (peer >= 0) throw PeerError(peer, msg);
       throw DistError(msg);
     }
@@ -222,8 +218,7 @@ class LocalTransport final : public Transport {
   void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount&) override {
     if (output.data_ptr() != input.data_ptr()) output.copy_(input.view(-1));
   }
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp,
-                      TransferCount&) override {
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp, TransferCount&) override {
     if (output.data_ptr() != input.data_ptr()) output.copy_(input.view(-1));
   }
   void all_reduce(const at::Tensor&, ReduceOp, TransferCount&) override {}
@@ -252,8 +247,8 @@ void disable_flight_recorder_once() {
 
 std::unique_ptr<Transport> make_local_transport() { return std::make_unique<LocalTransport>(); }
 
-std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                               int size, const GlooTransportOptions& options) {
+std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               const GlooTransportOptions& options) {
   return std::make_unique<GlooRingTransport>(store, rank, size, options);
 }
 

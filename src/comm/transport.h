@@ -47,8 +47,7 @@ class Transport {
   virtual c10::Device device() const { return c10::Device(c10::kCPU); }
 
   virtual void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) = 0;
-  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                              TransferCount& count) = 0;
+  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, TransferCount& count) = 0;
   virtual void all_reduce(const at::Tensor& tensor, ReduceOp op, TransferCount& count) = 0;
   virtual void broadcast(const at::Tensor& tensor, int root, TransferCount& count) = 0;
   virtual void barrier(TransferCount& count) = 0;
@@ -68,7 +67,7 @@ void disable_flight_recorder_once();
 // CUDA tensors over NCCL (CUDA builds); the CPU-only build throws ConfigError naming the fix.
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                std::chrono::milliseconds timeout);
-std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                               int size, const GlooTransportOptions& options);
+std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               const GlooTransportOptions& options);
 
 }  // namespace fsdp

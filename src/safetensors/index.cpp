@@ -40,20 +40,14 @@ Json parse_strict(const std::string& label, const std::string& text) {
   int depth = 0;
   auto callback = [&](int, Json::parse_event_t event, Json& parsed) {
     switch (event) {
-      case Json::parse_event_t::object_start:
-        open_objects.emplace_back();
-        [[fallthrough]];
+      case Json::parse_event_t::object_start: open_objects.emplace_back(); [[fallthrough]];
       case Json::parse_event_t::array_start:
         if (++depth > kMaxIndexDepth) {
           fail(label, "nested deeper than " + std::to_string(kMaxIndexDepth) + " levels");
         }
         break;
-      case Json::parse_event_t::object_end:
-        open_objects.pop_back();
-        [[fallthrough]];
-      case Json::parse_event_t::array_end:
-        --depth;
-        break;
+      case Json::parse_event_t::object_end: open_objects.pop_back(); [[fallthrough]];
+      case Json::parse_event_t::array_end: --depth; break;
       case Json::parse_event_t::key: {
         const std::string& key = parsed.get_ref<const std::string&>();
         if (!open_objects.back().insert(key).second) {
@@ -61,8 +55,7 @@ Json parse_strict(const std::string& label, const std::string& text) {
         }
         break;
       }
-      default:
-        break;
+      default: break;
     }
     return true;
   };
@@ -123,16 +116,15 @@ Index parse_index(const std::string& label, const std::string& text) {
       has_weight_map = true;
       for (const auto& entry : item.value().items()) {
         if (!entry.value().is_string()) {
-          fail(label, "tensor " + quote_name(entry.key()) + ": file is " +
-                          kind_of(entry.value()) + ", not a string");
+          fail(label, "tensor " + quote_name(entry.key()) + ": file is " + kind_of(entry.value()) + ", not a string");
         }
         const std::string& file = entry.value().get_ref<const std::string&>();
         check_file_name(label, entry.key(), file);
         index.weight_map.emplace(entry.key(), file);
       }
     } else {
-      fail(label, "unexpected key " + quote_name(item.key()) +
-                      " (an index holds only \"metadata\" and \"weight_map\")");
+      fail(label,
+           "unexpected key " + quote_name(item.key()) + " (an index holds only \"metadata\" and \"weight_map\")");
     }
   }
   if (!has_weight_map) fail(label, "has no weight_map");
@@ -170,8 +162,7 @@ void check_index_against_headers(const std::string& dir_label, const Index& inde
       const auto inserted = holder.emplace(e.name, &file_header.first);
       if (!inserted.second) {
         fail_dir(dir_label, "tensor " + quote_name(e.name) + " is in two files, " +
-                                quote_name(*inserted.first->second) + " and " +
-                                quote_name(file_header.first));
+                                quote_name(*inserted.first->second) + " and " + quote_name(file_header.first));
       }
     }
   }
@@ -183,14 +174,13 @@ void check_index_against_headers(const std::string& dir_label, const Index& inde
     }
     if (*it->second != kv.second) {
       fail_dir(dir_label, "tensor " + quote_name(kv.first) + " is listed in the index under file " +
-                              quote_name(kv.second) + " but is held by file " +
-                              quote_name(*it->second));
+                              quote_name(kv.second) + " but is held by file " + quote_name(*it->second));
     }
   }
   for (const auto& kv : holder) {
     if (index.weight_map.count(kv.first) == 0) {
-      fail_dir(dir_label, "tensor " + quote_name(kv.first) + " in file " + quote_name(*kv.second) +
-                              " is not in the index");
+      fail_dir(dir_label,
+               "tensor " + quote_name(kv.first) + " in file " + quote_name(*kv.second) + " is not in the index");
     }
   }
 }

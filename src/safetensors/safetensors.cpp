@@ -35,12 +35,10 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {DType::BOOL, "BOOL", 1},    {DType::U8, "U8", 1},     {DType::I8, "I8", 1},
-    {DType::I16, "I16", 2},      {DType::U16, "U16", 2},   {DType::F16, "F16", 2},
-    {DType::BF16, "BF16", 2},    {DType::I32, "I32", 4},   {DType::U32, "U32", 4},
-    {DType::F32, "F32", 4},      {DType::F64, "F64", 8},   {DType::I64, "I64", 8},
-    {DType::U64, "U64", 8},      {DType::F8_E4M3, "F8_E4M3", 1},
-    {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::BOOL, "BOOL", 1}, {DType::U8, "U8", 1},           {DType::I8, "I8", 1},           {DType::I16, "I16", 2},
+    {DType::U16, "U16", 2},   {DType::F16, "F16", 2},         {DType::BF16, "BF16", 2},       {DType::I32, "I32", 4},
+    {DType::U32, "U32", 4},   {DType::F32, "F32", 4},         {DType::F64, "F64", 8},         {DType::I64, "I64", 8},
+    {DType::U64, "U64", 8},   {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
 };
 
 const DTypeInfo& info(DType dtype) {
@@ -54,8 +52,7 @@ const DTypeInfo& info(DType dtype) {
   throw CheckpointError("fsdp: checkpoint file " + label + ": " + what);
 }
 
-[[noreturn]] void fail_tensor(const std::string& label, const std::string& name,
-                              const std::string& what) {
+[[noreturn]] void fail_tensor(const std::string& label, const std::string& name, const std::string& what) {
   fail(label, "tensor " + quote_name(name) + ": " + what);
 }
 
@@ -100,8 +97,7 @@ class HeaderSax : public nlohmann::json_sax<Json> {
       fail_tensor(label_, entry_.name, "shape dimension " + negative_text(value) + " is negative");
     }
     if (state_ == State::kOffsets) {
-      fail_tensor(label_, entry_.name, "data_offsets value " + negative_text(value) +
-                                           " is negative");
+      fail_tensor(label_, entry_.name, "data_offsets value " + negative_text(value) + " is negative");
     }
     return unexpected("a negative integer");
   }
@@ -109,8 +105,7 @@ class HeaderSax : public nlohmann::json_sax<Json> {
   bool number_unsigned(number_unsigned_t value) override {
     if (state_ == State::kShape) {
       if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        fail_tensor(label_, entry_.name,
-                    "shape dimension " + std::to_string(value) + " does not fit in int64");
+        fail_tensor(label_, entry_.name, "shape dimension " + std::to_string(value) + " does not fit in int64");
       }
       entry_.shape.push_back(static_cast<int64_t>(value));
       return true;
@@ -208,8 +203,7 @@ class HeaderSax : public nlohmann::json_sax<Json> {
       case State::kEntry:
         for (const Field f : {Field::kDType, Field::kShape, Field::kOffsets}) {
           if (!(seen_fields_ & (1u << static_cast<unsigned>(f)))) {
-            fail_tensor(label_, entry_.name, std::string("field '") + field_name(f) +
-                                                 "' is missing");
+            fail_tensor(label_, entry_.name, std::string("field '") + field_name(f) + "' is missing");
           }
         }
         entry_.begin = offsets_[0];
@@ -240,8 +234,7 @@ class HeaderSax : public nlohmann::json_sax<Json> {
     }
     if (state_ == State::kOffsets) {
       if (offsets_.size() != 2) {
-        fail_tensor(label_, entry_.name, "data_offsets has " + std::to_string(offsets_.size()) +
-                                             " values, not 2");
+        fail_tensor(label_, entry_.name, "data_offsets has " + std::to_string(offsets_.size()) + " values, not 2");
       }
       state_ = State::kEntry;
       return true;
@@ -256,15 +249,22 @@ class HeaderSax : public nlohmann::json_sax<Json> {
 
  private:
   enum class State {
-    kStart, kRoot, kEntryStart, kEntry, kEntryValue, kShape, kOffsets,
-    kMetadataStart, kMetadata, kMetadataValue, kDone,
+    kStart,
+    kRoot,
+    kEntryStart,
+    kEntry,
+    kEntryValue,
+    kShape,
+    kOffsets,
+    kMetadataStart,
+    kMetadata,
+    kMetadataValue,
+    kDone,
   };
   enum class Field : unsigned { kDType, kShape, kOffsets };
 
   // nlohmann reports "-0" as the integer 0.
-  static std::string negative_text(number_integer_t value) {
-    return value == 0 ? "-0" : std::to_string(value);
-  }
+  static std::string negative_text(number_integer_t value) { return value == 0 ? "-0" : std::to_string(value); }
 
   static const char* field_name(Field f) {
     switch (f) {
@@ -275,29 +275,24 @@ class HeaderSax : public nlohmann::json_sax<Json> {
   }
 
   bool in_entry() const {
-    return state_ == State::kEntryStart || state_ == State::kEntry ||
-           state_ == State::kEntryValue || state_ == State::kShape || state_ == State::kOffsets;
+    return state_ == State::kEntryStart || state_ == State::kEntry || state_ == State::kEntryValue ||
+           state_ == State::kShape || state_ == State::kOffsets;
   }
 
   // A value of kind `what` where the state allows none of that kind.
   [[noreturn]] bool unexpected(const std::string& what) {
     switch (state_) {
       case State::kStart: fail(label_, "header is not a JSON object (it holds " + what + ")");
-      case State::kEntryStart:
-        fail_tensor(label_, entry_.name, "entry is " + what + ", not an object");
+      case State::kEntryStart: fail_tensor(label_, entry_.name, "entry is " + what + ", not an object");
       case State::kEntryValue:
         fail_tensor(label_, entry_.name,
                     std::string("field '") + field_name(field_) + "' is " + what + ", not " +
                         (field_ == Field::kDType ? "a string" : "an array of integers"));
-      case State::kShape:
-        fail_tensor(label_, entry_.name, "shape holds " + what + ", not only integers");
-      case State::kOffsets:
-        fail_tensor(label_, entry_.name, "data_offsets holds " + what + ", not only integers");
-      case State::kMetadataStart:
-        fail(label_, "__metadata__ is " + what + ", not an object of strings");
+      case State::kShape: fail_tensor(label_, entry_.name, "shape holds " + what + ", not only integers");
+      case State::kOffsets: fail_tensor(label_, entry_.name, "data_offsets holds " + what + ", not only integers");
+      case State::kMetadataStart: fail(label_, "__metadata__ is " + what + ", not an object of strings");
       case State::kMetadataValue:
-        fail(label_, "__metadata__ value of key " + quote_name(metadata_key_) + " is " + what +
-                         ", not a string");
+        fail(label_, "__metadata__ value of key " + quote_name(metadata_key_) + " is " + what + ", not a string");
       default: fail(label_, "header holds " + what + " where none is allowed");
     }
   }
@@ -315,29 +310,28 @@ class HeaderSax : public nlohmann::json_sax<Json> {
 };
 
 // Per-entry checks, then coverage of the data buffer in offset order.
-void validate_entries(const std::string& label, std::vector<TensorEntry>* entries,
-                      uint64_t data_len, uint64_t file_size) {
+void validate_entries(const std::string& label, std::vector<TensorEntry>* entries, uint64_t data_len,
+                      uint64_t file_size) {
   for (const TensorEntry& e : *entries) {
     if (e.begin > e.end) {
-      fail_tensor(label, e.name, "data_offsets [" + std::to_string(e.begin) + ", " +
-                                     std::to_string(e.end) + "] end before they begin");
+      fail_tensor(
+          label, e.name,
+          "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] end before they begin");
     }
     if (e.end > data_len) {
-      fail_tensor(label, e.name, "data span " + span_text(e.begin, e.end) +
-                                     " runs past the end of the data buffer, which is " +
-                                     std::to_string(data_len) + " bytes (file is " +
-                                     std::to_string(file_size) + " bytes)");
+      fail_tensor(label, e.name,
+                  "data span " + span_text(e.begin, e.end) + " runs past the end of the data buffer, which is " +
+                      std::to_string(data_len) + " bytes (file is " + std::to_string(file_size) + " bytes)");
     }
     uint64_t needed = 0;
     if (!byte_count(e.shape, e.dtype, &needed)) {
-      fail_tensor(label, e.name, "shape " + shape_text(e.shape) + " x " + dtype_name(e.dtype) +
-                                     " overflows a 64-bit byte count");
+      fail_tensor(label, e.name,
+                  "shape " + shape_text(e.shape) + " x " + dtype_name(e.dtype) + " overflows a 64-bit byte count");
     }
     if (needed != e.nbytes()) {
-      fail_tensor(label, e.name, "data span " + span_text(e.begin, e.end) + " is " +
-                                     std::to_string(e.nbytes()) + " bytes but shape " +
-                                     shape_text(e.shape) + " x " + dtype_name(e.dtype) +
-                                     " needs " + std::to_string(needed));
+      fail_tensor(label, e.name,
+                  "data span " + span_text(e.begin, e.end) + " is " + std::to_string(e.nbytes()) + " bytes but shape " +
+                      shape_text(e.shape) + " x " + dtype_name(e.dtype) + " needs " + std::to_string(needed));
     }
   }
   std::sort(entries->begin(), entries->end(), entry_order);
@@ -345,14 +339,15 @@ void validate_entries(const std::string& label, std::vector<TensorEntry>* entrie
   const TensorEntry* prev = nullptr;
   for (const TensorEntry& e : *entries) {
     if (e.begin < covered) {
-      fail_tensor(label, e.name, "data span " + span_text(e.begin, e.end) + " overlaps tensor " +
-                                     quote_name(prev->name) + " at " +
-                                     span_text(prev->begin, prev->end));
+      fail_tensor(label, e.name,
+                  "data span " + span_text(e.begin, e.end) + " overlaps tensor " + quote_name(prev->name) + " at " +
+                      span_text(prev->begin, prev->end));
     }
     if (e.begin > covered) {
-      fail_tensor(label, e.name, "bytes " + span_text(covered, e.begin) +
-                                     " before its data belong to no tensor (gap in the data "
-                                     "buffer)");
+      fail_tensor(label, e.name,
+                  "bytes " + span_text(covered, e.begin) +
+                      " before its data belong to no tensor (gap in the data "
+                      "buffer)");
     }
     covered = e.end;
     prev = &e;
@@ -360,9 +355,9 @@ void validate_entries(const std::string& label, std::vector<TensorEntry>* entrie
   if (covered != data_len) {
     const std::string extra = std::to_string(data_len - covered) + " bytes";
     if (prev == nullptr) fail(label, "header lists no tensors but the data buffer holds " + extra);
-    fail_tensor(label, prev->name, "file has " + extra + " of trailing data after this, the " +
-                                       "last tensor (data ends at " + std::to_string(covered) +
-                                       ", buffer is " + std::to_string(data_len) + " bytes)");
+    fail_tensor(label, prev->name,
+                "file has " + extra + " of trailing data after this, the " + "last tensor (data ends at " +
+                    std::to_string(covered) + ", buffer is " + std::to_string(data_len) + " bytes)");
   }
 }
 
@@ -385,8 +380,7 @@ void pread_exact(const std::string& path, int fd, char* out, uint64_t len, uint6
   while (len > 0) {
     const ssize_t n = ::pread(fd, out, len, static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(path, "read failed at offset " + std::to_string(offset) + ": " +
-                              std::strerror(errno));
+    if (n < 0) fail(path, "read failed at offset " + std::to_string(offset) + ": " + std::strerror(errno));
     if (n == 0) fail(path, "unexpected end of file at offset " + std::to_string(offset));
     out += n;
     len -= static_cast<uint64_t>(n);
@@ -467,8 +461,7 @@ const TensorEntry* Header::find(const std::string& name) const {
   return nullptr;
 }
 
-FilePlan plan_file(const std::vector<TensorSpec>& tensors,
-                   const std::map<std::string, std::string>& metadata) {
+FilePlan plan_file(const std::vector<TensorSpec>& tensors, const std::map<std::string, std::string>& metadata) {
   const std::string label = "(being planned)";
   FilePlan plan;
   Json root = Json::object();
@@ -485,23 +478,20 @@ FilePlan plan_file(const std::vector<TensorSpec>& tensors,
     }
     uint64_t nbytes = 0;
     if (!byte_count(t.shape, t.dtype, &nbytes)) {
-      fail_tensor(label, t.name, "shape " + shape_text(t.shape) + " x " + dtype_name(t.dtype) +
-                                     " overflows a 64-bit byte count");
+      fail_tensor(label, t.name,
+                  "shape " + shape_text(t.shape) + " x " + dtype_name(t.dtype) + " overflows a 64-bit byte count");
     }
     TensorEntry e{t.name, t.dtype, t.shape, offset, 0};
     if (__builtin_add_overflow(offset, nbytes, &e.end)) {
       fail_tensor(label, t.name, "the file's data would exceed 2^64 bytes");
     }
     offset = e.end;
-    root[t.name] = Json{{"dtype", dtype_name(t.dtype)},
-                        {"shape", t.shape},
-                        {"data_offsets", {e.begin, e.end}}};
+    root[t.name] = Json{{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {e.begin, e.end}}};
     plan.header.tensors.push_back(std::move(e));
   }
   if (!metadata.empty()) {
     for (const auto& kv : metadata) {
-      if (first_invalid_utf8(kv.first) != std::string::npos ||
-          first_invalid_utf8(kv.second) != std::string::npos) {
+      if (first_invalid_utf8(kv.first) != std::string::npos || first_invalid_utf8(kv.second) != std::string::npos) {
         fail(label, "__metadata__ key " + quote_name(kv.first) + " or its value is not UTF-8");
       }
     }
@@ -511,9 +501,8 @@ FilePlan plan_file(const std::vector<TensorSpec>& tensors,
   // Pad with spaces (still valid JSON) so the data buffer starts aligned, as the reference does.
   text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
   if (text.size() > kMaxHeaderLen) {
-    fail(label, "header would be " + std::to_string(text.size()) +
-                    " bytes, over the safetensors limit of " + std::to_string(kMaxHeaderLen) +
-                    "; split the tensors over more files");
+    fail(label, "header would be " + std::to_string(text.size()) + " bytes, over the safetensors limit of " +
+                    std::to_string(kMaxHeaderLen) + "; split the tensors over more files");
   }
   const uint64_t n = text.size();
   plan.header_bytes.resize(8);
@@ -528,33 +517,29 @@ FilePlan plan_file(const std::vector<TensorSpec>& tensors,
   return plan;
 }
 
-Header parse_header(const std::string& file_label, const std::string& header_json,
-                    uint64_t header_len, uint64_t file_size) {
+Header parse_header(const std::string& file_label, const std::string& header_json, uint64_t header_len,
+                    uint64_t file_size) {
   if (file_size < 8) {
-    fail(file_label, "file is " + std::to_string(file_size) +
-                         " bytes, too short for the 8-byte header length");
+    fail(file_label, "file is " + std::to_string(file_size) + " bytes, too short for the 8-byte header length");
   }
   if (header_len > kMaxHeaderLen) {
-    fail(file_label, "header length " + std::to_string(header_len) +
-                         " is over the safetensors limit of " + std::to_string(kMaxHeaderLen) +
-                         " bytes");
+    fail(file_label, "header length " + std::to_string(header_len) + " is over the safetensors limit of " +
+                         std::to_string(kMaxHeaderLen) + " bytes");
   }
   if (header_len > file_size - 8) {
-    fail(file_label, "header length " + std::to_string(header_len) +
-                         " runs past the end of the file, which is " + std::to_string(file_size) +
-                         " bytes");
+    fail(file_label, "header length " + std::to_string(header_len) + " runs past the end of the file, which is " +
+                         std::to_string(file_size) + " bytes");
   }
   if (header_json.size() != header_len) {
-    fail(file_label, "header text is " + std::to_string(header_json.size()) +
-                         " bytes but the length prefix says " + std::to_string(header_len));
+    fail(file_label, "header text is " + std::to_string(header_json.size()) + " bytes but the length prefix says " +
+                         std::to_string(header_len));
   }
   if (header_json.empty() || header_json[0] != '{') {
     fail(file_label, "header does not start with '{', so it is not a JSON object");
   }
   const size_t bad = first_invalid_utf8(header_json);
   if (bad != std::string::npos) {
-    fail(file_label, "header is not valid UTF-8 (bad byte at header offset " +
-                         std::to_string(bad) + ")");
+    fail(file_label, "header is not valid UTF-8 (bad byte at header offset " + std::to_string(bad) + ")");
   }
   // Valid JSON has no raw NUL (only the escape \u0000), and nlohmann's lexer would take one for
   // the end of input and ignore whatever follows.
@@ -580,8 +565,7 @@ Header read_header(const std::string& path) {
   if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   if (file_size < 8) {
-    fail(path, "file is " + std::to_string(file_size) +
-                   " bytes, too short for the 8-byte header length");
+    fail(path, "file is " + std::to_string(file_size) + " bytes, too short for the 8-byte header length");
   }
   unsigned char prefix[8];
   pread_exact(path, fd.get(), reinterpret_cast<char*>(prefix), 8, 0);

@@ -100,14 +100,13 @@ struct FilePlan {
 // the same input always yields the same bytes. Tensors that must be aligned for zero-copy readers
 // should come in order of decreasing itemsize (what the reference writer does). Throws
 // CheckpointError on a duplicate or reserved name, a negative dimension, or a size that overflows.
-FilePlan plan_file(const std::vector<TensorSpec>& tensors,
-                   const std::map<std::string, std::string>& metadata);
+FilePlan plan_file(const std::vector<TensorSpec>& tensors, const std::map<std::string, std::string>& metadata);
 
 // Parses and validates a header (see Note [Safetensors validation]). `header_json` is the N bytes
 // after the length prefix, `header_len` is N and `file_size` the size of the whole file;
 // `file_label` names the file in error messages. Throws CheckpointError.
-Header parse_header(const std::string& file_label, const std::string& header_json,
-                    uint64_t header_len, uint64_t file_size);
+Header parse_header(const std::string& file_label, const std::string& header_json, uint64_t header_len,
+                    uint64_t file_size);
 
 // Reads the first 8 + N bytes of the file at `path` (never the data) and parses them with
 // parse_header. Throws CheckpointError, also when the file cannot be opened or read.

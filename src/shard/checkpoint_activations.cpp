@@ -48,8 +48,9 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 at::Tensor checkpoint_activations(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input) {
   if (!c10::GradMode::is_enabled()) return fn(input);
   if (!input.requires_grad()) {
-    throw ConfigError("fsdp: checkpoint_activations: the input does not require grad, so the block's parameters "
-                      "would get no gradient; checkpoint a block whose input comes from earlier trainable layers");
+    throw ConfigError(
+        "fsdp: checkpoint_activations: the input does not require grad, so the block's parameters "
+        "would get no gradient; checkpoint a block whose input comes from earlier trainable layers");
   }
   return CheckpointFunction::apply(input, c10::make_intrusive<BlockFn>(fn));
 }

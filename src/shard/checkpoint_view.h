@@ -41,11 +41,11 @@ struct FlatShardView {
 };
 
 struct ModelView {
-  std::vector<FlatShardView> flats;         // the root's flat-param order
-  std::vector<ShardedTensorView> tensors;   // model registration order, tied tensors once
-  bool writer = true;                       // replicas of a shard (HSDP, NO_SHARD): only the first writes
-  Dist* dist = nullptr;                     // the job the model is sharded over
-  std::string strategy;                     // the root's sharding strategy, e.g. "FULL_SHARD"
+  std::vector<FlatShardView> flats;        // the root's flat-param order
+  std::vector<ShardedTensorView> tensors;  // model registration order, tied tensors once
+  bool writer = true;                      // replicas of a shard (HSDP, NO_SHARD): only the first writes
+  Dist* dist = nullptr;                    // the job the model is sharded over
+  std::string strategy;                    // the root's sharding strategy, e.g. "FULL_SHARD"
 };
 
 // The view of `root` (lazily initialising it first).

@@ -51,7 +51,9 @@ void set_storage_alive(const at::Tensor& t, bool alive) {
 
 FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config, Communicator& shard_group,
                      Communicator& replicate_group)
-    : entries_(std::move(entries)), config_(std::move(config)), shard_group_(shard_group),
+    : entries_(std::move(entries)),
+      config_(std::move(config)),
+      shard_group_(shard_group),
       replicate_group_(replicate_group) {
   const int64_t world = shard_group_.size();
   for (auto& e : entries_) {
@@ -132,7 +134,8 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
 
 void FlatParam::unshard() {
   if (needs_materialize_) {
-    throw ConfigError("fsdp: unit '" + config_.tag + "' was never materialised: run the root's lazy init "
+    throw ConfigError("fsdp: unit '" + config_.tag +
+                      "' was never materialised: run the root's lazy init "
                       "(a forward through fsdp::call on the root) before using it");
   }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;

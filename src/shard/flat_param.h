@@ -47,15 +47,15 @@ struct FlatParamEntry {
   at::Tensor param;                  // the user's parameter (identity preserved)
   std::vector<int64_t> shape;
   int64_t numel = 0;
-  int64_t offset = 0;                // in the flat (unpadded) buffer
+  int64_t offset = 0;  // in the flat (unpadded) buffer
 };
 
 struct FlatParamConfig {
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the unsharded buffer (param_dtype)
   at::ScalarType reduce_dtype = at::kFloat;   // dtype gradients are reduced in
   bool requires_grad = true;
-  int group = 0;                               // optimizer group
-  std::string tag;                             // "layers.0/0": shows in collective errors
+  int group = 0;    // optimizer group
+  std::string tag;  // "layers.0/0": shows in collective errors
   // The compute device (the process group's, InitOptions::device): where gathered params and
   // their gradients live, and the master shard unless offloaded. Parameters must already be on
   // it, or on the meta device (deferred init materialises the shard on it).
@@ -144,8 +144,8 @@ class FlatParam {
   ShardedState state_ = ShardedState::kSharded;
   at::Tensor sharded_param_;
   at::Tensor sharded_grad_;
-  at::Tensor unsharded_;       // [padded] compute dtype; storage freed while sharded
-  at::Tensor gather_input_;    // the shard in compute dtype, kept alive during the all-gather
+  at::Tensor unsharded_;     // [padded] compute dtype; storage freed while sharded
+  at::Tensor gather_input_;  // the shard in compute dtype, kept alive during the all-gather
   CommHandle gather_handle_;
   bool gather_pending_ = false;
 

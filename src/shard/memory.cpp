@@ -17,8 +17,8 @@ std::string MemoryReport::to_string() const {
   auto mib = [](int64_t b) { return static_cast<double>(b) / (1 << 20); };
   s.precision(3);
   s << std::fixed << "params " << mib(sharded_params) << " MiB, grads " << mib(sharded_grads) << " MiB, optimizer "
-    << mib(optimizer_state) << " MiB, gathered now " << mib(unsharded_alive) << " MiB (peak "
-    << mib(peak_unsharded) << " MiB)";
+    << mib(optimizer_state) << " MiB, gathered now " << mib(unsharded_alive) << " MiB (peak " << mib(peak_unsharded)
+    << " MiB)";
   if (tier_host > 0 || tier_disk > 0) {
     s << "; by tier: device " << mib(tier_device) << " MiB, host " << mib(tier_host) << " MiB, disk " << mib(tier_disk)
       << " MiB (" << mib(disk_resident) << " MiB of it in memory now)";

@@ -133,8 +133,10 @@ int64_t ShardedOptimizer::state_bytes() const {
 AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options)
     : ShardedOptimizer(root), options_(options) {
   set_lr(options.lr());
-  if (!(options.beta1() >= 0 && options.beta1() < 1)) throw ConfigError("fsdp: invalid beta1: " + std::to_string(options.beta1()));
-  if (!(options.beta2() >= 0 && options.beta2() < 1)) throw ConfigError("fsdp: invalid beta2: " + std::to_string(options.beta2()));
+  if (!(options.beta1() >= 0 && options.beta1() < 1))
+    throw ConfigError("fsdp: invalid beta1: " + std::to_string(options.beta1()));
+  if (!(options.beta2() >= 0 && options.beta2() < 1))
+    throw ConfigError("fsdp: invalid beta2: " + std::to_string(options.beta2()));
   if (!(options.eps() >= 0)) throw ConfigError("fsdp: invalid eps: " + std::to_string(options.eps()));
   if (!(options.weight_decay() >= 0)) {
     throw ConfigError("fsdp: invalid weight_decay: " + std::to_string(options.weight_decay()));
@@ -209,8 +211,8 @@ WarmupCosine::WarmupCosine(double base_lr, int64_t warmup_steps, int64_t total_s
 double WarmupCosine::lr_at(int64_t step) const {
   if (step < warmup_steps_) return base_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_steps_);
   if (total_steps_ <= warmup_steps_) return base_lr_;
-  const double progress = std::min(1.0, static_cast<double>(step - warmup_steps_) /
-                                            static_cast<double>(total_steps_ - warmup_steps_));
+  const double progress =
+      std::min(1.0, static_cast<double>(step - warmup_steps_) / static_cast<double>(total_steps_ - warmup_steps_));
   return min_lr_ + 0.5 * (base_lr_ - min_lr_) * (1.0 + std::cos(M_PI * progress));
 }
 

@@ -93,7 +93,8 @@ void ShardedUnit::post_forward() {
                           last_order.back() == this && rs.order.recorded().size() == last_order.size();
   if (options_.reshard_after_forward && !root_keeps && !last_keeps && !in_backward) reshard();
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
-  if (Tracer* t = tracer()) t->span("fsdp::forward", "compute", forward_begin_, std::chrono::steady_clock::now(), name());
+  if (Tracer* t = tracer())
+    t->span("fsdp::forward", "compute", forward_begin_, std::chrono::steady_clock::now(), name());
 }
 
 void ShardedUnit::pre_backward() {
@@ -107,7 +108,8 @@ void ShardedUnit::pre_backward() {
   if (state_ != TrainingState::kPreBackward) backward_begin_ = std::chrono::steady_clock::now();
   unshard();
   if (options_.prefetch_depth > 0) {
-    prefetch(backward_prefetch_.empty() ? rs.order.next_in_backward(this, options_.prefetch_depth) : backward_prefetch_);
+    prefetch(backward_prefetch_.empty() ? rs.order.next_in_backward(this, options_.prefetch_depth)
+                                        : backward_prefetch_);
   }
   wait_for_unshard();
   for (auto& fp : flat_params_) fp->prepare_gradients();
@@ -133,7 +135,8 @@ void ShardedUnit::post_backward(size_t i) {
     for (FlatParam* fp : rs.pending_reduces) {
       const bool mine = std::any_of(flat_params_.begin(), flat_params_.end(),
                                     [fp](const std::unique_ptr<FlatParam>& f) { return f.get() == fp; });
-      if (mine) own.push_back(fp); else fp->finalize_grads();
+      if (mine) own.push_back(fp);
+      else fp->finalize_grads();
     }
     rs.pending_reduces = std::move(own);
     flat_params_[i]->reduce_scatter_grads();
@@ -148,7 +151,8 @@ void ShardedUnit::post_backward(size_t i) {
   if (all_done) {
     reshard();
     state_ = TrainingState::kPostBackward;
-    if (Tracer* t = tracer()) t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
+    if (Tracer* t = tracer())
+      t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
   }
 }
 

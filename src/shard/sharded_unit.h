@@ -60,8 +60,7 @@ struct RootState {
 
 class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
  public:
-  ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const DeviceMesh& mesh,
-              FullyShardOptions options);
+  ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const DeviceMesh& mesh, FullyShardOptions options);
   ~ShardedUnit();
 
   // Groups the module's parameters (those not owned by nested units) into flat params.
@@ -69,7 +68,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
   // ---- names and tree
   const std::string& prefix() const { return prefix_; }  // "model.layers.0." relative to the root
-  std::string name() const;                               // for errors: "model.layers.0" or "<root>"
+  std::string name() const;                              // for errors: "model.layers.0" or "<root>"
   bool is_root() const { return root_ == this; }
   ShardedUnit* root() { return root_; }
   RootState& root_state() { return *root_->root_state_; }
@@ -129,8 +128,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::shared_ptr<Communicator> no_shard_group_;  // kNoShard: a one-rank shard group
 
   std::vector<std::unique_ptr<FlatParam>> flat_params_;
-  std::vector<size_t> grads_landed_;                 // per flat param, this backward
-  std::vector<bool> post_backward_done_;             // per flat param, this backward
+  std::vector<size_t> grads_landed_;      // per flat param, this backward
+  std::vector<bool> post_backward_done_;  // per flat param, this backward
   bool has_frozen_ = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for the hooks
 

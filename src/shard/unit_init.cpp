@@ -70,8 +70,8 @@ struct Found {
 };
 
 // This unit's parameters in registration order, tied ones once, skipping nested units' subtrees.
-void collect_own_params(const torch::nn::Module& module, const std::string& prefix, bool top,
-                        std::vector<Found>& out, std::unordered_map<const void*, size_t>& index) {
+void collect_own_params(const torch::nn::Module& module, const std::string& prefix, bool top, std::vector<Found>& out,
+                        std::unordered_map<const void*, size_t>& index) {
   if (!top && detail::unit_of(module) != nullptr) return;
   for (const auto& p : module.named_parameters(/*recurse=*/false)) {
     const void* key = p.value().unsafeGetTensorImpl();
@@ -91,11 +91,13 @@ void collect_own_params(const torch::nn::Module& module, const std::string& pref
 
 void check_param(const Found& f, const std::unordered_set<const void*>& nested) {
   if (nested.count(f.param.unsafeGetTensorImpl())) {
-    throw ConfigError("fsdp: parameter '" + f.name + "' is shared with a nested unit; tied parameters must "
+    throw ConfigError("fsdp: parameter '" + f.name +
+                      "' is shared with a nested unit; tied parameters must "
                       "belong to one unit: shard their common ancestor instead of each user");
   }
   if (!f.param.is_floating_point()) {
-    throw ConfigError("fsdp: parameter '" + f.name + "' has dtype " + std::string(c10::toString(f.param.scalar_type())) +
+    throw ConfigError("fsdp: parameter '" + f.name + "' has dtype " +
+                      std::string(c10::toString(f.param.scalar_type())) +
                       "; only floating-point parameters can be sharded");
   }
 }
@@ -111,19 +113,21 @@ void check_strategy_fits_mesh(ShardingStrategy strategy, const DeviceMesh& mesh)
     case ShardingStrategy::kFullShard:
     case ShardingStrategy::kShardGradOp:
       if (mesh.is_hybrid()) {
-        throw ConfigError(std::string("fsdp: ") + strategy_name(strategy) + " needs a 1-D mesh, but this mesh is 2-D (" +
-                          shape + "): use HYBRID_SHARD to shard within rows and replicate across them, or a 1-D "
+        throw ConfigError(std::string("fsdp: ") + strategy_name(strategy) +
+                          " needs a 1-D mesh, but this mesh is 2-D (" + shape +
+                          "): use HYBRID_SHARD to shard within rows and replicate across them, or a 1-D "
                           "DeviceMesh(dist) to shard over every rank");
       }
       break;
     case ShardingStrategy::kHybridShard:
       if (!mesh.is_hybrid()) {
-        throw ConfigError("fsdp: HYBRID_SHARD needs a 2-D mesh with more than one replica: build it with "
-                          "DeviceMesh(dist, replicate_size, shard_size); this mesh has " + shape);
+        throw ConfigError(
+            "fsdp: HYBRID_SHARD needs a 2-D mesh with more than one replica: build it with "
+            "DeviceMesh(dist, replicate_size, shard_size); this mesh has " +
+            shape);
       }
       break;
-    case ShardingStrategy::kNoShard:
-      break;
+    case ShardingStrategy::kNoShard: break;
   }
 }
 
@@ -145,7 +149,8 @@ void check_offload_on_device(const OffloadPolicy& policy, const std::string& uni
   throw ConfigError(std::string("fsdp: unit '") + unit + "' offloads some states but not all (params=" +
                     offload_tier_name(policy.params()) + ", grads=" + offload_tier_name(policy.grads()) +
                     ", optimizer_state=" + offload_tier_name(policy.optimizer_state()) + ") while computing on " +
-                    device.str() + "; on a device the optimizer steps on the CPU, so offload params, grads "
+                    device.str() +
+                    "; on a device the optimizer steps on the CPU, so offload params, grads "
                     "and optimizer_state together (each \"host\" or \"disk\") or none of them");
 }
 
@@ -168,8 +173,8 @@ ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const Dev
   r.strategy = options.strategy();
   check_strategy_fits_mesh(r.strategy, mesh);
   r.reshard_after_forward_explicit = options.reshard_after_forward().has_value();
-  r.reshard_after_forward = options.reshard_after_forward().value_or(
-      r.strategy == ShardingStrategy::kFullShard || r.strategy == ShardingStrategy::kHybridShard);
+  r.reshard_after_forward = options.reshard_after_forward().value_or(r.strategy == ShardingStrategy::kFullShard ||
+                                                                     r.strategy == ShardingStrategy::kHybridShard);
   if (r.strategy == ShardingStrategy::kNoShard) r.reshard_after_forward = false;  // nothing to free
   r.mp_policy = options.mp_policy();
   check_floating("param_dtype", r.mp_policy.param_dtype());
@@ -257,7 +262,8 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   }
   for (size_t i = 0; i < groups.size(); ++i) {
     configs[i].tag = "unit/" + std::to_string(i);
-    flat_params_.push_back(std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *shard_group_, *replicate_group_));
+    flat_params_.push_back(
+        std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *shard_group_, *replicate_group_));
     has_frozen_ = has_frozen_ || !configs[i].requires_grad;
   }
   grads_landed_.assign(flat_params_.size(), 0);
@@ -308,7 +314,8 @@ void ShardedUnit::lazy_init() {
     root_state_->units.push_back(unit);
   }
   for (ShardedUnit* unit : root_state_->units) {
-    for (size_t i = 0; i < unit->flat_params_.size(); ++i) unit->flat_params_[i]->set_tag(unit->name() + "/" + std::to_string(i));
+    for (size_t i = 0; i < unit->flat_params_.size(); ++i)
+      unit->flat_params_[i]->set_tag(unit->name() + "/" + std::to_string(i));
   }
   resolve_inherited_options();
   open_offload_tiers();
@@ -330,8 +337,8 @@ void ShardedUnit::open_offload_tiers() {
     const OffloadPolicy& policy = unit->options_.offload;
     needs_stager = needs_stager || policy.uses(OffloadTier::kHost) || (policy.any() && !device.is_cpu());
     if (!policy.uses(OffloadTier::kDisk)) continue;
-    if (disk_policy && (disk_policy->dir() != policy.dir() ||
-                        disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
+    if (disk_policy &&
+        (disk_policy->dir() != policy.dir() || disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
       throw ConfigError("fsdp: unit '" + unit->name() + "' sets offload.dir=" + policy.dir() +
                         " and offload.memory_budget_bytes=" + std::to_string(policy.memory_budget_bytes()) +
                         " but another unit set " + disk_policy->dir() + " and " +

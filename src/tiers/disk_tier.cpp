@@ -122,8 +122,8 @@ at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
   const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (rc != 0) {
     ::close(fd);
-    throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot reserve " + mib(static_cast<int64_t>(bytes)) +
-                       " for " + what + ": " + std::strerror(rc) + "; free space or choose another offload.dir");
+    throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot reserve " + mib(static_cast<int64_t>(bytes)) + " for " +
+                       what + ": " + std::strerror(rc) + "; free space or choose another offload.dir");
   }
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
@@ -137,7 +137,10 @@ at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
   ::madvise(base, bytes, MADV_RANDOM);
   auto* m = new Mapping{shared_from_this(), base, bytes, fd};
   add(m);
-  return at::for_blob(base, {numel}).context(m, &delete_mapping).options(at::TensorOptions().dtype(at::kFloat)).make_tensor();
+  return at::for_blob(base, {numel})
+      .context(m, &delete_mapping)
+      .options(at::TensorOptions().dtype(at::kFloat))
+      .make_tensor();
 }
 
 int64_t DiskTier::chunk_elements(int tensors) const {
@@ -215,7 +218,8 @@ void release(const at::Tensor& t, int64_t begin, int64_t end) {
   // Unmap (dirty bits move to the page cache), wait for the range's writeback (started by
   // write_behind a chunk earlier, so mostly done), then drop the now clean pages from the cache.
   ::madvise(static_cast<char*>(m->base) + lo, static_cast<size_t>(hi - lo), MADV_DONTNEED);
-  ::sync_file_range(m->fd, lo, hi - lo, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+  ::sync_file_range(m->fd, lo, hi - lo,
+                    SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
   ::posix_fadvise(m->fd, lo, hi - lo, POSIX_FADV_DONTNEED);
 }
 

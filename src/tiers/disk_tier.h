@@ -74,9 +74,9 @@ bool is_disk_backed(const at::Tensor& t);
 // The tier that owns `t`'s mapping, or null.
 DiskTier* tier_of(const at::Tensor& t);
 // On the pages under elements [begin, end) of a disk-backed 1-D tensor (no-ops otherwise):
-void will_need(const at::Tensor& t, int64_t begin, int64_t end);    // start reading them in
-void write_behind(const at::Tensor& t, int64_t begin, int64_t end); // start writing them back
-void release(const at::Tensor& t, int64_t begin, int64_t end);      // unmap them (data kept)
+void will_need(const at::Tensor& t, int64_t begin, int64_t end);     // start reading them in
+void write_behind(const at::Tensor& t, int64_t begin, int64_t end);  // start writing them back
+void release(const at::Tensor& t, int64_t begin, int64_t end);       // unmap them (data kept)
 inline void release(const at::Tensor& t) { release(t, 0, t.defined() ? t.numel() : 0); }
 // A tensor of t's shape with t's values, in t's tier: a new disk-tier file when t is disk-backed,
 // a RAM clone otherwise, a host copy of a device tensor (checkpoint snapshots; no RAM copy of

@@ -47,9 +47,9 @@ TORCH_MODULE(Block);
 struct NetOptions {
   int64_t in = 7, dim = 15, hidden = 13, out = 5;
   int blocks = 3;
-  bool reuse_block = false;  // run block 0 twice in one forward
-  int skip_block = -1;       // run this block's forward without using its output
-  int checkpoint_block = -1; // recompute this block's activations in backward
+  bool reuse_block = false;     // run block 0 twice in one forward
+  int skip_block = -1;          // run this block's forward without using its output
+  int checkpoint_block = -1;    // recompute this block's activations in backward
   bool reverse_blocks = false;  // run the blocks in reverse order (changes the execution order)
   at::Device device = at::kCPU;
 };
@@ -72,7 +72,8 @@ class NetImpl : public torch::nn::Module {
         continue;
       }
       if (static_cast<int>(i) == opts.checkpoint_block) {
-        h = fsdp::checkpoint_activations([block = blocks[i]](const at::Tensor& t) mutable { return fsdp::call(block, t); }, h);
+        h = fsdp::checkpoint_activations(
+            [block = blocks[i]](const at::Tensor& t) mutable { return fsdp::call(block, t); }, h);
         continue;
       }
       h = fsdp::call(blocks[i], h);
@@ -95,7 +96,7 @@ namespace fsdp::testing {
 class TiedNetImpl : public torch::nn::Module {
  public:
   TiedNetImpl(int64_t vocab, int64_t dim, int blocks_count) {
-    embed = register_module("embed", Dense(dim, vocab));   // weight [vocab, dim]
+    embed = register_module("embed", Dense(dim, vocab));  // weight [vocab, dim]
     for (int i = 0; i < blocks_count; ++i) {
       blocks.push_back(register_module("blocks_" + std::to_string(i), Block(dim, dim + 3)));
     }

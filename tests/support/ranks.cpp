@@ -81,8 +81,7 @@ void run_threads(int world, const std::function<void(Dist&)>& fn, std::chrono::m
   for (const auto& e : errors) ADD_FAILURE() << e;
 }
 
-std::vector<RankResult> run_processes(int world, const std::function<void(int)>& body,
-                                      const ProcessOptions& options) {
+std::vector<RankResult> run_processes(int world, const std::function<void(int)>& body, const ProcessOptions& options) {
   if (const char* child = std::getenv("FSDP_TEST_CHILD"); child && *child) {
     const int rank = std::atoi(std::getenv("RANK"));
     int code = 0;
@@ -180,8 +179,7 @@ std::string describe(const std::vector<RankResult>& results) {
   std::ostringstream s;
   for (const auto& r : results) {
     s << "---- rank " << r.rank << ": exit " << r.exit_code << " signal " << r.term_signal
-      << (r.killed_by_parent ? " (killed by the harness at the timeout)" : "") << " after " << r.seconds
-      << " s\n"
+      << (r.killed_by_parent ? " (killed by the harness at the timeout)" : "") << " after " << r.seconds << " s\n"
       << r.output << "\n";
   }
   return s.str();

@@ -18,16 +18,15 @@ namespace fsdp::testing {
 using namespace std::chrono_literals;
 
 // Runs fn(dist) on `world` threads. Exceptions from any rank become test failures naming the rank.
-void run_threads(int world, const std::function<void(Dist&)>& fn,
-                 std::chrono::milliseconds timeout = 20s);
+void run_threads(int world, const std::function<void(Dist&)>& fn, std::chrono::milliseconds timeout = 20s);
 
 struct RankResult {
   int rank = -1;
-  int exit_code = -1;    // when exited normally
-  int term_signal = 0;   // when killed by a signal
+  int exit_code = -1;   // when exited normally
+  int term_signal = 0;  // when killed by a signal
   bool killed_by_parent = false;
-  double seconds = 0;    // from spawn to exit
-  std::string output;    // stdout and stderr
+  double seconds = 0;  // from spawn to exit
+  std::string output;  // stdout and stderr
   bool ok() const { return term_signal == 0 && exit_code == 0; }
 };
 
