@@ -7,6 +7,7 @@ median over repeats), B/A, and whether the losses are bitwise the same. Exits no
 losses differ (a refactor must not change results).
 
     .venv/bin/python bench/ab_step_time.py --a OLD/build/bin --b build/bin [--repeats 3] [--steps 10]
+        [--configs comm,compute]
 """
 import argparse
 import json
@@ -46,12 +47,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: comm, compute")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     out = {}
     same = True
     with tempfile.TemporaryDirectory() as tmp:
-        for cfg in CONFIGS:
+        for cfg in args.configs.split(","):
             medians = {"a": [], "b": []}
             losses = {}
             for rep in range(args.repeats):
