@@ -95,6 +95,10 @@ class ShardedOptimizer {
   double group_weight_decay(int group) const;
 
   std::shared_ptr<FSDPModule> root_;
+  // The root's flat params in ShardState::flat_index order, looked up once at construction (the
+  // per-step path reads them through it). Defined in the library.
+  struct Flats;
+  std::shared_ptr<Flats> flats_;
   std::vector<ShardState> states_;
   std::map<int, GroupOptions> groups_;
   double lr_ = 0;

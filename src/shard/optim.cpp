@@ -20,9 +20,15 @@
 
 namespace fsdp {
 
+struct ShardedOptimizer::Flats : std::vector<FlatParam*> {
+  using std::vector<FlatParam*>::vector;
+};
+
 ShardedOptimizer::ShardedOptimizer(const std::shared_ptr<FSDPModule>& root) : root_(root) {
   if (!root_) throw ConfigError("fsdp: optimizer got a null module; pass the FSDPModule fully_shard returned");
-  const auto flats = flat_params_of(*root_);
+  const auto all = flat_params_of(*root_);
+  flats_ = std::make_shared<Flats>(all.begin(), all.end());
+  const Flats& flats = *flats_;
   for (size_t i = 0; i < flats.size(); ++i) {
     if (!flats[i]->config().requires_grad) continue;  // frozen: no optimizer state
     ShardState s;
@@ -58,7 +64,7 @@ void ShardedOptimizer::step() {
   Tracer* tracer = unit_of(*root_).tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
   reserve_offloaded_state();
-  const auto flats = flat_params_of(*root_);
+  const Flats& flats = *flats_;
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
@@ -89,7 +95,7 @@ void ShardedOptimizer::step() {
 void ShardedOptimizer::reserve_offloaded_state() {
   int64_t disk_bytes = 0;
   offload::DiskTier* tier = nullptr;
-  const auto flats = flat_params_of(*root_);
+  const Flats& flats = *flats_;
   for (auto& s : states_) {
     const FlatParam& flat = *flats.at(s.flat_index);
     if (!s.tensors.empty() || flat.offload().optimizer_state != OffloadTier::kDisk) continue;
@@ -110,11 +116,11 @@ void ShardedOptimizer::reserve_offloaded_state() {
 }
 
 at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name) const {
-  return flat_params_of(*root_).at(s.flat_index)->new_state_tensor(type_name() + " " + name);
+  return flats_->at(s.flat_index)->new_state_tensor(type_name() + " " + name);
 }
 
 void ShardedOptimizer::zero_grad() {
-  const auto flats = flat_params_of(*root_);
+  const Flats& flats = *flats_;
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
     FlatParam& flat = *flats.at(it->flat_index);
     flat.finalize_grads();
