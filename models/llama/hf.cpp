@@ -34,7 +34,7 @@ const std::set<std::string> kModelKeys = {
 // Keys that describe no computation of the model.
 const std::set<std::string> kDropped = {
     "transformers_version", "use_cache",         "bos_token_id",         "eos_token_id", "pad_token_id",
-    "_name_or_path",        "output_attentions", "output_hidden_states", "return_dict"};
+    "_name_or_path",        "output_attentions", "output_hidden_states", "return_dict",  "is_llama_config"};
 
 bool is_zero(const json& v) { return v.is_number() && v.get<double>() == 0.0; }
 
@@ -48,6 +48,8 @@ bool check_fixed(const std::string& where, const std::string& family, const std:
     if (v != false) refuse(where, key, v, "is not supported: the MLP has no biases");
   } else if (key == "attention_dropout") {
     if (!is_zero(v)) refuse(where, key, v, "is not supported: attention has no dropout; set it to 0.0");
+  } else if (key == "rope_interleaved") {
+    if (v != false) refuse(where, key, v, "is not supported: rotary pairs are the halves, not interleaved");
   } else if (key == "pretraining_tp" && family == "llama") {
     if (!v.is_null() && v != 1) refuse(where, key, v, "is not supported: only 1 (no tensor-parallel slicing)");
   } else if (key == "use_sliding_window" && qwen) {
