@@ -108,6 +108,7 @@ for i in $(seq 1200); do  # until the first checkpoint is committed and a step b
     for p in $(pgrep -f -- "$TRAIN.*$TMP/restart "); do
       if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1"; then
         killed=$(wc -l <"$TMP/restart.jsonl")
+        t_kill=$(( $(date +%s%N) / 1000000 ))
         kill -KILL "$p"
         break
       fi
@@ -116,8 +117,22 @@ for i in $(seq 1200); do  # until the first checkpoint is committed and a step b
   fi
   sleep 0.05
 done
+t_resumed=-1
+if [ -n "$killed" ]; then  # the restarted job says where it resumed, then appends a line per step
+  n0=""
+  for i in $(seq 2400); do
+    if [ -z "$n0" ] && grep -q "resumed from" "$TMP/restart.out"; then n0=$(wc -l <"$TMP/restart.jsonl"); fi
+    if [ -n "$n0" ] && [ "$(wc -l <"$TMP/restart.jsonl")" -gt "$n0" ]; then
+      t_resumed=$(( $(date +%s%N) / 1000000 - t_kill ))
+      break
+    fi
+    kill -0 "$agent" 2>/dev/null || break
+    sleep 0.05
+  done
+fi
 wait "$agent"
 rc=$?
+echo "time: torchrun, rank 1 SIGKILLed -> first step of the restarted job done after ${t_resumed} ms"
 if [ -n "$killed" ] && [ "$rc" -eq 0 ]; then ok=1; fi
 grep -q "no checkpoint in $TMP/restart yet, starting at step 0" "$TMP/restart.out" || ok=0
 grep -q "resumed from $TMP/restart/step-" "$TMP/restart.out" || ok=0
