@@ -132,6 +132,14 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
   try {
     transport = options.device() == "cuda" ? make_nccl_transport(prefixed, group_rank, group_size, options.timeout())
                                            : make_gloo_transport(prefixed, group_rank, group_size, gopts);
+    // Note [A group is ready when every member is]: Gloo's full mesh returns on a rank once its
+    // own side of every connection is up, not the peer's. A rank that then used the group for
+    // nothing and destroyed it (a load that needs no collective, a job that fails its next
+    // check) closed connections a slower peer was still finishing: "connectFullMesh failed ...
+    // Connection closed by peer" on that peer. The barrier returns on no member before every
+    // member's connections are up. Not counted in the communicator's stats.
+    TransferCount uncounted;
+    transport->barrier(uncounted);
   } catch (const ConfigError&) {
     throw;
   } catch (const std::exception& e) {
