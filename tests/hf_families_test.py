@@ -183,6 +183,16 @@ def family_case(programs, tmp, family):
     what, miss = negative_control(family, model, tokens, ours)
     record(f"{family}: control ({what}) misses by {miss:.2e} (> {100 * LOGITS_ATOL})", miss > 100 * LOGITS_ATOL)
 
+    if family == "llama":
+        # A job script that always passes --resume latest: the first run imports, the next resumes.
+        fresh = os.path.join(root, "fresh")
+        cmd = [programs["FSDP_TRAIN"], "--init-from", hf_dir, *TRAIN, "--save-dir", fresh, "--resume", "latest"]
+        rc1, log1 = run(cmd + ["--steps", "1"])
+        rc2, log2 = run(cmd + ["--steps", "2"])
+        record("llama: --init-from with --resume latest imports when nothing is saved yet, then resumes",
+               rc1 == 0 and "init: " in log1 and rc2 == 0 and "init: " not in log2 and "resumed from" in log2,
+               log1 + log2)
+
     # 3. Fine-tuning from the import: 2 ranks in parity with 1 (the same global batch of 4).
     runs = {}
     for world in (1, 2):

@@ -164,8 +164,10 @@ class Job {
     // Built on the meta device: no rank ever holds the whole model; each materialises its shards
     // on the first forward from llama_init_fn, which gives the same values whatever the world size.
     model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
-    // --init-from: the shards start at zero (cheap) and the import overwrites them.
-    const bool import = !flags_.init_from.empty() && flags_.resume.empty();
+    // --init-from: the shards start at zero (cheap) and the import overwrites them, unless a
+    // checkpoint is resumed (--resume latest with none saved yet starts fresh: from the import).
+    const bool resuming = !flags_.resume.empty() && (flags_.resume != "latest" || any_checkpoint_saved());
+    const bool import = !flags_.init_from.empty() && !resuming;
     auto opts = fsdp::FullyShardOptions()
                     .strategy(cfg_.fsdp.strategy)
                     .prefetch_depth(static_cast<int>(cfg_.fsdp.prefetch_depth))
