@@ -16,4 +16,5 @@
 #include "fsdp/torch_optim.h"
 #include "fsdp/options.h"
 #include "fsdp/sharded.h"
+#include "fsdp/stop.h"
 #include "fsdp/trace.h"
