@@ -8,8 +8,12 @@
 //
 // The global batch is 16 rows in micro-batches of 4 (BatchNorm normalises over a micro-batch):
 // each rank runs 4 / WORLD_SIZE of them per step, so 1, 2 and 4 ranks print the same losses.
+#include <ATen/ATen.h>
 #include <fsdp/fsdp.h>
-#include <torch/torch.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -56,7 +60,7 @@ int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
   auto dist = fsdp::init_from_env();
   fsdp::DeviceMesh mesh(dist);
-  torch::manual_seed(0);
+  at::manual_seed(0);
   torch::nn::Sequential net(fsdp::Sharded(torch::nn::Linear(kIn, 64)), torch::nn::BatchNorm1d(64), torch::nn::ReLU(),
                             fsdp::Sharded(torch::nn::Linear(64, 64)), torch::nn::BatchNorm1d(64), torch::nn::ReLU(),
                             fsdp::Sharded(torch::nn::Linear(64, kOut)));
@@ -75,14 +79,14 @@ int main(int argc, char** argv) {
     for (int64_t m = 0; m < micro_per_rank; ++m) {
       root->set_requires_gradient_sync(m == micro_per_rank - 1);  // reduce once, after the last
       const int64_t row = (dist->rank() * micro_per_rank + m) * kMicroBatch;
-      auto loss = torch::mse_loss(fsdp::call(net, x.narrow(0, row, kMicroBatch)), y.narrow(0, row, kMicroBatch)) /
+      auto loss = at::mse_loss(fsdp::call(net, x.narrow(0, row, kMicroBatch)), y.narrow(0, row, kMicroBatch)) /
                   static_cast<double>(micro_per_rank);
       loss.backward();
       loss_sum += loss.item<double>();
     }
     optim->step();
     optim->zero_grad();
-    auto global = torch::full({1}, loss_sum, torch::kDouble);
+    auto global = at::full({1}, loss_sum, at::kDouble);
     dist->world().all_reduce(global, fsdp::ReduceOp::kAvg, "loss").wait();
     if (dist->rank() == 0)
       std::printf("step %lld loss %.8f\n", static_cast<long long>(step + 1), global.item<double>());
@@ -93,9 +97,9 @@ int main(int argc, char** argv) {
 
   // Eval mode reads the running statistics (the same on every rank: buffers are broadcast).
   net->eval();
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   auto [x, y] = global_batch(-1);
-  auto eval = torch::mse_loss(fsdp::call(net, x), y).item<double>();
+  auto eval = at::mse_loss(fsdp::call(net, x), y).item<double>();
   if (dist->rank() == 0) std::printf("eval loss %.8f\n", eval);
   return 0;
 }
