@@ -39,10 +39,10 @@ for ex in SEQUENTIAL TWO_HEADS; do
   prog_var=FSDP_EXAMPLE_$ex
   prog=${!prog_var}
   extra=()
-  [ "$ex" = SEQUENTIAL ] && extra=(--out "$TMP/$ex.1")
+  [ "$ex" = SEQUENTIAL ] && extra=(--out "$TMP/$ex.1.ckpt")
   run 1 "$TMP/$ex.1" "$prog" --steps 6 "${extra[@]}"
   ok1=$RC
-  [ "$ex" = SEQUENTIAL ] && extra=(--out "$TMP/$ex.2")
+  [ "$ex" = SEQUENTIAL ] && extra=(--out "$TMP/$ex.2.ckpt")
   run 2 "$TMP/$ex.2" "$prog" --steps 6 "${extra[@]}"
   ok2=$RC
   grep -v eval "$TMP/$ex.1" >"$TMP/$ex.1.train"

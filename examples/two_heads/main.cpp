@@ -46,21 +46,22 @@ class TwoHeadsImpl : public torch::nn::Module {
   TwoHeadsImpl(int64_t in, int64_t dim, int64_t out, int blocks)
       : inp(register_module("inp", torch::nn::Linear(in, dim))),
         head(register_module("head", torch::nn::Linear(dim, out))),
-        aux(register_module("aux", torch::nn::Linear(dim, 1))) {
-    for (int i = 0; i < blocks; ++i) layers.push_back(register_module("layers." + std::to_string(i), Block(dim)));
+        aux(register_module("aux", torch::nn::Linear(dim, 1))),
+        layers(register_module("layers", torch::nn::ModuleList())) {
+    for (int i = 0; i < blocks; ++i) layers->push_back(Block(dim));
   }
   Heads forward(const torch::Tensor& x) {
     auto h = inp->forward(x);
     auto branch_norm = torch::zeros({x.size(0), 1});
-    for (auto& layer : layers) {
-      auto [out, branch] = fsdp::call(layer, h);  // unsharded: layer->forward(h)
+    for (size_t i = 0; i < layers->size(); ++i) {
+      auto [out, branch] = fsdp::call(layers->ptr<BlockImpl>(i), h);  // unsharded: ...->forward(h)
       h = out;
       branch_norm = branch_norm + branch.pow(2).mean(1, /*keepdim=*/true);
     }
     return {head->forward(h), aux->forward(h) + branch_norm};
   }
   torch::nn::Linear inp, head, aux;
-  std::vector<Block> layers;
+  torch::nn::ModuleList layers;
 };
 TORCH_MODULE(TwoHeads);
 
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
   fsdp::DeviceMesh mesh(dist);
   torch::manual_seed(0);
   TwoHeads model(12, 24, 3, 3);
-  for (auto& layer : model->layers) fsdp::fully_shard(layer, mesh);
+  for (size_t i = 0; i < model->layers->size(); ++i) fsdp::fully_shard(model->layers->ptr(i), mesh);
   auto root = fsdp::fully_shard(model, mesh);
   auto optim = fsdp::TorchOptimizer::make<torch::optim::AdamW>(root, torch::optim::AdamWOptions(3e-3));
 
