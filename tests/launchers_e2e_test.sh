@@ -136,7 +136,6 @@ echo "time: torchrun, rank 1 SIGKILLed -> first step of the restarted job done a
 if [ -n "$killed" ] && [ "$rc" -eq 0 ]; then ok=1; fi
 grep -q "no checkpoint in $TMP/restart yet, starting at step 0" "$TMP/restart.out" || ok=0
 grep -q "resumed from $TMP/restart/step-" "$TMP/restart.out" || ok=0
-[ "$(grep -c '"step"' "$TMP/restart.jsonl")" -gt "$R_STEPS" ] || ok=0  # some steps ran twice
 "$CKPT" diff "$TMP/restart-ref" "$TMP/restart" >"$TMP/restart.diff" 2>&1 || ok=0
 record "torchrun --max-restarts 1, rank 1 SIGKILLed after $killed steps: the restart resumes from the latest checkpoint, exit $rc, final checkpoint equal" \
   $ok "$TMP/restart.out" "$TMP/restart.diff"
