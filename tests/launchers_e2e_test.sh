@@ -94,7 +94,9 @@ same_as "$TMP/ref.jsonl" "$TMP/nodes.jsonl" "two torchrun agents, 1 process each
   "$TMP/node0.out" "$TMP/node1.out"
 
 # ---- torchrun --max-restarts 1, one rank killed mid-run ------------------------------------------------
-R_STEPS=60
+# Long enough (about 2 s) that the kill, once the first checkpoint exists, lands mid-run even when
+# this script is slow to notice.
+R_STEPS=150
 R_ARGS=("${TINY[@]}" --steps $R_STEPS --set train.save_every=5 --set train.keep_last=2)
 "$RUN" --nproc-per-node 2 -- "$TRAIN" "${R_ARGS[@]}" --save-dir "$TMP/restart-ref" \
   --metrics "$TMP/restart-ref.jsonl" >"$TMP/restart-ref.out" 2>&1 </dev/null
