@@ -209,7 +209,7 @@ void ShmChannel::wait_until(const std::atomic<uint32_t>& word, const std::functi
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       throw PeerError(peer_, std::string("shared-memory ") + what + " rank " + std::to_string(peer_) +
-                                 " timed out: the peer did not " + (owner_ ? "send" : "receive") +
+                                 ": Timed out: the peer did not " + (owner_ ? "send" : "receive") +
                                  " within the collective timeout (is it stopped or stuck?)");
     }
     futex_wait(word, seen, std::min<std::chrono::nanoseconds>(kSlice, deadline - now));
