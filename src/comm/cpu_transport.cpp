@@ -3,6 +3,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <c10/util/Exception.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -83,16 +85,16 @@ std::string connect_hops(c10d::Store& store, int rank, int size, bool in_shm, bo
   return error;
 }
 
-// Every rank posts whether its set-up worked and reads everyone's, so all fail together.
-void agree(c10d::Store& store, int rank, int size, const std::string& my_error) {
+// Every rank posts whether its set-up worked and reads everyone's, so all ranks take the same
+// decision. Returns the first failure, "rank R: message", or "" when every rank succeeded.
+std::string agree(c10d::Store& store, int rank, int size, const std::string& my_error) {
   set_text(store, "status/" + std::to_string(rank), my_error.empty() ? "ok" : my_error);
+  std::string first;
   for (int r = 0; r < size; ++r) {
     const std::string status = get_text(store, "status/" + std::to_string(r));
-    if (status != "ok") {
-      throw DistError("fsdp: setting up shared memory between the ranks of a host failed on rank " + std::to_string(r) +
-                      ": " + status);
-    }
+    if (status != "ok" && first.empty()) first = "rank " + std::to_string(r) + ": " + status;
   }
+  return first;
 }
 
 }  // namespace
@@ -119,7 +121,14 @@ std::unique_ptr<Transport> make_cpu_transport(const c10::intrusive_ptr<c10d::Sto
   std::call_once(cleaned, [] { remove_stale_shm_segments(); });
   const bool in_shm = hosts[(rank + size - 1) % size] == hosts[rank];
   const bool out_shm = hosts[(rank + 1) % size] == hosts[rank];
-  agree(*keys, rank, size, connect_hops(*keys, rank, size, in_shm, out_shm, hops));
+  const std::string failure = agree(*keys, rank, size, connect_hops(*keys, rank, size, in_shm, out_shm, hops));
+  if (!failure.empty()) {
+    // Every rank saw the same failure: the whole group runs over Gloo instead (slower, correct).
+    TORCH_WARN("fsdp: shared memory between the ranks of a host could not be set up (", failure,
+               "); this group's collectives go over Gloo instead. Enlarge /dev/shm (e.g. docker --shm-size) to "
+               "get it back, or set FSDP_CPU_TRANSPORT=gloo to choose Gloo and silence this warning.");
+    return make_ring_transport(store, rank, size, options, RingHops{});
+  }
   return make_ring_transport(store, rank, size, options, std::move(hops));
 }
 

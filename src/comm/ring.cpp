@@ -215,6 +215,7 @@ class RingTransport final : public Transport {
 
   void receive_piece(const at::Tensor& recv, int64_t off, int64_t len, bool accumulate, Clock::time_point deadline) {
     auto part = recv.narrow(0, off, len);
+    if (hops_.out) hops_.out->set_sender_waiting_for(prev());
     hops_.in->read(
         len * recv.element_size(),
         [&](const void* data) {
@@ -225,6 +226,7 @@ class RingTransport final : public Transport {
           }
         },
         deadline);
+    if (hops_.out) hops_.out->set_sender_waiting_for(-1);
   }
 
   // Broadcast without Gloo's: the root's tensor flows around the ring in slot-sized pieces.

@@ -43,6 +43,7 @@ struct ShmChannel::Header {
   alignas(64) std::atomic<uint32_t> written;
   alignas(64) std::atomic<uint32_t> consumed;
   alignas(64) std::atomic<uint32_t> closed;
+  std::atomic<int32_t> sender_waiting_for;
 };
 
 namespace {
@@ -129,6 +130,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create(const std::string& tag, int peer)
   auto* h = new (base) Header();
   h->receiver_pid = ::getpid();
   h->sender_pid.store(0);
+  h->sender_waiting_for.store(-1);
   h->magic = kMagic;
   return std::unique_ptr<ShmChannel>(new ShmChannel(n, peer, base, segment_bytes(), /*owner=*/true));
 }
@@ -174,6 +176,8 @@ void ShmChannel::unlink() {
   linked_ = false;
 }
 
+void ShmChannel::set_sender_waiting_for(int rank) { header_->sender_waiting_for.store(rank); }
+
 void ShmChannel::close() {
   header_->closed.store(1);
   futex_wake(header_->written);
@@ -187,7 +191,9 @@ uint8_t* ShmChannel::slot(uint32_t index) const {
 void ShmChannel::check_peer(const char* what) {
   const std::string side = std::string(what) + " rank " + std::to_string(peer_);
   if (header_->closed.load() != 0) {
-    throw PeerError(peer_, "shared-memory " + side + " failed: the channel was closed (the peer failed or exited)");
+    const int upstream = owner_ ? header_->sender_waiting_for.load() : -1;
+    throw PeerError(peer_, "shared-memory " + side + " failed: the channel was closed (the peer failed or exited" +
+                               (upstream >= 0 ? " while waiting for rank " + std::to_string(upstream) : "") + ")");
   }
   const pid_t pid = owner_ ? header_->sender_pid.load() : header_->receiver_pid;
   if (!process_exists(pid)) {
@@ -208,9 +214,13 @@ void ShmChannel::wait_until(const std::atomic<uint32_t>& word, const std::functi
     check_peer(what);
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
+      const int upstream = owner_ ? header_->sender_waiting_for.load() : -1;
       throw PeerError(peer_, std::string("shared-memory ") + what + " rank " + std::to_string(peer_) +
                                  ": Timed out: the peer did not " + (owner_ ? "send" : "receive") +
-                                 " within the collective timeout (is it stopped or stuck?)");
+                                 " within the collective timeout" +
+                                 (upstream >= 0 ? "; it is itself waiting for rank " + std::to_string(upstream) +
+                                                      " (is that one stopped or stuck?)"
+                                                : " (is it stopped or stuck?)"));
     }
     futex_wait(word, seen, std::min<std::chrono::nanoseconds>(kSlice, deadline - now));
   }

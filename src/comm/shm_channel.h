@@ -52,6 +52,9 @@ class ShmChannel {
             std::chrono::steady_clock::time_point deadline);
   // Marks the channel closed: the peer's waits fail at once instead of at their deadline.
   void close();
+  // Sender: tells the receiver, for its error messages, that the sender is itself blocked waiting
+  // for `rank` (-1: not blocked), so a rank that times out can name the rank really at fault.
+  void set_sender_waiting_for(int rank);
 
  private:
   struct Header;
