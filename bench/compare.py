@@ -10,7 +10,7 @@ batches for each world size (bench_unsharded --dump-data). Then, in interleaved 
             1 rank, once per distinct thread count of the world sizes
 with the same intra-op threads per rank for all (cores / ranks, at least 1), the same optimizer
 (AdamW, weight decay on >= 2-D parameters only, same schedule, clipping) and the same attention
-(eager), and reads their --metrics lines. Per run: median step time after the warm-up steps (and
+(fsdp-train's model.attn_implementation: sdpa by default), and reads their --metrics lines. Per run: median step time after the warm-up steps (and
 across repeats: the median of run medians, min..max as the spread), tokens/s, peak RSS per rank,
 bytes sent per rank per step, time blocked in communication, and the first steps' losses.
 
@@ -312,7 +312,7 @@ def markdown(table, efficiency, ratios, configs, worlds, cores, args):
     out = [
         f"fsdp vs PyTorch FSDP2 vs unsharded LibTorch on this machine ({cores} cores), fp32, CPU over Gloo; "
         "the same model, initial weights, batches, AdamW (fused in all three; weight decay on >= 2-D "
-        "parameters only), LR schedule, clipping and eager attention.",
+        "parameters only), LR schedule, clipping and attention kind (fsdp-train's model.attn_implementation).",
         f"Median step time after {args.warmup} warm-up steps: median over {args.repeats} interleaved repeats "
         "(spread = min..max of the repeats' medians). Threads per rank = cores / ranks (at least 1); "
         "more ranks than cores are oversubscribed.",

@@ -10,8 +10,9 @@ same work:
 - torch.optim.AdamW(fused=True) (the fused CPU kernel rather than the default per-parameter
   loop), in fsdp's two parameter groups: weight decay on parameters of 2 or more dimensions, none
   on 1-D ones (norm weights, biases);
-- attn_implementation="eager" set explicitly (transformers otherwise picks SDPA when it can;
-  fsdp's Llama spells out the eager attention), use_cache=False (training keeps no KV cache).
+- attn_implementation as fsdp-train's model.attn_implementation in the checkpoint ("sdpa" by
+  default, "eager" when set so; a checkpoint from before that key was eager), so both sides run
+  the same attention kind; use_cache=False (training keeps no KV cache).
 Writes fsdp-train's --metrics line format (rank 0).
 
 Launch one process per rank (fsdp-run or torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
@@ -187,14 +188,16 @@ def main():
     optim_cfg, data_cfg = cfg["optim"], cfg["data"]
     batch, seq = data_cfg["batch_size_per_rank"], data_cfg["seq_len"]
 
-    # fsdp's Llama spells out transformers' eager attention; transformers would otherwise pick SDPA.
-    # The exported config.json is for inference (use_cache true); training keeps no KV cache.
-    config = LlamaConfig.from_pretrained(args.hf, attn_implementation="eager", use_cache=False)
+    # The attention kind fsdp-train ran (model.attn_implementation; absent before it existed, when
+    # fsdp's attention was eager). The exported config.json is for inference (use_cache true);
+    # training keeps no KV cache.
+    attn = cfg["model"].get("attn_implementation", "eager")
+    config = LlamaConfig.from_pretrained(args.hf, attn_implementation=attn, use_cache=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
-    if model.config._attn_implementation != "eager" or model.config.use_cache:
+    if model.config._attn_implementation != attn or model.config.use_cache:
         raise SystemExit(f"compare_fsdp2: model built with attn_implementation={model.config._attn_implementation}, "
-                         f"use_cache={model.config.use_cache}; expected eager, False")
+                         f"use_cache={model.config.use_cache}; expected {attn}, False")
     missing, unexpected = model.load_state_dict(load_file(os.path.join(args.hf, "model.safetensors")), strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:

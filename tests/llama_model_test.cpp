@@ -196,8 +196,12 @@ TEST(LlamaModel, ForwardShapesAndLossAtInit) {
 TEST(LlamaModel, MatchesTransformersLogits) {
   // Reference values from transformers' LlamaForCausalLM (eager attention, fp32) with the same
   // config and fill_reference_weights' values; see the note on that function.
-  for (bool tied : {false, true}) {
-    LlamaForCausalLM model(tiny_config(tied));
+  // Both attention kinds: eager is transformers' reference path, sdpa the default.
+  for (int k = 0; k < 4; ++k) {
+    const bool tied = k % 2 == 1;
+    LlamaConfig config = tiny_config(tied);
+    config.attn_implementation = k < 2 ? "eager" : "sdpa";
+    LlamaForCausalLM model(config);
     fill_reference_weights(model);
     auto tokens = at::tensor({1, 5, 9, 31, 0, 17, 4, 3, 3, 3, 8, 30, 12, 21}, at::kLong).view({2, 7});
     auto logits = model->forward(tokens);
@@ -301,7 +305,8 @@ TEST(LlamaModel, ConfigJsonRoundTrip) {
   const LlamaConfig back = LlamaConfig::from_json(nlohmann::json::parse(text));
   EXPECT_EQ(back.to_json(), c.to_json());
   EXPECT_EQ(nlohmann::json::parse(text).get<LlamaConfig>().to_json(), c.to_json());
-  EXPECT_EQ(c.to_json().size(), 11u);
+  EXPECT_EQ(c.to_json().size(), 17u);
+  EXPECT_EQ(c.identity_json().size(), 11u);  // the keys of a plain Llama, as before the families
 
   // transformers' rule: absent or null num_key_value_heads means one per attention head.
   EXPECT_EQ(LlamaConfig::from_json({{"num_attention_heads", 8}, {"hidden_size", 64}}).num_key_value_heads, 8);
@@ -332,7 +337,8 @@ TEST(LlamaModel, ConfigRejectsUnknownKeysAndBadValuesNamingThem) {
       {{{"rms_norm_eps", 0}}, "rms_norm_eps=0"},
       {{{"rope_theta", -1.0}}, "rope_theta=-1.0"},
       {{{"tie_word_embeddings", "yes"}}, "tie_word_embeddings=\"yes\""},
-      {{{"rope_parameters", {{"rope_type", "llama3"}, {"factor", 8.0}}}}, "rope_parameters.rope_type=\"llama3\""},
+      {{{"rope_parameters", {{"rope_type", "yarn"}, {"factor", 8.0}}}}, "rope_parameters.rope_type=\"yarn\""},
+      {{{"rope_parameters", {{"rope_type", "llama3"}, {"factor", 8.0}}}}, "needs factor, low_freq_factor"},
       {{{"rope_parameters", {{"rope_theta", 1.0}}}, {"rope_theta", 2.0}}, "rope_parameters.rope_theta=1.0 disagrees"},
   };
   for (const auto& k : cases) {

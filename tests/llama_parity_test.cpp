@@ -1,4 +1,5 @@
-// Parity of a sharded Llama stack (tied embeddings, grouped-query attention, deferred init) with
+// Parity of a sharded Llama stack (tied embeddings, grouped-query attention, deferred init, each
+// model family) with
 // the same model trained unsharded: losses every step and every rank's shard at the end.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -12,16 +13,20 @@
 namespace fsdp {
 namespace {
 
-llama::LlamaConfig tiny_config(bool tied) {
+llama::LlamaConfig tiny_config(bool tied, const std::string& family = "llama") {
   llama::LlamaConfig c;
+  c.model_type = family == "llama3" ? "llama" : family;
+  if (family == "llama3") c.rope_scaling = {"llama3", 4.0, 1.0, 4.0, 8};
+  if (family == "qwen3") c.head_dim_override = 8;
+  if (family == "mistral") c.sliding_window = 4;
   c.vocab_size = 61, c.hidden_size = 24, c.intermediate_size = 37, c.num_hidden_layers = 3;
   c.num_attention_heads = 4, c.num_key_value_heads = 2, c.max_position_embeddings = 32;
   c.tie_word_embeddings = tied;
   return c;
 }
 
-void llama_parity(int world, bool tied, ShardingStrategy strategy) {
-  const auto cfg = tiny_config(tied);
+void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::string& family = "llama") {
+  const auto cfg = tiny_config(tied, family);
   constexpr int64_t kBatch = 12, kSeq = 9;  // global batch: 12 sequences, divisible by 1-4
   testing::run_threads(world, [&](Dist& dist) {
     std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
@@ -85,6 +90,13 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy) {
 
 TEST(ParityLlama, TiedFullShardWorld2) { llama_parity(2, true, ShardingStrategy::kFullShard); }
 TEST(ParityLlama, UntiedFullShardWorld4) { llama_parity(4, false, ShardingStrategy::kFullShard); }
+// Each family's own parameters and attention (qwen2's biases, qwen3's q/k norms, mistral's window,
+// llama3 rope scaling) through sharding.
+TEST(ParityLlama, EveryFamilyFullShardWorld2) {
+  for (const char* family : {"llama3", "qwen2", "qwen3", "mistral"}) {
+    llama_parity(2, false, ShardingStrategy::kFullShard, family);
+  }
+}
 TEST(ParityLlama, TiedShardGradOpWorld3) { llama_parity(3, true, ShardingStrategy::kShardGradOp); }
 
 }  // namespace

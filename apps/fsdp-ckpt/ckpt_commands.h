@@ -16,7 +16,7 @@ int run_info(const Args& args);
 int run_verify(const Args& args);
 // diff [--ignore-world] [--ignore POINTER]... [--max-diffs N] A B: 0 when equal, 1 when not.
 int run_diff(const Args& args);
-// export DIR OUT: a Hugging Face LlamaForCausalLM directory.
+// export [--dtype T] DIR OUT: a Hugging Face directory of the model's family, in dtype T.
 int run_export(const Args& args);
 // logits DIR TOKENS.npy OUT.npy: the unsharded model's logits for int64 tokens.
 int run_logits(const Args& args);

@@ -4,7 +4,9 @@
 //   fsdp-ckpt info DIR             tensors per file set, totals, the train state
 //   fsdp-ckpt verify DIR           every check there is (Note [What verify checks]); "ok: ..."
 //   fsdp-ckpt diff [opts] A B      equal training state? (Note [What diff compares])
-//   fsdp-ckpt export DIR OUT       a Hugging Face LlamaForCausalLM directory (Note [Hugging Face config])
+//   fsdp-ckpt export [--dtype T] DIR OUT
+//                                  a Hugging Face directory of the model's family, in dtype T
+//                                  (Note [Hugging Face config])
 //   fsdp-ckpt logits DIR TOK OUT   logits of the unsharded model for int64 tokens (.npy in and out)
 //
 // DIR is a checkpoint directory or a save root whose `latest` names one. Exit status: 0 success,
@@ -27,8 +29,11 @@ constexpr const char* kUsage =
     "                            exit 0 when A and B hold the same tensors (byte for byte) and train state\n"
     "                            (rng_states never compared; --ignore-world: nor world_size, strategy);\n"
     "                            shows the first N differences per file set and of train_state (default 20)\n"
-    "  export DIR OUT            write a Hugging Face LlamaForCausalLM directory (config.json,\n"
-    "                            model.safetensors, model.safetensors.index.json) into a new directory OUT\n"
+    "  export [--dtype bfloat16|float16|float32] DIR OUT\n"
+    "                            write a Hugging Face directory of the model's family (LlamaForCausalLM,\n"
+    "                            Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM: config.json,\n"
+    "                            model.safetensors, model.safetensors.index.json) into a new directory OUT,\n"
+    "                            in --dtype (default: the dtype the model was imported in, else float32)\n"
     "  logits DIR TOKENS.npy OUT.npy\n"
     "                            run the unsharded model on int64 tokens [B, T]; write float32 logits\n"
     "DIR: a checkpoint directory, or a save root whose 'latest' names one.\n"

@@ -353,7 +353,7 @@ TrainConfig TrainConfig::from_json(const json& doc) {
 }
 
 std::string TrainConfig::config_hash() const {
-  const json identity = {{"model", model.to_json()},
+  const json identity = {{"model", model.identity_json()},
                          {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
   // nlohmann's json keeps object keys sorted, so dump() is canonical.
   const std::string s = identity.dump(-1, ' ', false, json::error_handler_t::replace);  // a path may not be UTF-8

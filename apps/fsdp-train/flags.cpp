@@ -1,6 +1,8 @@
 // Command-line parsing for fsdp-train: every flag is recognised and its value checked in one place.
 #include "flags.h"
 
+#include "init_from.h"
+
 #include <cerrno>
 #include <cstdlib>
 #include <optional>
@@ -20,8 +22,8 @@ bool parse_count(const std::string& s, uint64_t& out) {
 
 // The flags that take a value ("--flag value" or "--flag=value").
 bool takes_value(const std::string& flag) {
-  for (const char* f :
-       {"--config", "--set", "--steps", "--seed", "--data", "--save-dir", "--resume", "--metrics", "--trace"}) {
+  for (const char* f : {"--config", "--set", "--steps", "--seed", "--data", "--save-dir", "--resume", "--metrics",
+                        "--trace", "--init-from"}) {
     if (flag == f) return true;
   }
   return false;
@@ -58,6 +60,9 @@ void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
   } else if (arg == "--metrics") {
     f.metrics = v;
     if (f.metrics.empty()) throw UsageError("flag --metrics needs a file name");
+  } else if (arg == "--init-from") {
+    f.init_from = v;
+    if (f.init_from.empty()) throw UsageError("flag --init-from needs a Hugging Face model directory");
   } else {  // --trace
     f.trace = v;
     if (f.trace.empty()) throw UsageError("flag --trace needs a file name");
@@ -69,6 +74,7 @@ void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
 const char* usage_text() {
   return "usage: fsdp-train [--config FILE] [--set KEY=VALUE]... [--steps N] [--seed N] [--data FILE]\n"
          "                  [--save-dir DIR] [--resume latest|DIR] [--metrics FILE] [--trace FILE] [--init-only]\n"
+         "                  [--init-from HF_DIR]\n"
          "                  [--help]\n"
          "\n"
          "Trains a Llama-style decoder with fully-sharded data parallelism. Launch one process per rank,\n"
@@ -90,6 +96,10 @@ const char* usage_text() {
          "  --init-only         join the job and exit without building the model: each rank's peak RSS\n"
          "                      (printed, and one --metrics line {\"init_only\": true, \"peak_rss_bytes\"})\n"
          "                      is the process's baseline that memory figures are measured against\n"
+         "  --init-from HF_DIR  start from a Hugging Face model directory (llama, qwen2, qwen3, mistral):\n"
+         "                      config.json gives the model section, model.safetensors (or its index)\n"
+         "                      the weights, read by each rank into its own shards; with --resume the\n"
+         "                      checkpoint's weights win\n"
          "  --help              this text\n"
          "\n"
          "SIGTERM or SIGINT: every rank stops after the step in flight, saves to --save-dir and exits with\n"
@@ -133,6 +143,7 @@ Flags parse_flags(int argc, const char* const* argv) {
 TrainConfig config_from_flags(const Flags& flags) {
   nlohmann::json file_doc;
   if (!flags.config_path.empty()) file_doc = read_config_file(flags.config_path);
+  if (!flags.init_from.empty()) file_doc = with_hf_model(flags.init_from, file_doc, flags.overrides);
   return build_config(file_doc, flags.overrides);
 }
 

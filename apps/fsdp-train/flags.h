@@ -26,6 +26,7 @@ struct Flags {
   std::string resume;      // --resume latest|DIR
   std::string metrics;     // --metrics FILE
   std::string trace;       // --trace FILE
+  std::string init_from;   // --init-from HF_DIR: model and weights from a Hugging Face directory
   bool init_only = false;  // --init-only: join the job, report peak RSS, build no model
   bool help = false;
 };

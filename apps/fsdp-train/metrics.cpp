@@ -210,13 +210,11 @@ std::string MemoryPlan::to_string() const {
 
 MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
                           const std::array<std::string, 3>& offload_tiers) {
-  const int64_t H = m.hidden_size, I = m.intermediate_size, V = m.vocab_size;
-  const int64_t kv = m.num_key_value_heads * m.head_dim();
-  const int64_t layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H;      // q, o; k, v; mlp; two norms
-  const int64_t root = V * H + H + (m.tie_word_embeddings ? 0 : V * H);  // embedding, final norm, lm_head
+  const llama::ParamCounts counts = llama::param_counts(m);
+  const int64_t layer = counts.per_layer, root = counts.root;
   MemoryPlan p;
   p.shard_size = shard_size;
-  p.num_params = root + m.num_hidden_layers * layer;
+  p.num_params = counts.total(m);
   const int64_t per_rank = (p.num_params + shard_size - 1) / shard_size;
   p.params = 4 * per_rank;
   p.grads = 4 * per_rank;

@@ -20,9 +20,11 @@
 
 #include "checkpointing.h"
 #include "data.h"
+#include "init_from.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/dist.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/init.h"
 #include "fsdp/memory.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
@@ -162,10 +164,14 @@ class Job {
     // Built on the meta device: no rank ever holds the whole model; each materialises its shards
     // on the first forward from llama_init_fn, which gives the same values whatever the world size.
     model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
+    // --init-from: the shards start at zero (cheap) and the import overwrites them, unless a
+    // checkpoint is resumed (--resume latest with none saved yet starts fresh: from the import).
+    const bool resuming = !flags_.resume.empty() && (flags_.resume != "latest" || any_checkpoint_saved());
+    const bool import = !flags_.init_from.empty() && !resuming;
     auto opts = fsdp::FullyShardOptions()
                     .strategy(cfg_.fsdp.strategy)
                     .prefetch_depth(static_cast<int>(cfg_.fsdp.prefetch_depth))
-                    .init(llama::llama_init_fn(cfg_.model, cfg_.train.seed));
+                    .init(import ? fsdp::init::constant(0.0) : llama::llama_init_fn(cfg_.model, cfg_.train.seed));
     const bool mixed = cfg_.fsdp.param_dtype != at::kFloat;
     if (mixed) opts.mp_policy().param_dtype(cfg_.fsdp.param_dtype);
     if (mixed || cfg_.fsdp.reduce_dtype != at::kFloat) opts.mp_policy().reduce_dtype(cfg_.fsdp.reduce_dtype);
@@ -182,6 +188,7 @@ class Job {
                           .dir(off.dir)
                           .memory_budget_bytes(off.memory_budget_bytes));
     root_ = fsdp::fully_shard(model_, *mesh_, root_opts);
+    if (import) import_hf_weights(flags_.init_from, *root_, rank_);
 
     const auto& o = cfg_.optim;
     optim_ = std::make_unique<fsdp::AdamW>(
@@ -242,11 +249,13 @@ class Job {
     std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n",
                 world_, fsdp::strategy_name(cfg_.fsdp.strategy), mesh_->shard_size(), mesh_->replicate_size(),
                 dtype_name(cfg_.fsdp.param_dtype), dtype_name(cfg_.fsdp.reduce_dtype));
-    std::printf("model: %lld layers, hidden %lld, heads %lld (kv %lld), vocab %lld: %.3fM params (config_hash %s)\n",
-                static_cast<long long>(m.num_hidden_layers), static_cast<long long>(m.hidden_size),
-                static_cast<long long>(m.num_attention_heads), static_cast<long long>(m.num_key_value_heads),
-                static_cast<long long>(m.vocab_size), static_cast<double>(plan.num_params) / 1e6,
-                cfg_.config_hash().c_str());
+    std::printf(
+        "model: %s, %lld layers, hidden %lld, heads %lld (kv %lld), vocab %lld: %.3fM params, %s attention "
+        "(config_hash %s)\n",
+        m.model_type.c_str(), static_cast<long long>(m.num_hidden_layers), static_cast<long long>(m.hidden_size),
+        static_cast<long long>(m.num_attention_heads), static_cast<long long>(m.num_key_value_heads),
+        static_cast<long long>(m.vocab_size), static_cast<double>(plan.num_params) / 1e6, m.attn_implementation.c_str(),
+        cfg_.config_hash().c_str());
     std::printf("data: %s; seq_len %lld, global batch %lld (%lld per rank) = %lld tokens/step\n",
                 data_.describe().c_str(), static_cast<long long>(cfg_.data.seq_len),
                 static_cast<long long>(global_batch_), static_cast<long long>(cfg_.data.batch_size_per_rank),

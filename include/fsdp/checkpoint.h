@@ -81,6 +81,25 @@ bool has_latest(const std::string& root_dir);
 // Restores this rank's RNG state when the world size is unchanged. Collective.
 TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* optimizer);
 
+// Note [Importing weights]
+// import_weights starts a sharded model from weights saved elsewhere, e.g. a Hugging Face model
+// directory: `dir` holds model.safetensors, or model.safetensors.index.json and the files it
+// names, with tensors named as the model's parameters (a tied parameter under any one of its
+// names, so a missing lm_head.weight is fine when it is tied to the embedding) in BF16, F16 or F32.
+// Every name, shape and dtype is checked first, and a missing, unexpected or mis-shaped tensor is
+// refused with a CheckpointError naming it and its file, before any weight is read. Then every
+// rank reads only the byte ranges of its own shards, converting them to the fp32 master shards in
+// bounded chunks: no rank holds the whole model and nothing is broadcast. Collective (the ranks
+// agree at the end, so a read that fails on one rank fails on all); the optimizer is untouched.
+struct ImportReport {
+  std::vector<std::string> files;  // the safetensors files, by plain name
+  int64_t tensors = 0;             // imported tensors (tied ones once)
+  uint64_t total_bytes = 0;        // their size in the files
+  uint64_t bytes_read = 0;         // what this rank read of them
+  std::string dtypes;              // the source dtypes, e.g. "BF16" or "BF16, F32"
+};
+ImportReport import_weights(const std::string& dir, FSDPModule& root);
+
 // Loads the model tensors of a checkpoint into an ordinary, unsharded module (names as in its
 // named_parameters(); tied parameters under their first name).
 void load_unsharded(const std::string& dir, torch::nn::Module& module);

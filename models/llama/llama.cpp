@@ -1,6 +1,6 @@
-// The Llama decoder of llama.h: config parsing and validation, the modules, loss and init rules.
-// Numerics mirror transformers' modeling_llama.py (eager attention) line for line where the order
-// of floating-point operations matters; those places say so.
+// The decoder of llama.h: the modules, loss and init rules (the config is in config.cpp).
+// Numerics mirror transformers' modeling_llama.py (and its Qwen2, Qwen3 and Mistral variants) line
+// for line where the order of floating-point operations matters; those places say so.
 #include "llama.h"
 
 #include <cmath>
@@ -21,80 +21,6 @@
 namespace llama {
 namespace {
 
-using nlohmann::json;
-
-// replace: a string that is not UTF-8 must not make the error path throw (found by fuzz_config).
-std::string show(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-[[noreturn]] void reject(const std::string& key, const json& value, const std::string& why) {
-  throw std::invalid_argument("LlamaConfig: " + key + "=" + show(value) + " " + why);
-}
-
-// One table drives to_json, from_json and the list of known keys, so they cannot drift apart.
-struct IntKey {
-  const char* name;
-  int64_t LlamaConfig::*field;
-};
-struct DoubleKey {
-  const char* name;
-  double LlamaConfig::*field;
-};
-constexpr IntKey kIntKeys[] = {
-    {"vocab_size", &LlamaConfig::vocab_size},
-    {"hidden_size", &LlamaConfig::hidden_size},
-    {"intermediate_size", &LlamaConfig::intermediate_size},
-    {"num_hidden_layers", &LlamaConfig::num_hidden_layers},
-    {"num_attention_heads", &LlamaConfig::num_attention_heads},
-    {"num_key_value_heads", &LlamaConfig::num_key_value_heads},
-    {"max_position_embeddings", &LlamaConfig::max_position_embeddings},
-};
-constexpr DoubleKey kDoubleKeys[] = {
-    {"rms_norm_eps", &LlamaConfig::rms_norm_eps},
-    {"rope_theta", &LlamaConfig::rope_theta},
-    {"initializer_range", &LlamaConfig::initializer_range},
-};
-constexpr const char* kTieKey = "tie_word_embeddings";
-
-std::string known_keys() {
-  std::string keys;
-  for (const auto& k : kIntKeys) keys += std::string(k.name) + ", ";
-  for (const auto& k : kDoubleKeys) keys += std::string(k.name) + ", ";
-  return keys + kTieKey + ", rope_parameters";
-}
-
-int64_t parse_int(const std::string& key, const json& value) {
-  const bool too_big =
-      value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
-  if (!value.is_number_integer() || too_big) reject(key, value, "must be an integer");
-  return value.get<int64_t>();
-}
-
-double parse_double(const std::string& key, const json& value) {
-  if (!value.is_number()) reject(key, value, "must be a number");
-  return value.get<double>();
-}
-
-// transformers >= 5 writes {"rope_type": "default", "rope_theta": x} under rope_parameters instead
-// of a top-level rope_theta. Only the default (unscaled) rotary embedding is implemented, so any
-// other rope_type, and any scaling key, is refused rather than silently ignored.
-std::optional<double> parse_rope_parameters(const json& value) {
-  if (!value.is_object()) reject("rope_parameters", value, "must be an object");
-  // rope_type first: for a scaled rope it is the informative rejection.
-  if (value.contains("rope_type") && value["rope_type"] != "default") {
-    reject("rope_parameters.rope_type", value["rope_type"],
-           "is not supported: only \"default\" (unscaled) rotary embeddings are");
-  }
-  std::optional<double> theta;
-  for (const auto& [key, v] : value.items()) {
-    if (key == "rope_theta") {
-      theta = parse_double("rope_parameters.rope_theta", v);
-    } else if (key != "rope_type") {
-      reject("rope_parameters." + key, v, "is not supported: only rope_type and rope_theta are");
-    }
-  }
-  return theta;
-}
-
 // Names in module order, each tensor once; see Note [Tied embeddings].
 std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters(const torch::nn::Module& module) {
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -109,8 +35,19 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Matches every RMSNorm weight: "model.norm.weight" and "...input_layernorm.weight" alike.
+// Matches every RMSNorm weight: "model.norm.weight", "...input_layernorm.weight" and "...q_norm.weight"
+// alike.
 constexpr const char* kNormSuffix = "norm.weight";
+constexpr const char* kBiasSuffix = ".bias";
+
+// transformers' masking: query i sees key j when j <= i and, with a sliding window W, i - j < W.
+at::Tensor allowed_mask(int64_t T, int64_t sliding_window, const at::Device& device) {
+  const auto i = at::arange(T, at::TensorOptions().device(device).dtype(at::kLong)).unsqueeze(1);
+  const auto j = i.transpose(0, 1);
+  auto allowed = j.le(i);
+  if (sliding_window > 0) allowed = allowed.logical_and(i - j < sliding_window);
+  return allowed;
+}
 
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
@@ -127,87 +64,6 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
 
 }  // namespace
 
-// ---- config ------------------------------------------------------------------------------------
-
-void LlamaConfig::validate() const {
-  for (const auto& k : kIntKeys) {
-    if (this->*k.field <= 0) reject(k.name, this->*k.field, "must be positive");
-  }
-  if (hidden_size % num_attention_heads != 0) {
-    reject("hidden_size", hidden_size,
-           "is not divisible by num_attention_heads=" + std::to_string(num_attention_heads));
-  }
-  if (num_attention_heads % num_key_value_heads != 0) {
-    reject("num_attention_heads", num_attention_heads,
-           "is not divisible by num_key_value_heads=" + std::to_string(num_key_value_heads));
-  }
-  if (head_dim() % 2 != 0) {
-    reject("hidden_size", hidden_size,
-           "gives head_dim=" + std::to_string(head_dim()) +
-               " (hidden_size / num_attention_heads), which must be "
-               "even for rotary embeddings");
-  }
-  for (const auto& k : kDoubleKeys) {
-    const double v = this->*k.field;
-    // initializer_range may be 0 (constant-zero weights); eps and theta must be positive.
-    const bool ok = std::isfinite(v) && (k.field == &LlamaConfig::initializer_range ? v >= 0 : v > 0);
-    if (!ok) reject(k.name, v, k.field == &LlamaConfig::initializer_range ? "must be >= 0" : "must be positive");
-  }
-}
-
-nlohmann::json LlamaConfig::to_json() const {
-  json j = json::object();
-  for (const auto& k : kIntKeys) j[k.name] = this->*k.field;
-  for (const auto& k : kDoubleKeys) j[k.name] = this->*k.field;
-  j[kTieKey] = tie_word_embeddings;
-  return j;
-}
-
-LlamaConfig LlamaConfig::from_json(const nlohmann::json& j) {
-  if (!j.is_object()) throw std::invalid_argument("LlamaConfig: expected a JSON object, got " + show(j));
-  LlamaConfig config;
-  bool kv_heads_given = false;
-  std::optional<double> nested_rope_theta;
-  for (const auto& [key, value] : j.items()) {
-    bool known = false;
-    for (const auto& k : kIntKeys) {
-      if (key != k.name) continue;
-      known = true;
-      // transformers writes null for "as many key/value heads as attention heads".
-      if (key == "num_key_value_heads" && value.is_null()) break;
-      config.*k.field = parse_int(key, value);
-      kv_heads_given |= key == "num_key_value_heads";
-    }
-    for (const auto& k : kDoubleKeys) {
-      if (key != k.name) continue;
-      known = true;
-      config.*k.field = parse_double(key, value);
-    }
-    if (key == kTieKey) {
-      known = true;
-      if (!value.is_boolean()) reject(key, value, "must be true or false");
-      config.tie_word_embeddings = value.get<bool>();
-    }
-    if (key == "rope_parameters") {
-      known = true;
-      nested_rope_theta = parse_rope_parameters(value);
-    }
-    if (!known) reject(key, value, "is not a known key; known keys: " + known_keys());
-  }
-  if (!kv_heads_given) config.num_key_value_heads = config.num_attention_heads;
-  if (nested_rope_theta) {
-    if (j.contains("rope_theta") && config.rope_theta != *nested_rope_theta) {
-      reject("rope_parameters.rope_theta", *nested_rope_theta, "disagrees with rope_theta=" + show(config.rope_theta));
-    }
-    config.rope_theta = *nested_rope_theta;
-  }
-  config.validate();
-  return config;
-}
-
-void to_json(nlohmann::json& j, const LlamaConfig& config) { j = config.to_json(); }
-void from_json(const nlohmann::json& j, LlamaConfig& config) { config = LlamaConfig::from_json(j); }
-
 // ---- building blocks ---------------------------------------------------------------------------
 
 BiasFreeLinearImpl::BiasFreeLinearImpl(int64_t in_features, int64_t out_features, at::Device device)
@@ -218,6 +74,13 @@ BiasFreeLinearImpl::BiasFreeLinearImpl(at::Tensor shared_weight)
     : weight(register_parameter("weight", std::move(shared_weight))) {}
 
 at::Tensor BiasFreeLinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight); }
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias, at::Device device)
+    : weight(register_parameter("weight", at::empty({out_features, in_features}, at::TensorOptions().device(device)))) {
+  if (with_bias) bias = register_parameter("bias", at::empty({out_features}, at::TensorOptions().device(device)));
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
 
 TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, at::Device device)
     : weight(register_parameter("weight",
@@ -238,14 +101,32 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return weight * h.to(input_dtype);
 }
 
-std::pair<at::Tensor, at::Tensor> rotary_cos_sin(int64_t head_dim, double rope_theta, const at::Tensor& positions,
-                                                 at::ScalarType dtype) {
-  TORCH_CHECK(positions.dim() == 1, "rotary_cos_sin expects positions [T], got ", positions.sizes());
-  // Same operations, in the same order and in fp32, as LlamaRotaryEmbedding: inv_freq =
-  // 1 / theta^(2i / d), angles = position * inv_freq, duplicated to [cos(a), cos(a)].
-  const auto opts = at::TensorOptions().device(positions.device());
+at::Tensor rotary_inv_freq(int64_t head_dim, double rope_theta, const RopeScaling& scaling, const at::Device& device) {
+  // As transformers' default rope init: inv_freq = 1 / theta^(2i / d), computed in fp32.
+  const auto opts = at::TensorOptions().device(device);
   const auto exponent = at::arange(0, head_dim, 2, opts.dtype(at::kLong)).to(at::kFloat) / head_dim;
   const auto inv_freq = at::reciprocal(at::pow(rope_theta, exponent));
+  if (scaling.rope_type != "llama3") return inv_freq;
+  // _compute_llama3_parameters, step for step: long wavelengths divided by factor, short ones
+  // kept, the band between interpolated by a smooth factor.
+  const double old_len = static_cast<double>(scaling.original_max_position_embeddings);
+  const double low_freq_wavelen = old_len / scaling.low_freq_factor;
+  const double high_freq_wavelen = old_len / scaling.high_freq_factor;
+  const auto wavelen = 2 * M_PI / inv_freq;
+  auto scaled = at::where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq);
+  const auto smooth =
+      (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor);
+  const auto smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled;
+  const auto medium = wavelen.ge(high_freq_wavelen).logical_and(wavelen.le(low_freq_wavelen));
+  return at::where(medium, smoothed, scaled);
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin(int64_t head_dim, double rope_theta, const at::Tensor& positions,
+                                                 at::ScalarType dtype, const RopeScaling& scaling) {
+  TORCH_CHECK(positions.dim() == 1, "rotary_cos_sin expects positions [T], got ", positions.sizes());
+  // Same operations, in the same order and in fp32, as LlamaRotaryEmbedding: angles = position *
+  // inv_freq, duplicated to [cos(a), cos(a)] (llama3's attention factor is 1).
+  const auto inv_freq = rotary_inv_freq(head_dim, rope_theta, scaling, positions.device());
   const auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
   const auto angles = at::cat({freqs, freqs}, -1);
   return {angles.cos().to(dtype), angles.sin().to(dtype)};
@@ -256,33 +137,55 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config, at::Device device)
-    : num_heads_(config.num_attention_heads), num_kv_heads_(config.num_key_value_heads), head_dim_(config.head_dim()) {
+    : num_heads_(config.num_attention_heads),
+      num_kv_heads_(config.num_key_value_heads),
+      head_dim_(config.head_dim()),
+      sliding_window_(config.sliding_window),
+      sdpa_(config.attn_implementation == "sdpa") {
   const int64_t hidden = config.hidden_size;
-  q_proj = register_module("q_proj", BiasFreeLinear(hidden, num_heads_ * head_dim_, device));
-  k_proj = register_module("k_proj", BiasFreeLinear(hidden, num_kv_heads_ * head_dim_, device));
-  v_proj = register_module("v_proj", BiasFreeLinear(hidden, num_kv_heads_ * head_dim_, device));
-  o_proj = register_module("o_proj", BiasFreeLinear(num_heads_ * head_dim_, hidden, device));
+  // Registration order is transformers': the projections, then the q/k norms.
+  q_proj = register_module("q_proj", Linear(hidden, num_heads_ * head_dim_, config.qkv_bias(), device));
+  k_proj = register_module("k_proj", Linear(hidden, num_kv_heads_ * head_dim_, config.qkv_bias(), device));
+  v_proj = register_module("v_proj", Linear(hidden, num_kv_heads_ * head_dim_, config.qkv_bias(), device));
+  o_proj = register_module("o_proj", Linear(num_heads_ * head_dim_, hidden, config.o_bias(), device));
+  if (config.qk_norm()) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, config.rms_norm_eps, device));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, config.rms_norm_eps, device));
+  }
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t B = x.size(0), T = x.size(1);
-  auto q = q_proj(x).view({B, T, num_heads_, head_dim_}).transpose(1, 2);  // [B, H, T, D]
-  auto k = k_proj(x).view({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
+  auto q = q_proj(x).view({B, T, num_heads_, head_dim_});
+  auto k = k_proj(x).view({B, T, num_kv_heads_, head_dim_});
+  if (q_norm) {  // Qwen3: per head, before the rotary embedding
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  q = apply_rotary(q.transpose(1, 2), cos, sin);  // [B, H, T, D]
+  k = apply_rotary(k.transpose(1, 2), cos, sin);
   auto v = v_proj(x).view({B, T, num_kv_heads_, head_dim_}).transpose(1, 2);
-  q = apply_rotary(q, cos, sin);
-  k = apply_rotary(k, cos, sin);
   k = repeat_kv(k, num_heads_ / num_kv_heads_);
   v = repeat_kv(v, num_heads_ / num_kv_heads_);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
 
-  // Eager attention spelled out rather than at::scaled_dot_product_attention, so the numerics
-  // are transformers' eager ones on every backend: scores in the input dtype, softmax in fp32.
-  // A masked score of -inf and transformers' additive dtype-min both give exactly 0 after softmax.
-  auto scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  const auto future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  const auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  const auto out = at::matmul(probs, v).transpose(1, 2).reshape({B, T, num_heads_ * head_dim_});
-  return o_proj(out);
+  at::Tensor out;
+  if (sdpa_) {
+    // As transformers' sdpa_attention_forward: is_causal without a sliding window, else a boolean
+    // mask (true: attend).
+    std::optional<at::Tensor> mask;
+    if (sliding_window_ > 0) mask = allowed_mask(T, sliding_window_, x.device());
+    out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/!mask.has_value(), scale);
+  } else {
+    // transformers' eager attention: scores in the input dtype, softmax in fp32. A masked score
+    // of -inf and transformers' additive dtype-min both give exactly 0 after softmax.
+    auto scores = at::matmul(q, k.transpose(2, 3)) * scale;
+    const auto masked = allowed_mask(T, sliding_window_, x.device()).logical_not();
+    scores = scores.masked_fill(masked, -std::numeric_limits<double>::infinity());
+    const auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+    out = at::matmul(probs, v);
+  }
+  return o_proj(out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_}));
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& config, at::Device device) {
@@ -332,8 +235,8 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
   auto h = embed_tokens(tokens);
   // One rotary table for all layers, in the activations' dtype (as transformers passes
   // position_embeddings down). Under mixed precision fsdp::call casts it with the activations.
-  const auto [cos, sin] =
-      rotary_cos_sin(config_.head_dim(), config_.rope_theta, at::arange(T, tokens.options()), h.scalar_type());
+  const auto [cos, sin] = rotary_cos_sin(config_.head_dim(), config_.rope_theta, at::arange(T, tokens.options()),
+                                         h.scalar_type(), config_.rope_scaling);
   for (auto& layer : layers) h = fsdp::call(layer, h, cos, sin);
   return norm(h);
 }
@@ -354,6 +257,8 @@ void LlamaForCausalLMImpl::init_weights() {
   for (auto& [name, param] : unique_named_parameters(*this)) {
     if (ends_with(name, kNormSuffix)) {
       param.fill_(1.0);
+    } else if (ends_with(name, kBiasSuffix)) {
+      param.zero_();
     } else {
       param.normal_(0.0, config_.initializer_range);
     }
@@ -374,7 +279,7 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
 }
 
 fsdp::ParamInitFn llama_init_fn(const LlamaConfig& config, uint64_t seed) {
-  return fsdp::init::by_suffix({{kNormSuffix, fsdp::init::constant(1.0)}},
+  return fsdp::init::by_suffix({{kNormSuffix, fsdp::init::constant(1.0)}, {kBiasSuffix, fsdp::init::constant(0.0)}},
                                fsdp::init::normal(config.initializer_range, seed));
 }
 

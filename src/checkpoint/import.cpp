@@ -1,0 +1,208 @@
+// import_weights (include/fsdp/checkpoint.h, Note [Importing weights]): a foreign safetensors file
+// set read into the fp32 master shards. The layout is the checkpoint's (checkpoint/layout.h), so
+// each rank knows its byte ranges exactly as load does; what differs from load is that the files
+// are not ours: a single model.safetensors without an index is accepted, tensors come in BF16, F16
+// or F32 and are converted on the way, tied parameters may be stored under either name, and there
+// is no train_state.json.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "base/file_io.h"
+#include "base/strings.h"
+#include "checkpoint/layout.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/errors.h"
+#include "safetensors/index.h"
+#include "safetensors/safetensors.h"
+#include "safetensors/torch_dtypes.h"
+#include "shard/checkpoint_view.h"
+#include "tiers/disk_tier.h"
+
+namespace fsdp::checkpoint {
+
+using namespace io;  // NOLINT: file helpers read as plain calls here
+
+namespace {
+
+namespace st = safetensors;
+using base::shape_text;
+
+// Elements converted at a time: bounds the staging buffer (16 MiB of F32, 8 MiB of BF16).
+constexpr int64_t kChunkElements = 4 << 20;
+constexpr size_t kMaxProblems = 12;
+
+struct Source {
+  std::string dir;
+  st::Index index;
+  std::map<std::string, st::Header> headers;  // by file name
+};
+
+// model.safetensors.index.json and its files, or a lone model.safetensors.
+Source open_source(const std::string& dir) {
+  Source src;
+  src.dir = dir;
+  if (!is_dir(dir)) throw CheckpointError("fsdp: import: " + dir + " is not a directory");
+  const std::string index_path = join(dir, "model.safetensors.index.json");
+  const std::string single = join(dir, "model.safetensors");
+  if (exists(index_path)) {
+    src.index = st::parse_index(index_path, read_small_file(index_path));
+    for (const auto& file : src.index.files()) {
+      if (!exists(join(dir, file))) {
+        throw CheckpointError("fsdp: import: " + index_path + " lists " + file + ", which does not exist");
+      }
+      src.headers[file] = st::read_header(join(dir, file));
+    }
+    st::check_index_against_headers(dir, src.index, src.headers);
+  } else if (exists(single)) {
+    src.headers["model.safetensors"] = st::read_header(single);
+    for (const auto& e : src.headers["model.safetensors"].tensors) src.index.weight_map[e.name] = "model.safetensors";
+  } else {
+    throw CheckpointError("fsdp: import: " + dir +
+                          " has neither model.safetensors nor model.safetensors.index.json; the weights of a "
+                          "Hugging Face model directory are one of the two");
+  }
+  return src;
+}
+
+// Where each of the model's tensors is in the source.
+struct Located {
+  std::string file;
+  const st::TensorEntry* entry = nullptr;
+};
+
+void add_problem(std::vector<std::string>& problems, const std::string& p) {
+  if (problems.size() < kMaxProblems) problems.push_back(p);
+}
+
+// Every check of Note [Importing weights], every problem reported at once (up to kMaxProblems).
+std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorView>& tensors) {
+  std::vector<Located> out(tensors.size());
+  std::vector<std::string> problems;
+  std::set<std::string> claimed;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    std::vector<std::string> names = {t.name};
+    names.insert(names.end(), t.aliases.begin(), t.aliases.end());
+    for (const auto& n : names) {
+      auto it = src.index.weight_map.find(n);
+      if (it == src.index.weight_map.end()) continue;
+      claimed.insert(n);
+      if (out[i].entry == nullptr) out[i] = {it->second, src.headers.at(it->second).find(n)};
+    }
+    if (out[i].entry == nullptr) {
+      add_problem(problems, "missing tensor '" + t.name + "' (shape " + shape_text(t.shape) + ")" +
+                                (t.aliases.empty() ? "" : ", nor any of its tied names"));
+      continue;
+    }
+    const auto& e = *out[i].entry;
+    if (e.dtype != st::DType::BF16 && e.dtype != st::DType::F16 && e.dtype != st::DType::F32) {
+      add_problem(problems, out[i].file + ": tensor '" + t.name + "' is " + st::dtype_name(e.dtype) +
+                                "; import reads BF16, F16 and F32");
+    }
+    if (e.shape != t.shape) {
+      add_problem(problems, out[i].file + ": tensor '" + e.name + "' has shape " + shape_text(e.shape) +
+                                " but the model's has shape " + shape_text(t.shape));
+    }
+  }
+  for (const auto& [name, file] : src.index.weight_map) {
+    if (!claimed.count(name))
+      add_problem(problems, file + ": unexpected tensor '" + name + "' the model does not have");
+  }
+  if (!problems.empty()) {
+    std::string msg = "fsdp: import: " + src.dir + " does not match the model:";
+    for (const auto& p : problems) msg += "\n  " + p;
+    if (problems.size() == kMaxProblems) msg += "\n  (further problems not listed)";
+    throw CheckpointError(msg);
+  }
+  return out;
+}
+
+// Reads elements [begin, begin + count) of the tensor at `loc` into dst[shard_begin, ...),
+// converting to dst's dtype through `staging` (the source dtype) in chunks.
+uint64_t read_converted(File& file, const st::Header& header, const Located& loc, int64_t begin, int64_t count,
+                        at::Tensor& dst, int64_t shard_begin, at::Tensor& staging) {
+  const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
+  const uint64_t base = header.data_start() + loc.entry->begin;
+  const bool direct = loc.entry->dtype == st::DType::F32 && dst.is_cpu() && dst.scalar_type() == at::kFloat;
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(kChunkElements, count - done);
+    const uint64_t at_byte = base + static_cast<uint64_t>((begin + done) * item);
+    if (direct) {
+      file.pread_all(dst.data_ptr<float>() + shard_begin + done, n * item, at_byte);
+    } else {
+      const auto type = st::to_scalar_type(loc.entry->dtype);
+      if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
+      file.pread_all(staging.data_ptr(), n * item, at_byte);
+      dst.narrow(0, shard_begin + done, n).copy_(staging.narrow(0, 0, n));
+    }
+    done += n;
+  }
+  if (dst.is_cpu()) offload::release(dst, shard_begin, shard_begin + count);  // disk tier: now on disk
+  return static_cast<uint64_t>(count * item);
+}
+
+uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::vector<Located>& located) {
+  std::map<std::string, File> files;
+  at::Tensor staging;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const auto& t = layout.tensors[i];
+    const auto span = shard_span(layout.flats[t.flat].shard, t);
+    if (!span) continue;
+    at::Tensor& dst = *layout.flats[t.flat].shard.master_shard;
+    auto it = files.find(located[i].file);
+    if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
+    bytes += read_converted(it->second, src.headers.at(located[i].file), located[i], span->tensor_begin, span->count,
+                            dst, span->shard_begin, staging);
+  }
+  return bytes;
+}
+
+// Every rank learns whether any rank failed; the failing ranks rethrow their own error.
+void agree(Dist& dist, const std::string& dir, const std::string& local_error) {
+  auto flags = at::zeros({dist.world_size()}, at::kFloat);
+  if (!local_error.empty()) flags[dist.rank()] = 1;
+  dist.side_group("checkpoint").all_reduce(flags, ReduceOp::kSum, "checkpoint/import").wait();
+  if (!local_error.empty()) throw CheckpointError(local_error);
+  for (int r = 0; r < dist.world_size(); ++r) {
+    if (flags[r].item<float>() != 0) {
+      throw CheckpointError("fsdp: import: reading " + dir + " failed on rank " + std::to_string(r) +
+                            " (its error names the file); the model was not imported");
+    }
+  }
+}
+
+}  // namespace
+
+ImportReport import_weights(const std::string& dir, FSDPModule& root) {
+  const ModelView model = model_view(root);
+  const CheckpointLayout layout = make_layout(model, nullptr);
+  // Every rank opens and checks the same files, so a bad directory fails on every rank alike.
+  const Source src = open_source(dir);
+  const std::vector<Located> located = locate(src, layout.tensors);
+
+  ImportReport report;
+  report.files = src.index.files();
+  report.tensors = static_cast<int64_t>(located.size());
+  std::set<std::string> dtypes;
+  for (const auto& l : located) {
+    report.total_bytes += l.entry->nbytes();
+    dtypes.insert(st::dtype_name(l.entry->dtype));
+  }
+  for (const auto& d : dtypes) report.dtypes += (report.dtypes.empty() ? "" : ", ") + d;
+
+  std::string error;
+  c10::NoGradGuard no_grad;
+  try {
+    report.bytes_read = read_all(src, layout, located);
+  } catch (const std::exception& e) {
+    error = std::string("fsdp: import: ") + e.what();
+  }
+  agree(*model.dist, dir, error);
+  return report;
+}
+
+}  // namespace fsdp::checkpoint
