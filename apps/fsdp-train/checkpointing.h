@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -18,9 +19,11 @@ namespace train {
 std::string checkpoint_name(int64_t step);
 
 // Saves into save_dir/checkpoint_name(step) (collective) and returns the committed directory.
-// `extra` goes to TrainState.extra; keep_last = 0 keeps every checkpoint.
+// `extra` goes to TrainState.extra; keep_last = 0 keeps every checkpoint; on_phase, when set, is
+// called as each save phase begins (fsdp::checkpoint::SaveOptions::on_phase).
 std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
-                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last);
+                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last,
+                            const std::function<void(const std::string&)>& on_phase = nullptr);
 
 // Saves synchronously, or with `async` through fsdp::checkpoint::AsyncSaver: the shards are copied
 // to host memory and written by a background thread while training goes on. At most one save is
@@ -30,8 +33,9 @@ class Checkpointer {
   Checkpointer(std::string save_dir, bool async, int64_t keep_last);
   // Collective. Returns the checkpoint's directory (committed when synchronous; being written when
   // asynchronous, committed by the next save, wait() or the end of the run).
+  // on_phase: as save_checkpoint's.
   std::string save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim,
-                   const nlohmann::json& extra);
+                   const nlohmann::json& extra, const std::function<void(const std::string&)>& on_phase = nullptr);
   // Waits for the save in flight; rethrows its error (every rank gets the same one).
   void wait();
   bool async() const { return saver_ != nullptr; }

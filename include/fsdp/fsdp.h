@@ -15,4 +15,5 @@
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
+#include "fsdp/stop.h"
 #include "fsdp/trace.h"
