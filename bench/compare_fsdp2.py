@@ -132,6 +132,20 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def init_process_group():
+    """Gloo from the torchrun-style environment. Under fsdp-run, rank 0 hosts the store on the
+    socket the launcher holds for MASTER_PORT (FSDP_MASTER_LISTEN_FD; binding the port anew would
+    find it in use)."""
+    fd = os.environ.get("FSDP_MASTER_LISTEN_FD")
+    if fd is None or os.environ.get("RANK") != "0":
+        dist.init_process_group("gloo")
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, True,
+                          wait_for_workers=False, master_listen_fd=int(fd))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=world)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", required=True, help="directory written by fsdp-ckpt export")
@@ -148,7 +162,7 @@ def main():
     torch.set_num_threads(args.threads)
     meter = CommMeter()
     meter.install()  # before FSDP2 issues anything
-    dist.init_process_group("gloo")
+    init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != args.data_world:
         raise SystemExit(f"compare_fsdp2: --data was dumped for {args.data_world} ranks, running on {world}")

@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "support/ranks.h"
@@ -101,6 +103,23 @@ TEST(Env, OpenMpi) {
   expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_SIZE");
 }
 
+TEST(Env, LaunchersStoreHints) {
+  // torchrun's agent store: every rank a client, keys per restart.
+  auto env = parse(with(with(kTorchrun, "TORCHELASTIC_USE_AGENT_STORE", "True"), "TORCHELASTIC_RESTART_COUNT", "2"));
+  EXPECT_TRUE(env.agent_store);
+  EXPECT_EQ(env.restart_count, 2);
+  EXPECT_FALSE(parse(with(kTorchrun, "TORCHELASTIC_USE_AGENT_STORE", "False")).agent_store);
+  expect_env_error(with(kTorchrun, "TORCHELASTIC_USE_AGENT_STORE", "yes"), "TORCHELASTIC_USE_AGENT_STORE='yes'");
+  expect_env_error(with(with(kTorchrun, "TORCHELASTIC_USE_AGENT_STORE", "True"), "TORCHELASTIC_RESTART_COUNT", "x"),
+                   "TORCHELASTIC_RESTART_COUNT='x'");
+  // The launcher's socket: rank 0 only (another rank ignores it).
+  auto rank0 = with(with(kTorchrun, "RANK", "0"), "LOCAL_RANK", "0");
+  EXPECT_EQ(parse(with(rank0, "FSDP_MASTER_LISTEN_FD", "7")).master_listen_fd, 7);
+  EXPECT_EQ(parse(rank0).master_listen_fd, -1);
+  EXPECT_EQ(parse(with(kTorchrun, "FSDP_MASTER_LISTEN_FD", "7")).master_listen_fd, -1);
+  expect_env_error(with(rank0, "FSDP_MASTER_LISTEN_FD", "seven"), "FSDP_MASTER_LISTEN_FD='seven'");
+}
+
 TEST(Env, TorchrunPrecedesOtherLaunchers) {
   auto env = parse(with(with(kTorchrun, "SLURM_PROCID", "0"), "SLURM_NTASKS", "1"));
   EXPECT_EQ(env.launcher, "torchrun");
@@ -163,12 +182,94 @@ TEST(Rendezvous, PortInUseFailsWithAMessage) {
   ::close(fd);
 }
 
+// What fsdp-run does: rank 0 hosts the store on the socket it was handed, never on a port that
+// was closed and could have been taken; a socket on another port is refused by name.
+TEST(Rendezvous, RankZeroHostsTheStoreOnTheSocketItIsHanded) {
+  testing::HeldPort held;
+  const int port = held.port();
+  const int fd = held.release();  // rank 0's store owns it from here
+  auto run = [&](int rank) {
+    DistEnv env;
+    env.rank = rank;
+    env.world_size = 2;
+    env.master_addr = "127.0.0.1";
+    env.master_port = port;
+    if (rank == 0) env.master_listen_fd = fd;
+    auto dist = init_process_group(env, InitOptions().timeout(std::chrono::seconds(10)));
+    auto t = at::full({4}, 1.0f + rank);
+    dist->world().all_reduce(t, ReduceOp::kSum, "x").wait();
+    EXPECT_TRUE(at::equal(t, at::full({4}, 3.0f)));
+  };
+  std::thread zero(run, 0);
+  run(1);
+  zero.join();
+
+  testing::HeldPort other;
+  DistEnv bad;
+  bad.world_size = 2;
+  bad.master_addr = "127.0.0.1";
+  bad.master_port = port;
+  bad.master_listen_fd = other.fd();
+  try {
+    init_process_group(bad, InitOptions().timeout(std::chrono::seconds(2)));
+    ADD_FAILURE() << "hosted the store on a socket bound to another port";
+  } catch (const EnvError& e) {
+    EXPECT_NE(std::string(e.what()).find("FSDP_MASTER_LISTEN_FD=" + std::to_string(other.fd()) +
+                                         " is not a TCP socket bound to MASTER_PORT=" + std::to_string(port)),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// torchrun's agent store: the agent hosts it, every rank (rank 0 too) joins as a client, and the
+// keys a failed attempt left behind do not reach the next one.
+TEST(Rendezvous, AgentStoreIsJoinedByEveryRankPerRestart) {
+  testing::HeldPort held;
+  c10d::TCPStoreOptions sopts;
+  sopts.port = static_cast<uint16_t>(held.port());
+  sopts.isServer = true;
+  sopts.waitWorkers = false;
+  sopts.masterListenFd = held.release();
+  c10d::TCPStore agent("127.0.0.1", sopts);
+  // What a first attempt of a two-rank job leaves: both joined, and Gloo addresses that lead nowhere.
+  for (const char* key : {"fsdp/attempt/0/fsdp/joined/0", "fsdp/attempt/0/fsdp/joined/1"}) {
+    agent.set(key, std::vector<uint8_t>{1});
+  }
+  auto run = [&](int rank) {
+    DistEnv env;
+    env.rank = rank;
+    env.world_size = 2;
+    env.master_addr = "127.0.0.1";
+    env.master_port = sopts.port;
+    env.agent_store = true;
+    env.restart_count = 1;
+    auto dist = init_process_group(env, InitOptions().timeout(std::chrono::seconds(10)));
+    auto t = at::full({2}, 1.0f + rank);
+    dist->world().all_reduce(t, ReduceOp::kSum, "x").wait();
+    EXPECT_TRUE(at::equal(t, at::full({2}, 3.0f)));
+  };
+  std::thread zero(run, 0);
+  run(1);
+  zero.join();
+  EXPECT_TRUE(agent.check({"fsdp/attempt/1/fsdp/joined/0"}));
+  EXPECT_TRUE(agent.check({"fsdp/attempt/1/fsdp/joined/1"}));
+}
+
+// Note [A group is ready when every member is]: ranks that make the world and drop it at once,
+// using it for nothing, must not fail a peer that is still connecting. Many small worlds, so a
+// slow rank among quick ones is all but certain on a loaded machine.
+TEST(Rendezvous, WorldsMadeAndDroppedAtOnceFailNoPeer) {
+  for (int i = 0; i < 60; ++i) testing::run_threads(4, [](Dist&) {});
+}
+
 TEST(Rendezvous, RankThatNeverJoinsIsNamedWithinTheTimeout) {
   DistEnv env;
   env.rank = 0;
   env.world_size = 3;
   env.master_addr = "127.0.0.1";
-  env.master_port = testing::free_port();
+  testing::HeldPort held;
+  env.master_port = held.port();
+  env.master_listen_fd = held.release();  // the store owns it from here
   const auto t0 = Clock::now();
   try {
     init_process_group(env, InitOptions().timeout(std::chrono::seconds(2)));
@@ -186,7 +287,8 @@ TEST(Rendezvous, UnreachableStoreFailsWithinTheTimeout) {
   env.rank = 1;
   env.world_size = 2;
   env.master_addr = "127.0.0.1";
-  env.master_port = testing::free_port();  // nobody listens
+  testing::HeldPort bound_only(/*listening=*/false);  // taken for the test, and nobody listens
+  env.master_port = bound_only.port();
   const auto t0 = Clock::now();
   try {
     init_process_group(env, InitOptions().timeout(std::chrono::seconds(2)));

@@ -214,6 +214,54 @@ case_forwards_sigterm() {
   finish_case "SIGTERM to the launcher is forwarded, exit 143"
 }
 
+# SIGINT (Ctrl-C) is forwarded too, and a rank that needs time to finish (a checkpoint save) gets
+# the grace period: its late output arrives and it is not killed; the launcher exits 130.
+case_forwards_sigint_and_waits_the_grace_period() {
+  local marker="sleep 65.$TAG" pid i start
+  start=$(now_ms)
+  # Started in the background, it would inherit an ignored SIGINT and keep ignoring it, as shells do.
+  env --default-signal=INT "$BIN" --nproc-per-node 2 --grace-s 10 -- bash -c \
+    "trap 'sleep 1.5; echo rank \$RANK saved; exit 130' INT; echo ready; $marker" \
+    >"$TMP/out" 2>"$TMP/err" </dev/null &
+  pid=$!
+  for i in $(seq 50); do
+    [ "$(grep -c ready "$TMP/out")" -eq 2 ] && break
+    sleep 0.1
+  done
+  kill -INT "$pid"
+  wait "$pid"
+  RC=$?
+  ELAPSED_MS=$(( $(now_ms) - start ))
+  expect "exit status 130" '[ "$RC" -eq 130 ]'
+  expect "rank 0 finished its save" "grep -qx '\\[rank 0\\] rank 0 saved' '$TMP/out'"
+  expect "rank 1 finished its save" "grep -qx '\\[rank 1\\] rank 1 saved' '$TMP/out'"
+  expect "stderr says SIGINT" "grep -q 'stopped by SIGINT' '$TMP/err'"
+  expect "no '$marker' left" "no_leftover '$marker'"
+  finish_case "SIGINT to the launcher is forwarded, ranks finish within --grace-s, exit 130"
+}
+
+# The master port is held, not picked (Note [The master port is held, not picked]): rank 0 gets
+# FSDP_MASTER_LISTEN_FD, a listening socket bound to MASTER_PORT; the other ranks get neither the
+# variable nor the socket; with --master-port there is none.
+case_master_socket_goes_to_rank_zero() {
+  launch --nproc-per-node 2 -- python3 -c '
+import os, socket
+fd = os.environ.get("FSDP_MASTER_LISTEN_FD")
+if fd is None:
+    print(os.environ["RANK"], "none")
+else:
+    s = socket.socket(fileno=int(fd))
+    listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    print(os.environ["RANK"], s.getsockname()[1] == int(os.environ["MASTER_PORT"]), listening)
+'
+  expect "exit status 0" '[ "$RC" -eq 0 ]'
+  expect "rank 0 holds a listening socket on MASTER_PORT" "grep -qx '\\[rank 0\\] 0 True 1' '$TMP/out'"
+  expect "rank 1 has none" "grep -qx '\\[rank 1\\] 1 none' '$TMP/out'"
+  FSDP_MASTER_LISTEN_FD=5 launch --nproc-per-node 1 --master-port 29556 -- bash -c 'echo "fd=${FSDP_MASTER_LISTEN_FD:-unset}"'
+  expect "none with --master-port" "grep -qx '\\[rank 0\\] fd=unset' '$TMP/out'"
+  finish_case "rank 0 inherits the held master socket, the others do not"
+}
+
 # Lots of output on both streams from both ranks: no deadlock, no line lost or reordered.
 case_large_output() {
   launch --nproc-per-node 2 --timeout-s 20 -- bash -c 'seq 1 30000; seq 1 30000 >&2'
@@ -238,6 +286,8 @@ case_missing_command
 case_rank_killed_by_signal
 case_timeout
 case_forwards_sigterm
+case_forwards_sigint_and_waits_the_grace_period
+case_master_socket_goes_to_rank_zero
 case_large_output
 
 echo "$passed passed, $failed failed"

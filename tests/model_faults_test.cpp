@@ -173,7 +173,11 @@ TEST(ModelFaults, PeerStoppedMidStep) {
       },
       opts);
   EXPECT_TRUE(results[1].killed_by_parent) << testing::describe(results);
-  expect_survivors_fail(results, {1}, {"all_gather '", "peer rank 1", "Timed out"}, "SIGSTOP mid-step, 2 ranks");
+  expect_survivors_fail(results, {1}, {"all_gather '", "peer rank 1"}, "SIGSTOP mid-step, 2 ranks");
+  // Gloo's "Timed out waiting ..." or the transport's own "did not complete within": both correct.
+  EXPECT_TRUE(results[0].output.find("Timed out") != std::string::npos ||
+              results[0].output.find("did not complete within") != std::string::npos)
+      << testing::describe(results);
 }
 
 TEST(ModelFaults, PeerKilledDuringCheckpointSave) {

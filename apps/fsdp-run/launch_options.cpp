@@ -120,14 +120,18 @@ std::string launch_usage() {
 
 Runs CMD once per rank on this machine, with the environment torchrun gives its workers:
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID=fsdp-run. Every line a rank prints is forwarded
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID=fsdp-run (rank 0 also FSDP_MASTER_LISTEN_FD,
+see --master-port). SIGINT and SIGTERM are forwarded to every rank, which then gets the grace
+period to finish (e.g. save a checkpoint) before SIGKILL. Every line a rank prints is forwarded
 with a "[rank K] " prefix (stdout to stdout, stderr to stderr). The first rank that fails stops
 the job: the other ranks' process groups get SIGTERM, then SIGKILL after the grace period.
 
 options:
   --nproc-per-node N   number of ranks to start, 1..1024 (required)
   --master-addr A      rendezvous address (default 127.0.0.1)
-  --master-port P      rendezvous port (default: a free port on 127.0.0.1)
+  --master-port P      rendezvous port (default: a port the launcher keeps bound and hands to
+                       rank 0 as the socket FSDP_MASTER_LISTEN_FD, which fsdp programs host
+                       their store on; a program that binds MASTER_PORT itself needs this flag)
   --timeout-s T        stop the job after T seconds; 0 = no limit (default 0)
   --grace-s G          seconds between SIGTERM and SIGKILL (default 5)
   -h, --help           show this help

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "launcher_internal.h"
 
@@ -67,8 +68,8 @@ enum class StopReason { kNone, kRankFailed, kTimeout, kSignal };
 
 class LocalJob {
  public:
-  LocalJob(const LaunchOptions& options, int master_port, SignalPipe& signals)
-      : options_(options), master_port_(master_port), signals_(signals), buffer_(kReadChunk) {}
+  LocalJob(const LaunchOptions& options, int master_port, int listen_fd, SignalPipe& signals)
+      : options_(options), master_port_(master_port), listen_fd_(listen_fd), signals_(signals), buffer_(kReadChunk) {}
 
   // Exception safety: whatever was started is killed and reaped (a no-op after run()).
   ~LocalJob() {
@@ -149,7 +150,7 @@ class LocalJob {
     streams_.push_back({err_pipe[0], rank, STDERR_FILENO, {}});
 
     // Everything the child needs is built before fork, so that the child only makes syscalls.
-    std::vector<std::string> env = rank_environment(options_, rank, master_port_);
+    std::vector<std::string> env = rank_environment(options_, rank, master_port_, listen_fd_);
     std::vector<char*> envp;
     for (auto& entry : env) envp.push_back(&entry[0]);
     envp.push_back(nullptr);
@@ -161,7 +162,11 @@ class LocalJob {
     sigset_t saved_mask;
     ::sigprocmask(SIG_BLOCK, &signals_.blocked_during_fork(), &saved_mask);
     const pid_t pid = ::fork();
-    if (pid == 0) exec_rank(argv.data(), envp.data(), null_fd, out_pipe[1], err_pipe[1], saved_mask);
+    if (pid == 0) {
+      // Rank 0 inherits the master socket (Note [The master port is held, not picked]).
+      if (rank == 0 && listen_fd_ >= 0) ::fcntl(listen_fd_, F_SETFD, 0);
+      exec_rank(argv.data(), envp.data(), null_fd, out_pipe[1], err_pipe[1], saved_mask);
+    }
     const int fork_errno = errno;
     ::sigprocmask(SIG_SETMASK, &saved_mask, nullptr);
     ::close(out_pipe[1]);
@@ -382,6 +387,7 @@ class LocalJob {
 
   const LaunchOptions& options_;
   const int master_port_;
+  const int listen_fd_;  // -1: the user chose the port
   SignalPipe& signals_;
   std::vector<RankProcess> ranks_;
   std::vector<OutputStream> streams_;
@@ -401,11 +407,20 @@ class LocalJob {
 int run_launcher(const LaunchOptions& options) {
   launch::validate(options);
   launch::ensure_standard_fds_open();
-  const int master_port = options.master_port != 0 ? options.master_port : launch::pick_free_port();
-  launch::SignalPipe signals;                           // installed before any rank exists
-  launch::LocalJob job(options, master_port, signals);  // destroyed (ranks reaped) before signals
-  job.spawn_all();
-  return job.run();
+  int master_port = options.master_port;
+  int listen_fd = -1;
+  if (master_port == 0) listen_fd = launch::open_master_socket(options.master_addr, &master_port);
+  try {
+    launch::SignalPipe signals;                                      // installed before any rank exists
+    launch::LocalJob job(options, master_port, listen_fd, signals);  // destroyed (ranks reaped) before signals
+    job.spawn_all();
+    // Rank 0 holds its own copy now; the launcher's would keep the port open after rank 0 died.
+    if (listen_fd >= 0) ::close(std::exchange(listen_fd, -1));
+    return job.run();
+  } catch (...) {
+    if (listen_fd >= 0) ::close(listen_fd);
+    throw;
+  }
 }
 
 }  // namespace fsdp

@@ -29,11 +29,16 @@ void validate(const LaunchOptions& options);
 
 // ---- launch_env.cpp
 
-// The environment of rank `rank`: the launcher's own, with torchrun's variables set for the job.
-std::vector<std::string> rank_environment(const LaunchOptions& options, int rank, int master_port);
+constexpr const char* kListenFdVariable = "FSDP_MASTER_LISTEN_FD";
+constexpr int kListenBacklog = 1024;
 
-// Binds port 0 on loopback and returns the port the kernel chose.
-int pick_free_port();
+// The environment of rank `rank`: the launcher's own, with torchrun's variables set for the job;
+// rank 0 also gets FSDP_MASTER_LISTEN_FD when `listen_fd` >= 0.
+std::vector<std::string> rank_environment(const LaunchOptions& options, int rank, int master_port, int listen_fd);
+
+// A close-on-exec TCP socket bound to a port the kernel chooses and listening; the port goes to
+// *port. See Note [The master port is held, not picked].
+int open_master_socket(const std::string& master_addr, int* port);
 
 // ---- launch_posix.cpp
 

@@ -15,13 +15,15 @@ std::string checkpoint_name(int64_t step) {
 }
 
 std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
-                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last) {
+                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last,
+                            const std::function<void(const std::string&)>& on_phase) {
   fsdp::checkpoint::TrainState state;
   state.step = step;
   state.samples_seen = samples_seen;
   state.extra = extra;
-  return fsdp::checkpoint::save(save_dir, checkpoint_name(step), root, &optim, state,
-                                fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)));
+  return fsdp::checkpoint::save(
+      save_dir, checkpoint_name(step), root, &optim, state,
+      fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)).on_phase(on_phase));
 }
 
 ResumePoint load_checkpoint(const std::string& save_dir, const std::string& which, fsdp::FSDPModule& root,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -16,9 +17,11 @@ namespace train {
 std::string checkpoint_name(int64_t step);
 
 // Saves into save_dir/checkpoint_name(step) (collective) and returns the committed directory.
-// `extra` goes to TrainState.extra; keep_last = 0 keeps every checkpoint.
+// `extra` goes to TrainState.extra; keep_last = 0 keeps every checkpoint; on_phase, when set, is
+// called as each save phase begins (fsdp::checkpoint::SaveOptions::on_phase).
 std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
-                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last);
+                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last,
+                            const std::function<void(const std::string&)>& on_phase = nullptr);
 
 struct ResumePoint {
   std::string dir;  // the checkpoint loaded

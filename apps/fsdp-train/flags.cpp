@@ -81,7 +81,8 @@ const char* usage_text() {
          "  --seed N            parameter init and data order (train.seed)\n"
          "  --data FILE         train on FILE: .bin = uint16 tokens (nanoGPT / llm.c), else raw bytes\n"
          "  --save-dir DIR      save checkpoints into DIR (every train.save_every steps and at the end)\n"
-         "  --resume WHICH      'latest' (the newest in --save-dir) or a checkpoint directory\n"
+         "  --resume WHICH      'latest' (the newest in --save-dir; none yet: start at step 0) or a\n"
+         "                      checkpoint directory\n"
          "  --metrics FILE      JSON lines, one per step and one per evaluation (written by rank 0)\n"
          "  --trace FILE        Chrome trace (Perfetto, chrome://tracing) of the step phases and of fsdp's\n"
          "                      gathers, reductions and waits; with several ranks each writes FILE with\n"
@@ -91,6 +92,8 @@ const char* usage_text() {
          "                      is the process's baseline that memory figures are measured against\n"
          "  --help              this text\n"
          "\n"
+         "SIGTERM or SIGINT: every rank stops after the step in flight, saves to --save-dir and exits with\n"
+         "128 + signal; a second signal exits at once, keeping the previous checkpoint.\n"
          "Environment: FSDP_THREADS (intra-op threads per rank, default 1).\n";
 }
 

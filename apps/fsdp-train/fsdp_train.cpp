@@ -3,7 +3,9 @@
 //   fsdp-run --nproc-per-node 2 -- fsdp-train --steps 200 --metrics run.jsonl
 //
 // Exit status: 0 on success, 2 for a usage or config error (reported before joining the job when
-// it can be), 1 for any other failure. Errors go to stderr as "fsdp-train: error: <what>".
+// it can be), 1 for any other failure, 128 + S after signal S, SIGTERM or SIGINT (preemption.h:
+// every rank stops after the step in flight and saves a checkpoint with --save-dir). Errors go to
+// stderr as "fsdp-train: error: <what>".
 #include <ATen/Parallel.h>
 
 #include <cstdio>
@@ -19,6 +21,7 @@
 #include "flags.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
+#include "preemption.h"
 #include "trainer.h"
 
 int main(int argc, char** argv) {
@@ -52,8 +55,10 @@ int main(int argc, char** argv) {
   // One intra-op thread per rank by default: ranks on one machine would otherwise oversubscribe it.
   at::set_num_threads(threads);
   try {
-    train::run_training(config, flags, std::move(*data));
-    return 0;
+    // Before the job joins: a SIGTERM during start-up stops it after its first step.
+    train::install_stop_handlers();
+    train::stop_save_pause_s();  // a bad value fails now, not at the stop
+    return train::run_training(config, flags, std::move(*data));
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
     return 2;

@@ -6,9 +6,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -25,9 +27,11 @@
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
+#include "fsdp/stop.h"
 #include "fsdp/trace.h"
 #include "llama.h"
 #include "metrics.h"
+#include "preemption.h"
 
 namespace train {
 namespace {
@@ -77,18 +81,21 @@ class Job {
   Job(const TrainConfig& config, const Flags& flags, Dataset data)
       : cfg_(config), flags_(flags), data_(std::move(data)) {}
 
-  void run() {
+  // 0, or 128 + the signal the job stopped on (see preemption.h).
+  int run() {
     join();
     if (flags_.init_only) {
       report_baseline();
-      return;
+      return 0;
     }
     build();
     resume_if_asked();
     reserve_offloaded_state();
     print_header();
     loop();
+    if (stop_signal_ != 0) return 128 + stop_signal_;
     finish();
+    return 0;
   }
 
  private:
@@ -192,12 +199,31 @@ class Job {
 
   void resume_if_asked() {
     if (flags_.resume.empty()) return;
+    if (flags_.resume == "latest" && !any_checkpoint_saved()) {
+      started_fresh_ = true;
+      return;
+    }
     fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_load", "train", "");
     const auto p = load_checkpoint(flags_.save_dir, flags_.resume, *root_, *optim_, cfg_.config_hash());
     step_ = p.step;
     samples_seen_ = p.samples_seen;
     last_saved_step_ = p.step;
     resumed_from_ = p.dir;
+  }
+
+  // --resume latest before the first save (a restarted job that never got that far, or a job
+  // script that always passes it) starts from step 0. Every rank must see the same directory.
+  bool any_checkpoint_saved() {
+    const std::string latest = flags_.save_dir + "/latest";
+    at::Tensor seen = at::full({1}, ::access(latest.c_str(), F_OK) == 0 ? 1.0 : 0.0, at::kDouble);
+    dist_->world().all_reduce(seen, fsdp::ReduceOp::kSum, "train/resume_latest").wait();
+    const int n = static_cast<int>(seen.item<double>());
+    if (n != 0 && n != world_) {
+      throw std::runtime_error("--resume latest: " + std::to_string(n) + " of " + std::to_string(world_) +
+                               " ranks see " + latest +
+                               "; every rank needs the same --save-dir (a shared file system)");
+    }
+    return n == world_;
   }
 
   // With offloaded optimizer state, its files are created now: a full or unwritable offload.dir
@@ -250,6 +276,8 @@ class Job {
                       : "at the end",
                   static_cast<long long>(cfg_.train.keep_last));
     }
+    if (started_fresh_)
+      std::printf("--resume latest: no checkpoint in %s yet, starting at step 0\n", flags_.save_dir.c_str());
     if (!resumed_from_.empty()) {
       std::printf("resumed from %s at step %lld (samples_seen %lld)\n", resumed_from_.c_str(),
                   static_cast<long long>(step_), static_cast<long long>(samples_seen_));
@@ -271,6 +299,12 @@ class Job {
       train_step();
       // Offload I/O is reported per step after the first (whose execution order is not known yet).
       if (offloads() && step_ == first_step + 1) offload_io_after_first_ = fsdp::offload_io(*root_);
+      // Every rank brings its own stop request (preemption.h) and all learn the same answer.
+      stop_signal_ = fsdp::agree_on_stop(dist_->world(), fsdp::StopRequest::signal(), "train/stop");
+      if (stop_signal_ != 0) {
+        stop_on_request();
+        return;
+      }
       if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0) evaluate();
       if (cfg_.train.save_every > 0 && step_ % cfg_.train.save_every == 0) save();
     }
@@ -356,7 +390,29 @@ class Job {
     }
   }
 
-  void save() {
+  // After the step in flight, on every rank: save (with --save-dir), say so, and let run() return
+  // 128 + signal.
+  void stop_on_request() {
+    const auto t0 = Clock::now();
+    const std::string sig = stop_signal_name(stop_signal_);
+    progress_->finish();
+    if (rank_ == 0) {
+      std::fprintf(stderr, "fsdp-train: %s: stopping after step %lld%s\n", sig.c_str(), static_cast<long long>(step_),
+                   flags_.save_dir.empty() ? " (no --save-dir: nothing is saved)" : ", saving a checkpoint first");
+    }
+    if (last_saved_step_ != step_) save(stop_save_pause_s());
+    if (rank_ != 0) return;
+    std::printf("stopped by %s at step %lld", sig.c_str(), static_cast<long long>(step_));
+    if (!last_checkpoint_.empty()) {
+      std::printf(" (saving took %.2f s); resume from %s with --resume latest", seconds_since(t0),
+                  last_checkpoint_.c_str());
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+  // pause_s: see stop_save_pause_s (a test hook; 0 otherwise).
+  void save(double pause_s = 0) {
     if (flags_.save_dir.empty()) return;
     fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_save", "train", "");
     const auto& o = cfg_.optim;
@@ -370,8 +426,16 @@ class Job {
                                     {"min_lr", o.min_lr},
                                     {"next_lr", sched_->lr_at(step_)}}},
                                   {"global_batch", global_batch_}};
+    std::function<void(const std::string&)> on_phase;
+    if (pause_s > 0) {
+      on_phase = [this, pause_s](const std::string& phase) {
+        if (phase != "commit") return;
+        if (rank_ == 0) std::fprintf(stderr, "fsdp-train: test hook: pausing %g s before the commit\n", pause_s);
+        std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
+      };
+    }
     last_checkpoint_ =
-        save_checkpoint(flags_.save_dir, step_, samples_seen_, *root_, *optim_, extra, cfg_.train.keep_last);
+        save_checkpoint(flags_.save_dir, step_, samples_seen_, *root_, *optim_, extra, cfg_.train.keep_last, on_phase);
     last_saved_step_ = step_;
     if (rank_ == 0) progress_->note("saved checkpoint " + last_checkpoint_);
   }
@@ -436,6 +500,8 @@ class Job {
   }
   double last_loss_ = 0, last_eval_loss_ = 0, train_seconds_ = 0;
   std::string resumed_from_, last_checkpoint_;
+  bool started_fresh_ = false;  // --resume latest found no checkpoint
+  int stop_signal_ = 0;         // the signal every rank agreed to stop on
 };
 
 }  // namespace
@@ -445,9 +511,9 @@ void check_supported(const TrainConfig& config) {
   (void)config;
 }
 
-void run_training(const TrainConfig& config, const Flags& flags, Dataset data) {
+int run_training(const TrainConfig& config, const Flags& flags, Dataset data) {
   Job job(config, flags, std::move(data));
-  job.run();
+  return job.run();
 }
 
 }  // namespace train

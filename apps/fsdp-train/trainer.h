@@ -15,8 +15,9 @@ namespace train {
 void check_supported(const TrainConfig& config);
 
 // Runs the whole job on this rank; collective. `data` is opened by the caller before the job is
-// joined, so a bad file fails at once. Returns normally on success and throws on failure
+// joined, so a bad file fails at once. Returns 0 on success, or 128 + S when every rank stopped
+// after signal S (preemption.h; checkpoint saved with --save-dir), and throws on failure
 // (std::invalid_argument for config problems found only once the world size is known).
-void run_training(const TrainConfig& config, const Flags& flags, Dataset data);
+int run_training(const TrainConfig& config, const Flags& flags, Dataset data);
 
 }  // namespace train

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct TrainState {
 struct SaveOptions {
   TORCH_ARG(int, keep_last) = 0;          // keep the newest K committed checkpoints (0: keep all)
   TORCH_ARG(bool, update_latest) = true;  // point dir/latest at this checkpoint after the commit
+  // Called on every rank as each phase begins: "prepare" (the files are laid out), "write" (this
+  // rank's shards), "commit" (rank 0 makes it visible). For progress reports; it must not throw.
+  TORCH_ARG(std::function<void(const std::string& phase)>, on_phase) = nullptr;
 };
 
 // Saves into root_dir/name atomically (written as name.tmp, renamed on success). Collective: every

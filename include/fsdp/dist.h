@@ -32,6 +32,15 @@ struct DistEnv {
   int master_port = 0;
   // "torchrun", "slurm", "openmpi", or "none" (no variables: a single process).
   std::string launcher = "none";
+  // FSDP_MASTER_LISTEN_FD: a socket already bound (and usually listening) on MASTER_PORT that
+  // rank 0 hosts the store on, handed down by the launcher so that no other process can take the
+  // port between its choice and its use (fsdp-run does this). -1: rank 0 binds MASTER_PORT itself.
+  int master_listen_fd = -1;
+  // torchrun's TORCHELASTIC_USE_AGENT_STORE=True: its agent already hosts the store on
+  // MASTER_PORT, so every rank, rank 0 included, joins it as a client; keys live under a prefix
+  // per TORCHELASTIC_RESTART_COUNT, as the agent keeps its store across restarts.
+  bool agent_store = false;
+  int restart_count = 0;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;

@@ -14,4 +14,5 @@
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
+#include "fsdp/stop.h"
 #include "fsdp/trace.h"

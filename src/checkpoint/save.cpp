@@ -33,6 +33,9 @@ std::function<void(const std::string&, int)>& fault_hook() {
 }
 
 void fault_point(const SaveJob& job, const std::string& phase) {
+  if (job.options.on_phase() && (phase == "prepare" || phase == "write" || phase == "commit")) {
+    job.options.on_phase()(phase);
+  }
   if (fault_hook()) fault_hook()(phase, job.group->rank());
 }
 

@@ -67,6 +67,24 @@ void check_rank(const DistEnv& out, const std::string& rank_var, const std::stri
   }
 }
 
+// How rank 0 gets its store: a socket the launcher handed down, or torchrun's agent store.
+void read_store_hints(const EnvReader& env, DistEnv& out) {
+  if (out.world_size <= 1) return;
+  if (env.has("TORCHELASTIC_USE_AGENT_STORE")) {
+    const std::string v = env.string("TORCHELASTIC_USE_AGENT_STORE", "");
+    if (v != "True" && v != "False") {
+      throw EnvError("fsdp: TORCHELASTIC_USE_AGENT_STORE='" + v + "' must be True or False (set by torchrun)");
+    }
+    out.agent_store = v == "True";
+    out.restart_count = env.optional_integer("TORCHELASTIC_RESTART_COUNT", 0, 0, kMaxInt, " (set by torchrun)");
+  }
+  if (env.has("FSDP_MASTER_LISTEN_FD") && out.rank == 0 && !out.agent_store) {
+    out.master_listen_fd = env.integer("FSDP_MASTER_LISTEN_FD", 0, kMaxInt,
+                                       " (a socket bound on MASTER_PORT, passed down by the launcher; unset it when "
+                                       "starting rank 0 by hand)");
+  }
+}
+
 }  // namespace
 
 DistEnv parse_dist_env(const EnvLookup& lookup) {
@@ -103,6 +121,7 @@ DistEnv parse_dist_env(const EnvLookup& lookup) {
     if (out.world_size > 1) read_master(env, out, ctx);
     check_rank(out, "SLURM_PROCID", "SLURM_NTASKS");
   }
+  read_store_hints(env, out);
   return out;
 }
 

@@ -1,5 +1,8 @@
 // Rendezvous: TCPStore on MASTER_ADDR:MASTER_PORT (rank 0 hosts it), a join check that names the
 // ranks that never arrived, and the world communicator over Gloo.
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
@@ -129,6 +132,14 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
   try {
     transport = options.device() == "cuda" ? make_nccl_transport(prefixed, group_rank, group_size, options.timeout())
                                            : make_gloo_transport(prefixed, group_rank, group_size, gopts);
+    // Note [A group is ready when every member is]: Gloo's full mesh returns on a rank once its
+    // own side of every connection is up, not the peer's. A rank that then used the group for
+    // nothing and destroyed it (a load that needs no collective, a job that fails its next
+    // check) closed connections a slower peer was still finishing: "connectFullMesh failed ...
+    // Connection closed by peer" on that peer. The barrier returns on no member before every
+    // member's connections are up. Not counted in the communicator's stats.
+    TransferCount uncounted;
+    transport->barrier(uncounted);
   } catch (const ConfigError&) {
     throw;
   } catch (const std::exception& e) {
@@ -137,6 +148,56 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
                     first_line(e));
   }
   return make_communicator(std::move(transport), group_options(store, global_ranks, name, options));
+}
+
+// FSDP_MASTER_LISTEN_FD must name a socket bound to MASTER_PORT: anything else (a closed fd, a
+// file, another port) would host the store where the other ranks do not look.
+void check_listen_fd(const DistEnv& env) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (::getsockname(env.master_listen_fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    if (addr.ss_family == AF_INET) port = ntohs(reinterpret_cast<const sockaddr_in&>(addr).sin_port);
+    if (addr.ss_family == AF_INET6) port = ntohs(reinterpret_cast<const sockaddr_in6&>(addr).sin6_port);
+  }
+  if (port != env.master_port) {
+    throw EnvError("fsdp: FSDP_MASTER_LISTEN_FD=" + std::to_string(env.master_listen_fd) +
+                   " is not a TCP socket bound to MASTER_PORT=" + std::to_string(env.master_port) +
+                   (port > 0 ? " (it is bound to port " + std::to_string(port) + ")" : "") +
+                   " (the launcher passes it to rank 0; unset it when starting rank 0 by hand)");
+  }
+}
+
+// The rendezvous store: rank 0 hosts it on MASTER_PORT (or on the socket the launcher handed
+// down) and the others connect, or, under torchrun's agent store, every rank connects to the
+// agent's, whose keys of earlier restarts are kept apart by a prefix.
+c10::intrusive_ptr<c10d::Store> open_store(const DistEnv& env, const InitOptions& options) {
+  c10d::TCPStoreOptions sopts;
+  sopts.port = static_cast<uint16_t>(env.master_port);
+  sopts.isServer = env.rank == 0 && !env.agent_store;
+  sopts.numWorkers = env.world_size;
+  sopts.waitWorkers = false;  // join_check names the missing ranks instead
+  sopts.timeout = options.timeout();
+  if (sopts.isServer && env.master_listen_fd >= 0) {
+    check_listen_fd(env);
+    sopts.masterListenFd = env.master_listen_fd;
+  }
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
+  } catch (const std::exception& e) {
+    if (sopts.isServer) {
+      throw DistError("fsdp: rank 0 could not host the rendezvous store on " + where +
+                      " (MASTER_ADDR/MASTER_PORT; is the port already in use?): " + first_line(e));
+    }
+    const std::string host = env.agent_store ? "torchrun's agent" : "rank 0";
+    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the rendezvous store on " + where +
+                    " within " + seconds_text(options.timeout()) + " (MASTER_ADDR/MASTER_PORT; is " + host +
+                    " running?): " + first_line(e));
+  }
+  if (!env.agent_store) return store;
+  return c10::make_intrusive<c10d::PrefixStore>("fsdp/attempt/" + std::to_string(env.restart_count), store);
 }
 
 }  // namespace
@@ -245,33 +306,18 @@ std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& 
     dist->env_ = env;
     return dist;
   }
-  c10d::TCPStoreOptions sopts;
-  sopts.port = static_cast<uint16_t>(env.master_port);
-  sopts.isServer = env.rank == 0;
-  sopts.numWorkers = env.world_size;
-  sopts.waitWorkers = false;  // join_check names the missing ranks instead
-  sopts.timeout = options.timeout();
-  c10::intrusive_ptr<c10d::Store> store;
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
-  try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, sopts);
-  } catch (const std::exception& e) {
-    if (env.rank == 0) {
-      throw DistError("fsdp: rank 0 could not host the rendezvous store on " + where +
-                      " (MASTER_ADDR/MASTER_PORT; is the port already in use?): " + first_line(e));
-    }
-    throw DistError("fsdp: rank " + std::to_string(env.rank) + " could not reach the rendezvous store on " + where +
-                    " within " + seconds_text(options.timeout()) +
-                    " (MASTER_ADDR/MASTER_PORT; is rank 0 running?): " + first_line(e));
-  }
+  c10::intrusive_ptr<c10d::Store> store = open_store(env, options);
   auto dist = std::shared_ptr<Dist>(new Dist(env, store, options));
   try {
     join_check(*store, env.rank, env.world_size, options.timeout());
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistError("fsdp: rendezvous on " + where + " failed on rank " + std::to_string(env.rank) +
-                    (env.rank == 0 ? ": " : ": lost the store hosted by rank 0 (did rank 0 exit?): ") + first_line(e));
+    throw DistError(
+        "fsdp: rendezvous on " + where + " failed on rank " + std::to_string(env.rank) +
+        (env.rank == 0 || env.agent_store ? ": " : ": lost the store hosted by rank 0 (did rank 0 exit?): ") +
+        first_line(e));
   }
   std::vector<int> ranks;
   for (int r = 0; r < env.world_size; ++r) ranks.push_back(r);

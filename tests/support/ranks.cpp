@@ -2,6 +2,7 @@
 #include "support/ranks.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -13,6 +14,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <utility>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -33,17 +36,29 @@ std::string read_file(const std::string& path) {
 }
 }  // namespace
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+HeldPort::HeldPort(bool listening) {
+  fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd_ < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || (listening && ::listen(fd_, 1024) != 0) ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const std::string message = std::string("cannot hold a port on 127.0.0.1: ") + std::strerror(errno);
+    close();
+    throw std::runtime_error(message);
+  }
+  port_ = ntohs(addr.sin_port);
+}
+
+HeldPort::~HeldPort() { close(); }
+
+int HeldPort::release() { return std::exchange(fd_, -1); }
+
+void HeldPort::close() {
+  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
 }
 
 std::string temp_path(const std::string& stem) {
@@ -99,7 +114,10 @@ std::vector<RankResult> run_processes(int world, const std::function<void(int)>&
 
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const std::string filter = std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
-  const int port = free_port();
+  // Rank 0 hosts the store on this socket; it is never closed between choosing the port and using
+  // it (see HeldPort).
+  HeldPort master;
+  const int port = master.port();
   std::vector<pid_t> pids(world);
   std::vector<std::string> logs(world);
   std::vector<RankResult> results(world);
@@ -121,6 +139,12 @@ std::vector<RankResult> run_processes(int world, const std::function<void(int)>&
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      if (r == 0) {
+        ::setenv("FSDP_MASTER_LISTEN_FD", std::to_string(master.fd()).c_str(), 1);
+      } else {
+        ::unsetenv("FSDP_MASTER_LISTEN_FD");
+        ::close(master.fd());
+      }
       for (const auto& [k, v] : options.extra_env) ::setenv(k.c_str(), v.c_str(), 1);
       char exe[] = "/proc/self/exe";
       char* argv[] = {exe, const_cast<char*>(filter.c_str()), nullptr};
@@ -130,6 +154,8 @@ std::vector<RankResult> run_processes(int world, const std::function<void(int)>&
     ::setpgid(pid, pid);
     pids[r] = pid;
   }
+  // Only rank 0 holds the socket now: the store goes when rank 0 goes, as in a real job.
+  master.close();
   int alive = world;
   std::vector<bool> done(world, false);
   const auto deadline = t0 + options.timeout;

@@ -47,7 +47,27 @@ std::vector<RankResult> run_processes(int world, const std::function<void(int ra
 void expect_all_ok(const std::vector<RankResult>& results);
 std::string describe(const std::vector<RankResult>& results);
 
-int free_port();
+// A TCP socket on 127.0.0.1 bound to a port the kernel chose, held for the object's life so that no
+// other process can take the port (binding port 0, closing and handing the number on is a race
+// that failed tests running side by side). Listening, it is what rank 0 hosts the store on
+// (DistEnv::master_listen_fd, FSDP_MASTER_LISTEN_FD); bound only, connecting to it is refused.
+class HeldPort {
+ public:
+  explicit HeldPort(bool listening = true);
+  ~HeldPort();
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  int port() const { return port_; }
+  int fd() const { return fd_; }
+  // Gives the socket away (to a store that closes it); the port stays taken by the new owner.
+  int release();
+  void close();
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
 std::string temp_path(const std::string& stem);
 
 }  // namespace fsdp::testing

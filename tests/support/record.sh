@@ -40,3 +40,49 @@ require_programs() {
     require_executables "${!var}"
   done
 }
+
+# hold_port_and_exec PORTFILE CMD ARGS...: binds a listening socket on 127.0.0.1 to a port the
+# kernel chooses, writes the port to PORTFILE, then becomes CMD (same pid) with MASTER_PORT and
+# FSDP_MASTER_LISTEN_FD set, so rank 0 started by hand hosts its store on a port that no other
+# process could take between its choice and its use (what fsdp-run does for its ranks). It execs:
+# run it in the background (`hold_port_and_exec F CMD... &`) and $! is CMD's pid.
+hold_port_and_exec() {
+  exec python3 -c '
+import os, socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(1024)
+os.set_inheritable(s.fileno(), True)
+port = str(s.getsockname()[1])
+os.environ["MASTER_PORT"] = port
+os.environ["FSDP_MASTER_LISTEN_FD"] = str(s.fileno())
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(port)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+os.execvp(sys.argv[2], sys.argv[2:])
+' "$@"
+}
+
+# hold_bound_port PORTFILE: in the background, keeps a port bound and not listening (connecting to
+# it is refused, and nobody else can take it) until killed; writes the port to PORTFILE.
+hold_bound_port() {
+  python3 -c '
+import os, signal, socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(s.getsockname()[1]))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+signal.pause()
+' "$1" &
+}
+
+# wait_for_file FILE [SECONDS]: until FILE exists (default 30 s); status 1 if it never appears.
+wait_for_file() {
+  local i
+  for i in $(seq $(( ${2:-30} * 10 ))); do
+    [ -e "$1" ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
