@@ -17,14 +17,7 @@ set -u
 require_programs FSDP_RUN FSDP_TRAIN
 RUN=$FSDP_RUN
 TRAIN=$FSDP_TRAIN
-TMP=$(mktemp -d /tmp/fsdp-faults-e2e.XXXXXX)  # also the marker in every command line started here
-cleanup() {
-  local pids
-  pids=$(pgrep -f -- "$TMP")
-  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+scratch_dir faults-e2e  # TMP, also the marker in every command line started here
 TIMEOUT_S=3
 
 TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermediate_size=64

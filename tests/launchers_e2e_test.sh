@@ -21,14 +21,7 @@ TRAIN=$FSDP_TRAIN
 CKPT=$FSDP_CKPT
 TORCHRUN=$FSDP_TORCHRUN
 PY=$FSDP_PYTHON
-TMP=$(mktemp -d /tmp/fsdp-launchers-e2e.XXXXXX)  # also the marker in every command line started here
-cleanup() {
-  local pids
-  pids=$(pgrep -f -- "$TMP")
-  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+scratch_dir launchers-e2e  # TMP, also the marker in every command line started here
 export OMP_NUM_THREADS=1
 
 TINY=(--set model.vocab_size=64 --set model.hidden_size=32 --set model.intermediate_size=64

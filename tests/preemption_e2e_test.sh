@@ -19,14 +19,7 @@ require_programs FSDP_RUN FSDP_TRAIN FSDP_CKPT
 RUN=$FSDP_RUN
 TRAIN=$FSDP_TRAIN
 CKPT=$FSDP_CKPT
-TMP=$(mktemp -d /tmp/fsdp-preempt-e2e.XXXXXX)  # also the marker in every command line started here
-cleanup() {
-  local pids
-  pids=$(pgrep -f -- "$TMP")
-  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
+scratch_dir preempt-e2e  # TMP, also the marker in every command line started here
 
 # The schedule is constant after warmup, so a run's first K losses do not depend on --steps: a run
 # with --steps 100000 stopped at step K is compared with an uninterrupted run of K + 3 steps.

@@ -86,3 +86,16 @@ wait_for_file() {
   done
   return 1
 }
+
+# scratch_dir NAME: makes TMP, a fresh folder /tmp/fsdp-NAME.XXXXXX whose path also marks every
+# command line the test starts with it; on exit, every process so marked is killed and TMP removed.
+scratch_dir() {
+  TMP=$(mktemp -d "/tmp/fsdp-$1.XXXXXX")
+  trap 'remove_scratch_dir "$TMP"' EXIT
+}
+remove_scratch_dir() {
+  local pids
+  pids=$(pgrep -f -- "$1")
+  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
+  rm -rf "$1"
+}
