@@ -7,7 +7,10 @@ median over repeats), B/A, and whether the losses are bitwise the same. Exits no
 losses differ (a refactor must not change results).
 
     .venv/bin/python bench/ab_step_time.py --a OLD/build/bin --b build/bin [--repeats 3] [--steps 10]
-        [--configs comm,compute]
+        [--configs comm,compute] [--env-a KEY=VALUE ...] [--env-b KEY=VALUE ...]
+
+The same build under two settings: --a and --b the same folder, with --env-a / --env-b, e.g.
+    --a build/bin --b build/bin --env-a FSDP_CPU_TRANSPORT=gloo   (Gloo against shared memory)
 """
 import argparse
 import json
@@ -27,13 +30,14 @@ CONFIGS = {
 }
 
 
-def run(bin_dir, cfg, steps, ranks, metrics):
+def run(bin_dir, cfg, steps, ranks, metrics, extra_env):
     cmd = [os.path.join(bin_dir, "fsdp-run"), "--nproc-per-node", str(ranks), "--",
            os.path.join(bin_dir, "fsdp-train"), "--steps", str(steps), "--metrics", metrics,
            "--set", "train.eval_every=0", "--set", "optim.warmup_steps=2"]
     for kv in CONFIGS[cfg]:
         cmd += ["--set", kv]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.update(kv.split("=", 1) for kv in extra_env)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
     rows = [r for r in rows if not r.get("eval")]
@@ -49,6 +53,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: comm, compute")
     ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--env-a", nargs="*", default=[], help="KEY=VALUE set for A's runs")
+    ap.add_argument("--env-b", nargs="*", default=[], help="KEY=VALUE set for B's runs")
     args = ap.parse_args()
     out = {}
     same = True
@@ -59,7 +65,8 @@ def main():
             for rep in range(args.repeats):
                 for side in ("a", "b"):
                     times, loss = run(getattr(args, side), cfg, args.steps, args.ranks,
-                                      os.path.join(tmp, f"{cfg}-{side}-{rep}.jsonl"))
+                                      os.path.join(tmp, f"{cfg}-{side}-{rep}.jsonl"),
+                                      getattr(args, f"env_{side}"))
                     medians[side].append(statistics.median(times))
                     losses.setdefault(side, loss)
             a, b = statistics.median(medians["a"]), statistics.median(medians["b"])

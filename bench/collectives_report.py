@@ -1,4 +1,5 @@
-"""Merges bench_collectives outputs into one JSON list and a markdown table (fsdp vs Gloo)."""
+"""Merges bench_collectives outputs into one JSON list and a markdown table (fsdp over shared memory,
+fsdp over Gloo point-to-point, ProcessGroupGloo)."""
 import argparse
 import json
 import os
@@ -26,21 +27,27 @@ def main():
 
     cores = os.cpu_count()
     lines = [
-        "Median time per collective; bytes_sent is per rank (fsdp: counted; Gloo: its algorithm).",
+        "Median time per collective (fp32 buffer of the size shown, the full unsharded buffer); busbw as in",
+        "nccl-tests (all-reduce counts both phases). fsdp shm: fsdp's rings over shared memory between the",
+        "ranks of this host (the default); fsdp ring: the same rings over Gloo point-to-point (what ranks on",
+        "different hosts use); Gloo: ProcessGroupGloo's own collectives. Bytes sent per rank: fsdp counted,",
+        "Gloo from its algorithm (its reduce-scatter is an all-reduce).",
         f"Machine: {cores} cores; world size 4 is oversubscribed when cores < 4.",
         "",
-        "| op | N | buffer | fsdp time | Gloo time | fsdp/Gloo time | fsdp sent | Gloo sent | fsdp busbw GB/s | Gloo busbw GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op | N | buffer | fsdp shm | fsdp ring (Gloo) | Gloo | shm/ring | shm/Gloo | shm busbw GB/s | ring busbw GB/s | Gloo busbw GB/s | sent shm / Gloo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["op"], r["world_size"], r["bytes_per_rank_buffer"]) for r in records})
     for op, n, size in keys:
-        ours, gloo = find(op, "fsdp", n, size), find(op, "gloo", n, size)
-        if not ours or not gloo:
+        shm, ring, gloo = (find(op, impl, n, size) for impl in ("shm", "ring", "gloo"))
+        if not shm or not ring or not gloo:
             continue
+        ms = lambda r: f"{r['time_s'] * 1e3:.2f} ms"
         lines.append(
-            f"| {op} | {n} | {size / 2**20:.3g} MiB | {ours['time_s'] * 1e3:.2f} ms | {gloo['time_s'] * 1e3:.2f} ms"
-            f" | {ours['time_s'] / gloo['time_s']:.2f} | {ours['bytes_sent_per_rank'] / 2**20:.3g} MiB"
-            f" | {gloo['bytes_sent_per_rank'] / 2**20:.3g} MiB | {ours['busbw'] / 1e9:.2f} | {gloo['busbw'] / 1e9:.2f} |")
+            f"| {op} | {n} | {size / 2**20:.3g} MiB | {ms(shm)} | {ms(ring)} | {ms(gloo)}"
+            f" | {shm['time_s'] / ring['time_s']:.2f} | {shm['time_s'] / gloo['time_s']:.2f}"
+            f" | {shm['busbw'] / 1e9:.2f} | {ring['busbw'] / 1e9:.2f} | {gloo['busbw'] / 1e9:.2f}"
+            f" | {shm['bytes_sent_per_rank'] / 2**20:.3g} / {gloo['bytes_sent_per_rank'] / 2**20:.3g} MiB |")
     with open(args.markdown, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -257,6 +257,9 @@ def main():
             out.flush()
     if out is not None:
         out.close()
+    # Every rank leaves together: a rank tearing down the group while another still uses the store
+    # it hosts can abort the other at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -17,7 +17,16 @@ using testing::RankResult;
 
 constexpr auto kTimeout = 3s;
 
-std::shared_ptr<Dist> join() { return init_from_env(InitOptions().timeout(kTimeout)); }
+// Every case runs over both CPU transports: shared memory between the ranks (this host's default)
+// and Gloo (what ranks on different hosts use).
+class ProcessTier : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::shared_ptr<Dist> join() const {
+    auto dist = init_from_env(InitOptions().timeout(kTimeout).cpu_transport(GetParam()));
+    EXPECT_EQ(std::string(dist->world().backend_name()), GetParam() == "auto" ? "shm" : "gloo");
+    return dist;
+  }
+};
 
 void expect_survivors_fail(const std::vector<RankResult>& results, int victim, const std::string& needle) {
   for (const auto& r : results) {
@@ -29,8 +38,8 @@ void expect_survivors_fail(const std::vector<RankResult>& results, int victim, c
   }
 }
 
-TEST(ProcessTier, HealthyRanksAllGather) {
-  auto results = testing::run_processes(3, [](int rank) {
+TEST_P(ProcessTier, HealthyRanksAllGather) {
+  auto results = testing::run_processes(3, [this](int rank) {
     auto dist = join();
     auto out = at::empty({6});
     dist->world().all_gather(out, at::full({2}, static_cast<float>(rank)), "ok").wait();
@@ -39,8 +48,8 @@ TEST(ProcessTier, HealthyRanksAllGather) {
   testing::expect_all_ok(results);
 }
 
-TEST(ProcessTier, PeerKilledDuringAllGather) {
-  auto results = testing::run_processes(3, [](int rank) {
+TEST_P(ProcessTier, PeerKilledDuringAllGather) {
+  auto results = testing::run_processes(3, [this](int rank) {
     auto dist = join();
     dist->world().barrier("warm-up");
     if (rank == 2) ::raise(SIGKILL);
@@ -51,8 +60,8 @@ TEST(ProcessTier, PeerKilledDuringAllGather) {
   expect_survivors_fail(results, 2, "all_gather 'layers.0'");
 }
 
-TEST(ProcessTier, PeerKilledDuringReduceScatter) {
-  auto results = testing::run_processes(2, [](int rank) {
+TEST_P(ProcessTier, PeerKilledDuringReduceScatter) {
+  auto results = testing::run_processes(2, [this](int rank) {
     auto dist = join();
     auto in = at::ones({2 * 4000000});
     auto out = at::empty({4000000});
@@ -65,12 +74,12 @@ TEST(ProcessTier, PeerKilledDuringReduceScatter) {
   EXPECT_NE(results[1].output.find("peer rank 0"), std::string::npos) << testing::describe(results);
 }
 
-TEST(ProcessTier, StoppedPeerTimesOut) {
+TEST_P(ProcessTier, StoppedPeerTimesOut) {
   testing::ProcessOptions opts;
   opts.may_hang = {1};
   auto results = testing::run_processes(
       3,
-      [](int rank) {
+      [this](int rank) {
         auto dist = join();
         dist->world().barrier("warm-up");
         if (rank == 1) ::raise(SIGSTOP);
@@ -81,8 +90,8 @@ TEST(ProcessTier, StoppedPeerTimesOut) {
   expect_survivors_fail(results, 1, "all_gather 'stopped'");
 }
 
-TEST(ProcessTier, FailureBreaksTheCommunicator) {
-  auto results = testing::run_processes(2, [](int rank) {
+TEST_P(ProcessTier, FailureBreaksTheCommunicator) {
+  auto results = testing::run_processes(2, [this](int rank) {
     auto dist = join();
     if (rank == 1) ::raise(SIGKILL);
     auto out = at::empty({2});
@@ -96,6 +105,11 @@ TEST(ProcessTier, FailureBreaksTheCommunicator) {
   });
   expect_survivors_fail(results, 1, "unusable after an earlier failure");
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ProcessTier, ::testing::Values("auto", "gloo"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param == "auto" ? std::string("SharedMemory") : std::string("Gloo");
+                         });
 
 }  // namespace
 }  // namespace fsdp

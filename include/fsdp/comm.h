@@ -77,6 +77,9 @@ class Communicator {
   int rank() const;
   int size() const;
   const std::string& name() const;
+  // How the group's collectives travel: "shm" (shared memory, ranks of one host), "gloo",
+  // "shm+gloo" (shared memory within hosts, Gloo between them), "nccl" or "local" (one rank).
+  const char* backend_name() const;
   std::chrono::milliseconds timeout() const;
   int global_rank(int group_rank) const;
 

@@ -57,6 +57,15 @@ struct InitOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(60);
   // Gloo threads per process group.
   TORCH_ARG(int, gloo_threads) = 2;
+  // How CPU collectives travel between ranks: "auto" puts the ranks of one host in touch through
+  // shared memory (POSIX, /dev/shm) and ranks on different hosts over Gloo; "gloo" uses Gloo
+  // everywhere. The environment variable FSDP_CPU_TRANSPORT overrides it. Results are bitwise the
+  // same either way.
+  TORCH_ARG(std::string, cpu_transport) = "auto";
+  // Ranks with the same host id share memory; empty means detected (hostname, boot id, /dev/shm).
+  // Set distinct ids for ranks of one machine that cannot share /dev/shm (separate containers);
+  // FSDP_HOST_ID in the environment overrides it.
+  TORCH_ARG(std::string, host_id) = "";
   // "cpu": collectives over Gloo (CPU tensors). "cuda": over NCCL (CUDA tensors; CUDA builds only,
   // set the rank's CUDA device first, e.g. from LOCAL_RANK).
   TORCH_ARG(std::string, device) = "cpu";

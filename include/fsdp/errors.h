@@ -43,6 +43,15 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+// A sharded module used in a way fsdp cannot serve: its parameters read while they are not
+// gathered (a forward run outside fsdp::call, or by a stock container that calls its children
+// itself), or its gradients produced by a forward fsdp never saw. Thrown on every rank (each runs
+// the same code), before any operator reads the missing parameter.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
 // The disk tier could not create, reserve or write its files (an unwritable offload.dir, a full
 // disk, a file-size limit). Raised before training when the files are created up front, or at
 // the step that first needs them, before any state of that step changes.

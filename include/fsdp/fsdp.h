@@ -13,6 +13,8 @@
 #include "fsdp/mixed_precision.h"
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
+#include "fsdp/torch_optim.h"
 #include "fsdp/options.h"
+#include "fsdp/sharded.h"
 #include "fsdp/stop.h"
 #include "fsdp/trace.h"

@@ -13,17 +13,23 @@
 // an end-of-backward callback finishes every unit.
 #pragma once
 
+#include <array>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
 #include <torch/nn/pimpl.h>
 
 #include "fsdp/device_mesh.h"
+#include "fsdp/errors.h"
 #include "fsdp/options.h"
 
 namespace fsdp {
@@ -34,7 +40,19 @@ class Tracer;
 
 namespace detail {
 struct FSDPModuleAccess;  // the library's own access to the unit behind a handle
+class ShardedModuleBase;  // fsdp::Sharded (fsdp/sharded.h)
 }  // namespace detail
+
+// The customization point through which fsdp::call finds the tensors of a user type a forward
+// returns (so each gets the hook that gathers the unit again for backward). Specialise it:
+//
+//   template <> struct fsdp::ForwardOutput<MyOutput> {
+//     template <typename F> static void for_each_tensor(MyOutput& out, F&& f) { f(out.logits); f(out.aux); }
+//   };
+//
+// Without a specialisation, a type fsdp does not know is a compile-time error in fsdp::call.
+template <typename T>
+struct ForwardOutput;
 
 // A gather issued with FSDPModule::unshard(async = true); wait() makes the params usable.
 class UnshardHandle {
@@ -111,34 +129,114 @@ decltype(auto) map_input(ForwardScope& s, T&& v) {
   }
 }
 
-inline at::Tensor map_output(ForwardScope& s, at::Tensor t) { return s.output(t); }
-inline std::vector<at::Tensor> map_output(ForwardScope& s, std::vector<at::Tensor> ts) {
-  for (auto& t : ts) t = s.output(t);
-  return ts;
-}
-template <typename... Ts>
-std::tuple<Ts...> map_output(ForwardScope& s, std::tuple<Ts...> tup) {
-  std::apply([&](auto&... e) { ((e = map_output(s, std::move(e))), ...); }, tup);
-  return tup;
-}
 template <typename T>
-T map_output(ForwardScope&, T v) {
-  return v;
+inline constexpr bool always_false = false;
+template <typename T, typename = void>
+struct has_forward_output : std::false_type {};
+template <typename T>
+struct has_forward_output<T, std::void_t<decltype(sizeof(ForwardOutput<T>))>> : std::true_type {};
+template <typename T>
+struct is_vector : std::false_type {};
+template <typename T, typename A>
+struct is_vector<std::vector<T, A>> : std::true_type {};
+template <typename T>
+struct is_array : std::false_type {};
+template <typename T, size_t N>
+struct is_array<std::array<T, N>> : std::true_type {};
+template <typename T>
+struct is_tuple_like : std::false_type {};
+template <typename... Ts>
+struct is_tuple_like<std::tuple<Ts...>> : std::true_type {};
+template <typename A, typename B>
+struct is_tuple_like<std::pair<A, B>> : std::true_type {};
+template <typename T>
+struct is_optional : std::false_type {};
+template <typename T>
+struct is_optional<std::optional<T>> : std::true_type {};
+template <typename T>
+struct is_string_map : std::false_type {};
+template <typename V, typename C, typename A>
+struct is_string_map<std::map<std::string, V, C, A>> : std::true_type {};
+template <typename V, typename H, typename E, typename A>
+struct is_string_map<std::unordered_map<std::string, V, H, E, A>> : std::true_type {};
+template <typename T>
+struct is_ordered_dict : std::false_type {};
+template <typename V>
+struct is_ordered_dict<torch::OrderedDict<std::string, V>> : std::true_type {};
+// Values that cannot hold a tensor: returned as they are.
+template <typename T>
+inline constexpr bool is_plain_value = std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_same_v<T, std::string>;
+
+// Gives every tensor in `v` the unit's output treatment (output_dtype cast, pre-backward hook),
+// through any nesting of the containers above and user types with a ForwardOutput specialisation.
+template <typename T>
+void map_output(ForwardScope& s, T& v) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    v = s.output(v);
+  } else if constexpr (has_forward_output<T>::value) {
+    ForwardOutput<T>::for_each_tensor(v, [&s](at::Tensor& t) { t = s.output(t); });
+  } else if constexpr (is_plain_value<T>) {
+  } else if constexpr (is_vector<T>::value || is_array<T>::value) {
+    if constexpr (!is_plain_value<typename T::value_type>) {
+      for (auto& e : v) map_output(s, e);
+    }
+  } else if constexpr (is_tuple_like<T>::value) {
+    std::apply([&s](auto&... e) { (map_output(s, e), ...); }, v);
+  } else if constexpr (is_optional<T>::value) {
+    if (v.has_value()) map_output(s, *v);
+  } else if constexpr (is_string_map<T>::value) {
+    for (auto& item : v) map_output(s, item.second);
+  } else if constexpr (is_ordered_dict<T>::value) {
+    for (auto& item : v) map_output(s, item.value());
+  } else {
+    static_assert(always_false<T>,
+                  "fsdp::call: the forward returns a type fsdp cannot look into for tensors. Supported: at::Tensor, "
+                  "arithmetic values, std::string, and any nesting of std::vector, std::array, std::tuple, std::pair, "
+                  "std::optional and string-keyed std::map / std::unordered_map / torch::OrderedDict. For your own "
+                  "type, specialise fsdp::ForwardOutput<T> with static void for_each_tensor(T&, F&&) calling F on "
+                  "every at::Tensor& it holds (fsdp/fully_shard.h)");
+  }
 }
+
+// Runs `forward(args...)` as `unit`'s forward: gathers, runs, hooks the outputs, frees.
+template <typename F, typename... Args>
+auto run_in_unit(ShardedUnit& unit, F&& forward, Args&&... args) {
+  using R = decltype(forward(map_input(std::declval<ForwardScope&>(), std::forward<Args>(args))...));
+  ForwardScope scope(unit);
+  if constexpr (std::is_void_v<R>) {
+    forward(map_input(scope, std::forward<Args>(args))...);
+    scope.finish();
+  } else {
+    R out = forward(map_input(scope, std::forward<Args>(args))...);
+    map_output(scope, out);
+    scope.finish();
+    return out;
+  }
+}
+
+// A torch::nn::Sequential whose sharded children are not wrapped in fsdp::Sharded would call
+// them past their units: refused before the forward starts (UsageError naming the child).
+void check_container(const torch::nn::Module& module);
 }  // namespace detail
 
 // Runs module->forward(args...) as a sharded unit when fully_shard was applied to it; a plain
-// forward otherwise. `module` is a ModuleHolder (torch::nn::Linear, TORCH_MODULE types) or a
-// std::shared_ptr to a module.
+// forward otherwise. `module` is a ModuleHolder (torch::nn::Linear, TORCH_MODULE types), a
+// std::shared_ptr to a module or a plain pointer (e.g. ModuleList::ptr<Block>(i)). Every tensor of
+// the result (see ForwardOutput for what fsdp looks into) gets the hook that gathers the unit
+// again for backward.
 template <typename M, typename... Args>
-auto call(M& module, Args&&... args) -> decltype(module->forward(std::forward<Args>(args)...)) {
-  ShardedUnit* unit = detail::unit_of(*module);
-  if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
-  detail::ForwardScope scope(*unit);
-  auto out = module->forward(detail::map_input(scope, std::forward<Args>(args))...);
-  auto mapped = detail::map_output(scope, std::move(out));
-  scope.finish();
-  return mapped;
+auto call(M&& module, Args&&... args) {
+  using Module = std::decay_t<decltype(*module)>;
+  if constexpr (std::is_base_of_v<detail::ShardedModuleBase, Module>) {
+    return module->forward(std::forward<Args>(args)...);  // fsdp::Sharded runs its unit itself
+  } else {
+    detail::check_container(*module);
+    ShardedUnit* unit = detail::unit_of(*module);
+    if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
+    return detail::run_in_unit(
+        *unit, [&module](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
+  }
 }
 
 }  // namespace fsdp

@@ -21,6 +21,10 @@ struct MixedPrecisionPolicy {
   // Floating outputs of the unit's forward are cast to output_dtype (e.g. fp32 on the root for
   // the loss). Unset: left as computed.
   TORCH_ARG(std::optional<at::ScalarType>, output_dtype) = std::nullopt;
+  // Floating persistent buffers of the unit (those no nested unit owns) are cast to buffer_dtype
+  // at the root's lazy init, and kept so; checkpoints still hold them in their original dtype.
+  // Unset: left as they are.
+  TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype) = std::nullopt;
 };
 
 }  // namespace fsdp

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -62,7 +63,7 @@ class ShardedOptimizer {
 
   // Steps every flat param that has a gradient shard (one with none, e.g. a unit unused so far,
   // is skipped and its step count stays).
-  void step();
+  virtual void step();
   // Zeroes the gradient shards in place (the buffers stay).
   void zero_grad();
 
@@ -89,9 +90,19 @@ class ShardedOptimizer {
   at::Tensor zeros_state(ShardState& state, const std::string& name) const;
   double default_weight_decay_ = 0;
 
+  // For optimizers that step every shard at once (TorchOptimizer): a state's flat param's live
+  // fp32 master shard, its gradient shard once collected (undefined when it has none yet), its
+  // optimizer group and whether its optimizer state is offloaded.
+  at::Tensor& master_shard(const ShardState& state) const;
+  at::Tensor collect_grad(const ShardState& state) const;
+  int group_of(const ShardState& state) const;
+  bool state_offloaded(const ShardState& state) const;
+  double group_lr(int group) const;
+  // The group's weight decay set with set_group_options, if any.
+  std::optional<double> group_weight_decay_override(int group) const;
+
  private:
   void reserve_offloaded_state();
-  double group_lr(int group) const;
   double group_weight_decay(int group) const;
 
   std::shared_ptr<FSDPModule> root_;

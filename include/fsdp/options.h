@@ -6,6 +6,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -68,6 +69,30 @@ struct OffloadPolicy {
   void validate() const;
 };
 
+// How persistent buffers (BatchNorm's running statistics and the like) are kept consistent across
+// the ranks of the job, as DDP's broadcast_buffers does: once at the root's lazy init, then at the
+// end of each backward after a training forward of the root (or at its next forward when no
+// backward came), so every rank ends a step with the same buffers.
+enum class BufferSync {
+  kBroadcast,  // every rank takes rank 0's values (DDP's broadcast_buffers)
+  kAverage,    // the mean over the ranks (integer buffers, such as counters, are broadcast)
+  kLocal,      // left alone: each rank keeps its own
+};
+
+const char* buffer_sync_name(BufferSync s);             // "broadcast", "average", "local"
+BufferSync parse_buffer_sync(const std::string& name);  // throws ConfigError naming it
+
+// Buffers, read on the root. LibTorch has no notion of a non-persistent buffer (Python's
+// register_buffer(..., persistent=False)), so it is declared here: a non-persistent buffer is
+// never synchronised, cast or saved. Every other buffer is persistent: synchronised by `sync`,
+// cast by its unit's MixedPrecisionPolicy::buffer_dtype, saved in checkpoints next to the
+// parameters under its name and restored on load.
+struct BufferPolicy {
+  TORCH_ARG(BufferSync, sync) = BufferSync::kBroadcast;
+  // Names as the root module's named_buffers() gives them, e.g. "rope.inv_freq"; each must exist.
+  TORCH_ARG(std::vector<std::string>, non_persistent) = {};
+};
+
 struct FullyShardOptions {
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
   // Default: true for kFullShard and kHybridShard, false for kShardGradOp and kNoShard.
@@ -88,6 +113,8 @@ struct FullyShardOptions {
   TORCH_ARG(int, max_unsharded_units) = 0;
   // Offloading of this unit's sharded states. Unset: the root's policy, else nothing offloaded.
   TORCH_ARG(std::optional<OffloadPolicy>, offload) = std::nullopt;
+  // On the root: how buffers are synchronised and which are non-persistent (BufferPolicy above).
+  TORCH_ARG(BufferPolicy, buffers) = BufferPolicy();
 };
 
 }  // namespace fsdp

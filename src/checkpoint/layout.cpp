@@ -12,6 +12,7 @@ CheckpointLayout make_layout(const ModelView& model, ShardedOptimizer* optimizer
   const std::vector<ShardState*> states = states_by_flat(model, optimizer);
   for (size_t f = 0; f < model.flats.size(); ++f) layout.flats.push_back({model.flats[f], states[f]});
   layout.tensors = model.tensors;
+  layout.buffers = model.buffers;
   layout.writer = model.writer;
   return layout;
 }
@@ -39,6 +40,10 @@ ShardData collect_shards(const CheckpointLayout& layout, bool copy) {
     }
     data.states.push_back(std::move(states));
     data.steps.push_back(step);
+  }
+  // Buffers are small: always a host copy, so a background save sees this step's values.
+  for (const auto& b : layout.buffers) {
+    data.buffers.push_back(b.tensor.detach().to(at::kCPU, b.dtype, /*non_blocking=*/false, /*copy=*/true).contiguous());
   }
   return data;
 }

@@ -34,6 +34,7 @@ struct Span {
 struct CheckpointLayout {
   std::vector<FlatSlot> flats;
   std::vector<ShardedTensorView> tensors;  // model registration order, tied tensors once
+  std::vector<BufferView> buffers;         // persistent buffers, saved whole by rank 0
   bool writer = true;                      // replicas of a shard (HSDP, NO_SHARD): only the first writes
 };
 
@@ -45,6 +46,7 @@ struct ShardData {
   std::vector<at::Tensor> params;
   std::vector<std::map<std::string, at::Tensor>> states;
   std::vector<int64_t> steps;
+  std::vector<at::Tensor> buffers;  // host copies in their saved dtype, contiguous (layout.buffers order)
 };
 // References to the live tensors (no copy) or, with copy = true, host copies for a background save.
 ShardData collect_shards(const CheckpointLayout& layout, bool copy);

@@ -12,6 +12,7 @@
 #include "safetensors/index.h"
 #include "checkpoint/layout.h"
 #include "safetensors/safetensors.h"
+#include "safetensors/torch_dtypes.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
@@ -52,23 +53,32 @@ FileSet open_file_set(const std::string& dir, const std::string& kind) {
   return set;
 }
 
-// Checks that the set holds exactly `wanted` (name -> shape) as F32 tensors.
-using Wanted = std::vector<std::pair<std::string, std::vector<int64_t>>>;  // model order
+// Checks that the set holds exactly `wanted` (name -> shape, dtype): parameters and their
+// optimizer state as F32, buffers in their own dtype.
+struct WantedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  safetensors::DType dtype = safetensors::DType::F32;
+  WantedTensor(std::string n, std::vector<int64_t> s, safetensors::DType d = safetensors::DType::F32)
+      : name(std::move(n)), shape(std::move(s)), dtype(d) {}
+};
+using Wanted = std::vector<WantedTensor>;  // model order
 
 void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wanted) {
   std::set<std::string> names;
-  for (const auto& w : wanted) names.insert(w.first);
-  for (const auto& [name, shape] : wanted) {
+  for (const auto& w : wanted) names.insert(w.name);
+  for (const auto& [name, shape, dtype] : wanted) {
     auto it = set.index.weight_map.find(name);
     if (it == set.index.weight_map.end()) {
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + set.kind + ") has no tensor '" + name +
                             "' that the model has (shape " + shape_text(shape) + ")");
     }
     const auto* entry = set.headers.at(it->second).find(name);
-    if (entry->dtype != safetensors::DType::F32) {
+    if (entry->dtype != dtype) {
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + it->second + "): tensor '" + name + "' is " +
-                            safetensors::dtype_name(entry->dtype) +
-                            " but the model's master copy is F32; no silent cast");
+                            safetensors::dtype_name(entry->dtype) + " but the model's " +
+                            (dtype == safetensors::DType::F32 ? "master copy" : "buffer") + " is " +
+                            safetensors::dtype_name(dtype) + "; no silent cast");
     }
     if (entry->shape != shape) {
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + it->second + "): tensor '" + name + "' has shape " +
@@ -222,6 +232,9 @@ CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout,
     all.emplace_back(t.name, t.shape);
     if (layout.flats[t.flat].optim_state != nullptr) trainable.emplace_back(t.name, t.shape);
   }
+  for (const auto& b : layout.buffers) {
+    all.emplace_back(b.name, b.tensor.sizes().vec(), safetensors::from_scalar_type(b.dtype));
+  }
   CheckedFiles files{open_file_set(dir, "model"), {}};
   check_tensors(dir, files.model, all);
   if (optimizer == nullptr) return files;
@@ -249,6 +262,20 @@ void copy_params(const std::string& dir, const FileSet& model, const CheckpointL
   for (size_t f = 0; f < layout.flats.size(); ++f) {
     offload::copy_streamed(*layout.flats[f].shard.master_shard, params[f]);
     params[f] = at::Tensor();
+  }
+}
+
+// Every rank reads the buffers whole (they are replicated) and copies them in, cast to the live
+// buffer's dtype.
+void copy_buffers(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
+  c10::NoGradGuard no_grad;
+  for (const auto& b : layout.buffers) {
+    const std::string& file = model.index.weight_map.at(b.name);
+    const auto& header = model.headers.at(file);
+    const auto* entry = header.find(b.name);
+    at::Tensor host = at::empty(b.tensor.sizes(), at::TensorOptions().dtype(b.dtype));
+    File::open_read(join(dir, file)).pread_all(host.data_ptr(), entry->nbytes(), header.data_start() + entry->begin);
+    b.tensor.detach().copy_(host);
   }
 }
 
@@ -326,6 +353,7 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   const CheckedFiles files = check_files(dir, layout, optimizer, saved_optim.type);
 
   copy_params(dir, files.model, layout);
+  copy_buffers(dir, files.model, layout);
   if (optimizer != nullptr) copy_optimizer_state(dir, files.optim, layout, *optimizer, saved_optim.steps);
   if (restore_rng) restore_rng_state_base64(saved.state.rng_states[model.dist->rank()]);
   return saved.state;
@@ -344,6 +372,15 @@ void load_unsharded(const std::string& dir, torch::nn::Module& module) {
     params[item.key()] = item.value();
     wanted.emplace_back(item.key(), item.value().sizes().vec());
   }
+  // Persistent buffers saved next to the parameters (a buffer the file lacks is non-persistent).
+  std::map<std::string, at::Tensor> buffers;
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (!item.value().defined() || !model.index.weight_map.count(item.key())) continue;
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    const auto& header = model.headers.at(model.index.weight_map.at(item.key()));
+    buffers[item.key()] = item.value();
+    wanted.emplace_back(item.key(), item.value().sizes().vec(), header.find(item.key())->dtype);
+  }
   check_tensors(dir, model, wanted);
   c10::NoGradGuard no_grad;
   for (auto& [name, p] : params) {
@@ -354,6 +391,14 @@ void load_unsharded(const std::string& dir, torch::nn::Module& module) {
     File::open_read(join(dir, file))
         .pread_all(buf.data_ptr<float>(), entry->nbytes(), header.data_start() + entry->begin);
     p.copy_(buf);
+  }
+  for (auto& [name, b] : buffers) {
+    const std::string& file = model.index.weight_map.at(name);
+    const auto& header = model.headers.at(file);
+    const auto* entry = header.find(name);
+    at::Tensor buf = at::empty(b.sizes(), safetensors::to_scalar_type(entry->dtype));
+    File::open_read(join(dir, file)).pread_all(buf.data_ptr(), entry->nbytes(), header.data_start() + entry->begin);
+    b.copy_(buf);
   }
 }
 

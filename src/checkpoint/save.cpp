@@ -16,6 +16,7 @@
 #include "safetensors/index.h"
 #include "checkpoint/layout.h"
 #include "safetensors/safetensors.h"
+#include "safetensors/torch_dtypes.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
@@ -84,6 +85,10 @@ std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::st
     if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;
     specs.push_back({t.name, safetensors::DType::F32, t.shape});
   }
+  if (kind != "model") return specs;
+  for (const auto& b : job.layout.buffers) {
+    specs.push_back({b.name, safetensors::from_scalar_type(b.dtype), b.tensor.sizes().vec()});
+  }
   return specs;
 }
 
@@ -109,7 +114,22 @@ void prepare(SaveJob& job, const std::string& tmp) {
   }
 }
 
+// Buffers are replicated: the job's rank 0 writes them whole into the model file.
+void write_buffers(SaveJob& job, const std::string& tmp) {
+  if (job.layout.buffers.empty() || job.group->rank() != 0) return;
+  const auto plan = safetensors::plan_file(specs_for(job, "model"), {{"format", "pt"}, {"writer", "fsdp"}});
+  File f = File::open_write(join(tmp, "model.safetensors"), false);
+  for (size_t i = 0; i < job.layout.buffers.size(); ++i) {
+    const at::Tensor& host = job.data.buffers[i];
+    const auto* entry = plan.header.find(job.layout.buffers[i].name);
+    f.pwrite_all(host.data_ptr(), host.numel() * host.element_size(), plan.header.data_start() + entry->begin);
+  }
+  f.sync();
+  f.close();
+}
+
 void write_shards(SaveJob& job, const std::string& tmp) {
+  write_buffers(job, tmp);
   if (!job.layout.writer) return;
   for (const auto& kind : file_kinds(job)) {
     const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});

@@ -466,6 +466,7 @@ Communicator::~Communicator() = default;
 int Communicator::rank() const { return impl_->rank; }
 int Communicator::size() const { return impl_->size; }
 const std::string& Communicator::name() const { return impl_->options.name; }
+const char* Communicator::backend_name() const { return impl_->transport->backend_name(); }
 std::chrono::milliseconds Communicator::timeout() const { return impl_->options.timeout; }
 int Communicator::global_rank(int group_rank) const { return impl_->global_rank(group_rank); }
 

@@ -120,10 +120,12 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
                                          const InitOptions& options, const std::string& hostname) {
   // One rank: local copies, no order check (a one-rank group runs each collective at once).
   if (group_size == 1) return make_local_group(name, global_ranks.at(0), options.timeout());
-  GlooTransportOptions gopts;
+  CpuTransportOptions gopts;
   gopts.timeout = options.timeout();
   gopts.threads = options.gloo_threads();
   gopts.hostname = hostname;
+  gopts.mode = options.cpu_transport();
+  gopts.host_id = options.host_id();
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/group/" + name, store);
   if (options.device() != "cpu" && options.device() != "cuda") {
     throw ConfigError("fsdp: InitOptions::device must be \"cpu\" or \"cuda\", got \"" + options.device() + "\"");
@@ -131,7 +133,7 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
   std::unique_ptr<Transport> transport;
   try {
     transport = options.device() == "cuda" ? make_nccl_transport(prefixed, group_rank, group_size, options.timeout())
-                                           : make_gloo_transport(prefixed, group_rank, group_size, gopts);
+                                           : make_cpu_transport(prefixed, group_rank, group_size, gopts);
     // Note [A group is ready when every member is]: Gloo's full mesh returns on a rank once its
     // own side of every connection is up, not the peer's. A rank that then used the group for
     // nothing and destroyed it (a load that needs no collective, a job that fails its next

@@ -1,17 +1,22 @@
-// GlooRingTransport: CPU collectives as rings over Gloo's point-to-point send/recv.
+// RingTransport: CPU collectives as rings whose hops are Gloo point-to-point send/recv or, between
+// ranks of one host, shared-memory channels (shm_channel.h).
 //
 // LibTorch's Gloo backend implements reduce_scatter_tensor as a full all-reduce plus a copy, which
 // moves about 2(N-1)/N of the buffer per rank instead of (N-1)/N; its all-gather into a flat tensor
 // goes through an extra staging copy. Rings over send/recv move exactly (N-1)/N of the buffer per
-// rank and write straight into the caller's chunks. See Note [Ring schedule].
+// rank and write straight into the caller's chunks. See Note [Ring schedule]. Every collective runs
+// the same schedule whatever its hops are made of, so results are bitwise the same over Gloo and
+// over shared memory (Note [One schedule, any hop]).
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <sstream>
 
+#include "comm/ring.h"
 #include "comm/transport.h"
 
 namespace fsdp {
@@ -37,111 +42,257 @@ std::string describe(const std::exception& e) {
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
-class GlooRingTransport final : public Transport {
+// Note [One schedule, any hop]
+// All four collectives are rings over the same two hops (to rank+1, from rank-1), whatever carries
+// them: reduce-scatter and all-gather as in Note [Ring schedule], all-reduce as a reduce-scatter
+// then an all-gather of the tensor padded to a multiple of the group size, broadcast as a pipeline
+// from the root around the ring. Each element is therefore summed in the same order with the same
+// operations over Gloo and over shared memory, and the results are bitwise equal. A Gloo-only group
+// keeps Gloo's own broadcast and barrier (no arithmetic) and sends reduce-scatter chunks in
+// segments so the add of one overlaps the transfer of the next; a group with both kinds of hop
+// (several hosts, several ranks on some) sends one Gloo message per ring step, tagged by a step
+// counter that every rank advances alike.
+class RingTransport final : public Transport {
  public:
-  GlooRingTransport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                    const GlooTransportOptions& options)
-      : rank_(rank), size_(size), timeout_(options.timeout) {
-    disable_flight_recorder_once();
-    auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    opts->threads = options.threads;
-    opts->devices.push_back(make_device(options.hostname));
-    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  RingTransport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const CpuTransportOptions& options,
+                RingHops hops)
+      : rank_(rank), size_(size), timeout_(options.timeout), hops_(std::move(hops)) {
+    if (hops_.layout != RingHops::Layout::kShm) {
+      disable_flight_recorder_once();
+      auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout);
+      opts->threads = options.threads;
+      opts->devices.push_back(make_device(options.hostname));
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+    }
   }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  const char* backend_name() const override { return "gloo"; }
+  const char* backend_name() const override {
+    switch (hops_.layout) {
+      case RingHops::Layout::kShm: return "shm";
+      case RingHops::Layout::kMixed: return "shm+gloo";
+      default: return "gloo";
+    }
+  }
 
   void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) override {
-    const int64_t n = input.numel();
-    auto mine = output.narrow(0, rank_ * n, n);
-    if (mine.data_ptr() != input.data_ptr()) mine.copy_(input.view(-1));
-    const int next = mod(rank_ + 1, size_), prev = mod(rank_ - 1, size_);
-    // No compute to overlap here: one message per step moves the whole chunk fastest.
-    for (int s = 0; s < size_ - 1; ++s) {
-      exchange(output.narrow(0, mod(rank_ - s, size_) * n, n), next, output.narrow(0, mod(rank_ - s - 1, size_) * n, n),
-               prev, count);
-    }
+    guarded([&] {
+      const int64_t n = input.numel();
+      auto mine = output.narrow(0, rank_ * n, n);
+      if (mine.data_ptr() != input.data_ptr()) mine.copy_(input.view(-1));
+      ring_gather(output, n, count);
+    });
   }
 
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, TransferCount& count) override {
-    const int64_t n = output.numel();
-    const int next = mod(rank_ + 1, size_), prev = mod(rank_ - 1, size_);
-    const int64_t seg = segment_elems(output);
-    at::Tensor scratch[2] = {at::empty({std::min(seg, n)}, input.options()),
-                             at::empty({std::min(seg, n)}, input.options())};
-    for (int s = 0; s < size_ - 1; ++s) {
-      auto send_chunk = input.narrow(0, mod(rank_ - s - 1, size_) * n, n);
-      auto acc_chunk = input.narrow(0, mod(rank_ - s - 2, size_) * n, n);
-      // Post segment k+1's transfer before adding segment k, so the add overlaps the wire.
-      c10::intrusive_ptr<c10d::Work> pending_send, pending_recv;
-      int64_t pending_off = -1, pending_len = 0;
-      int slot = 0;
-      for (int64_t off = 0;; off += seg) {
-        c10::intrusive_ptr<c10d::Work> sw, rw;
-        const bool more = off < n;
-        const int64_t len = more ? std::min(seg, n - off) : 0;
-        if (more) {
-          auto recv_buf = scratch[slot].narrow(0, 0, len);
-          rw = post_recv(recv_buf, prev);
-          sw = post_send(send_chunk.narrow(0, off, len), next);
-          count.sent += len * input.element_size();
-          count.received += len * input.element_size();
-          next_tag();
-        }
-        if (pending_off >= 0) {
-          wait_work(pending_recv, prev, "receive from");
-          wait_work(pending_send, next, "send to");
-          acc_chunk.narrow(0, pending_off, pending_len).add_(scratch[1 - slot].narrow(0, 0, pending_len));
-        }
-        if (!more) break;
-        pending_send = sw;
-        pending_recv = rw;
-        pending_off = off;
-        pending_len = len;
-        slot = 1 - slot;
-      }
-    }
-    auto mine = input.narrow(0, rank_ * n, n);
-    output.copy_(mine);
-    if (op == ReduceOp::kAvg) output.div_(size_);
+    guarded([&] {
+      const int64_t n = output.numel();
+      ring_reduce(input, n, count);
+      output.copy_(input.narrow(0, rank_ * n, n));
+      if (op == ReduceOp::kAvg) output.div_(size_);
+    });
   }
 
   void all_reduce(const at::Tensor& tensor, ReduceOp op, TransferCount& count) override {
-    std::vector<at::Tensor> tensors{tensor};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    opts.timeout = timeout_;
-    wait_work(pg_->allreduce(tensors, opts), -1, "all_reduce");
-    if (op == ReduceOp::kAvg) tensor.div_(size_);
-    // Gloo's ring all-reduce: a reduce-scatter then an all-gather, (N-1)/N of the buffer each.
-    const uint64_t moved = 2 * (size_ - 1) * (tensor.numel() * tensor.element_size() / size_);
-    count.sent += moved;
-    count.received += moved;
+    guarded([&] {
+      const int64_t numel = tensor.numel();
+      const int64_t n = (numel + size_ - 1) / size_;
+      const bool direct = tensor.is_contiguous() && n * size_ == numel;
+      at::Tensor buf = direct ? tensor.view(-1) : at::zeros({n * size_}, tensor.options());
+      if (!direct) buf.narrow(0, 0, numel).copy_(tensor.reshape(-1));
+      ring_reduce(buf, n, count);
+      ring_gather(buf, n, count);
+      if (!direct) tensor.copy_(buf.narrow(0, 0, numel).view(tensor.sizes()));
+      if (op == ReduceOp::kAvg) tensor.div_(size_);
+    });
   }
 
   void broadcast(const at::Tensor& tensor, int root, TransferCount& count) override {
-    std::vector<at::Tensor> tensors{tensor};
-    c10d::BroadcastOptions opts;
-    opts.rootRank = root;
-    opts.timeout = timeout_;
-    wait_work(pg_->broadcast(tensors, opts), root, "broadcast from");
-    const uint64_t bytes = tensor.numel() * tensor.element_size();
-    if (rank_ == root) {
-      count.sent += bytes * (size_ - 1);
-    } else {
-      count.received += bytes;
-    }
+    guarded([&] {
+      const uint64_t bytes = tensor.numel() * tensor.element_size();
+      if (hops_.layout == RingHops::Layout::kGloo) {
+        std::vector<at::Tensor> tensors{tensor};
+        c10d::BroadcastOptions opts;
+        opts.rootRank = root;
+        opts.timeout = timeout_;
+        wait_work(pg_->broadcast(tensors, opts), root, "broadcast from");
+        if (rank_ == root) {
+          count.sent += bytes * (size_ - 1);
+        } else {
+          count.received += bytes;
+        }
+        return;
+      }
+      pipeline_broadcast(tensor, root, count);
+    });
   }
 
-  void barrier(TransferCount&) override {
-    c10d::BarrierOptions opts;
-    opts.timeout = timeout_;
-    wait_work(pg_->barrier(opts), -1, "barrier");
+  void barrier(TransferCount& count) override {
+    if (hops_.layout == RingHops::Layout::kGloo) {
+      c10d::BarrierOptions opts;
+      opts.timeout = timeout_;
+      wait_work(pg_->barrier(opts), -1, "barrier");
+      return;
+    }
+    all_reduce(at::zeros({1}, at::kInt), ReduceOp::kSum, count);
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
+  // A failure closes the shared-memory hops, so the neighbours fail at once instead of at their
+  // timeout (as a closed Gloo connection makes them fail).
+  template <typename F>
+  void guarded(F&& body) {
+    try {
+      body();
+    } catch (...) {
+      if (hops_.in) hops_.in->close();
+      if (hops_.out) hops_.out->close();
+      throw;
+    }
+  }
+
+  int next() const { return mod(rank_ + 1, size_); }
+  int prev() const { return mod(rank_ - 1, size_); }
+
+  // After it, rank r's chunk r of `buf` (chunks of n elements) holds the sum over ranks.
+  void ring_reduce(const at::Tensor& buf, int64_t n, TransferCount& count) {
+    for (int s = 0; s < size_ - 1; ++s) {
+      auto send_chunk = buf.narrow(0, mod(rank_ - s - 1, size_) * n, n);
+      auto acc_chunk = buf.narrow(0, mod(rank_ - s - 2, size_) * n, n);
+      if (hops_.layout == RingHops::Layout::kGloo) {
+        gloo_reduce_step(send_chunk, acc_chunk, count);
+      } else {
+        step(send_chunk, acc_chunk, /*accumulate=*/true, count);
+      }
+    }
+  }
+
+  // Given rank r's chunk r of `buf`, fills every chunk.
+  void ring_gather(const at::Tensor& buf, int64_t n, TransferCount& count) {
+    // No compute to overlap here: one message per step moves the whole chunk fastest.
+    for (int s = 0; s < size_ - 1; ++s) {
+      auto send_chunk = buf.narrow(0, mod(rank_ - s, size_) * n, n);
+      auto recv_chunk = buf.narrow(0, mod(rank_ - s - 1, size_) * n, n);
+      if (hops_.layout == RingHops::Layout::kGloo) {
+        gloo_exchange(send_chunk, recv_chunk, count);
+      } else {
+        step(send_chunk, recv_chunk, /*accumulate=*/false, count);
+      }
+    }
+  }
+
+  // One ring step with at least one shared-memory hop: sends `send` to the next rank and receives
+  // the previous rank's chunk into `recv` (added to it with `accumulate`).
+  void step(const at::Tensor& send, const at::Tensor& recv, bool accumulate, TransferCount& count) {
+    const auto deadline = Clock::now() + timeout_;
+    c10::intrusive_ptr<c10d::Work> sw, rw;
+    at::Tensor scratch;
+    if (!hops_.in) {
+      scratch = accumulate ? at::empty_like(recv) : recv;
+      rw = post_recv(scratch, prev());
+    }
+    if (!hops_.out) sw = post_send(send, next());
+    const int64_t es = send.element_size();
+    const int64_t piece = static_cast<int64_t>(ShmChannel::kSlotBytes) / es;
+    const auto* src = static_cast<const uint8_t*>(send.data_ptr());
+    for (int64_t off = 0; off < send.numel(); off += piece) {
+      const int64_t len = std::min(piece, send.numel() - off);
+      if (hops_.out) hops_.out->write(src + off * es, len * es, deadline);
+      if (hops_.in) receive_piece(recv, off, len, accumulate, deadline);
+    }
+    if (rw) {
+      wait_work(rw, prev(), "receive from");
+      if (accumulate) recv.add_(scratch);
+    }
+    if (sw) wait_work(sw, next(), "send to");
+    next_tag();
+    count.sent += send.numel() * es;
+    count.received += recv.numel() * es;
+  }
+
+  void receive_piece(const at::Tensor& recv, int64_t off, int64_t len, bool accumulate, Clock::time_point deadline) {
+    auto part = recv.narrow(0, off, len);
+    if (hops_.out) hops_.out->set_sender_waiting_for(prev());
+    hops_.in->read(
+        len * recv.element_size(),
+        [&](const void* data) {
+          if (accumulate) {
+            part.add_(at::from_blob(const_cast<void*>(data), {len}, recv.options()));
+          } else {
+            std::memcpy(part.data_ptr(), data, len * recv.element_size());
+          }
+        },
+        deadline);
+    if (hops_.out) hops_.out->set_sender_waiting_for(-1);
+  }
+
+  // Broadcast without Gloo's: the root's tensor flows around the ring in slot-sized pieces.
+  void pipeline_broadcast(const at::Tensor& tensor, int root, TransferCount& count) {
+    const auto flat = tensor.view(-1);
+    const int64_t es = flat.element_size();
+    const int64_t piece = static_cast<int64_t>(ShmChannel::kSlotBytes) / es;
+    for (int64_t off = 0; off < flat.numel(); off += piece) {
+      const auto deadline = Clock::now() + timeout_;
+      auto part = flat.narrow(0, off, std::min(piece, flat.numel() - off));
+      const int64_t bytes = part.numel() * es;
+      if (rank_ != root) {
+        if (hops_.in) {
+          receive_piece(flat, off, part.numel(), /*accumulate=*/false, deadline);
+        } else {
+          wait_work(post_recv(part, prev()), prev(), "receive from");
+        }
+        count.received += bytes;
+      }
+      if (next() != root) {
+        if (hops_.out) {
+          hops_.out->write(part.data_ptr(), bytes, deadline);
+        } else {
+          wait_work(post_send(part, next()), next(), "send to");
+        }
+        count.sent += bytes;
+      }
+      next_tag();
+    }
+  }
+
+  // Gloo-only reduce-scatter step: segments, each segment's add overlapping the next's transfer.
+  void gloo_reduce_step(const at::Tensor& send_chunk, const at::Tensor& acc_chunk, TransferCount& count) {
+    const int64_t n = send_chunk.numel();
+    const int64_t seg = segment_elems(send_chunk);
+    at::Tensor scratch[2] = {at::empty({std::min(seg, n)}, send_chunk.options()),
+                             at::empty({std::min(seg, n)}, send_chunk.options())};
+    // Post segment k+1's transfer before adding segment k, so the add overlaps the wire.
+    c10::intrusive_ptr<c10d::Work> pending_send, pending_recv;
+    int64_t pending_off = -1, pending_len = 0;
+    int slot = 0;
+    for (int64_t off = 0;; off += seg) {
+      c10::intrusive_ptr<c10d::Work> sw, rw;
+      const bool more = off < n;
+      const int64_t len = more ? std::min(seg, n - off) : 0;
+      if (more) {
+        rw = post_recv(scratch[slot].narrow(0, 0, len), prev());
+        sw = post_send(send_chunk.narrow(0, off, len), next());
+        count.sent += len * send_chunk.element_size();
+        count.received += len * send_chunk.element_size();
+        next_tag();
+      }
+      if (pending_off >= 0) {
+        wait_work(pending_recv, prev(), "receive from");
+        wait_work(pending_send, next(), "send to");
+        acc_chunk.narrow(0, pending_off, pending_len).add_(scratch[1 - slot].narrow(0, 0, pending_len));
+      }
+      if (!more) break;
+      pending_send = sw;
+      pending_recv = rw;
+      pending_off = off;
+      pending_len = len;
+      slot = 1 - slot;
+    }
+  }
+
   static std::shared_ptr<::gloo::transport::Device> make_device(const std::string& hostname) {
     if (!hostname.empty()) return c10d::ProcessGroupGloo::createDeviceForHostname(hostname);
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
@@ -174,11 +325,11 @@ class GlooRingTransport final : public Transport {
     }
   }
 
-  void exchange(const at::Tensor& send_buf, int to, const at::Tensor& recv_buf, int from, TransferCount& count) {
-    auto rw = post_recv(recv_buf, from);
-    auto sw = post_send(send_buf, to);
-    wait_work(rw, from, "receive from");
-    wait_work(sw, to, "send to");
+  void gloo_exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf, TransferCount& count) {
+    auto rw = post_recv(recv_buf, prev());
+    auto sw = post_send(send_buf, next());
+    wait_work(rw, prev(), "receive from");
+    wait_work(sw, next(), "send to");
     count.sent += send_buf.numel() * send_buf.element_size();
     count.received += recv_buf.numel() * recv_buf.element_size();
     next_tag();
@@ -205,6 +356,7 @@ class GlooRingTransport final : public Transport {
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
+  RingHops hops_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   uint64_t seq_ = 0;
 };
@@ -247,9 +399,9 @@ void disable_flight_recorder_once() {
 
 std::unique_ptr<Transport> make_local_transport() { return std::make_unique<LocalTransport>(); }
 
-std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                               const GlooTransportOptions& options) {
-  return std::make_unique<GlooRingTransport>(store, rank, size, options);
+std::unique_ptr<Transport> make_ring_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               const CpuTransportOptions& options, RingHops hops) {
+  return std::make_unique<RingTransport>(store, rank, size, options, std::move(hops));
 }
 
 }  // namespace fsdp

@@ -1,7 +1,8 @@
 // Transport: the backend interface under Communicator. A transport runs one collective to
 // completion on the calling thread (the communicator's worker) and reports the bytes it moved.
-// Implementations: LocalTransport (one rank), GlooRingTransport (CPU: bandwidth-optimal rings
-// over Gloo point-to-point), NcclTransport (CUDA builds: NCCL's native collectives).
+// Implementations: LocalTransport (one rank), RingTransport (CPU: bandwidth-optimal rings whose
+// hops are shared memory within a host and Gloo point-to-point between hosts), NcclTransport (CUDA
+// builds: NCCL's native collectives).
 #pragma once
 
 #include <chrono>
@@ -53,11 +54,16 @@ class Transport {
   virtual void barrier(TransferCount& count) = 0;
 };
 
-struct GlooTransportOptions {
+struct CpuTransportOptions {
   std::chrono::milliseconds timeout{60000};
   int threads = 2;
   // Address this rank's Gloo device binds to; empty = from GLOO_SOCKET_IFNAME or the hostname.
   std::string hostname;
+  // "auto": the ring's hops between ranks of one host go through shared memory, the others over
+  // Gloo; "gloo": every hop over Gloo. FSDP_CPU_TRANSPORT in the environment overrides it.
+  std::string mode = "auto";
+  // Which ranks count as one host for shared memory: empty = detected (shm_host_key).
+  std::string host_id;
 };
 
 std::unique_ptr<Transport> make_local_transport();
@@ -67,7 +73,10 @@ void disable_flight_recorder_once();
 // CUDA tensors over NCCL (CUDA builds); the CPU-only build throws ConfigError naming the fix.
 std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                std::chrono::milliseconds timeout);
-std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                               const GlooTransportOptions& options);
+// CPU collectives as rings (Note [Ring schedule] in ring.cpp) whose hops are shared-memory channels
+// between ranks of one host and Gloo point-to-point between hosts (Note [Shared-memory hops]).
+// Every rank of the group calls it with the same options; the ranks agree through `store`.
+std::unique_ptr<Transport> make_cpu_transport(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                              const CpuTransportOptions& options);
 
 }  // namespace fsdp

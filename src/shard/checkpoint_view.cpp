@@ -44,6 +44,7 @@ ModelView model_view(FSDPModule& root) {
     view.tensors.push_back(std::move(t));
     by_tensor.erase(it);  // tied: once
   }
+  for (const auto& b : unit_of(root).root_state().buffers) view.buffers.push_back({b.name, b.tensor, b.saved_dtype});
   view.dist = &unit_of(root).mesh().dist();
   view.strategy = strategy_name(unit_of(root).options().strategy);
   return view;

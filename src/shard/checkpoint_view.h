@@ -40,9 +40,17 @@ struct FlatShardView {
   size_t index = 0;  // position in the root's flat-param order (units pre-order, then each unit's)
 };
 
+// A persistent buffer (FullyShardOptions::buffers): replicated, saved whole by the job's rank 0.
+struct BufferView {
+  std::string name;                   // fully qualified, e.g. "1.running_mean"
+  at::Tensor tensor;                  // the live buffer; copies into it land in the model
+  at::ScalarType dtype = at::kFloat;  // the dtype checkpoints hold it in
+};
+
 struct ModelView {
   std::vector<FlatShardView> flats;        // the root's flat-param order
   std::vector<ShardedTensorView> tensors;  // model registration order, tied tensors once
+  std::vector<BufferView> buffers;         // after the parameters in the model file
   bool writer = true;                      // replicas of a shard (HSDP, NO_SHARD): only the first writes
   Dist* dist = nullptr;                    // the job the model is sharded over
   std::string strategy;                    // the root's sharding strategy, e.g. "FULL_SHARD"

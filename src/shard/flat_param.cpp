@@ -106,12 +106,41 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
     unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(device));
   }
   use_unsharded_views();  // views are created while the storage has its bytes (bounds-checked)
-  if (!aliases_master_) set_storage_alive(unsharded_, false);
+  make_guards();
+  if (!aliases_master_) {
+    set_storage_alive(unsharded_, false);
+    use_guards();
+  }
   state_ = aliases_master_ ? ShardedState::kUnsharded : ShardedState::kSharded;
 }
 
 void FlatParam::use_unsharded_views() {
-  for (auto& e : entries_) rebind_param_data(e.param, unsharded_.narrow(0, e.offset, e.numel).view(e.shape));
+  // The first time (construction) through set_data, which also moves meta parameters and drops a
+  // stale gradient accumulator of another dtype; afterwards a plain re-pointing (the parameter is
+  // a guard, which set_data would dispatch on).
+  for (auto& e : entries_) {
+    at::Tensor view = unsharded_.narrow(0, e.offset, e.numel).view(e.shape);
+    if (guards_.empty()) {
+      rebind_param_data(e.param, view);
+    } else {
+      point_param_at(e.param, view);
+    }
+  }
+}
+
+void FlatParam::make_guards() {
+  guard_info_ = std::make_shared<ParamGuardInfo>();
+  guard_info_->module_type = config_.module_type;
+  for (auto& e : entries_) guards_.push_back(make_param_guard(e.param, guard_info_));
+}
+
+void FlatParam::use_guards() {
+  for (size_t i = 0; i < entries_.size(); ++i) point_param_at(entries_[i].param, guards_[i]);
+}
+
+void FlatParam::set_tag(std::string tag) {
+  config_.tag = std::move(tag);
+  guard_info_->unit = config_.tag.substr(0, config_.tag.rfind('/'));
 }
 
 void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) {
@@ -152,6 +181,7 @@ void FlatParam::unshard() {
     gather_input_ = at::Tensor();
     after_gather();
     state_ = ShardedState::kUnsharded;
+    use_unsharded_views();
     return;
   }
   gather_handle_ = shard_group_.all_gather(unsharded_, gather_input_, config_.tag);
@@ -166,12 +196,14 @@ void FlatParam::wait_for_unshard() {
   gather_input_ = at::Tensor();
   after_gather();
   state_ = ShardedState::kUnsharded;
+  use_unsharded_views();
 }
 
 void FlatParam::reshard() {
   if (aliases_master_) return;
   wait_for_unshard();  // never free memory a collective is still writing
   set_storage_alive(unsharded_, false);
+  use_guards();
   state_ = ShardedState::kSharded;
 }
 
@@ -268,6 +300,7 @@ void FlatParam::set_offload(OffloadPlacement placement) {
       unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
       use_unsharded_views();
       set_storage_alive(unsharded_, false);
+      use_guards();
       state_ = ShardedState::kSharded;
     }
   }

@@ -6,8 +6,10 @@
 // The unsharded buffer is allocated once. Each parameter is a leaf whose data is a view of it
 // (Tensor::set_data keeps the parameter's identity, hooks and autograd metadata). Resharding frees
 // the memory by resizing the buffer's storage to zero bytes; unsharding grows it back and
-// all-gathers into it. Views see the new memory because they share the storage object. While
-// resharded, parameter data must not be read (it has no bytes). Gradients are views of an
+// all-gathers into it. Views see the new memory because they share the storage object (so do
+// views autograd saved for backward). While resharded, parameter data must not be read: the
+// parameters point at guards instead (Note [Guarded parameters], param_data.h), and back at
+// their views once the gather lands. Gradients are views of an
 // unsharded gradient buffer managed the same way, assigned before the unit's backward so that
 // AccumulateGrad adds into them in place, and reduce-scattered without a copy.
 #pragma once
@@ -24,6 +26,8 @@
 #include "fsdp/options.h"
 
 namespace fsdp {
+
+struct ParamGuardInfo;
 
 namespace offload {
 class DiskTier;
@@ -54,8 +58,9 @@ struct FlatParamConfig {
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the unsharded buffer (param_dtype)
   at::ScalarType reduce_dtype = at::kFloat;   // dtype gradients are reduced in
   bool requires_grad = true;
-  int group = 0;    // optimizer group
-  std::string tag;  // "layers.0/0": shows in collective errors
+  int group = 0;            // optimizer group
+  std::string tag;          // "layers.0/0": shows in collective errors
+  std::string module_type;  // the unit's module type, for misuse errors (Note [Guarded parameters])
   // The compute device (the process group's, InitOptions::device): where gathered params and
   // their gradients live, and the master shard unless offloaded. Parameters must already be on
   // it, or on the meta device (deferred init materialises the shard on it).
@@ -85,7 +90,7 @@ class FlatParam {
   // ---- layout
   const std::vector<FlatParamEntry>& entries() const { return entries_; }
   const FlatParamConfig& config() const { return config_; }
-  void set_tag(std::string tag) { config_.tag = std::move(tag); }
+  void set_tag(std::string tag);
   int64_t numel() const { return numel_; }
   int64_t padded_numel() const { return padded_numel_; }
   int64_t shard_numel() const { return shard_numel_; }
@@ -124,6 +129,8 @@ class FlatParam {
 
  private:
   void use_unsharded_views();
+  void make_guards();
+  void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
   // Offload hooks in the gather / reduce cycle (no-ops without offload).
   // Whether a state in `tier` is copied between host and device memory by the stager.
   bool crosses_to_device(OffloadTier tier) const;
@@ -157,6 +164,8 @@ class FlatParam {
   bool grads_prepared_ = false;
 
   OffloadPlacement offload_;
+  std::shared_ptr<ParamGuardInfo> guard_info_;
+  std::vector<at::Tensor> guards_;  // per entry
 };
 
 }  // namespace fsdp

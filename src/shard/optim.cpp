@@ -59,6 +59,28 @@ double ShardedOptimizer::group_weight_decay(int group) const {
   return group == 0 ? default_weight_decay_ : 0.0;
 }
 
+at::Tensor& ShardedOptimizer::master_shard(const ShardState& s) const {
+  return flats_->at(s.flat_index)->sharded_param();
+}
+
+at::Tensor ShardedOptimizer::collect_grad(const ShardState& s) const {
+  FlatParam& flat = *flats_->at(s.flat_index);
+  flat.finalize_grads();
+  return flat.sharded_grad();
+}
+
+int ShardedOptimizer::group_of(const ShardState& s) const { return flats_->at(s.flat_index)->config().group; }
+
+bool ShardedOptimizer::state_offloaded(const ShardState& s) const {
+  return flats_->at(s.flat_index)->offload().optimizer_state != OffloadTier::kNone;
+}
+
+std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) return std::nullopt;
+  return it->second.weight_decay();
+}
+
 void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
   Tracer* tracer = unit_of(*root_).tracer();

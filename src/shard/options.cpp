@@ -45,6 +45,22 @@ OffloadTier parse_offload_tier(const std::string& name) {
   throw ConfigError("fsdp: unknown offload tier '" + name + "' (expected none, host or disk)");
 }
 
+const char* buffer_sync_name(BufferSync s) {
+  switch (s) {
+    case BufferSync::kBroadcast: return "broadcast";
+    case BufferSync::kAverage: return "average";
+    case BufferSync::kLocal: return "local";
+  }
+  return "unknown";
+}
+
+BufferSync parse_buffer_sync(const std::string& name) {
+  for (auto s : {BufferSync::kBroadcast, BufferSync::kAverage, BufferSync::kLocal}) {
+    if (name == buffer_sync_name(s)) return s;
+  }
+  throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected broadcast, average or local)");
+}
+
 void OffloadPolicy::validate() const {
   if (uses(OffloadTier::kDisk) && dir_.empty()) {
     throw ConfigError("fsdp: offload.dir is empty but a state is offloaded to \"disk\" (params=" +

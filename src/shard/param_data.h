@@ -1,5 +1,9 @@
-// Re-pointing a parameter's data at another tensor while keeping the parameter's identity.
+// Re-pointing a parameter's data at another tensor while keeping the parameter's identity, and the
+// guard that stands in for a parameter's data while its flat param is sharded.
 #pragma once
+
+#include <memory>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -10,5 +14,24 @@ namespace fsdp {
 // parameter off the meta device, which deferred init needs: set_data refuses meta -> CPU because
 // the two are not "shallow-copy compatible", though the metadata copy itself is well defined.
 void rebind_param_data(const at::Tensor& param, const at::Tensor& data);
+
+// Note [Guarded parameters]
+// While a flat param is sharded its parameters' data is a guard: a tensor with the parameter's
+// sizes, dtype and device but no bytes, whose dispatch keys include DispatchKey::DeferredInit (a
+// key LibTorch reserves for deferred initialisation, which nothing else in a LibTorch program
+// sets). fsdp registers a fallback for that key, so any operator given a guarded parameter (a
+// forward run outside fsdp::call, a stock container calling a sharded child, printing a
+// parameter) reaches the fallback before any kernel, and it throws UsageError naming the module.
+// Metadata (sizes, dtype, device, requires_grad) reads no data and stays available.
+struct ParamGuardInfo {
+  std::string unit;         // the unit's name once the root is known ("" before its lazy init)
+  std::string module_type;  // e.g. "torch::nn::LinearImpl"
+};
+
+// A guard shaped like `like` (the parameter's gathered view).
+at::Tensor make_param_guard(const at::Tensor& like, std::shared_ptr<ParamGuardInfo> info);
+
+// Points `param` at `data` (a guard or a view of the gathered buffer) without dispatching.
+void point_param_at(const at::Tensor& param, const at::Tensor& data);
 
 }  // namespace fsdp

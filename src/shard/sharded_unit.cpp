@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "fsdp/errors.h"
 #include "fsdp/trace.h"
 
 namespace fsdp {
@@ -54,11 +55,29 @@ void ShardedUnit::prefetch(const std::vector<ShardedUnit*>& targets) {
 }
 
 void ShardedUnit::pre_forward() {
-  if (root_ == nullptr) lazy_init();
+  if (root_ == nullptr) {
+    if (nested_) {
+      auto module = module_.lock();
+      throw UsageError("fsdp: sharded module " + (module ? module->name() : std::string("?")) +
+                       " ran before its root: the root's forward never ran through fsdp::call. A step starts "
+                       "with fsdp::call(root, inputs) on the module fully_shard was applied to last");
+    }
+    lazy_init();
+  }
   RootState& rs = root_state();
   const bool recompute = rs.in_backward;  // activation checkpointing inside backward
-  if (is_root() && !recompute) rs.order.begin_step();
+  if (!is_root() && !recompute && root_->state_ != TrainingState::kForward) {
+    auto module = module_.lock();
+    throw UsageError("fsdp: sharded module '" + name() + "' (" + (module ? module->name() : std::string("?")) +
+                     ") ran outside its root's forward: the root's forward must run through fsdp::call too "
+                     "(fsdp::call(root, inputs)), and this module inside it");
+  }
+  if (is_root() && !recompute) {
+    rs.order.begin_step();
+    if (rs.buffers_dirty) sync_buffers();
+  }
   if (!recompute) rs.order.record(this);
+  if (recompute) rs.recomputed = true;
   forward_begin_ = std::chrono::steady_clock::now();
   // Our own gather goes first on the communicator's queue, the prefetches behind it.
   unshard();
@@ -93,6 +112,12 @@ void ShardedUnit::post_forward() {
                           last_order.back() == this && rs.order.recorded().size() == last_order.size();
   if (options_.reshard_after_forward && !root_keeps && !last_keeps && !in_backward) reshard();
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
+  // Buffers changed by a training forward are synchronised at the end of backward, once the
+  // graph that saved them is done (or by the next forward, if no backward comes).
+  if (is_root() && !in_backward) {
+    auto module = module_.lock();
+    if (module && module->is_training()) rs.buffers_dirty = true;
+  }
   if (Tracer* t = tracer())
     t->span("fsdp::forward", "compute", forward_begin_, std::chrono::steady_clock::now(), name());
 }
@@ -118,6 +143,15 @@ void ShardedUnit::pre_backward() {
 }
 
 void ShardedUnit::on_grad_ready(size_t i) {
+  if (!flat_params_[i]->gradients_prepared()) {
+    // No pre-backward ran: the gradient came through a forward fsdp never saw, and it would be lost.
+    auto module = module_.lock();
+    throw UsageError("fsdp: a gradient reached sharded module '" + name() + "' (" +
+                     (module ? module->name() : std::string("?")) +
+                     ") through a forward that did not run through fsdp::call, so it would never be reduced; run "
+                     "the module as fsdp::call(module, args...) (a block inside a torch::nn::Sequential, ModuleList "
+                     "or AnyModule: wrap it with fsdp::Sharded, docs/WRAPPING.md)");
+  }
   if (++grads_landed_[i] == flat_params_[i]->entries().size()) post_backward(i);
 }
 
@@ -182,6 +216,9 @@ void ShardedUnit::finalize_backward() {
   }
   rs.callback_queued = false;
   rs.in_backward = false;
+  // The forward (and any recomputation in this backward) updated the buffers, each rank its way.
+  if (rs.buffers_dirty || rs.recomputed) sync_buffers();
+  rs.recomputed = false;
 }
 
 void ShardedUnit::collect_gradients() {

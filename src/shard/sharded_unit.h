@@ -20,6 +20,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -42,6 +43,14 @@ class Tracer;
 
 enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
+// A persistent buffer of the model (FullyShardOptions::buffers): the live tensor, its name relative
+// to the root, and the dtype checkpoints hold it in (its dtype before any buffer_dtype cast).
+struct BufferState {
+  std::string name;
+  at::Tensor tensor;
+  at::ScalarType saved_dtype = at::kFloat;
+};
+
 // Per-step state that only the root unit holds.
 struct RootState {
   std::vector<ShardedUnit*> units;  // every unit under the root, root first (pre-order)
@@ -56,6 +65,11 @@ struct RootState {
   // Offload: one disk tier and one stager per rank, shared by every unit (null when unused).
   std::shared_ptr<offload::DiskTier> disk_tier;
   std::shared_ptr<offload::DeviceStager> stager;
+  // Persistent buffers of the whole tree (buffers.cpp) and how they are kept consistent.
+  std::vector<BufferState> buffers;
+  BufferSync buffer_sync = BufferSync::kBroadcast;
+  bool recomputed = false;     // a forward ran inside this backward (activation checkpointing)
+  bool buffers_dirty = false;  // a training forward ran since the buffers were last synchronised
 };
 
 class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
@@ -70,6 +84,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   const std::string& prefix() const { return prefix_; }  // "model.layers.0." relative to the root
   std::string name() const;                              // for errors: "model.layers.0" or "<root>"
   bool is_root() const { return root_ == this; }
+  // A unit a larger unit was applied over (its parent, sharded after it): only a root's forward
+  // may start a step, so running it before its root is refused.
+  void mark_nested() { nested_ = true; }
   ShardedUnit* root() { return root_; }
   RootState& root_state() { return *root_->root_state_; }
   // Makes this unit the root of every unit in its module tree (names, inherited options, offload
@@ -105,11 +122,20 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
  private:
   // unit_init.cpp
+  void check_not_owned(const std::string& name, const at::Tensor& param) const;  // Note [Parameters already sharded]
+  void record_owned();
+  void forget_owned();
   void make_flat_params(const torch::nn::Module& module);
   void register_grad_hooks();
   void resolve_inherited_options();  // root only, in lazy_init
   void open_offload_tiers();         // root only, in lazy_init
   void place_offloaded_states();     // root only, in lazy_init
+  // buffers.cpp: root only. init_buffers (in lazy_init) collects the persistent buffers, casts
+  // them, checks that every rank has the same ones and synchronises them once; sync_buffers
+  // applies the BufferSync policy (at the end of backward, or at the next root forward when a
+  // training forward had no backward).
+  void init_buffers();
+  void sync_buffers();
   // sharded_unit.cpp
   void on_grad_ready(size_t flat_index);
   void prefetch(const std::vector<ShardedUnit*>& targets);
@@ -133,10 +159,14 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   bool has_frozen_ = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for the hooks
 
+  // The dtype each buffer this unit casts had before the cast (what checkpoints hold).
+  std::unordered_map<const void*, at::ScalarType> buffer_dtypes_;
+
   std::vector<ShardedUnit*> forward_prefetch_, backward_prefetch_;
   std::chrono::steady_clock::time_point forward_begin_, backward_begin_;
 
   std::string prefix_;
+  bool nested_ = false;
   ShardedUnit* root_ = nullptr;
   std::unique_ptr<RootState> root_state_;
   TrainingState state_ = TrainingState::kIdle;

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <map>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <unordered_map>
@@ -52,6 +53,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 void collect_nested_params(const torch::nn::Module& module, std::unordered_set<const void*>& out, bool top) {
   if (!top) {
     if (ShardedUnit* unit = detail::unit_of(module)) {
+      unit->mark_nested();
       for (auto& fp : unit->flat_params()) {
         for (auto& e : fp->entries()) out.insert(e.param.unsafeGetTensorImpl());
       }
@@ -216,11 +218,17 @@ ShardedUnit::ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const
   }
 }
 
-ShardedUnit::~ShardedUnit() = default;
+ShardedUnit::~ShardedUnit() { forget_owned(); }
 
 void ShardedUnit::build() {
   auto module = module_.lock();
+  if (module->parameters(/*recurse=*/true).empty()) {
+    throw ConfigError("fsdp: fully_shard got module " + module->name() +
+                      ", which holds no parameters (nor do its children): there is nothing to shard; shard the "
+                      "modules that hold parameters");
+  }
   make_flat_params(*module);
+  record_owned();
   register_grad_hooks();
   module->register_module(kAnchorName, std::make_shared<UnitAnchor>(shared_from_this()));
 }
@@ -239,6 +247,7 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   std::vector<FlatParamConfig> configs;
   const auto& mp = options_.mp_policy;
   for (auto& f : found) {
+    check_not_owned(f.name, f.param);
     check_param(f, nested);
     const int group = options_.param_group(f.name, f.param);
     const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group);
@@ -252,6 +261,7 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
       c.requires_grad = f.param.requires_grad();
       c.group = group;
       c.device = mesh_.dist().compute_device();
+      c.module_type = module.name();
       configs.push_back(c);
     }
     FlatParamEntry e;
@@ -282,6 +292,51 @@ void ShardedUnit::register_grad_hooks() {
         if (auto unit = weak.lock()) unit->on_grad_ready(i);
       }));
       grad_accumulators_.push_back(std::move(acc));
+    }
+  }
+}
+
+// Note [Parameters already sharded]
+// Every parameter a unit takes is recorded (by TensorImpl) until the unit is destroyed, so a
+// module whose parameters another unit already owns is refused: fully_shard on a child after its
+// parent (the parent took the child's parameters) or on a module whose ancestor was sharded.
+namespace {
+std::mutex owned_mutex;
+std::unordered_map<const void*, std::weak_ptr<ShardedUnit>>& owned_params() {
+  static auto* owned = new std::unordered_map<const void*, std::weak_ptr<ShardedUnit>>();
+  return *owned;
+}
+}  // namespace
+
+void ShardedUnit::check_not_owned(const std::string& name, const at::Tensor& param) const {
+  std::lock_guard<std::mutex> lock(owned_mutex);
+  auto it = owned_params().find(param.unsafeGetTensorImpl());
+  if (it == owned_params().end()) return;
+  auto owner = it->second.lock();
+  if (!owner) return;
+  auto owner_module = owner->module().lock();
+  auto module = module_.lock();
+  throw ConfigError("fsdp: cannot shard module " + module->name() + ": its parameter '" + name +
+                    "' already belongs to the sharded unit of " +
+                    (owner_module ? owner_module->name() : std::string("another module")) +
+                    ", which was sharded first. Shard bottom-up: the blocks first, their parents after them, the "
+                    "root last");
+}
+
+void ShardedUnit::record_owned() {
+  std::lock_guard<std::mutex> lock(owned_mutex);
+  for (auto& fp : flat_params_) {
+    for (const auto& e : fp->entries()) owned_params()[e.param.unsafeGetTensorImpl()] = weak_from_this();
+  }
+}
+
+void ShardedUnit::forget_owned() {
+  std::lock_guard<std::mutex> lock(owned_mutex);
+  for (auto& fp : flat_params_) {
+    for (const auto& e : fp->entries()) {
+      auto it = owned_params().find(e.param.unsafeGetTensorImpl());
+      if (it != owned_params().end() && (it->second.expired() || it->second.lock().get() == this))
+        owned_params().erase(it);
     }
   }
 }
@@ -323,6 +378,7 @@ void ShardedUnit::lazy_init() {
   for (ShardedUnit* unit : root_state_->units) {
     for (auto& fp : unit->flat_params_) fp->materialize(unit->options_.init, unit->prefix_);
   }
+  init_buffers();
 }
 
 // Opens what the units' offload policies use: one disk tier per rank (its directory and budget

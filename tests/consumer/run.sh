@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs the built fsdp into a temporary prefix, checks the install tree (the three apps, every
 # layer library, the public headers), then configures, builds and runs a consumer project that
-# finds it with find_package(fsdp). Args: BUILD_DIR CONSUMER_SOURCE_DIR.
+# finds it with find_package(fsdp), with the Sequential example among its programs.
+# Args: BUILD_DIR CONSUMER_SOURCE_DIR EXAMPLES_DIR.
 set -euo pipefail
 build=$1
 src=$2
+examples=$3
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 prefix=$work/prefix
@@ -34,6 +36,11 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # Paths under the temporary folder are hashed relative to it, so a later run hits the cache.
 export CCACHE_BASEDIR=$work CCACHE_NOHASHDIR=1
 cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
-  -DCMAKE_PREFIX_PATH="$prefix" >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+  -DCMAKE_PREFIX_PATH="$prefix" -DFSDP_EXAMPLES_DIR="$examples" >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 env -u RANK -u WORLD_SIZE "$work/build/consumer"
+# The example trains, saves and resumes on one rank.
+env -u RANK -u WORLD_SIZE "$work/build/sequential_example" --steps 2 --out "$work/seq" >/dev/null
+env -u RANK -u WORLD_SIZE "$work/build/sequential_example" --steps 3 --out "$work/seq" --resume >"$work/seq.out"
+grep -q "^step 3 loss" "$work/seq.out" || { echo "run.sh: the Sequential example did not resume to step 3" >&2; exit 1; }
+echo "sequential example ok"

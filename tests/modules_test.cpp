@@ -1,0 +1,296 @@
+// Any LibTorch module: sharded blocks inside stock containers (fsdp::Sharded in a Sequential, an
+// AnyModule, a ModuleList driven by the model's own forward), every return type fsdp::call looks
+// into, and misuse as a UsageError on every rank (a forgotten fsdp::call at the root or at a
+// child, a Sequential calling raw sharded children) before any operator reads a freed parameter;
+// plus the bad inputs of fully_shard (no parameters, sharded twice, a child after its parent).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <mutex>
+
+#include "fsdp/fsdp.h"
+#include "support/ranks.h"
+
+// A user type returned by a forward: fsdp::call reaches its tensors through ForwardOutput.
+struct TwoHeads {
+  at::Tensor main, aux;
+  int64_t count = 0;
+};
+template <>
+struct fsdp::ForwardOutput<TwoHeads> {
+  template <typename F>
+  static void for_each_tensor(TwoHeads& out, F&& f) {
+    f(out.main);
+    f(out.aux);
+  }
+};
+
+namespace fsdp {
+namespace {
+
+std::mutex g_seed_mutex;
+
+torch::nn::Sequential make_seq(bool wrap) {
+  std::lock_guard<std::mutex> lock(g_seed_mutex);
+  at::manual_seed(5);
+  torch::nn::Linear a(6, 10), b(10, 3);
+  if (!wrap) return torch::nn::Sequential(a, torch::nn::Tanh(), b);
+  return torch::nn::Sequential(Sharded(a), torch::nn::Tanh(), Sharded(b));
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int rank, int world) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto x = at::randn({8, 6}, gen), y = at::randn({8, 3}, gen);
+  const int64_t n = 8 / world;
+  return {x.narrow(0, rank * n, n), y.narrow(0, rank * n, n)};
+}
+
+// The same Sequential sharded one unit per Linear on 2 ranks and unsharded on the whole batch:
+// equal losses and parameters, and the unsharded model's names.
+TEST(Containers, ShardedSequentialMatchesUnsharded) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    auto ref = make_seq(false);
+    auto net = make_seq(true);
+    std::vector<std::string> ref_names, names;
+    for (const auto& p : ref->named_parameters()) ref_names.push_back(p.key());
+    for (const auto& p : net->named_parameters()) names.push_back(p.key());
+    EXPECT_EQ(names, ref_names);  // "0.weight", not "0.module.weight"
+    const auto blocks = sharded_children(*net);
+    ASSERT_EQ(blocks.size(), 2u);
+    for (auto& block : blocks) fully_shard(block, mesh);
+    auto root = fully_shard(net, mesh);
+    auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.1));
+    torch::optim::SGD ref_optim(ref->parameters(), torch::optim::SGDOptions(0.1));
+    auto [x, y] = batch(dist.rank(), 2);
+    auto [gx, gy] = batch(0, 1);
+    for (int step = 0; step < 3; ++step) {
+      auto loss = at::mse_loss(fsdp::call(net, x), y);
+      loss.backward();
+      optim->step();
+      optim->zero_grad();
+      auto l = loss.detach().to(at::kDouble).reshape({1});
+      dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      auto ref_loss = at::mse_loss(ref->forward(gx), gy);
+      ref_loss.backward();
+      ref_optim.step();
+      ref_optim.zero_grad();
+      EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5) << "step " << step;
+    }
+  });
+}
+
+// wrap_children rebuilds a Sequential (names kept); AnyModule and ModuleList blocks run as units.
+TEST(Containers, WrapChildrenAnyModuleAndModuleList) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    auto net = wrap_children<torch::nn::LinearImpl>(make_seq(false));
+    EXPECT_EQ(sharded_children(*net).size(), 2u);
+    EXPECT_TRUE(net->named_parameters().contains("2.bias"));
+    for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
+    auto root = fully_shard(net, mesh);
+    auto [x, y] = batch(dist.rank(), 2);
+    at::mse_loss(fsdp::call(net, x), y).backward();
+
+    // AnyModule holding a sharded block: its forward runs the unit.
+    torch::nn::AnyModule any(Sharded(torch::nn::Linear(6, 3)));
+    fully_shard(any.ptr(), mesh);
+    auto out = any.forward(x);
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{4, 3}));
+    out.sum().backward();
+
+    // ModuleList: the model's own loop calls each block through fsdp::call.
+    torch::nn::ModuleList list(torch::nn::Linear(6, 6), torch::nn::Linear(6, 6));
+    for (size_t i = 0; i < list->size(); ++i) fully_shard(list->ptr(i), mesh);
+    auto h = x;
+    for (size_t i = 0; i < list->size(); ++i) h = fsdp::call(list->ptr<torch::nn::LinearImpl>(i), h);
+    h.sum().backward();
+  });
+}
+
+// Forgotten fsdp::call at the root: every rank gets a UsageError naming the module, before any
+// kernel reads the freed parameter; the next, correct step trains normally.
+TEST(Misuse, ForgottenCallAtTheRootIsAUsageErrorOnEveryRank) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    auto net = make_seq(true);
+    for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
+    auto root = fully_shard(net, mesh);
+    auto [x, y] = batch(dist.rank(), 2);
+    try {
+      net->forward(x);
+      ADD_FAILURE() << "rank " << dist.rank() << ": no error";
+    } catch (const UsageError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("fsdp::call"), std::string::npos) << what;
+      EXPECT_NE(what.find("Linear"), std::string::npos) << what;
+    }
+    auto loss = at::mse_loss(fsdp::call(net, x), y);
+    loss.backward();
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  });
+}
+
+// A custom module whose forward calls a sharded child's forward directly.
+class ParentImpl : public torch::nn::Module {
+ public:
+  ParentImpl()
+      : head(register_module("head", torch::nn::Linear(6, 6))),
+        tail(register_module("tail", torch::nn::Linear(6, 3))) {}
+  at::Tensor forward(const at::Tensor& x) { return tail->forward(fsdp::call(head, x)); }  // tail: forgotten
+  torch::nn::Linear head, tail;
+};
+TORCH_MODULE(Parent);
+
+TEST(Misuse, ChildForwardCalledDirectlyNamesTheChild) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    Parent net;
+    fully_shard(net->head, mesh);
+    fully_shard(net->tail, mesh);
+    auto root = fully_shard(net, mesh);
+    auto [x, y] = batch(dist.rank(), 2);
+    try {
+      fsdp::call(net, x);
+      ADD_FAILURE() << "rank " << dist.rank() << ": no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("'tail'"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// One rank in fp32: nothing is freed, so nothing is guarded, but the gradient of a child run past
+// fsdp::call arrives without the unit's pre-backward: a UsageError, not a silently lost gradient.
+TEST(Misuse, OneRankLostGradientIsAUsageError) {
+  testing::run_threads(1, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    Parent net;
+    fully_shard(net->head, mesh);
+    fully_shard(net->tail, mesh);
+    auto root = fully_shard(net, mesh);
+    auto out = fsdp::call(net, at::ones({2, 6}));
+    try {
+      out.sum().backward();
+      ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("'tail'"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// A stock Sequential holding raw (unwrapped) sharded children: refused before its forward runs.
+TEST(Misuse, SequentialWithRawShardedChildren) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    auto net = make_seq(false);
+    fully_shard(net->ptr(0), mesh);
+    fully_shard(net->ptr(2), mesh);
+    auto root = fully_shard(net, mesh);
+    auto [x, y] = batch(dist.rank(), 2);
+    try {
+      fsdp::call(net, x);
+      ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("fsdp::Sharded"), std::string::npos) << e.what();
+    }
+    // Inside a model's own forward the guard catches it the same way.
+    try {
+      net->forward(x);
+      ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("Sequential"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// Returns every kind of output fsdp::call looks into; each tensor gets the backward hook, so the
+// gradients equal the unsharded model's.
+class MultiImpl : public torch::nn::Module {
+ public:
+  MultiImpl() : fc(register_module("fc", torch::nn::Linear(6, 4))) {}
+  std::tuple<std::pair<at::Tensor, std::optional<at::Tensor>>, std::vector<std::array<at::Tensor, 1>>,
+             std::map<std::string, at::Tensor>, TwoHeads, std::string, int>
+  forward(const at::Tensor& x) {
+    auto h = fc->forward(x);
+    return {{h * 2, h * 3}, {{h.sin()}}, {{"k", h.cos()}}, TwoHeads{h * 4, h * 5, 1}, "s", 7};
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Multi);
+
+at::Tensor total(std::tuple<std::pair<at::Tensor, std::optional<at::Tensor>>, std::vector<std::array<at::Tensor, 1>>,
+                            std::map<std::string, at::Tensor>, TwoHeads, std::string, int>& o) {
+  auto& [p, v, m, s, str, i] = o;
+  return p.first.sum() + p.second->pow(2).sum() + v[0][0].sum() + m.at("k").sum() + s.main.sum() + s.aux.pow(2).sum();
+}
+
+TEST(CallOutputs, EveryNestingGetsTheBackwardHook) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    Multi ref, net;
+    {
+      c10::NoGradGuard ng;
+      for (auto* m : {&ref, &net}) {
+        (*m)->fc->weight.copy_(at::linspace(-1, 1, 24).reshape({4, 6}));
+        (*m)->fc->bias.fill_(0.1);
+      }
+    }
+    auto root = fully_shard(net, mesh);
+    auto x = at::linspace(-2, 2, 12).reshape({2, 6});
+    auto out = fsdp::call(net, x);
+    total(out).backward();
+    auto ref_out = ref->forward(x);
+    total(ref_out).backward();
+    // Every rank's reduced gradient is the mean of identical ones: the reference's.
+    EXPECT_EQ(std::get<4>(out), "s");
+    EXPECT_EQ(std::get<3>(out).count, 1);
+    auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(1.0));
+    optim->step();
+    ref->fc->weight.detach().sub_(ref->fc->weight.grad());
+    root->unshard();
+    EXPECT_TRUE(at::allclose(net->fc->weight.detach(), ref->fc->weight.detach(), 1e-5, 1e-6));
+    root->reshard();
+  });
+}
+
+// Bad input to fully_shard: each a ConfigError naming the module.
+TEST(BadInput, NoParametersShardedTwiceChildAfterParent) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    torch::nn::ReLU relu;
+    try {
+      fully_shard(relu, mesh);
+      ADD_FAILURE() << "no error";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("no parameters"), std::string::npos) << e.what();
+    }
+    torch::nn::Linear lin(3, 3);
+    fully_shard(lin, mesh);
+    EXPECT_THROW(fully_shard(lin, mesh), ConfigError);
+    Parent net;
+    fully_shard(net, mesh);
+    try {
+      fully_shard(net->head, mesh);
+      ADD_FAILURE() << "no error";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("bottom-up"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("weight"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp
