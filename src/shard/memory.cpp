@@ -49,6 +49,7 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
       by_tier(g, fp->offload().grads);
     }
     r.unsharded_alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
+    r.unsharded_grads_alive += fp->unsharded_grad_bytes();
   }
   if (optimizer != nullptr) {
     for (const auto& s : const_cast<ShardedOptimizer*>(optimizer)->states()) {
