@@ -27,6 +27,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/init.h"
 #include "fsdp/memory.h"
+#include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "fsdp/stop.h"
@@ -277,6 +278,7 @@ class Job {
                 o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
     std::printf("%s\n", levers_summary(cfg_, global_batch_).c_str());
+    if (offloads()) std::printf("offload plan per rank: %s\n", fsdp::offload_plan(*root_, *optim_).to_string().c_str());
     if (off.params != "none" || off.grads != "none" || off.optimizer_state != "none") {
       std::printf("offload: params %s, grads %s, optimizer_state %s%s%s, memory_budget_bytes %lld\n",
                   off.params.c_str(), off.grads.c_str(), off.optimizer_state.c_str(), off.dir.empty() ? "" : ", dir ",
@@ -312,6 +314,8 @@ class Job {
     const auto start = Clock::now();
     while (step_ < cfg_.train.steps) {
       train_step();
+      // Offload I/O is reported per step after the first (whose execution order is not known yet).
+      if (offloads() && step_ == first_step + 1) offload_io_after_first_ = fsdp::offload_io(*root_);
       // Every rank brings its own stop request (preemption.h) and all learn the same answer.
       stop_signal_ = fsdp::agree_on_stop(dist_->world(), fsdp::StopRequest::signal(), "train/stop");
       if (stop_signal_ != 0) {
@@ -494,6 +498,10 @@ class Job {
     if (skipped > 0) std::printf(", %lld step(s) skipped (non-finite)", static_cast<long long>(skipped));
     std::printf("\nmemory measured (rank 0): %s\n", report.to_string().c_str());
     report_levers();
+    if (offloads() && steps_trained_ > 1) {
+      const auto io = (fsdp::offload_io(*root_) - offload_io_after_first_).per_step(steps_trained_ - 1);
+      std::printf("offload measured (rank 0, per step after the first): %s\n", io.to_string().c_str());
+    }
     std::printf("peak RSS per rank:");
     for (const auto& r : all) std::printf(" %.1f MiB", r.peak_rss_bytes / (1 << 20));
     std::printf("\n");
@@ -529,6 +537,11 @@ class Job {
 
   int64_t step_ = 0, samples_seen_ = 0;
   int64_t last_saved_step_ = -1, last_eval_step_ = -1, steps_trained_ = 0;
+  fsdp::OffloadIo offload_io_after_first_;
+  bool offloads() const {
+    const auto& off = cfg_.fsdp.offload;
+    return off.params != "none" || off.grads != "none" || off.optimizer_state != "none";
+  }
   double last_loss_ = 0, last_eval_loss_ = 0, train_seconds_ = 0;
   std::string resumed_from_, last_checkpoint_;
   bool started_fresh_ = false;  // --resume latest found no checkpoint
