@@ -26,9 +26,12 @@ def load(path):
 
 
 def steps_of(events):
-    """[(start, end)] per training step: train::data's start to train::metrics' end."""
+    """[(start, end)] per training step: train::data's start to train::metrics' end (fsdp-train),
+    else each train::step span (bench_disk_tier)."""
     starts = [e["ts"] for e in events if e["name"] == "train::data"]
     ends = [e["ts"] + e["dur"] for e in events if e["name"] == "train::metrics"]
+    if not starts:
+        return [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "train::step"]
     return list(zip(starts, ends))
 
 
@@ -76,7 +79,17 @@ def analyse(events, skip):
             by_unit[(e["name"], e.get("args", {}).get("unit", ""), phase)] += e["dur"]
         comm = [(e["ts"], e["ts"] + e["dur"]) for e in evs if e["name"] in ("fsdp::all_gather", "fsdp::reduce_scatter")]
         wait_iv = [(e["ts"], e["ts"] + e["dur"]) for e in evs if e["name"] in WAITS]
+        # The disk tier's I/O threads (their own lanes) and the time the training thread waited
+        # for a read: the I/O under neither a disk wait nor a communication wait overlapped compute.
+        span = lambda name: [(e["ts"], e["ts"] + e["dur"]) for e in evs if e["name"] == name]
+        disk_wait = span("fsdp::disk_read_wait")
         per_step.append({
+            "disk_read_ms": union_length(span("fsdp::disk_read")) / 1e3,
+            "disk_write_ms": union_length(span("fsdp::disk_write")) / 1e3,
+            "disk_wait_ms": union_length(disk_wait) / 1e3,
+            "disk_io_under_compute_ms": overlap(span("fsdp::disk_read") + span("fsdp::disk_write"),
+                                                disk_wait + wait_iv) / 1e3,
+            "optimizer_ms": union_length(span("fsdp::optimizer_step")) / 1e3,
             "step_ms": (hi - lo) / 1e3,
             "waits": waits,
             "by_unit": by_unit,
@@ -99,6 +112,10 @@ def main():
     print(f"{args.trace}: {len(steps)} steps after {args.skip} skipped (medians per step)")
     print(f"  step {med('step_ms'):.1f} ms; blocked in waits {med('blocked_ms'):.1f} ms; communicator busy "
           f"{med('comm_busy_ms'):.1f} ms, of which under compute (hidden) {med('comm_under_compute_ms'):.1f} ms")
+    if med("disk_read_ms") + med("disk_write_ms") > 0:
+        print(f"  disk tier: reading {med('disk_read_ms'):.1f} ms, writing {med('disk_write_ms'):.1f} ms (own lanes); "
+              f"training thread waited for reads {med('disk_wait_ms'):.1f} ms; I/O under compute "
+              f"{med('disk_io_under_compute_ms'):.1f} ms; optimizer step {med('optimizer_ms'):.1f} ms")
     keys = sorted({k for s in steps for k in s["waits"]})
     for k in keys:
         print(f"  {k[0]:<28} in {k[1]:<22} {statistics.median(s['waits'][k] for s in steps) / 1e3:8.1f} ms")

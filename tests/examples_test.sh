@@ -69,5 +69,42 @@ else
     "$TMP/first.err" "$TMP/second.err" "$TMP/resume.cmp" "$TMP/resumed" "$TMP/SEQUENTIAL.2"
 fi
 
+# Malformed input: the saved checkpoint's BatchNorm running_mean rewritten as [32, 2] (same bytes,
+# another shape). --resume must fail within the timeout, naming the buffer and both shapes (the
+# first rank to fail stops the job, so one rank's message is what is sure to show), and leave the
+# checkpoint's files as they were.
+ckpt=$(cat "$TMP/resume/latest" 2>/dev/null)
+ckpt_dir="$TMP/resume/$ckpt"
+python3 - "$ckpt_dir" >"$TMP/mangle.out" 2>&1 <<'PY'
+import glob, json, struct, sys
+for path in sorted(glob.glob(sys.argv[1] + "/model*.safetensors")):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    names = [k for k in header if k.endswith("running_mean")]
+    if not names:
+        continue
+    header[names[0]]["shape"] = [header[names[0]]["shape"][0] // 2, 2]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data offsets count from the header's end: any length works
+    open(path, "wb").write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    print(names[0])
+    sys.exit(0)
+sys.exit("no running_mean in " + sys.argv[1])
+PY
+mangled=$(cat "$TMP/mangle.out")
+sum_before=$(cat "$ckpt_dir"/* | md5sum)
+start=$SECONDS
+run 2 "$TMP/bad" "$FSDP_EXAMPLE_SEQUENTIAL" --steps 6 --out "$TMP/resume" --resume
+elapsed=$((SECONDS - start))
+sum_after=$(cat "$ckpt_dir"/* | md5sum)
+if [ -n "$ckpt" ] && [ "$RC" != 0 ] && [ "$elapsed" -lt 100 ] && [ "$sum_before" = "$sum_after" ] &&
+   grep -q "tensor '$mangled' has shape \[32, 2\] but the model's has shape \[64\]" "$TMP/bad.err"; then
+  record "SEQUENTIAL: a checkpoint buffer of the wrong shape fails --resume, naming it ($elapsed s)" 1
+else
+  record "SEQUENTIAL: a checkpoint buffer of the wrong shape fails --resume, naming it" 0 \
+    "$TMP/mangle.out" "$TMP/bad.raw" "$TMP/bad.err"
+fi
+
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

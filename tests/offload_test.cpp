@@ -292,6 +292,37 @@ void full_disk_child(int rank) {
     }
     return;
   }
+  if (mode == "midstep") {
+    // Params and AdamW state on disk, trained and saved; then the file-size limit drops below the
+    // tier's files: the next step's write-behind fails with EFBIG, which a full disk also gives.
+    Job j = build(mesh, disk_policy(dir));
+    for (int s = 0; s < 2; ++s) train_step(j, s, rank);
+    checkpoint::TrainState st;
+    st.step = 2;
+    const std::string ckpt = io::join(dir, "ckpt-midstep");
+    checkpoint::save(ckpt, "step-2", *j.root, j.optim.get(), st);
+    const std::string saved = testing::state_bytes({}, *j.root, j.optim.get());
+    lim.rlim_cur = 4096;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    try {
+      train_step(j, 2, rank);
+      FAIL() << "a step whose writes cannot land should fail";
+    } catch (const OffloadError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(dir), std::string::npos) << what;
+      EXPECT_NE(what.find("writing"), std::string::npos) << what;
+      EXPECT_NE(what.find("bytes"), std::string::npos) << what;
+      EXPECT_NE(what.find("File too large"), std::string::npos) << what;
+      EXPECT_NE(what.find("of blocks_"), std::string::npos) << what;  // names the unit
+    }
+    lim.rlim_cur = unlimited;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lim), 0);
+    // The last checkpoint is intact: a fresh model loads it to the saved state.
+    Job k = build(mesh, disk_policy(dir));
+    EXPECT_EQ(checkpoint::load(checkpoint::resolve(ckpt, "latest"), *k.root, k.optim.get()).step, 2);
+    EXPECT_TRUE(testing::state_bytes({}, *k.root, k.optim.get()) == saved) << "the checkpoint changed";
+    return;
+  }
   // mode "state": params in memory, optimizer state on a "full" disk. Save a checkpoint first.
   auto policy = OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget);
   Job j = build(mesh, policy);
@@ -336,7 +367,7 @@ TEST(Offload, FullDiskFailsClearlyWithoutChangingState) {
   }
   const std::string dir = testing::temp_path("offload-full");
   io::make_dirs(dir);
-  for (const std::string mode : {"params", "state"}) {
+  for (const std::string mode : {"params", "state", "midstep"}) {
     testing::ProcessOptions opts;
     opts.extra_env = {{"FSDP_OFFLOAD_DIR", dir}, {"FSDP_OFFLOAD_MODE", mode}};
     testing::expect_all_ok(testing::run_processes(kWorld, full_disk_child, opts));
@@ -381,12 +412,19 @@ TEST(Offload, BudgetTooSmallToStreamIsRefused) {
   testing::run_threads(kWorld, [&](Dist& dist) {
     DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
     Job j = build(mesh, disk_policy(dir).memory_budget_bytes(4096));
+    const std::string before = testing::state_bytes({}, *j.root);
     try {
       train_step(j, 0, dist.rank());
       ADD_FAILURE() << "a 4096-byte budget cannot stream three tensors";
     } catch (const ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("memory_budget_bytes=4096"), std::string::npos) << e.what();
+      const std::string what = e.what();
+      EXPECT_NE(what.find("memory_budget_bytes=4096"), std::string::npos) << what;
+      EXPECT_NE(what.find("unit '"), std::string::npos) << what;       // names the unit
+      EXPECT_NE(what.find("36864 bytes"), std::string::npos) << what;  // and what it needs
     }
+    // Refused before anything stepped.
+    EXPECT_TRUE(testing::state_bytes({}, *j.root) == before);
+    for (auto& st : j.optim->states()) EXPECT_EQ(st.step, 0);
   });
   io::remove_tree(dir);
 }
@@ -436,6 +474,188 @@ TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
     }
     EXPECT_TRUE(at::equal(before, fsdp::testing::units(*root).front()->flat_params().front()->sharded_param()));
   });
+  io::remove_tree(dir);
+}
+
+TEST(Offload, TierDirectoryRemovedWhileTrainingIsAClearError) {
+  const std::string dir = testing::temp_path("offload-removed");
+  const std::string ckpt = testing::temp_path("offload-removed-ckpt");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, disk_policy(dir));
+    train_step(j, 0, dist.rank());
+    checkpoint::TrainState st;
+    st.step = 1;
+    checkpoint::save(ckpt, "step-1", *j.root, j.optim.get(), st);
+    const std::string saved = testing::state_bytes({}, *j.root, j.optim.get());
+    dist.world().barrier("saved");
+    if (dist.rank() == 0) io::remove_tree(dir);
+    dist.world().barrier("removed");
+    try {
+      train_step(j, 1, dist.rank());
+      ADD_FAILURE() << "training went on without its offload.dir";
+    } catch (const OffloadError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("offload.dir " + dir + " is gone"), std::string::npos) << what;
+    }
+    // Refused before the step changed anything, and the checkpoint loads.
+    EXPECT_TRUE(testing::state_bytes({}, *j.root, j.optim.get()) == saved);
+    dist.world().barrier("checked");
+    Job k = build(mesh, std::nullopt);
+    EXPECT_EQ(checkpoint::load(checkpoint::resolve(ckpt, "latest"), *k.root, k.optim.get()).step, 1);
+    EXPECT_TRUE(testing::state_bytes({}, *k.root, k.optim.get()) == saved);
+  });
+  io::remove_tree(dir);
+  io::remove_tree(ckpt);
+}
+
+TEST(Offload, FileSystemWithoutMmapIsRefused) {
+  // No such file system is at hand: the tier's mmap is made to fail as one would (ENODEV).
+  const std::string dir = testing::temp_path("offload-nommap");
+  offload::testing::fail_mmap(true);
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    try {
+      Job j = build(mesh, disk_policy(dir));
+      ADD_FAILURE() << "a file system without mmap was accepted";
+    } catch (const OffloadError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("offload.dir " + dir), std::string::npos) << what;
+      EXPECT_NE(what.find("cannot memory-map"), std::string::npos) << what;
+    }
+  });
+  offload::testing::fail_mmap(false);
+  io::remove_tree(dir);
+}
+
+TEST(Offload, OptimizerStateAloneEqualsNoOffloadBitwise) {
+  // ZeRO-Offload's setup: params and grads with compute, the optimizer state and the fp32 master
+  // in the host or disk tier, the step on the CPU twin, the working copy refreshed after it.
+  const std::string dir = testing::temp_path("offload-state-only");
+  for (bool meta : {true, false}) {
+    const auto reference = train(std::nullopt, 4, meta);
+    for (OffloadTier tier : {OffloadTier::kHost, OffloadTier::kDisk}) {
+      auto policy = OffloadPolicy().optimizer_state(tier);
+      if (tier == OffloadTier::kDisk) policy.dir(dir).memory_budget_bytes(kBudget);
+      const auto got = train(policy, 4, meta, [&](Job& j, int) {
+        for (const auto& unit : fsdp::testing::units(*j.root)) {
+          for (auto& fp : unit->flat_params()) {
+            EXPECT_TRUE(fp->master_follows_state());
+            EXPECT_EQ(offload::is_disk_backed(fp->sharded_param()), tier == OffloadTier::kDisk);
+            EXPECT_EQ(fp->working_shard().numel(), fp->shard_numel());
+          }
+        }
+        const auto io = offload_io(*j.root);
+        EXPECT_GT(io.to_host, 0) << "the gradients did not go through the stager";
+        EXPECT_GT(io.to_device, 0) << "the working copy was not refreshed through the stager";
+      });
+      for (int r = 0; r < kWorld; ++r) {
+        EXPECT_TRUE(reference[r] == got[r]) << "rank " << r << " meta " << meta << " tier " << offload_tier_name(tier);
+      }
+    }
+  }
+  io::remove_tree(dir);
+}
+
+// The plan at start against what the tiers moved, per step after the first, for each setup.
+TEST(Offload, PlanAgreesWithMeasuredIoWithinTenPercent) {
+  const std::string dir = testing::temp_path("offload-plan");
+  const std::vector<std::pair<std::string, OffloadPolicy>> setups{
+      {"disk params + state", disk_policy(dir)},
+      {"host tier", host_policy()},
+      {"state alone on disk",
+       OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget)},
+  };
+  for (const auto& [name, policy] : setups) {
+    testing::run_threads(kWorld, [&, name = name, policy = policy](Dist& dist) {
+      at::set_num_threads(1);
+      DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+      Job j = build(mesh, policy);
+      const auto plan = offload_plan(*j.root, *j.optim);
+      train_step(j, 0, dist.rank());
+      const auto before = offload_io(*j.root);
+      constexpr int kSteps = 3;
+      for (int s = 1; s <= kSteps; ++s) train_step(j, s, dist.rank());
+      const auto got = (offload_io(*j.root) - before).per_step(kSteps);
+      auto near = [&](int64_t planned, int64_t measured, const char* what) {
+        EXPECT_LE(std::abs(static_cast<double>(measured - planned)), 0.1 * static_cast<double>(planned))
+            << name << ": " << what << " planned " << planned << " measured " << measured;
+      };
+      near(plan.per_step.disk_read, got.disk_read, "disk read");
+      near(plan.per_step.disk_write, got.disk_write, "disk write");
+      near(plan.per_step.to_device, got.to_device, "to device");
+      near(plan.per_step.to_host, got.to_host, "to host");
+      EXPECT_GT(plan.per_step.disk_read + plan.per_step.to_device, 0) << name << ": a plan of nothing";
+      const auto report = memory_report(*j.root, j.optim.get());
+      near(plan.disk_bytes, report.tier_disk, "disk bytes held");
+      near(plan.host_bytes, report.tier_host, "host bytes held");
+      near(plan.device_bytes, report.tier_device, "device bytes held");
+      EXPECT_NE(plan.to_string().find("moves per step"), std::string::npos) << plan.to_string();
+    });
+  }
+  io::remove_tree(dir);
+}
+
+TEST(Offload, DiskTierTransfersRunOnTheirOwnTraceLanes) {
+  const std::string dir = testing::temp_path("offload-trace");
+  const std::string trace = testing::temp_path("offload-trace.json");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, disk_policy(dir));
+    auto tracer = std::make_shared<Tracer>(dist.rank());
+    j.root->set_tracer(tracer);
+    for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
+    if (dist.rank() == 0) tracer->write(trace);
+  });
+  const std::string text = io::read_small_file(trace);
+  for (const char* needle :
+       {"\"disk read\"", "\"disk write\"", "fsdp::disk_read\"", "fsdp::disk_write\"", "fsdp::disk_read_wait"}) {
+    EXPECT_NE(text.find(needle), std::string::npos) << needle;
+  }
+  io::remove_tree(dir);
+  ::unlink(trace.c_str());
+}
+
+TEST(Offload, CudaOptimizerStateAloneMatchesNoOffload) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU: params and grads on a device need one";
+  // Compiled, and the same schedule runs on CPU above; here the device keeps params and grads.
+  auto dist = Dist::single(InitOptions().device("cuda"));
+  DeviceMesh mesh(dist);
+  auto run = [&](const std::optional<OffloadPolicy>& policy) {
+    testing::ShardedModelOptions o;
+    o.net = net_options(false);
+    o.seed = 3;
+    o.move_to = at::Device(at::kCUDA, 0);
+    o.root_shard = o.shard;
+    if (policy) o.root_shard->offload(*policy);
+    o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
+    Job j = testing::make_sharded_model(mesh, o);
+    for (int s = 0; s < 3; ++s) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + s);
+      auto x = at::randn({kGlobalBatch, 7}, gen).cuda(), y = at::randn({kGlobalBatch, 5}, gen).cuda();
+      testing::train_on_batch(j, x, y, 0.5);
+    }
+    std::vector<at::Tensor> out;
+    for (const auto& unit : fsdp::testing::units(*j.root)) {
+      for (auto& fp : unit->flat_params()) {
+        if (policy) {
+          EXPECT_TRUE(fp->sharded_param().is_cpu());
+          EXPECT_TRUE(fp->working_shard().is_cuda());
+          if (policy->optimizer_state() == OffloadTier::kHost) EXPECT_TRUE(fp->sharded_param().is_pinned());
+        }
+        out.push_back(fp->sharded_param().cpu());
+      }
+    }
+    return at::cat(out);
+  };
+  const at::Tensor none = run(std::nullopt);
+  const std::string dir = testing::temp_path("cuda-state-only");
+  for (auto policy : {OffloadPolicy().optimizer_state(OffloadTier::kHost),
+                      OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir)}) {
+    EXPECT_TRUE(at::allclose(run(policy), none, 1e-5, 1e-6)) << offload_tier_name(policy.optimizer_state());
+  }
   io::remove_tree(dir);
 }
 

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <stdexcept>
+#include <utility>
 
 #include "fsdp/checkpoint.h"
 
@@ -24,6 +25,28 @@ std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t s
   return fsdp::checkpoint::save(
       save_dir, checkpoint_name(step), root, &optim, state,
       fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)).on_phase(on_phase));
+}
+
+Checkpointer::Checkpointer(std::string save_dir, bool async, int64_t keep_last)
+    : save_dir_(std::move(save_dir)), keep_last_(keep_last) {
+  if (async) saver_ = std::make_unique<fsdp::checkpoint::AsyncSaver>();
+}
+
+std::string Checkpointer::save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
+                               fsdp::ShardedOptimizer& optim, const nlohmann::json& extra,
+                               const std::function<void(const std::string&)>& on_phase) {
+  if (!saver_) return save_checkpoint(save_dir_, step, samples_seen, root, optim, extra, keep_last_, on_phase);
+  fsdp::checkpoint::TrainState state;
+  state.step = step;
+  state.samples_seen = samples_seen;
+  state.extra = extra;
+  saver_->save(save_dir_, checkpoint_name(step), root, &optim, state,
+               fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last_)).on_phase(on_phase));
+  return save_dir_ + "/" + checkpoint_name(step);
+}
+
+void Checkpointer::wait() {
+  if (saver_) saver_->wait();
 }
 
 ResumePoint load_checkpoint(const std::string& save_dir, const std::string& which, fsdp::FSDPModule& root,

@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/optim.h"
 
@@ -22,6 +24,28 @@ std::string checkpoint_name(int64_t step);
 std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
                             fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last,
                             const std::function<void(const std::string&)>& on_phase = nullptr);
+
+// Saves synchronously, or with `async` through fsdp::checkpoint::AsyncSaver: the shards are copied
+// to host memory and written by a background thread while training goes on. At most one save is
+// in flight (a second waits for the first); wait() (and the destructor) wait for it.
+class Checkpointer {
+ public:
+  Checkpointer(std::string save_dir, bool async, int64_t keep_last);
+  // Collective. Returns the checkpoint's directory (committed when synchronous; being written when
+  // asynchronous, committed by the next save, wait() or the end of the run).
+  // on_phase: as save_checkpoint's.
+  std::string save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim,
+                   const nlohmann::json& extra, const std::function<void(const std::string&)>& on_phase = nullptr);
+  // Waits for the save in flight; rethrows its error (every rank gets the same one).
+  void wait();
+  bool async() const { return saver_ != nullptr; }
+  int64_t snapshot_bytes() const { return saver_ ? saver_->snapshot_bytes() : 0; }
+
+ private:
+  std::string save_dir_;
+  int64_t keep_last_;
+  std::unique_ptr<fsdp::checkpoint::AsyncSaver> saver_;  // null: synchronous
+};
 
 struct ResumePoint {
   std::string dir;  // the checkpoint loaded

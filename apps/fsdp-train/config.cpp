@@ -144,10 +144,29 @@ llama::LlamaConfig parse_model(const json& doc) {
 // One reader per section, run by from_json in this order after the model (data.seq_len is checked
 // against it); each leaves a value at its default when the key is absent.
 
+// data.eval_path and data.token_dtype against the source and the file names.
+void check_data_files(const DataConfig& d) {
+  if (!d.eval_path.empty() && d.source != "file") {
+    reject("data.eval_path", json(d.eval_path),
+           "needs data.source=\"file\" (the synthetic task has its own eval split)");
+  }
+  auto is_bin = [](const std::string& p) { return p.size() >= 4 && p.compare(p.size() - 4, 4, ".bin") == 0; };
+  if (d.token_dtype != "uint16" && d.source == "file" && !is_bin(d.path)) {
+    reject("data.token_dtype", json(d.token_dtype),
+           "applies to .bin token files, but data.path=\"" + d.path + "\" is read as raw bytes");
+  }
+  if (!d.eval_path.empty() && is_bin(d.eval_path) != is_bin(d.path)) {
+    reject("data.eval_path", json(d.eval_path),
+           "must have the same format as data.path (both .bin token files or neither)");
+  }
+}
+
 void parse_data(const json& doc, TrainConfig& c) {
   SectionReader data(doc, "data");
   data.choice("source", c.data.source, {"synthetic", "file"});
   data.string("path", c.data.path);
+  data.choice("token_dtype", c.data.token_dtype, {"uint16", "uint32"});
+  data.string("eval_path", c.data.eval_path);
   data.integer("seq_len", c.data.seq_len, 1);
   data.integer("batch_size_per_rank", c.data.batch_size_per_rank, 1);
   data.finish();
@@ -157,6 +176,7 @@ void parse_data(const json& doc, TrainConfig& c) {
   if (c.data.source == "synthetic" && !c.data.path.empty()) {
     reject("data.path", json(c.data.path), "is set but data.source is \"synthetic\"; set data.source to \"file\"");
   }
+  check_data_files(c.data);
   if (c.data.seq_len > c.model.max_position_embeddings) {
     reject("data.seq_len", json(c.data.seq_len),
            "exceeds model.max_position_embeddings=" + std::to_string(c.model.max_position_embeddings));
@@ -229,6 +249,9 @@ void parse_fsdp(const json& doc, TrainConfig& c) {
   fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
   fs.integer("replicate", c.fsdp.replicate, 1);
   fs.choice("device", c.fsdp.device, {"cpu", "cuda"});
+  fs.choice("loss_scale", c.fsdp.loss_scale, {"auto", "dynamic", "none"});
+  fs.number("loss_scale_init", c.fsdp.loss_scale_init, 0, /*min_open=*/true);
+  fs.integer("loss_scale_growth_interval", c.fsdp.loss_scale_growth_interval, 1);
   if (const json* off = fs.find("offload")) parse_offload(*off, c.fsdp.offload);
   if (const json* dbg = fs.find("debug")) parse_debug(*dbg, c.fsdp);
   fs.finish();
@@ -246,6 +269,20 @@ void parse_fsdp(const json& doc, TrainConfig& c) {
   }
 }
 
+// train.activation_checkpointing: "none" (0), "every" (1) or n >= 0 (every n-th layer).
+void parse_checkpointing(SectionReader& tr, int64_t& out) {
+  const json* v = tr.find("activation_checkpointing");
+  if (v == nullptr) return;
+  if (v->is_string() && (*v == "none" || *v == "every")) {
+    out = *v == "none" ? 0 : 1;
+  } else if (v->is_number_integer() && v->get<int64_t>() >= 0) {
+    out = v->get<int64_t>();
+  } else {
+    reject(tr.key("activation_checkpointing"), *v,
+           "must be \"none\", \"every\" (every layer) or n >= 0 (layers 0, n, 2n, ...)");
+  }
+}
+
 void parse_train(const json& doc, TrainConfig& c) {
   SectionReader tr(doc, "train");
   tr.unsigned_integer("seed", c.train.seed);
@@ -255,6 +292,13 @@ void parse_train(const json& doc, TrainConfig& c) {
   tr.integer("save_every", c.train.save_every, 0);
   tr.integer("keep_last", c.train.keep_last, 0);
   tr.integer("log_every", c.train.log_every, 1);
+  tr.integer("grad_accum_steps", c.train.grad_accum_steps, 1);
+  parse_checkpointing(tr, c.train.activation_checkpointing);
+  if (const json* v = tr.find("async_save")) {
+    if (!v->is_boolean()) reject(tr.key("async_save"), *v, "must be true or false");
+    c.train.async_save = v->get<bool>();
+  }
+  tr.integer("max_consecutive_skips", c.train.max_consecutive_skips, 0);
   tr.finish();
 }
 
@@ -296,10 +340,9 @@ const char* dtype_name(at::ScalarType t) {
 json TrainConfig::to_json() const {
   json j;
   j["model"] = model.to_json();
-  j["data"] = {{"source", data.source},
-               {"path", data.path},
-               {"seq_len", data.seq_len},
-               {"batch_size_per_rank", data.batch_size_per_rank}};
+  j["data"] = {{"source", data.source},           {"path", data.path},
+               {"token_dtype", data.token_dtype}, {"eval_path", data.eval_path},
+               {"seq_len", data.seq_len},         {"batch_size_per_rank", data.batch_size_per_rank}};
   j["optim"] = {{"lr", optim.lr},
                 {"betas", {optim.betas[0], optim.betas[1]}},
                 {"eps", optim.eps},
@@ -321,14 +364,24 @@ json TrainConfig::to_json() const {
                  {"optimizer_state", this->fsdp.offload.optimizer_state},
                  {"dir", this->fsdp.offload.dir},
                  {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}},
-               {"debug", {{"check_collectives", this->fsdp.check_collectives}}}};
-  j["train"] = {{"seed", train.seed},
-                {"steps", train.steps},
-                {"eval_every", train.eval_every},
-                {"eval_batches", train.eval_batches},
-                {"save_every", train.save_every},
-                {"keep_last", train.keep_last},
-                {"log_every", train.log_every}};
+               {"debug", {{"check_collectives", this->fsdp.check_collectives}}},
+               {"loss_scale", this->fsdp.loss_scale},
+               {"loss_scale_init", this->fsdp.loss_scale_init},
+               {"loss_scale_growth_interval", this->fsdp.loss_scale_growth_interval}};
+  j["train"] = {
+      {"seed", train.seed},
+      {"steps", train.steps},
+      {"eval_every", train.eval_every},
+      {"eval_batches", train.eval_batches},
+      {"save_every", train.save_every},
+      {"keep_last", train.keep_last},
+      {"log_every", train.log_every},
+      {"grad_accum_steps", train.grad_accum_steps},
+      {"activation_checkpointing", train.activation_checkpointing == 0   ? json("none")
+                                   : train.activation_checkpointing == 1 ? json("every")
+                                                                         : json(train.activation_checkpointing)},
+      {"async_save", train.async_save},
+      {"max_consecutive_skips", train.max_consecutive_skips}};
   return j;
 }
 
@@ -353,8 +406,10 @@ TrainConfig TrainConfig::from_json(const json& doc) {
 }
 
 std::string TrainConfig::config_hash() const {
-  const json identity = {{"model", model.identity_json()},
-                         {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
+  json identity = {{"model", model.identity_json()},
+                   {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
+  // Only when not the default, so the hashes of configs older than the key stay as they were.
+  if (data.token_dtype != "uint16") identity["data"]["token_dtype"] = data.token_dtype;
   // nlohmann's json keeps object keys sorted, so dump() is canonical.
   const std::string s = identity.dump(-1, ' ', false, json::error_handler_t::replace);  // a path may not be UTF-8
   uint64_t h = 1469598103934665603ULL;                                                  // FNV-1a 64-bit offset basis

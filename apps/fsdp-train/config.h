@@ -25,7 +25,12 @@ namespace train {
 struct DataConfig {
   std::string source = "synthetic";  // "synthetic" (built in) or "file" (see data.h)
   std::string path;                  // the file, when source is "file"
-  int64_t seq_len = 64;              // tokens per sample (each sample holds seq_len + 1)
+  // Tokens of a .bin file: "uint16" or "uint32" (vocabularies above 65,536); see token_file.h.
+  std::string token_dtype = "uint16";
+  // A held-out file for evaluation (same format): eval loss and perplexity come from it, and the
+  // whole of `path` trains. Empty: the last 10% of `path` is held out (see data.h).
+  std::string eval_path;
+  int64_t seq_len = 64;  // tokens per sample (each sample holds seq_len + 1)
   // The global batch is batch_size_per_rank * world size samples; to compare runs on different
   // world sizes, keep that product fixed.
   int64_t batch_size_per_rank = 16;
@@ -61,6 +66,12 @@ struct FsdpConfig {
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions
   // "cpu" (Gloo) or "cuda" (NCCL; rank r uses CUDA device LOCAL_RANK): see fsdp::InitOptions.
   std::string device = "cpu";
+  // Dynamic loss scaling (fsdp::GradScaler): "auto" (on when param_dtype is float16), "dynamic"
+  // or "none". Non-finite steps are skipped in every mode (train.max_consecutive_skips).
+  std::string loss_scale = "auto";
+  double loss_scale_init = 65536;
+  int64_t loss_scale_growth_interval = 2000;
+  bool loss_scaling() const { return loss_scale == "dynamic" || (loss_scale == "auto" && param_dtype == at::kHalf); }
 };
 
 struct RunConfig {
@@ -71,6 +82,15 @@ struct RunConfig {
   int64_t save_every = 0;    // 0: save only at the end (needs --save-dir)
   int64_t keep_last = 0;     // committed checkpoints to keep; 0 keeps all
   int64_t log_every = 10;    // plain log lines (when stdout is not a terminal)
+  // Micro-batches of data.batch_size_per_rank per optimizer step; gradients are reduced once, on
+  // the last, and the loss equals the run with a batch that many times larger.
+  int64_t grad_accum_steps = 1;
+  // Activation checkpointing: 0 ("none"), 1 ("every": every layer) or n (layers 0, n, 2n, ...).
+  int64_t activation_checkpointing = 0;
+  bool async_save = false;  // write checkpoints in the background (one in flight)
+  // A step whose loss or gradient norm is not finite is skipped on every rank; this many in a row
+  // stop the run with an error instead (0: never).
+  int64_t max_consecutive_skips = 10;
 };
 
 struct TrainConfig {
@@ -87,7 +107,7 @@ struct TrainConfig {
   // Starts from the defaults; see the top of this file for what is rejected.
   static TrainConfig from_json(const nlohmann::json& j);
   // FNV-1a (64-bit, hex) over the canonical dump of what identifies the model and its data stream:
-  // the model section and data.{source, path, seq_len}. batch_size_per_rank is left out on
+  // the model section and data.{source, path, seq_len, token_dtype}. batch_size_per_rank is left out on
   // purpose: resuming on another world size changes it while the sample stream stays the same.
   std::string config_hash() const;
 };

@@ -1,6 +1,8 @@
 // The synthetic and file token sources, and batch slicing. See data.h for the sample stream.
 #include "data.h"
 
+#include "token_file.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -99,8 +101,8 @@ class SyntheticSource : public TokenSource {
 
 // ---- file ----------------------------------------------------------------------------------------
 
-[[noreturn]] void file_error(const std::string& path, const std::string& why) {
-  throw std::invalid_argument("data file '" + path + "': " + why);
+[[noreturn]] void file_error(const std::string& label, const std::string& why) {
+  throw std::invalid_argument(label + ": " + why);
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -110,22 +112,22 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 // A read-only mapping of a whole file, unmapped when the last source using it goes.
 class MappedFile {
  public:
-  explicit MappedFile(const std::string& path) {
+  MappedFile(const std::string& path, const std::string& label) {
     const int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) file_error(path, std::string("cannot be opened: ") + std::strerror(errno));
+    if (fd < 0) file_error(label, std::string("cannot be opened: ") + std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd);
-      file_error(path, "is not a regular file");
+      file_error(label, "is not a regular file");
     }
     size_ = static_cast<size_t>(st.st_size);
     if (size_ == 0) {
       ::close(fd);
-      file_error(path, "is empty");
+      file_error(label, "is empty");
     }
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     ::close(fd);  // the mapping keeps the file
-    if (p == MAP_FAILED) file_error(path, std::string("cannot be mapped: ") + std::strerror(errno));
+    if (p == MAP_FAILED) file_error(label, std::string("cannot be mapped: ") + std::strerror(errno));
     data_ = static_cast<const unsigned char*>(p);
   }
   ~MappedFile() { ::munmap(const_cast<unsigned char*>(data_), size_); }
@@ -142,36 +144,35 @@ class MappedFile {
 
 class FileSource : public TokenSource {
  public:
-  // llm.c's .bin header: 256 int32, [0] magic, [1] version (1: uint16 tokens, 2: uint32), [2] count.
-  static constexpr int32_t kLlmcMagic = 20240520;
-  static constexpr size_t kLlmcHeaderBytes = 256 * 4;
-
-  FileSource(const std::string& path, int64_t window, int64_t vocab, uint64_t seed)
-      : path_(path), file_(path), seed_(seed) {
-    if (ends_with(path, ".bin")) {
-      read_bin_layout();
-    } else {
-      format_ = "raw bytes";
-      width_ = 1;
-      offset_ = 0;
-      count_ = static_cast<int64_t>(file_.size());
+  // `field` is the config key that names the file (data.path or data.eval_path); `hold_out` keeps
+  // the last 10% for the eval split (see data.h), else both splits read the whole file.
+  FileSource(const std::string& path, const std::string& field, const DataConfig& data, int64_t vocab, uint64_t seed,
+             bool hold_out)
+      : path_(path),
+        label_(field == "data.path" ? "data file '" + path + "'" : "eval file '" + path + "' (" + field + ")"),
+        file_(path, label_),
+        seed_(seed) {
+    const int64_t window = data.seq_len + 1;
+    layout_ = parse_token_layout(file_.data(), file_.size(), label_, ends_with(path, ".bin"), data.token_dtype,
+                                 "data.token_dtype");
+    if (layout_.count < window) {
+      file_error(label_, "holds " + std::to_string(layout_.count) + " tokens (" + layout_.format +
+                             "), fewer than one sample needs: data.seq_len + 1 = " + std::to_string(window) +
+                             "; use a longer file (" + field + ") or a smaller data.seq_len");
     }
-    if (count_ < window) {
-      file_error(path_, "holds " + std::to_string(count_) + " tokens (" + format_ +
-                            "), fewer than one sample needs: " + "data.seq_len + 1 = " + std::to_string(window) +
-                            "; use a longer file or a smaller data.seq_len");
-    }
-    check_vocab(vocab);
+    check_token_ids(file_.data(), layout_, vocab, label_, "data.token_dtype");
+    const int64_t count = layout_.count;
     // Hold out the tail for evaluation when both parts fit a window; see data.h.
-    const int64_t eval = std::max<int64_t>(window, count_ / 10);
-    if (count_ - eval >= window) {
-      train_len_ = count_ - eval;
+    const int64_t eval = std::max<int64_t>(window, count / 10);
+    if (hold_out && count - eval >= window) {
+      train_len_ = count - eval;
       eval_begin_ = train_len_;
       eval_len_ = eval;
     } else {
-      train_len_ = eval_len_ = count_;
+      train_len_ = eval_len_ = count;
       eval_begin_ = 0;
     }
+    hold_out_ = hold_out;
   }
 
   void fill(int64_t index, Split split, int64_t window, int64_t* out) const override {
@@ -179,80 +180,37 @@ class FileSource : public TokenSource {
     const int64_t len = split == Split::kTrain ? train_len_ : eval_len_;
     SampleRng rng(sample_key(seed_, split, index));
     const int64_t start = begin + static_cast<int64_t>(rng.below(static_cast<uint64_t>(len - window + 1)));
-    for (int64_t i = 0; i < window; ++i) out[i] = token(start + i);
+    for (int64_t i = 0; i < window; ++i) out[i] = token_at(file_.data(), layout_, start + i);
   }
 
   std::string describe() const override {
-    std::string s = "file " + path_ + " (" + format_ + ", " + std::to_string(count_) + " tokens; ";
-    if (eval_begin_ > 0) return s + "last " + std::to_string(eval_len_) + " held out for eval)";
-    return s + "too short to hold out an eval part: eval samples come from the whole file)";
+    std::string s = "file " + path_ + " (" + layout_.format + ", " + std::to_string(layout_.count) + " tokens";
+    if (!hold_out_) return s + ")";
+    if (eval_begin_ > 0) return s + "; last " + std::to_string(eval_len_) + " held out for eval)";
+    return s + "; too short to hold out an eval part: eval samples come from the whole file)";
   }
 
  private:
-  int64_t token(int64_t i) const {
-    const unsigned char* p = file_.data() + offset_ + static_cast<size_t>(i) * width_;
-    // Little-endian on disk, whatever the host.
-    uint64_t v = 0;
-    for (int b = width_ - 1; b >= 0; --b) v = (v << 8) | p[b];
-    return static_cast<int64_t>(v);
-  }
-
-  void read_bin_layout() {
-    format_ = "uint16 tokens";
-    width_ = 2;
-    offset_ = 0;
-    const unsigned char* d = file_.data();
-    auto i32 = [&](size_t k) {
-      return static_cast<int32_t>(d[4 * k] | (d[4 * k + 1] << 8) | (d[4 * k + 2] << 16) |
-                                  (static_cast<uint32_t>(d[4 * k + 3]) << 24));
-    };
-    if (file_.size() >= kLlmcHeaderBytes && i32(0) == kLlmcMagic) {
-      const int32_t version = i32(1);
-      if (version != 1 && version != 2) {
-        file_error(path_, "has llm.c's header with version " + std::to_string(version) + " (expected 1 or 2)");
-      }
-      width_ = version == 1 ? 2 : 4;
-      format_ = version == 1 ? "llm.c, uint16 tokens" : "llm.c, uint32 tokens";
-      offset_ = kLlmcHeaderBytes;
-      count_ = i32(2);
-      const size_t need = kLlmcHeaderBytes + static_cast<size_t>(std::max(count_, int64_t{0})) * width_;
-      if (count_ < 0 || need != file_.size()) {
-        file_error(path_, "llm.c header says " + std::to_string(count_) + " tokens, which needs " +
-                              std::to_string(need) + " bytes, but the file has " + std::to_string(file_.size()));
-      }
-      return;
-    }
-    if (file_.size() % 2 != 0) {
-      file_error(path_, "has an odd size (" + std::to_string(file_.size()) +
-                            " bytes), so it is not uint16 tokens; .bin files must hold little-endian uint16 tokens");
-    }
-    count_ = static_cast<int64_t>(file_.size() / 2);
-  }
-
-  // One pass at start-up so a wrong vocabulary fails now, naming the token, not as an index error
-  // deep inside the embedding hours later.
-  void check_vocab(int64_t vocab) const {
-    if (width_ < 8 && vocab >= (int64_t{1} << (8 * width_))) return;  // no id of this width can be too big
-    for (int64_t i = 0; i < count_; ++i) {
-      const int64_t t = token(i);
-      if (t >= vocab) {
-        int64_t max = t;
-        for (int64_t j = i + 1; j < count_; ++j) max = std::max(max, token(j));
-        file_error(path_, "token id " + std::to_string(t) + " at position " + std::to_string(i) +
-                              " is >= model.vocab_size=" + std::to_string(vocab) +
-                              "; set model.vocab_size to at least " + std::to_string(max + 1));
-      }
-    }
-  }
-
-  std::string path_;
+  std::string path_, label_;
   MappedFile file_;
   uint64_t seed_;
-  std::string format_;
-  int width_ = 1;
-  size_t offset_ = 0;
-  int64_t count_ = 0;
+  TokenLayout layout_;
+  bool hold_out_ = true;
   int64_t train_len_ = 0, eval_begin_ = 0, eval_len_ = 0;
+};
+
+// Training windows from one source, eval windows from another (data.eval_path).
+class SplitSource : public TokenSource {
+ public:
+  SplitSource(std::shared_ptr<const TokenSource> train, std::shared_ptr<const TokenSource> eval)
+      : train_(std::move(train)), eval_(std::move(eval)) {}
+  void fill(int64_t index, Split split, int64_t window, int64_t* out) const override {
+    (split == Split::kTrain ? train_ : eval_)->fill(index, split, window, out);
+  }
+  std::string describe() const override { return "train: " + train_->describe() + "; eval: " + eval_->describe(); }
+
+ private:
+  std::shared_ptr<const TokenSource> train_, eval_;
 };
 
 }  // namespace
@@ -267,9 +225,14 @@ Dataset::Dataset(const DataConfig& data, int64_t vocab_size, uint64_t seed) : se
     }
     source_ = std::make_shared<SyntheticSource>(vocab_size, seed);
   } else if (data.source == "file") {
-    source_ = std::make_shared<FileSource>(data.path, data.seq_len + 1, vocab_size, seed);
+    const bool eval_file = !data.eval_path.empty();
+    source_ = std::make_shared<FileSource>(data.path, "data.path", data, vocab_size, seed, /*hold_out=*/!eval_file);
   } else {
     throw std::invalid_argument("config: data.source=\"" + data.source + "\": must be \"synthetic\" or \"file\"");
+  }
+  if (!data.eval_path.empty()) {
+    auto eval = std::make_shared<FileSource>(data.eval_path, "data.eval_path", data, vocab_size, seed, false);
+    source_ = std::make_shared<SplitSource>(source_, std::move(eval));
   }
 }
 
@@ -282,7 +245,12 @@ at::Tensor Dataset::samples(int64_t first, int64_t count, Split split) const {
 }
 
 Batch rank_batch(const Dataset& data, int64_t first, int64_t batch_size_per_rank, int rank, Split split) {
-  at::Tensor w = data.samples(first + rank * batch_size_per_rank, batch_size_per_rank, split);
+  return micro_batch(data, first, batch_size_per_rank, rank, split, 0, 1);
+}
+
+Batch micro_batch(const Dataset& data, int64_t first, int64_t batch_size_per_rank, int rank, Split split, int64_t micro,
+                  int64_t accum) {
+  at::Tensor w = data.samples(first + (rank * accum + micro) * batch_size_per_rank, batch_size_per_rank, split);
   const int64_t T = data.seq_len();
   return {w.narrow(1, 0, T).contiguous(), w.narrow(1, 1, T).contiguous()};
 }

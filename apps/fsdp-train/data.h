@@ -12,11 +12,13 @@
 //    of each window and the second half repeats the first. A bigram model gets the loss from
 //    log(vocab) to ~1.2 within a few hundred steps; attending back to the first half (an
 //    induction head) takes the copied half to ~0 and the mean towards ~0.6.
-//  - "file": `.bin` files of little-endian uint16 tokens (nanoGPT's raw format, or llm.c's with its
-//    1024-byte header, whose version 2 holds uint32 tokens); any other file is raw bytes (a
-//    byte-level vocabulary of 256). Windows start at pseudo-random offsets derived from
-//    (seed, split, k). The last 10% of the file is held out for evaluation when both parts can
-//    hold a window; a shorter file serves both splits from the whole file.
+//  - "file": `.bin` files of little-endian tokens of data.token_dtype, uint16 or uint32 (nanoGPT's
+//    raw format, or llm.c's with its 1024-byte header: see token_file.h, which parses them from
+//    bytes); any other file is raw bytes (a byte-level vocabulary of 256). Windows start at
+//    pseudo-random offsets derived from (seed, split, k). With data.eval_path the eval split reads
+//    that file and the train split the whole of data.path; without it the last 10% of the file is
+//    held out for evaluation when both parts can hold a window, and a shorter file serves both
+//    splits from the whole file.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +44,9 @@ class TokenSource {
 
 class Dataset {
  public:
-  // Opens and validates the source: a missing, empty or too-short file, or a token id >=
-  // vocab_size, throws std::invalid_argument naming the file and the fix.
+  // Opens and validates the source (and data.eval_path): a missing, empty or too-short file, a
+  // token id >= vocab_size or a layout that disagrees with data.token_dtype throws
+  // std::invalid_argument naming the file, the config key and the fix.
   Dataset(const DataConfig& data, int64_t vocab_size, uint64_t seed);
 
   int64_t seq_len() const { return seq_len_; }
@@ -63,6 +66,12 @@ struct Batch {
 
 // Rank `rank`'s slice of the global batch that starts at global sample `first`.
 Batch rank_batch(const Dataset& data, int64_t first, int64_t batch_size_per_rank, int rank, Split split);
+// With gradient accumulation each rank's slice of the global batch (accum * batch_size_per_rank
+// samples) is cut into `accum` micro-batches; this is micro-batch `micro` of rank `rank`: samples
+// first + (rank * accum + micro) * B, ... So a rank's micro-batches together are its slice of the
+// run with a batch `accum` times larger, and accum = 1 is rank_batch.
+Batch micro_batch(const Dataset& data, int64_t first, int64_t batch_size_per_rank, int rank, Split split, int64_t micro,
+                  int64_t accum);
 
 // The 64-bit mixer behind every pseudo-random choice here (splitmix64's finaliser).
 uint64_t mix64(uint64_t x);

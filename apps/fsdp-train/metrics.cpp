@@ -1,4 +1,4 @@
-// Metrics lines, the progress display, communication counters and the memory plan.
+// Metrics lines, the progress display and communication counters.
 #include "base/strings.h"
 #include "metrics.h"
 
@@ -132,13 +132,20 @@ void MetricsLog::step(const StepMetrics& m) {
   j["reduce_scatter_bytes"] = column(&RankCounters::reduce_scatter_bytes, true);
   j["comm_wait_s"] = column(&RankCounters::comm_wait_s, false);
   j["peak_rss_bytes"] = column(&RankCounters::peak_rss_bytes, true);
+  j["skipped"] = m.skipped;
+  j["skipped_steps"] = m.skipped_steps;
+  j["loss_scale"] = m.loss_scale;
+  if (m.grad_norm >= 0) j["grad_norm"] = m.grad_norm;
   std::fprintf(file_, "%s\n", j.dump().c_str());
   std::fflush(file_);
 }
 
 void MetricsLog::eval(int64_t step, double loss) {
   if (file_ == nullptr) return;
+  // Perplexity is exp(mean token loss); past ~709 nats it overflows a double and is written as null.
+  const double ppl = std::exp(loss);
   nlohmann::ordered_json j = {{"eval", true}, {"step", step}, {"loss", loss}};
+  j["perplexity"] = std::isfinite(ppl) ? nlohmann::ordered_json(ppl) : nlohmann::ordered_json(nullptr);
   std::fprintf(file_, "%s\n", j.dump().c_str());
   std::fflush(file_);
 }
@@ -180,7 +187,8 @@ void Progress::step(const StepMetrics& m) {
 
 void Progress::eval(int64_t step, double loss) {
   char line[96];
-  std::snprintf(line, sizeof line, "eval step %lld  loss %.4f", static_cast<long long>(step), loss);
+  std::snprintf(line, sizeof line, "eval step %lld  loss %.4f  perplexity %.2f", static_cast<long long>(step), loss,
+                std::exp(loss));
   note(line);
 }
 
@@ -195,41 +203,6 @@ void Progress::finish() {
   if (bar_drawn_) std::fputs("\n", stdout);
   bar_drawn_ = false;
   std::fflush(stdout);
-}
-
-// ---- MemoryPlan ----------------------------------------------------------------------------------
-
-std::string MemoryPlan::to_string() const {
-  return std::to_string(num_params) + " params over " + std::to_string(shard_size) + " shard(s): params " +
-         mib(params) + ", grads " + mib(grads) + ", AdamW " + mib(optimizer) + ", largest unit (" + largest_unit +
-         ") gathered: params " + mib(gathered_params) + " + grads " + mib(gathered_grads) +
-         (tier_host + tier_disk > 0 ? "; sharded state by tier: RAM " + mib(tier_ram) + ", host " + mib(tier_host) +
-                                          ", disk " + mib(tier_disk)
-                                    : "");
-}
-
-MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
-                          const std::array<std::string, 3>& offload_tiers) {
-  const llama::ParamCounts counts = llama::param_counts(m);
-  const int64_t layer = counts.per_layer, root = counts.root;
-  MemoryPlan p;
-  p.shard_size = shard_size;
-  p.num_params = counts.total(m);
-  const int64_t per_rank = (p.num_params + shard_size - 1) / shard_size;
-  p.params = 4 * per_rank;
-  p.grads = 4 * per_rank;
-  p.optimizer = 8 * per_rank;
-  const int64_t by_state[3] = {p.params, p.grads, p.optimizer};
-  for (int k = 0; k < 3; ++k) {
-    int64_t& tier = offload_tiers[k] == "disk" ? p.tier_disk : offload_tiers[k] == "host" ? p.tier_host : p.tier_ram;
-    tier += by_state[k];
-  }
-  const bool root_largest = root >= layer;
-  p.largest_unit = root_largest ? "root: embedding, final norm, lm_head" : "one decoder layer";
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(param_dtype));
-  p.gathered_params = elem * (root_largest ? root : layer);
-  p.gathered_grads = p.gathered_params;
-  return p;
 }
 
 }  // namespace train

@@ -1,11 +1,11 @@
 // What the trainer reports: per-step metrics (JSON lines for --metrics, a progress bar or log
-// lines on stdout), the communication counters behind them, and the memory plan printed at start.
+// lines on stdout) and the communication counters behind them. The memory plan is memory_plan.h.
 //
 // One --metrics line per step, written by rank 0:
 //   {"step": 12, "loss": 2.31, "lr": 0.003, "step_time_s": 0.21, "tokens_per_s": 4876.2,
 //    "allgather_bytes": [r0, r1, ...], "reduce_scatter_bytes": [...], "comm_wait_s": [...],
-//    "peak_rss_bytes": [...]}
-// and one per evaluation: {"eval": true, "step": 50, "loss": 1.93}. "step" counts optimizer steps
+//    "peak_rss_bytes": [...], "skipped": false, "skipped_steps": 0, "loss_scale": 1.0[, "grad_norm": 0.8]}
+// and one per evaluation: {"eval": true, "step": 50, "loss": 1.93, "perplexity": 6.89}. "step" counts optimizer steps
 // taken (the first training line is step 1); "loss" is the mean over the global batch; the arrays
 // are indexed by rank; bytes are those the rank sent during the step's forward, backward and
 // optimizer step, summed over the mesh's communicators.
@@ -21,7 +21,6 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/device_mesh.h"
-#include "llama.h"
 
 namespace train {
 
@@ -39,7 +38,11 @@ struct StepMetrics {
   double loss = 0;  // mean over the global batch
   double lr = 0;
   double step_time_s = 0;
-  double tokens_per_s = 0;  // global
+  double tokens_per_s = 0;    // global
+  bool skipped = false;       // non-finite loss or gradient: no update on any rank
+  int64_t skipped_steps = 0;  // so far in the run (this process)
+  double loss_scale = 1;      // after this step (1 without loss scaling)
+  double grad_norm = -1;      // before clipping; -1 when not clipping or skipped
   std::vector<RankCounters> ranks;
 };
 
@@ -92,22 +95,5 @@ class Progress {
   bool bar_drawn_ = false;
   double elapsed_s_ = 0;  // sum of step times since first_step_
 };
-
-// The model-state bytes each rank should hold, from the model config alone (ZeRO-3 arithmetic;
-// padding ignored): with Psi parameters sharded over N ranks, params 4*Psi/N, grads 4*Psi/N,
-// AdamW 8*Psi/N; plus the largest unit's gathered parameters and gradients in param_dtype. Each
-// sharded state is also counted in the tier its offload setting puts it in ("none" = RAM here).
-struct MemoryPlan {
-  int64_t num_params = 0;
-  int shard_size = 1;
-  int64_t params = 0, grads = 0, optimizer = 0;
-  int64_t tier_ram = 0, tier_host = 0, tier_disk = 0;  // params + grads + optimizer by tier
-  std::string largest_unit;
-  int64_t gathered_params = 0, gathered_grads = 0;
-  std::string to_string() const;
-};
-// offload_tiers: the "none" / "host" / "disk" settings of params, grads and optimizer state.
-MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size,
-                          const std::array<std::string, 3>& offload_tiers = {"none", "none", "none"});
 
 }  // namespace train

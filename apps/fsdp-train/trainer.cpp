@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -26,13 +27,16 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/init.h"
 #include "fsdp/memory.h"
+#include "fsdp/offload.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "fsdp/stop.h"
 #include "fsdp/trace.h"
 #include "llama.h"
+#include "memory_plan.h"
 #include "metrics.h"
 #include "preemption.h"
+#include "step.h"
 
 namespace train {
 namespace {
@@ -137,7 +141,8 @@ class Job {
       mesh_ = std::make_unique<fsdp::DeviceMesh>(dist_);
     }
     shard_size_ = cfg_.fsdp.strategy == fsdp::ShardingStrategy::kNoShard ? 1 : mesh_->shard_size();
-    global_batch_ = cfg_.data.batch_size_per_rank * world_;
+    eval_batch_ = cfg_.data.batch_size_per_rank * world_;
+    global_batch_ = eval_batch_ * cfg_.train.grad_accum_steps;
   }
 
   // --init-only: each rank's peak RSS with the libraries loaded, the data open and the job joined,
@@ -189,11 +194,14 @@ class Job {
                           .memory_budget_bytes(off.memory_budget_bytes));
     root_ = fsdp::fully_shard(model_, *mesh_, root_opts);
     if (import) import_hf_weights(flags_.init_from, *root_, rank_);
+    model_->model->checkpoint_every = cfg_.train.activation_checkpointing;
 
     const auto& o = cfg_.optim;
     optim_ = std::make_unique<fsdp::AdamW>(
         root_, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
     sched_ = make_schedule(o, cfg_.train.steps);
+    stepper_ = std::make_unique<Stepper>(cfg_, data_, model_, root_, *optim_, device_, rank_);
+    checkpointer_ = std::make_unique<Checkpointer>(flags_.save_dir, cfg_.train.async_save, cfg_.train.keep_last);
     comm_ = std::make_unique<CommCounter>(*mesh_);
     if (!flags_.trace.empty()) {
       // The library's own spans (gathers, reductions, waits, optimizer step) land in the same trace
@@ -215,6 +223,7 @@ class Job {
     samples_seen_ = p.samples_seen;
     last_saved_step_ = p.step;
     resumed_from_ = p.dir;
+    restore_scaler(stepper_->scaler(), p.extra);
   }
 
   // --resume latest before the first save (a restarted job that never got that far, or a job
@@ -244,8 +253,7 @@ class Job {
     if (rank_ != 0) return;
     const auto& m = cfg_.model;
     const auto& off = cfg_.fsdp.offload;
-    const auto plan =
-        predict_memory(m, cfg_.fsdp.param_dtype, shard_size_, {off.params, off.grads, off.optimizer_state});
+    const auto plan = memory_plan();
     std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n",
                 world_, fsdp::strategy_name(cfg_.fsdp.strategy), mesh_->shard_size(), mesh_->replicate_size(),
                 dtype_name(cfg_.fsdp.param_dtype), dtype_name(cfg_.fsdp.reduce_dtype));
@@ -269,6 +277,8 @@ class Job {
                     : "",
                 o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
+    std::printf("%s\n", levers_summary(cfg_, global_batch_).c_str());
+    if (offloads()) std::printf("offload plan per rank: %s\n", fsdp::offload_plan(*root_, *optim_).to_string().c_str());
     if (off.params != "none" || off.grads != "none" || off.optimizer_state != "none") {
       std::printf("offload: params %s, grads %s, optimizer_state %s%s%s, memory_budget_bytes %lld\n",
                   off.params.c_str(), off.grads.c_str(), off.optimizer_state.c_str(), off.dir.empty() ? "" : ", dir ",
@@ -304,6 +314,8 @@ class Job {
     const auto start = Clock::now();
     while (step_ < cfg_.train.steps) {
       train_step();
+      // Offload I/O is reported per step after the first (whose execution order is not known yet).
+      if (offloads() && step_ == first_step + 1) offload_io_after_first_ = fsdp::offload_io(*root_);
       // Every rank brings its own stop request (preemption.h) and all learn the same answer.
       stop_signal_ = fsdp::agree_on_stop(dist_->world(), fsdp::StopRequest::signal(), "train/stop");
       if (stop_signal_ != 0) {
@@ -315,6 +327,7 @@ class Job {
     }
     if (cfg_.train.eval_every > 0 && step_ > first_step && last_eval_step_ != step_) evaluate();
     if (last_saved_step_ != step_) save();  // the end of the run; with --steps 0 the initial weights
+    checkpointer_->wait();                  // an async save in flight is committed before the report
     progress_->finish();
     train_seconds_ = seconds_since(start);
     steps_trained_ = step_ - first_step;
@@ -326,36 +339,14 @@ class Job {
     sched_->apply(*optim_, step_);
     // Snapshots around the step's own work only: the metrics gather below is not step traffic.
     const auto before = comm_->snapshot();
-    Batch batch;
-    {
-      fsdp::Tracer::Scope s(tracer_.get(), "train::data", "train", "");
-      batch = rank_batch(data_, samples_seen_, cfg_.data.batch_size_per_rank, rank_, Split::kTrain);
-    }
-    at::Tensor loss;
-    {
-      fsdp::Tracer::Scope s(tracer_.get(), "train::forward", "train", "");
-      loss = llama::loss(fsdp::call(model_, batch.inputs.to(device_)), batch.targets.to(device_));
-    }
-    {
-      fsdp::Tracer::Scope s(tracer_.get(), "train::backward", "train", "");
-      loss.backward();
-    }
-    if (cfg_.optim.grad_clip > 0) {
-      fsdp::Tracer::Scope s(tracer_.get(), "train::clip_grad_norm", "train", "");
-      fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
-    }
-    {
-      fsdp::Tracer::Scope s(tracer_.get(), "train::optimizer", "train", "");
-      optim_->step();
-      optim_->zero_grad();
-    }
+    const StepOutcome outcome = stepper_->run(samples_seen_, step_ + 1, tracer_.get());
     const auto delta = comm_->snapshot() - before;
     ++step_;
     samples_seen_ += global_batch_;
 
     fsdp::Tracer::Scope s(tracer_.get(), "train::metrics", "train", "");
     RankCounters mine;
-    mine.loss = loss.item<double>();
+    mine.loss = outcome.local_loss;
     mine.allgather_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
     mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
     mine.comm_wait_s = delta.total_wait_s();
@@ -368,10 +359,15 @@ class Job {
     m.lr = lr;
     m.step_time_s = seconds_since(t0);
     m.tokens_per_s = static_cast<double>(global_batch_ * cfg_.data.seq_len) / m.step_time_s;
+    m.skipped = !outcome.stepped;
+    m.skipped_steps = stepper_->scaler().state().skipped_steps;
+    m.loss_scale = stepper_->scaler().current_scale();
+    m.grad_norm = outcome.grad_norm;
     last_loss_ = m.loss;
     if (rank_ == 0) {
       metrics_->step(m);
       progress_->step(m);
+      if (m.skipped) progress_->note("step " + std::to_string(step_) + " skipped: non-finite loss or gradient");
     }
   }
 
@@ -382,7 +378,7 @@ class Job {
     c10::NoGradGuard no_grad;
     double sum = 0;
     for (int64_t b = 0; b < cfg_.train.eval_batches; ++b) {
-      Batch batch = rank_batch(data_, b * global_batch_, cfg_.data.batch_size_per_rank, rank_, Split::kEval);
+      Batch batch = rank_batch(data_, b * eval_batch_, cfg_.data.batch_size_per_rank, rank_, Split::kEval);
       sum += llama::loss(fsdp::call(model_, batch.inputs.to(device_)), batch.targets.to(device_)).item<double>();
     }
     at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble);
@@ -406,6 +402,7 @@ class Job {
                    flags_.save_dir.empty() ? " (no --save-dir: nothing is saved)" : ", saving a checkpoint first");
     }
     if (last_saved_step_ != step_) save(stop_save_pause_s());
+    checkpointer_->wait();  // an async save is committed before the job stops
     if (rank_ != 0) return;
     std::printf("stopped by %s at step %lld", sig.c_str(), static_cast<long long>(step_));
     if (!last_checkpoint_.empty()) {
@@ -430,7 +427,8 @@ class Job {
                                     {"total_steps", cfg_.train.steps},
                                     {"min_lr", o.min_lr},
                                     {"next_lr", sched_->lr_at(step_)}}},
-                                  {"global_batch", global_batch_}};
+                                  {"global_batch", global_batch_},
+                                  {"grad_scaler", scaler_json(stepper_->scaler())}};
     std::function<void(const std::string&)> on_phase;
     if (pause_s > 0) {
       on_phase = [this, pause_s](const std::string& phase) {
@@ -439,10 +437,43 @@ class Job {
         std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
       };
     }
-    last_checkpoint_ =
-        save_checkpoint(flags_.save_dir, step_, samples_seen_, *root_, *optim_, extra, cfg_.train.keep_last, on_phase);
+    last_checkpoint_ = checkpointer_->save(step_, samples_seen_, *root_, *optim_, extra, on_phase);
     last_saved_step_ = step_;
-    if (rank_ == 0) progress_->note("saved checkpoint " + last_checkpoint_);
+    if (rank_ == 0) {
+      progress_->note((checkpointer_->async() ? "saving checkpoint in the background: " : "saved checkpoint ") +
+                      last_checkpoint_);
+    }
+  }
+
+  MemoryPlan memory_plan() const {
+    const auto& off = cfg_.fsdp.offload;
+    PlanInputs in;
+    in.model = cfg_.model;
+    in.param_dtype = cfg_.fsdp.param_dtype;
+    in.shard_size = shard_size_;
+    in.offload_tiers = {off.params, off.grads, off.optimizer_state};
+    in.micro_batch = cfg_.data.batch_size_per_rank;
+    in.seq_len = cfg_.data.seq_len;
+    in.checkpoint_every = cfg_.train.activation_checkpointing;
+    in.grad_accum_steps = cfg_.train.grad_accum_steps;
+    in.async_save = cfg_.train.async_save && !flags_.save_dir.empty();
+    return plan_memory(in);
+  }
+
+  // Rank 0's measured cost of each memory lever beside the plan's figure, one line on stdout.
+  void report_levers() {
+    MeasuredLevers got;
+    got.activations = stepper_->measured().activations;
+    got.accum_grads = stepper_->measured().accum_grads;
+    if (checkpointer_->async() && last_saved_step_ >= 0) got.async_snapshot = checkpointer_->snapshot_bytes();
+    const auto report = lever_report(memory_plan(), got);
+    if (report.empty()) return;
+    std::printf("memory levers, plan vs measured (rank 0):");
+    for (const auto& [name, v] : report.items()) {
+      std::printf(" %s %.2f vs %.2f MiB (%+.1f%%);", name.c_str(), v["plan"].get<double>() / (1 << 20),
+                  v["measured"].get<double>() / (1 << 20), 100 * v["error"].get<double>());
+    }
+    std::printf("\n");
   }
 
   void finish() {
@@ -459,9 +490,19 @@ class Job {
     } else {
       std::printf("done: no steps trained, step %lld", static_cast<long long>(step_));
     }
-    if (last_eval_step_ >= 0)
-      std::printf(", eval loss %.4f (step %lld)", last_eval_loss_, static_cast<long long>(last_eval_step_));
-    std::printf("\nmemory measured (rank 0): %s\npeak RSS per rank:", report.to_string().c_str());
+    if (last_eval_step_ >= 0) {
+      std::printf(", eval loss %.4f, perplexity %.2f (step %lld)", last_eval_loss_, std::exp(last_eval_loss_),
+                  static_cast<long long>(last_eval_step_));
+    }
+    const int64_t skipped = stepper_->scaler().state().skipped_steps;
+    if (skipped > 0) std::printf(", %lld step(s) skipped (non-finite)", static_cast<long long>(skipped));
+    std::printf("\nmemory measured (rank 0): %s\n", report.to_string().c_str());
+    report_levers();
+    if (offloads() && steps_trained_ > 1) {
+      const auto io = (fsdp::offload_io(*root_) - offload_io_after_first_).per_step(steps_trained_ - 1);
+      std::printf("offload measured (rank 0, per step after the first): %s\n", io.to_string().c_str());
+    }
+    std::printf("peak RSS per rank:");
     for (const auto& r : all) std::printf(" %.1f MiB", r.peak_rss_bytes / (1 << 20));
     std::printf("\n");
     if (!last_checkpoint_.empty()) std::printf("checkpoint: %s\n", last_checkpoint_.c_str());
@@ -481,11 +522,14 @@ class Job {
   c10::Device device_ = c10::Device(c10::kCPU);  // where batches go (dist_->compute_device())
   std::unique_ptr<fsdp::DeviceMesh> mesh_;
   int rank_ = 0, world_ = 1, shard_size_ = 1;
-  int64_t global_batch_ = 0;
+  int64_t global_batch_ = 0;  // samples per optimizer step (all ranks, all micro-batches)
+  int64_t eval_batch_ = 0;    // samples per evaluation batch (all ranks)
   llama::LlamaForCausalLM model_{nullptr};
   std::shared_ptr<fsdp::FSDPModule> root_;
   std::unique_ptr<fsdp::AdamW> optim_;
   std::unique_ptr<fsdp::LRScheduler> sched_;
+  std::unique_ptr<Stepper> stepper_;
+  std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<CommCounter> comm_;
   std::shared_ptr<fsdp::Tracer> tracer_;  // null without --trace
   std::unique_ptr<MetricsLog> metrics_;
@@ -493,6 +537,11 @@ class Job {
 
   int64_t step_ = 0, samples_seen_ = 0;
   int64_t last_saved_step_ = -1, last_eval_step_ = -1, steps_trained_ = 0;
+  fsdp::OffloadIo offload_io_after_first_;
+  bool offloads() const {
+    const auto& off = cfg_.fsdp.offload;
+    return off.params != "none" || off.grads != "none" || off.optimizer_state != "none";
+  }
   double last_loss_ = 0, last_eval_loss_ = 0, train_seconds_ = 0;
   std::string resumed_from_, last_checkpoint_;
   bool started_fresh_ = false;  // --resume latest found no checkpoint

@@ -17,6 +17,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
 namespace {
@@ -56,8 +57,7 @@ std::pair<at::Tensor, at::Tensor> global_batch(int64_t step) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const Args args = parse(argc, argv);
+int train(const Args& args) {
   auto dist = fsdp::init_from_env();
   fsdp::DeviceMesh mesh(dist);
   at::manual_seed(0);
@@ -102,4 +102,14 @@ int main(int argc, char** argv) {
   auto eval = at::mse_loss(fsdp::call(net, x), y).item<double>();
   if (dist->rank() == 0) std::printf("eval loss %.8f\n", eval);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  try {
+    return train(args);
+  } catch (const std::exception& e) {  // fsdp's errors name what is wrong and what to do
+    std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
+    return 1;
+  }
 }

@@ -64,6 +64,10 @@ class AsyncSaver {
             const TrainState& state, const SaveOptions& options = {});
   // Waits for the save in flight; rethrows its error.
   void wait();
+  // Whether a save is still being written.
+  bool in_flight() const;
+  // The bytes of host memory the last save's snapshot took (held until its write ends).
+  int64_t snapshot_bytes() const;
 
  private:
   struct Impl;

@@ -60,4 +60,11 @@ class OffloadError : public Error {
   using Error::Error;
 };
 
+// Training produced non-finite losses or gradients for more steps in a row than allowed (see
+// GradScalerOptions::max_consecutive_skips): stopped rather than saving a poisoned model.
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace fsdp

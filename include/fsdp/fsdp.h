@@ -8,6 +8,7 @@
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/init.h"
 #include "fsdp/memory.h"
 #include "fsdp/mixed_precision.h"

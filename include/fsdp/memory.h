@@ -16,6 +16,9 @@ struct MemoryReport {
   int64_t optimizer_state = 0;  // e.g. AdamW exp_avg + exp_avg_sq shards
   int64_t unsharded_alive = 0;  // gathered param and gradient buffers alive now
   int64_t peak_unsharded = 0;   // the most gathered bytes alive at once so far
+  // Of unsharded_alive, the gradient buffers: between the micro-batches of no-sync accumulation,
+  // every unit's unreduced gradients.
+  int64_t unsharded_grads_alive = 0;
   // The sharded states above (params + grads + optimizer state) by where they live (fsdp/offload.h):
   int64_t tier_device = 0;    // not offloaded: device memory (RAM on CPU runs)
   int64_t tier_host = 0;      // host tier: host memory (pinned with CUDA)

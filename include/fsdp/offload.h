@@ -29,9 +29,40 @@ struct DiskTierStats {
 
 // Figures of the disk tier under `root` (all zero when nothing is offloaded to disk).
 DiskTierStats disk_tier_stats(FSDPModule& root);
+
+class ShardedOptimizer;
+
+// Bytes offload moves, per rank: through the disk tier's I/O threads (reads and writes of its
+// files) and through the stager (copies between host and device memory; clones on CPU runs).
+struct OffloadIo {
+  int64_t disk_read = 0, disk_write = 0;
+  int64_t to_device = 0, to_host = 0;
+  OffloadIo operator-(const OffloadIo& earlier) const;
+  OffloadIo per_step(int64_t steps) const;  // this / steps
+  std::string to_string() const;
+};
+
+// What offload will hold and move, per rank, predicted at the start of a run from the flat
+// params' sizes and tiers: the bytes each tier holds (params, gradients, optimizer state and the
+// master's working copy) and the I/O of one training step in the steady state (after the first,
+// whose execution order is not known yet). A step gathers each unit in forward and again in
+// backward, except the root and the last unit in registration order, which keep their params
+// from forward to backward by default (docs/NOTES.md), and units that do not reshard after
+// forward. Gradient shards in the disk tier move through their mapping and are not counted.
+struct OffloadPlan {
+  int64_t device_bytes = 0, host_bytes = 0, disk_bytes = 0;
+  OffloadIo per_step;
+  std::string to_string() const;
+};
+OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer);
+// Bytes moved so far (cumulative since the tiers opened): measure a step's as a difference.
+OffloadIo offload_io(FSDPModule& root);
 // Measures the mapped resident set after every chunk of the streamed optimizer step and after
 // each all-gather reads a disk-tier shard, keeping the peak in DiskTierStats (costs a mincore
 // per mapping each time; for tests and benchmarks).
 void set_disk_tier_audit(FSDPModule& root, bool on);
+// Drops the page cache of the disk tier's files (after waiting for its queued writes), so that
+// what it reads next comes from the disk. For benchmarks.
+void drop_disk_tier_page_cache(FSDPModule& root);
 
 }  // namespace fsdp

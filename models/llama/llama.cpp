@@ -15,6 +15,7 @@
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
+#include "fsdp/checkpoint_activations.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/init.h"
 
@@ -237,7 +238,16 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
   // position_embeddings down). Under mixed precision fsdp::call casts it with the activations.
   const auto [cos, sin] = rotary_cos_sin(config_.head_dim(), config_.rope_theta, at::arange(T, tokens.options()),
                                          h.scalar_type(), config_.rope_scaling);
-  for (auto& layer : layers) h = fsdp::call(layer, h, cos, sin);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (checkpoint_every > 0 && static_cast<int64_t>(i) % checkpoint_every == 0 && h.requires_grad()) {
+      // Captured by value: the function runs again inside backward, after this forward returned.
+      h = fsdp::checkpoint_activations([layer = layers[i], cos = cos, sin = sin](
+                                           const at::Tensor& x) mutable { return fsdp::call(layer, x, cos, sin); },
+                                       h);
+    } else {
+      h = fsdp::call(layers[i], h, cos, sin);
+    }
+  }
   return norm(h);
 }
 

@@ -228,6 +228,9 @@ class LlamaModelImpl : public torch::nn::Module {
   // in layers_list_ as "layers", which is what gives them the names layers.0, layers.1, ...
   std::vector<LlamaDecoderLayer> layers;
   RMSNorm norm{nullptr};
+  // Activation checkpointing (fsdp::checkpoint_activations): 0 off; n > 0 recomputes layers 0, n,
+  // 2n, ... in backward instead of keeping their activations (1: every layer).
+  int64_t checkpoint_every = 0;
 
  private:
   LlamaConfig config_;

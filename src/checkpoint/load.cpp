@@ -262,6 +262,7 @@ void copy_params(const std::string& dir, const FileSet& model, const CheckpointL
   for (size_t f = 0; f < layout.flats.size(); ++f) {
     offload::copy_streamed(*layout.flats[f].shard.master_shard, params[f]);
     params[f] = at::Tensor();
+    if (layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
   }
 }
 

@@ -22,8 +22,9 @@ ModelView model_view(FSDPModule& root) {
   for (ShardedUnit* unit : units_of(root)) {
     for (auto& fp : unit->flat_params()) {
       const size_t index = view.flats.size();
+      FlatParam* flat = fp.get();
       view.flats.push_back({&fp->sharded_param(), fp->shard_offset(), fp->shard_numel(), fp->config().requires_grad,
-                            fp->config().tag, index});
+                            fp->config().tag, [flat] { flat->master_written(); }, index});
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
       if (fp->replicate_group().rank() != 0) view.writer = false;
     }

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,9 @@ struct FlatShardView {
   int64_t shard_offset = 0;
   int64_t shard_numel = 0;
   bool requires_grad = true;
-  std::string tag;   // "layers.0/0", as in collective errors
+  std::string tag;  // "layers.0/0", as in collective errors
+  // To call after writing into master_shard (a load): refreshes what the model derives from it.
+  std::function<void()> master_written;
   size_t index = 0;  // position in the root's flat-param order (units pre-order, then each unit's)
 };
 

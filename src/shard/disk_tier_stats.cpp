@@ -31,6 +31,10 @@ DiskTierStats disk_tier_stats(FSDPModule& root) {
   return s;
 }
 
+void drop_disk_tier_page_cache(FSDPModule& root) {
+  if (offload::DiskTier* tier = disk_tier_of(root)) tier->drop_page_cache();
+}
+
 void set_disk_tier_audit(FSDPModule& root, bool on) {
   if (offload::DiskTier* tier = disk_tier_of(root)) tier->set_audit(on);
 }

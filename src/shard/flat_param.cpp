@@ -9,9 +9,11 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <chrono>
 #include <sstream>
 
 #include "fsdp/errors.h"
+#include "fsdp/trace.h"
 #include "kernels/ops.h"
 #include "tiers/device_stager.h"
 #include "tiers/disk_tier.h"
@@ -159,6 +161,7 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
     offload::release(out);  // disk tier: written, now out of memory (one parameter's part at a time)
   }
   needs_materialize_ = false;
+  if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
 }
 
 void FlatParam::unshard() {
@@ -169,11 +172,16 @@ void FlatParam::unshard() {
   }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
   set_storage_alive(unsharded_, true);
-  if (config_.compute_dtype == at::kFloat) {
-    gather_input_ = sharded_param_;
-  } else {  // mixed-precision copy-in (kernels/ops.h)
-    gather_input_ = at::empty({sharded_param_.numel()}, sharded_param_.options().dtype(config_.compute_dtype));
-    kernels::copy_in(sharded_param_, gather_input_);
+  if (master_follows_state_) {
+    gather_input_ = working_;  // already in param_dtype on the compute device
+  } else {
+    const at::Tensor master = fetch_master();
+    if (config_.compute_dtype == at::kFloat) {
+      gather_input_ = master;
+    } else {  // mixed-precision copy-in (kernels/ops.h)
+      gather_input_ = at::empty({master.numel()}, master.options().dtype(config_.compute_dtype));
+      kernels::copy_in(master, gather_input_);
+    }
   }
   stage_gather_input();
   if (shard_group_.size() == 1) {
@@ -305,6 +313,24 @@ void FlatParam::set_offload(OffloadPlacement placement) {
     }
   }
   if (offload_.grads != OffloadTier::kNone && sharded_grad_.defined()) place_grad_shard();
+  master_follows_state_ = offload_.params == OffloadTier::kNone && offload_.grads == OffloadTier::kNone &&
+                          offload_.optimizer_state != OffloadTier::kNone && config_.requires_grad;
+  if (master_follows_state_) move_master_to_state_tier();
+}
+
+// See Note [The master follows the optimizer state] in flat_param.h.
+void FlatParam::move_master_to_state_tier() {
+  at::Tensor placed = zeros_in(offload_, offload_.optimizer_state, shard_numel_,
+                               sharded_param_.options().device(at::kCPU), "the master shard of " + config_.tag);
+  if (!needs_materialize_) offload::copy_streamed(placed, sharded_param_.to(at::kCPU));
+  working_ = at::empty({shard_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
+  sharded_param_ = placed;
+  if (aliases_master_) {
+    // One rank, fp32: the parameters are views of the working copy.
+    unsharded_ = working_;
+    use_unsharded_views();
+  }
+  if (!needs_materialize_) refresh_working(0, shard_numel_, sharded_param_);
 }
 
 at::Tensor FlatParam::new_state_tensor(const std::string& what) {
@@ -319,15 +345,73 @@ bool FlatParam::crosses_to_device(OffloadTier tier) const {
 }
 
 void FlatParam::stage_gather_input() {
-  if (offload::is_disk_backed(gather_input_)) {
-    // The collective reads its input whole, and a prefetched gather runs while other work audits
-    // the tier: read the shard into memory in budget-sized chunks (released as they are copied),
-    // so a gather costs 1/N of a unit in RAM, like mixed precision's cast, and none of the budget.
-    at::Tensor staged = at::empty_like(gather_input_);
-    offload::copy_streamed(staged, gather_input_);
-    gather_input_ = staged;
-  }
   if (crosses_to_device(offload_.params)) gather_input_ = offload_.stager->to_device(gather_input_);
+}
+
+// The collective reads its input whole: a disk-tier master is read into host memory by the
+// tier's I/O threads (ahead of use when read_ahead() ran for it), so a gather costs 1/N of a unit
+// in RAM, like mixed precision's cast, and none of the budget.
+at::Tensor FlatParam::fetch_master() {
+  if (!offload::is_disk_backed(sharded_param_)) return sharded_param_;
+  offload::DiskTier& tier = *offload_.disk;
+  if (!pending_read_.valid() || pending_read_generation_ != tier.generation()) {
+    pending_read_generation_ = tier.generation();
+    pending_read_ = tier.read_async(sharded_param_, 0, shard_numel_, "the master shard of " + config_.tag, false);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  offload::IoTicket ticket = std::move(pending_read_);
+  pending_read_ = offload::IoTicket();
+  ticket.wait();
+  if (Tracer* t = tier.tracer())
+    t->span("fsdp::disk_read_wait", "disk wait", t0, std::chrono::steady_clock::now(), config_.tag);
+  return ticket.buffer();
+}
+
+void FlatParam::read_ahead() {
+  if (master_follows_state_ || !offload::is_disk_backed(sharded_param_)) return;
+  if (state_ == ShardedState::kUnsharded || gather_pending_) return;
+  offload::DiskTier& tier = *offload_.disk;
+  if (pending_read_.valid() && pending_read_generation_ == tier.generation()) return;
+  pending_read_generation_ = tier.generation();
+  pending_read_ = tier.read_async(sharded_param_, 0, shard_numel_, "the master shard of " + config_.tag, false);
+}
+
+// ---- the master follows the optimizer state --------------------------------------------------------
+
+at::Tensor FlatParam::optimizer_grad() {
+  finalize_grads();
+  if (!master_follows_state_ || !sharded_grad_.defined()) return sharded_grad_;
+  // Through pinned staging on a device; a clone on CPU runs (the same schedule, tested there).
+  return offload_.stager ? offload_.stager->to_host(sharded_grad_) : sharded_grad_;
+}
+
+std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimizer_update() {
+  if (!master_follows_state_) return nullptr;
+  return [this](int64_t a, int64_t b, const at::Tensor& updated) { refresh_working(a, b, updated); };
+}
+
+void FlatParam::master_written() {
+  if (offload::DiskTier* tier = offload::tier_of(sharded_param_)) tier->bump_generation();
+  if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
+}
+
+void FlatParam::refresh_working(int64_t a, int64_t b, const at::Tensor& master_part) {
+  c10::NoGradGuard no_grad;
+  // A whole disk-tier master (after deferred init or a load) is read through the I/O threads.
+  const at::Tensor part = offload::is_disk_backed(master_part)
+                              ? offload::read_whole(master_part, "the master shard of " + config_.tag)
+                              : master_part;
+  at::Tensor cast = part;
+  if (config_.compute_dtype != at::kFloat) {  // the same copy-in as the gather's without offload
+    cast = at::empty({part.numel()}, part.options().dtype(config_.compute_dtype));
+    kernels::copy_in(part, cast);
+  }
+  at::Tensor dst = working_.narrow(0, a, b - a);
+  if (offload_.stager) {
+    offload_.stager->copy_to_device(dst, cast);
+  } else {
+    dst.copy_(cast);
+  }
 }
 
 void FlatParam::after_gather() {

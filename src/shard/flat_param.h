@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/options.h"
+#include "tiers/disk_tier.h"
 
 namespace fsdp {
 
@@ -86,6 +88,26 @@ class FlatParam {
   const OffloadPlacement& offload() const { return offload_; }
   // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
   at::Tensor new_state_tensor(const std::string& what);
+  // Note [The master follows the optimizer state]: optimizer state offloaded, params and grads
+  // not. The fp32 master then lives with the state (host or disk tier) and the compute device
+  // keeps a working copy of the shard in param_dtype, which the all-gather reads.
+  bool master_follows_state() const { return master_follows_state_; }
+  const at::Tensor& working_shard() const { return working_; }
+
+  // ---- the optimizer's side (src/shard/streamed_step.h)
+  at::Tensor& optimizer_master() { return sharded_param_; }
+  // Collects the gradient and returns what the optimizer reads: the gradient shard, or its host
+  // copy (through pinned staging on a device) when the master follows the state. Undefined when
+  // the flat param has no gradient yet.
+  at::Tensor optimizer_grad();
+  // Null, or what brings the working copy up to date after the optimizer updated elements
+  // [a, b) of the master (their new values in `updated`, host memory).
+  std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after_optimizer_update();
+  // The master was written outside the optimizer (a checkpoint load): refresh what derives from it.
+  void master_written();
+  // Disk tier: starts reading the master shard for the next all-gather (Note [Disk tier I/O
+  // threads]); the gather uses it unless the master changed since.
+  void read_ahead();
 
   // ---- layout
   const std::vector<FlatParamEntry>& entries() const { return entries_; }
@@ -134,6 +156,9 @@ class FlatParam {
   // Offload hooks in the gather / reduce cycle (no-ops without offload).
   // Whether a state in `tier` is copied between host and device memory by the stager.
   bool crosses_to_device(OffloadTier tier) const;
+  at::Tensor fetch_master();  // the master in memory: a disk-tier master through the I/O threads
+  void refresh_working(int64_t a, int64_t b, const at::Tensor& master_part);
+  void move_master_to_state_tier();
   void stage_gather_input();  // host tier: the all-gather reads a device copy of the shard
   void after_gather();        // disk tier: the master shard's pages leave memory
   void stage_reduced_grad();  // host tier: the reduced shard comes back to host memory
@@ -166,6 +191,10 @@ class FlatParam {
   OffloadPlacement offload_;
   std::shared_ptr<ParamGuardInfo> guard_info_;
   std::vector<at::Tensor> guards_;  // per entry
+  bool master_follows_state_ = false;
+  at::Tensor working_;              // [shard] param_dtype on the compute device when the master follows the state
+  offload::IoTicket pending_read_;  // read_ahead()'s read of the master
+  uint64_t pending_read_generation_ = 0;
 };
 
 }  // namespace fsdp

@@ -7,6 +7,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/sharded_unit.h"
+#include "tiers/disk_tier.h"
 
 namespace fsdp {
 
@@ -44,6 +45,7 @@ void FSDPModule::set_requires_gradient_sync(bool sync) {
 void FSDPModule::set_tracer(std::shared_ptr<Tracer> tracer) {
   if (unit_->root() != unit_.get()) unit_->lazy_init();
   unit_->root_state().tracer = tracer;
+  if (unit_->root_state().disk_tier) unit_->root_state().disk_tier->set_tracer(tracer);
   for (ShardedUnit* unit : unit_->root_state().units) {
     for (auto& fp : unit->flat_params()) {
       fp->shard_group().set_tracer(tracer);

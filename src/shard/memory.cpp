@@ -42,13 +42,19 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
   const auto flats = flat_params_of(root);
   for (FlatParam* fp : flats) {
     r.sharded_params += fp->sharded_param().numel() * fp->sharded_param().element_size();
-    by_tier(fp->sharded_param(), fp->offload().params);
+    by_tier(fp->sharded_param(), fp->master_follows_state() ? fp->offload().optimizer_state : fp->offload().params);
+    if (fp->master_follows_state()) {  // the working copy in param_dtype, with compute
+      const auto& w = fp->working_shard();
+      r.sharded_params += w.numel() * w.element_size();
+      by_tier(w, OffloadTier::kNone);
+    }
     const auto& g = fp->sharded_grad();
     if (g.defined()) {
       r.sharded_grads += g.numel() * g.element_size();
       by_tier(g, fp->offload().grads);
     }
     r.unsharded_alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
+    r.unsharded_grads_alive += fp->unsharded_grad_bytes();
   }
   if (optimizer != nullptr) {
     for (const auto& s : const_cast<ShardedOptimizer*>(optimizer)->states()) {

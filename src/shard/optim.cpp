@@ -89,25 +89,30 @@ void ShardedOptimizer::step() {
   const Flats& flats = *flats_;
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
+  std::vector<offload::StepJob> jobs;
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
     auto& s = *it;
     FlatParam& flat = *flats.at(s.flat_index);
-    flat.finalize_grads();
-    auto& grad = flat.sharded_grad();
-    if (!grad.defined()) continue;
-    if (s.tensors.empty()) init_state(s);
-    ++s.step;
     const int group = flat.config().group;
     const double lr = group_lr(group), wd = group_weight_decay(group);
-    at::Tensor& param = flat.sharded_param();
-    if (offload::needs_streaming(s, param, grad)) {
-      offload::step_in_chunks(s, param, grad, [&](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
-        step_shard(chunk, p, g, lr, wd);
-      });
-    } else {
-      step_shard(s, param, grad, lr, wd);
-    }
+    offload::StepJob job;
+    job.state = &s;
+    job.param = flat.optimizer_master();
+    job.grad_on_disk = flat.offload().grads == OffloadTier::kDisk;
+    job.prepare = [this, &s, &flat] {
+      at::Tensor grad = flat.optimizer_grad();
+      if (!grad.defined()) return grad;
+      if (s.tensors.empty()) init_state(s);
+      ++s.step;
+      return grad;
+    };
+    job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
+      step_shard(chunk, p, g, lr, wd);
+    };
+    job.after = flat.after_optimizer_update();
+    jobs.push_back(std::move(job));
   }
+  offload::run_step(jobs, tracer);
 }
 
 // Note [Offloaded state is reserved before the first update]

@@ -54,6 +54,15 @@ void ShardedUnit::prefetch(const std::vector<ShardedUnit*>& targets) {
   }
 }
 
+// Starts the disk reads of the master shards `targets` will gather (one unit beyond the
+// prefetched ones, so that each all-gather finds its input read): Note [Disk tier I/O threads].
+void ShardedUnit::read_ahead(const std::vector<ShardedUnit*>& targets) {
+  for (ShardedUnit* target : targets) {
+    if (target == this || target->root_ != root_ || target->is_gathered_or_gathering()) continue;
+    for (auto& fp : target->flat_params_) fp->read_ahead();
+  }
+}
+
 void ShardedUnit::pre_forward() {
   if (root_ == nullptr) {
     if (nested_) {
@@ -84,6 +93,7 @@ void ShardedUnit::pre_forward() {
   if (!recompute && options_.prefetch_depth > 0) {
     prefetch(forward_prefetch_.empty() ? rs.order.next_in_forward(this, options_.prefetch_depth) : forward_prefetch_);
   }
+  if (!recompute && rs.disk_tier) read_ahead(rs.order.next_in_forward(this, options_.prefetch_depth + 1));
   wait_for_unshard();  // also records the memory peak, prefetched buffers included
   state_ = TrainingState::kForward;
 }
@@ -136,6 +146,7 @@ void ShardedUnit::pre_backward() {
     prefetch(backward_prefetch_.empty() ? rs.order.next_in_backward(this, options_.prefetch_depth)
                                         : backward_prefetch_);
   }
+  if (rs.disk_tier) read_ahead(rs.order.next_in_backward(this, options_.prefetch_depth + 1));
   wait_for_unshard();
   for (auto& fp : flat_params_) fp->prepare_gradients();
   note_memory();

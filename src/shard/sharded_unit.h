@@ -139,6 +139,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // sharded_unit.cpp
   void on_grad_ready(size_t flat_index);
   void prefetch(const std::vector<ShardedUnit*>& targets);
+  void read_ahead(const std::vector<ShardedUnit*>& targets);
   void post_backward(size_t flat_index);
   void note_memory();
   void reset_after_backward();

@@ -4,75 +4,214 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <vector>
 
 #include "fsdp/errors.h"
+#include "fsdp/trace.h"
 #include "tiers/disk_tier.h"
-#include "shard/flat_param.h"
 
 namespace fsdp::offload {
+namespace {
 
-bool needs_streaming(const ShardState& s, const at::Tensor& param, const at::Tensor& grad) {
-  if (is_disk_backed(param) || is_disk_backed(grad)) return true;
-  for (const auto& [name, t] : s.tensors) {
+// One chunk of one job: elements [a, b) of its master and states.
+struct Chunk {
+  size_t job = 0;
+  int64_t a = 0, b = 0;
+  int64_t bytes = 0;                                    // host buffer bytes its reads take
+  std::vector<std::pair<std::string, IoTicket>> reads;  // "param" and the disk-tier state tensors
+  bool issued = false;
+};
+
+std::string tag_of(const ShardState& s) { return s.tag.empty() ? std::string("?") : s.tag; }
+
+void check_streamable(const StepJob& job) {
+  for (const auto& [name, t] : job.state->tensors) {
+    if (!t.defined()) {
+      // e.g. SGD's momentum buffer, created by its first step: a chunk could not create it whole.
+      throw ConfigError("fsdp: " + tag_of(*job.state) + ": optimizer state '" + name +
+                        "' does not exist before its first step, so the step cannot stream through the disk tier; "
+                        "offload params and optimizer_state to \"none\" or \"host\" with this optimizer");
+    }
+  }
+}
+
+class Pipeline {
+ public:
+  Pipeline(std::vector<StepJob>& jobs, DiskTier& tier, Tracer* tracer) : jobs_(jobs), tier_(tier), tracer_(tracer) {}
+
+  void plan() {
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      const StepJob& job = jobs_[j];
+      if (!needs_streaming(job)) continue;
+      check_streamable(job);
+      int streamed = (is_disk_backed(job.param) ? 1 : 0) + (job.grad_on_disk ? 1 : 0);
+      for (const auto& [name, t] : job.state->tensors) streamed += is_disk_backed(t) ? 1 : 0;
+      const int64_t chunk = tier_.chunk_elements(streamed, tag_of(*job.state));
+      const int64_t n = job.param.numel();
+      for (int64_t a = 0; a < n; a += chunk) {
+        Chunk c;
+        c.job = j;
+        c.a = a;
+        c.b = std::min(n, a + chunk);
+        // Host buffers are whole pages (a shard shorter than a page still takes one).
+        const int64_t page_bytes = ((c.b - c.a) * static_cast<int64_t>(sizeof(float)) + 4095) / 4096 * 4096;
+        c.bytes = (streamed - (job.grad_on_disk ? 1 : 0)) * page_bytes;
+        chunks_.push_back(std::move(c));
+      }
+    }
+  }
+
+  void run() {
+    size_t next_chunk = 0;
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      StepJob& job = jobs_[j];
+      if (!needs_streaming(job)) {
+        at::Tensor grad = job.prepare();
+        if (!grad.defined()) continue;
+        job.step(*job.state, job.param, grad);
+        if (job.after) job.after(0, job.param.numel(), job.param);
+        continue;
+      }
+      const size_t begin = next_chunk;
+      size_t end = begin;
+      while (end < chunks_.size() && chunks_[end].job == j) ++end;
+      next_chunk = end;
+      at::Tensor grad = job.prepare();
+      if (!grad.defined()) {
+        for (size_t k = begin; k < end; ++k) chunks_[k].reads.clear();  // read ahead for nothing
+        continue;
+      }
+      for (size_t k = begin; k < end; ++k) step_chunk(k, grad);
+    }
+    tier_.flush();
+    tier_.audit();
+  }
+
+ private:
+  void issue(Chunk& c) {
+    const StepJob& job = jobs_[c.job];
+    const std::string tag = tag_of(*job.state);
+    if (is_disk_backed(job.param)) {
+      c.reads.emplace_back("", tier_.read_async(job.param, c.a, c.b, "the master shard of " + tag, true));
+    }
+    for (const auto& [name, t] : job.state->tensors) {
+      if (is_disk_backed(t)) c.reads.emplace_back(name, tier_.read_async(t, c.a, c.b, name + " of " + tag, true));
+    }
+    c.issued = true;
+  }
+
+  // Issues the reads of chunk k and of the chunks after it that fit in the budget (at most two
+  // ahead); chunk k itself waits for room if the write-behind still holds it.
+  void read_ahead(size_t k) {
+    if (!chunks_[k].issued) {
+      tier_.wait_for_buffers(chunks_[k].bytes);
+      issue(chunks_[k]);
+    }
+    for (size_t n = k + 1; n < chunks_.size() && n <= k + 2; ++n) {
+      if (chunks_[n].issued) continue;
+      const int64_t budget = tier_.budget_bytes();
+      const bool fits = budget > 0 ? tier_.buffered_bytes() + chunks_[n].bytes <= budget : n == k + 1;
+      if (!fits) break;
+      issue(chunks_[n]);
+    }
+  }
+
+  void step_chunk(size_t k, const at::Tensor& grad) {
+    read_ahead(k);
+    Chunk& c = chunks_[k];
+    StepJob& job = jobs_[c.job];
+    const int64_t a = c.a, b = c.b;
+    {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (auto& [name, ticket] : c.reads) ticket.wait();
+      if (tracer_ != nullptr) {
+        tracer_->span("fsdp::disk_read_wait", "disk wait", t0, std::chrono::steady_clock::now(), job.state->tag);
+      }
+    }
+    auto buffer_of = [&](const std::string& name) -> at::Tensor {
+      for (auto& [n, ticket] : c.reads) {
+        if (n == name) return ticket.buffer();
+      }
+      return at::Tensor();
+    };
+    ShardState view;
+    view.flat_index = job.state->flat_index;
+    view.tag = job.state->tag;
+    view.step = job.state->step;
+    for (const auto& [name, t] : job.state->tensors) {
+      at::Tensor buf = buffer_of(name);
+      view.tensors[name] = buf.defined() ? buf : t.narrow(0, a, b - a);
+    }
+    std::map<std::string, const void*> expected;
+    for (const auto& [name, t] : view.tensors) expected[name] = t.data_ptr();
+    at::Tensor p = is_disk_backed(job.param) ? buffer_of("") : job.param.narrow(0, a, b - a);
+    at::Tensor g;
+    if (job.grad_on_disk && is_disk_backed(grad)) {
+      IoTicket t = tier_.read_async(grad, a, b, "the gradient shard of " + job.state->tag, true);
+      t.wait();
+      g = t.buffer();
+    } else {
+      g = grad.narrow(0, a, b - a);
+    }
+    job.step(view, p, g);
+    for (const auto& [name, t] : view.tensors) {
+      if (!t.defined() || t.data_ptr() != expected[name]) {
+        throw ConfigError("fsdp: the optimizer replaced its state tensor '" + name + "' of " + tag_of(*job.state) +
+                          " instead of updating it in place; its state cannot be offloaded (use offload "
+                          "optimizer_state \"none\", or an optimizer whose state exists from the first step)");
+      }
+    }
+    if (job.after) job.after(a, b, p);
+    // Write-behind: queued now, waited for at the end of the step (or by a read of the range).
+    if (is_disk_backed(job.param)) tier_.write_async(job.param, a, p, "the master shard of " + job.state->tag);
+    for (const auto& [name, t] : job.state->tensors) {
+      if (is_disk_backed(t)) tier_.write_async(t, a, view.tensors[name], name + " of " + job.state->tag);
+    }
+    c.reads.clear();  // the write jobs hold the buffers now
+    tier_.audit();
+  }
+
+  std::vector<StepJob>& jobs_;
+  DiskTier& tier_;
+  Tracer* tracer_;
+  std::vector<Chunk> chunks_;
+};
+
+}  // namespace
+
+bool needs_streaming(const StepJob& job) {
+  if (is_disk_backed(job.param) || job.grad_on_disk) return true;
+  for (const auto& [name, t] : job.state->tensors) {
     if (is_disk_backed(t)) return true;
   }
   return false;
 }
 
-void step_in_chunks(ShardState& s, at::Tensor& param, const at::Tensor& grad, const ShardStepFn& step) {
-  std::vector<at::Tensor> all{param, grad};
-  for (const auto& [name, t] : s.tensors) {
-    if (!t.defined()) {
-      // e.g. SGD's momentum buffer, created by its first step: a chunk could not create it whole.
-      throw ConfigError("fsdp: " + (s.tag.empty() ? std::string("?") : s.tag) + ": optimizer state '" + name +
-                        "' does not exist before its first step, so the step cannot stream through the disk tier; "
-                        "offload params and optimizer_state to \"none\" or \"host\" with this optimizer");
-    }
-    all.push_back(t);
-  }
+void run_step(std::vector<StepJob>& jobs, Tracer* tracer) {
   DiskTier* tier = nullptr;
-  int streamed = 0;
-  for (const auto& t : all) {
-    if (DiskTier* d = tier_of(t)) {
-      tier = d;
-      ++streamed;
-    }
+  for (const auto& job : jobs) {
+    if (!needs_streaming(job)) continue;
+    tier = tier_of(job.param);
+    for (const auto& [name, t] : job.state->tensors) tier = tier != nullptr ? tier : tier_of(t);
+    if (tier != nullptr) break;
   }
-  const int64_t n = param.numel();
-  const int64_t chunk = tier->chunk_elements(streamed);
-  auto each = [&](int64_t a, int64_t b, void (*fn)(const at::Tensor&, int64_t, int64_t)) {
-    if (a >= b) return;
-    for (const auto& t : all) fn(t, a, b);
-  };
-  each(0, std::min(n, chunk), &will_need);
-  for (int64_t a = 0; a < n; a += chunk) {
-    const int64_t b = std::min(n, a + chunk);
-    each(b, std::min(n, b + chunk), &will_need);  // read-ahead: chunk k+1 comes in while k computes
-    ShardState view;
-    view.flat_index = s.flat_index;
-    view.tag = s.tag;
-    view.step = s.step;
-    for (const auto& [name, t] : s.tensors) view.tensors[name] = t.defined() ? t.narrow(0, a, b - a) : t;
-    at::Tensor p = param.narrow(0, a, b - a);
-    const at::Tensor g = grad.narrow(0, a, b - a);
-    step(view, p, g);
-    for (const auto& [name, t] : s.tensors) {
-      const auto& v = view.tensors[name];
-      if (t.defined() != v.defined() || (t.defined() && v.data_ptr() != t.narrow(0, a, b - a).data_ptr())) {
-        throw ConfigError("fsdp: the optimizer replaced its state tensor '" + name + "' of " +
-                          (s.tag.empty() ? std::string("?") : s.tag) +
-                          " instead of updating it in place; its state cannot be offloaded (use offload "
-                          "optimizer_state \"none\", or an optimizer whose state exists from the first step)");
-      }
+  if (tier == nullptr) {
+    for (auto& job : jobs) {
+      at::Tensor grad = job.prepare();
+      if (!grad.defined()) continue;
+      job.step(*job.state, job.param, grad);
+      if (job.after) job.after(0, job.param.numel(), job.param);
     }
-    each(a, b, &write_behind);  // write-behind: chunk k goes to disk while k+1 computes
-    tier->audit();
-    if (a > 0) each(a - chunk, a, [](const at::Tensor& t, int64_t x, int64_t y) { release(t, x, y); });
+    return;
   }
-  const int64_t last = n == 0 ? 0 : (n - 1) / chunk * chunk;
-  each(last, n, [](const at::Tensor& t, int64_t x, int64_t y) { release(t, x, y); });
-  tier->audit();
+  tier->check_dir();
+  Pipeline pipeline(jobs, *tier, tracer);
+  pipeline.plan();  // every check before anything steps
+  tier->bump_generation();
+  pipeline.run();
+  tier->bump_generation();
 }
 
 }  // namespace fsdp::offload

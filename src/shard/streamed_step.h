@@ -1,6 +1,9 @@
-// The streamed optimizer step: one flat param's update applied chunk by chunk, so that disk-tier
-// tensors are mapped only a few chunks at a time. Each chunk runs the optimizer's own
-// step_shard on views, so the arithmetic is the optimizer's, unchanged.
+// The optimizer step over disk-tier tensors: each flat param's update applied chunk by chunk on
+// host buffers that the disk tier's I/O threads fill ahead of use and write back behind it, so
+// the step never holds more than memory_budget_bytes of disk-tier state, the reads of the next
+// chunks (the next flat param's included) overlap the current chunk's arithmetic, and the writes
+// overlap the chunks after them (Note [Disk tier I/O threads] in tiers/disk_tier.h). Each chunk
+// runs the optimizer's own step_shard on views, so the arithmetic is the optimizer's, unchanged.
 //
 // Note [Bitwise-equal chunks]
 // ATen's element-wise CPU kernels run a vectorised loop over blocks of 2 x Vectorized<float>::size()
@@ -12,22 +15,41 @@
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/optim.h"
 
+namespace fsdp {
+class Tracer;
+}
+
 namespace fsdp::offload {
 
 using ShardStepFn = std::function<void(ShardState& chunk, at::Tensor& param, const at::Tensor& grad)>;
 
-// Whether any of the step's tensors (param, grad, state) lives in the disk tier.
-bool needs_streaming(const ShardState& s, const at::Tensor& param, const at::Tensor& grad);
+// One flat param's part of an optimizer step.
+struct StepJob {
+  ShardState* state = nullptr;
+  at::Tensor param;           // the fp32 master shard, in its tier
+  bool grad_on_disk = false;  // the gradient shard lives in the disk tier
+  // Collects the flat param's gradient and returns what the step reads (host memory), undefined
+  // when the flat param has none yet (then it is skipped). Runs right before the flat's first chunk.
+  std::function<at::Tensor()> prepare;
+  ShardStepFn step;
+  // Optional: elements [a, b) of the master were updated; `updated` holds their new values.
+  std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after;
+};
 
-// Runs `step` over chunks of (param, grad, every state tensor) with read-ahead of the next chunk
-// and write-behind of the last one (see Note [Disk tier residency]). Throws ConfigError when
-// `step` replaces a state tensor instead of updating it in place (such an optimizer's state
-// cannot be streamed).
-void step_in_chunks(ShardState& s, at::Tensor& param, const at::Tensor& grad, const ShardStepFn& step);
+// Whether any of the step's tensors (master, gradient, state) lives in the disk tier.
+bool needs_streaming(const StepJob& job);
+
+// Runs the jobs in order: jobs with disk-tier tensors chunk by chunk through the tier's I/O
+// threads, the others whole. Throws ConfigError before anything steps when a state tensor does
+// not exist yet (it cannot stream) or the budget is below a unit's working set, and when `step`
+// replaces a state tensor instead of updating it in place; OffloadError when a transfer fails.
+// Waits for disk reads show on `tracer` (may be null) as fsdp::disk_read_wait.
+void run_step(std::vector<StepJob>& jobs, Tracer* tracer = nullptr);
 
 }  // namespace fsdp::offload

@@ -140,10 +140,19 @@ void check_floating(const char* field, const std::optional<at::ScalarType>& dtyp
   }
 }
 
-// A unit on a device offloads all of its states or none (the optimizer steps where the master
-// shard lives, reading its gradient and state there).
+// Whether the unit's fp32 master follows its offloaded optimizer state (ZeRO-Offload: params and
+// grads on the device, master and state on the host or disk; Note [The master follows the
+// optimizer state] in flat_param.h).
+bool master_follows_state(const OffloadPolicy& policy) {
+  return policy.params() == OffloadTier::kNone && policy.grads() == OffloadTier::kNone &&
+         policy.optimizer_state() != OffloadTier::kNone;
+}
+
+// A unit on a device offloads all of its states, or its optimizer state alone (the master then
+// follows it), or none: the optimizer steps where the master shard lives, on the CPU for an
+// offloaded one, so its gradient must come to the host and its result go back.
 void check_offload_on_device(const OffloadPolicy& policy, const std::string& unit, c10::Device device) {
-  if (device.is_cpu() || !policy.any()) return;
+  if (device.is_cpu() || !policy.any() || master_follows_state(policy)) return;
   if (policy.params() != OffloadTier::kNone && policy.grads() != OffloadTier::kNone &&
       policy.optimizer_state() != OffloadTier::kNone) {
     return;
@@ -153,7 +162,8 @@ void check_offload_on_device(const OffloadPolicy& policy, const std::string& uni
                     ", optimizer_state=" + offload_tier_name(policy.optimizer_state()) + ") while computing on " +
                     device.str() +
                     "; on a device the optimizer steps on the CPU, so offload params, grads "
-                    "and optimizer_state together (each \"host\" or \"disk\") or none of them");
+                    "and optimizer_state together (each \"host\" or \"disk\"), or optimizer_state alone (the "
+                    "fp32 master follows it), or none of them");
 }
 
 }  // namespace
@@ -391,7 +401,8 @@ void ShardedUnit::open_offload_tiers() {
   bool needs_stager = false;
   for (ShardedUnit* unit : rs.units) {
     const OffloadPolicy& policy = unit->options_.offload;
-    needs_stager = needs_stager || policy.uses(OffloadTier::kHost) || (policy.any() && !device.is_cpu());
+    needs_stager = needs_stager || policy.uses(OffloadTier::kHost) || (policy.any() && !device.is_cpu()) ||
+                   master_follows_state(policy);
     if (!policy.uses(OffloadTier::kDisk)) continue;
     if (disk_policy &&
         (disk_policy->dir() != policy.dir() || disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
@@ -407,6 +418,10 @@ void ShardedUnit::open_offload_tiers() {
   // The stager copies host-tier states (on CPU runs too: Note [Host tier schedule]) and, on a
   // device, disk-tier states between host and device memory.
   if (needs_stager) rs.stager = offload::make_stager(device);
+  // On a device, the tier's host buffers are pinned: its reads go straight to the device by DMA.
+  if (rs.disk_tier && rs.stager && !device.is_cpu()) {
+    rs.disk_tier->set_host_allocator([stager = rs.stager](int64_t numel) { return stager->host_zeros(numel); });
+  }
 }
 
 // Moves each flat param's states to the tiers of its unit's offload policy, once the disk's free

@@ -13,8 +13,18 @@ namespace {
 class CpuStager : public DeviceStager {
  public:
   at::Tensor host_zeros(int64_t numel) override { return at::zeros({numel}, at::kFloat); }
-  at::Tensor to_device(const at::Tensor& host) override { return host.clone(); }
-  at::Tensor to_host(const at::Tensor& device) override { return device.clone(); }
+  at::Tensor to_device(const at::Tensor& host) override {
+    count(host.nbytes(), 0);
+    return host.clone();
+  }
+  at::Tensor to_host(const at::Tensor& device) override {
+    count(0, device.nbytes());
+    return device.clone();
+  }
+  void copy_to_device(const at::Tensor& dst, const at::Tensor& host) override {
+    count(host.nbytes(), 0);
+    dst.copy_(host);
+  }
   const char* name() const override { return "cpu"; }
 };
 

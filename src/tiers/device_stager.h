@@ -13,6 +13,7 @@
 // same code path and its results are checked bit for bit against no offload.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -32,6 +33,23 @@ class DeviceStager {
   // A host copy of `device`, complete when this returns (the copy runs on the side stream after
   // the compute stream's pending work).
   virtual at::Tensor to_host(const at::Tensor& device) = 0;
+  // Copies host values into an existing device tensor `dst` (same numel and dtype), through
+  // pinned staging; the compute stream is ordered after the copy, the host need not wait.
+  virtual void copy_to_device(const at::Tensor& dst, const at::Tensor& host) = 0;
+  // Bytes copied to and from the device so far (the I/O a memory plan predicts).
+  int64_t bytes_to_device() const { return to_device_bytes_; }
+  int64_t bytes_to_host() const { return to_host_bytes_; }
+
+ protected:
+  void count(int64_t to_device, int64_t to_host) {
+    to_device_bytes_ += to_device;
+    to_host_bytes_ += to_host;
+  }
+
+ private:
+  std::atomic<int64_t> to_device_bytes_{0}, to_host_bytes_{0};
+
+ public:
   virtual const char* name() const = 0;
 };
 

@@ -12,6 +12,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -21,13 +22,6 @@
 #include "fsdp/errors.h"
 
 namespace fsdp::offload {
-
-struct Mapping {
-  std::shared_ptr<DiskTier> tier;  // the tier outlives its mappings
-  void* base = nullptr;
-  size_t bytes = 0;
-  int fd = -1;
-};
 
 namespace {
 
@@ -39,17 +33,22 @@ void delete_mapping(void* ctx) {
   m->tier->remove(m);
   ::munmap(m->base, m->bytes);
   ::close(m->fd);
+  if (m->direct_fd >= 0) ::close(m->direct_fd);
   delete m;
 }
 
-std::string mib(int64_t bytes) { return std::to_string(bytes) + " bytes (" + base::mib(bytes, 1) + ")"; }
-
-Mapping* mapping_of(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return nullptr;
-  const auto& dp = t.storage().data_ptr();
-  if (dp.get_deleter() != &delete_mapping) return nullptr;
-  return static_cast<Mapping*>(dp.get_context());
+// mmap(MAP_SHARED), or MAP_FAILED with errno set; testing::fail_mmap() makes it fail with ENODEV,
+// as on a file system without mmap support.
+std::atomic<bool> g_fail_mmap{false};
+void* map_shared(int fd, size_t bytes) {
+  if (g_fail_mmap.load()) {
+    errno = ENODEV;
+    return MAP_FAILED;
+  }
+  return ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 }
+
+std::string mib(int64_t bytes) { return std::to_string(bytes) + " bytes (" + base::mib(bytes, 1) + ")"; }
 
 // The page-aligned byte range [lo, hi) of the mapping under elements [begin, end) of t.
 bool byte_range(const at::Tensor& t, int64_t begin, int64_t end, Mapping*& m, int64_t& lo, int64_t& hi) {
@@ -57,12 +56,21 @@ bool byte_range(const at::Tensor& t, int64_t begin, int64_t end, Mapping*& m, in
   if (m == nullptr || end <= begin) return false;
   const int64_t first = static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(m->base);
   lo = (first + begin * static_cast<int64_t>(t.element_size())) / kPage * kPage;
-  hi = std::min<int64_t>(static_cast<int64_t>(m->bytes),
-                         (first + end * static_cast<int64_t>(t.element_size()) + kPage - 1) / kPage * kPage);
+  // Whole pages, the file's last one included (its blocks are reserved to a page boundary):
+  // POSIX_FADV_DONTNEED leaves a partial page in the cache.
+  const int64_t file_end = (static_cast<int64_t>(m->bytes) + kPage - 1) / kPage * kPage;
+  hi = std::min<int64_t>(file_end, (first + end * static_cast<int64_t>(t.element_size()) + kPage - 1) / kPage * kPage);
   return hi > lo;
 }
 
 }  // namespace
+
+Mapping* mapping_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const auto& dp = t.storage().data_ptr();
+  if (dp.get_deleter() != &delete_mapping) return nullptr;
+  return static_cast<Mapping*>(dp.get_context());
+}
 
 std::shared_ptr<DiskTier> DiskTier::open(const std::string& dir, int64_t budget_bytes) {
   if (dir.empty()) throw ConfigError("fsdp: offload.dir is empty; name a directory for the disk tier");
@@ -79,16 +87,27 @@ std::shared_ptr<DiskTier> DiskTier::open(const std::string& dir, int64_t budget_
                        std::strerror(errno) + "; make it writable or choose another offload.dir");
   }
   const int rc = ::posix_fallocate(fd, 0, kPage);
-  ::close(fd);
   ::unlink(probe.c_str());
   if (rc != 0) {
+    ::close(fd);
     throw OffloadError("fsdp: offload.dir " + dir + ": cannot reserve blocks for the disk tier's files: " +
                        std::strerror(rc) + "; free space or choose another offload.dir");
   }
+  // The tier's tensors are shared mappings of its files: a file system that cannot map them
+  // (some network and FUSE file systems) is refused now, naming it.
+  void* probe_map = map_shared(fd, kPage);
+  const int map_err = errno;
+  ::close(fd);
+  if (probe_map == MAP_FAILED) {
+    throw OffloadError("fsdp: offload.dir " + dir + " is on a file system that cannot memory-map its files (mmap " +
+                       "MAP_SHARED of " + probe + ": " + std::strerror(map_err) +
+                       "); choose an offload.dir on a local file system (ext4, xfs, tmpfs)");
+  }
+  ::munmap(probe_map, kPage);
   return std::shared_ptr<DiskTier>(new DiskTier(dir, budget_bytes));
 }
 
-DiskTier::~DiskTier() = default;
+DiskTier::~DiskTier() { stop_io(); }
 
 void DiskTier::check_free_space(int64_t bytes, const std::string& what) const {
   struct statvfs st {};
@@ -117,25 +136,31 @@ at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
     throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot create a file for " + what + ": " +
                        std::strerror(errno) + "; make it writable or choose another offload.dir");
   }
+  // The same file for direct transfers (Note [Disk tier I/O threads]); -1 where refused.
+  const int direct_fd = ::open(path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
   ::unlink(path.c_str());  // see Note [Disk tier residency]: nothing left behind on a crash
-  // Reserve every block now: a write through the mapping to a hole on a full disk is a SIGBUS.
-  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  // Reserve every block now (whole pages: direct transfers move whole pages): a write through
+  // the mapping to a hole on a full disk is a SIGBUS.
+  const int64_t reserved = (static_cast<int64_t>(bytes) + kPage - 1) / kPage * kPage;
+  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(reserved));
   if (rc != 0) {
     ::close(fd);
+    if (direct_fd >= 0) ::close(direct_fd);
     throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot reserve " + mib(static_cast<int64_t>(bytes)) + " for " +
                        what + ": " + std::strerror(rc) + "; free space or choose another offload.dir");
   }
-  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = map_shared(fd, bytes);
   if (base == MAP_FAILED) {
     const int err = errno;
     ::close(fd);
+    if (direct_fd >= 0) ::close(direct_fd);
     throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot map " + mib(static_cast<int64_t>(bytes)) + " for " +
                        what + ": " + std::strerror(err));
   }
   // No readahead on faults: what comes into memory is what the tier asks for (will_need), so the
   // budget holds (the kernel's default window alone is 128 KiB per fault).
   ::madvise(base, bytes, MADV_RANDOM);
-  auto* m = new Mapping{shared_from_this(), base, bytes, fd};
+  auto* m = new Mapping{shared_from_this(), base, bytes, fd, direct_fd};
   add(m);
   return at::for_blob(base, {numel})
       .context(m, &delete_mapping)
@@ -143,14 +168,17 @@ at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
       .make_tensor();
 }
 
-int64_t DiskTier::chunk_elements(int tensors) const {
+int64_t DiskTier::chunk_elements(int tensors, const std::string& unit) const {
   if (budget_bytes_ <= 0) return kDefaultChunkElements;
   const int64_t per = budget_bytes_ / (3 * std::max(tensors, 1) * static_cast<int64_t>(sizeof(float)));
   const int64_t elems = per / 1024 * 1024;
   if (elems < 1024) {
-    throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(budget_bytes_) + " is below the " +
-                      std::to_string(3 * tensors * kPage) + " bytes the optimizer needs to stream " +
-                      std::to_string(tensors) + " disk-tier tensors (three 4 KiB pages each)");
+    const int64_t need = 3 * tensors * kPage;
+    throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(budget_bytes_) + " is smaller than " +
+                      (unit.empty() ? std::string("a unit's") : "unit '" + unit + "''s") +
+                      " working set in the optimizer step: " + std::to_string(need) + " bytes (three 4 KiB pages " +
+                      "of each of its " + std::to_string(tensors) + " streamed tensors: read-ahead, current, " +
+                      "write-behind); set offload.memory_budget_bytes to at least " + std::to_string(need));
   }
   return elems;
 }
@@ -161,6 +189,7 @@ void DiskTier::add(Mapping* m) {
 }
 
 void DiskTier::remove(Mapping* m) {
+  wait_for_transfers(m);
   std::lock_guard<std::mutex> lock(mu_);
   mappings_.erase(m);
 }
@@ -186,7 +215,7 @@ int64_t DiskTier::resident_bytes() const {
 
 void DiskTier::audit() {
   if (!audit_) return;
-  const int64_t r = resident_bytes();
+  const int64_t r = resident_bytes() + buffered_bytes();
   peak_resident_ = std::max(peak_resident_, r);
 }
 
@@ -235,6 +264,7 @@ void copy_streamed(const at::Tensor& dst_in, const at::Tensor& src_in) {
     dst_in.copy_(src_in);
     return;
   }
+  if (DiskTier* into = tier_of(dst_in)) into->bump_generation();  // reads issued before are stale
   at::Tensor dst = dst_in.view({-1}), src = src_in.reshape({-1});
   const int64_t chunk = tier->chunk_elements(2);
   for (int64_t a = 0; a < src.numel(); a += chunk) {
@@ -258,5 +288,9 @@ at::Tensor clone_in_tier(const at::Tensor& t) {
   copy_streamed(out, t);
   return out.view(t.sizes());
 }
+
+namespace testing {
+void fail_mmap(bool on) { g_fail_mmap = on; }
+}  // namespace testing
 
 }  // namespace fsdp::offload

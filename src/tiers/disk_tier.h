@@ -12,19 +12,77 @@
 // what they touched. Releasing is MADV_DONTNEED on our mapping (dirty bits move to the page
 // cache; no data is lost) plus POSIX_FADV_DONTNEED so that clean pages leave the page cache too.
 // Files are unlinked as soon as they are open: a crashed run leaves nothing behind.
+//
+// Note [Disk tier I/O threads]
+// The hot paths (the all-gather's read of a master shard, the optimizer's reads and writes of
+// master and state chunks) do not page through the mapping: they move whole ranges between the
+// file and host buffers with pread/pwrite on the tier's own threads, one for reads and one for
+// writes (disk_io.cpp), through a second descriptor opened with O_DIRECT where the file system
+// takes it (buffered otherwise, with POSIX_FADV_DONTNEED after each transfer), so what comes from
+// the disk is read from the disk and nothing lingers in the page cache. Reads are issued ahead of
+// use (the next units' master shards while the current unit computes, the next chunks of the
+// optimizer step while the current one is stepped); writes are queued and waited for only at the
+// end of the optimizer step (flush), so they overlap the chunks after them. A read waits for the
+// queued writes that overlap its range, so it never sees old bytes. Host buffers of the optimizer's
+// transfers count against memory_budget_bytes (the audit adds them to the mapped pages).
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 
 #include <ATen/core/Tensor.h>
 
+namespace fsdp {
+class Tracer;
+}
+
 namespace fsdp::offload {
 
-struct Mapping;
+class DiskTier;
+struct IoJob;
+
+// One disk-tier file: its mapping (the tensor's storage) and descriptors. Owned by the storage's
+// deleter, which waits for the file's queued transfers before unmapping.
+struct Mapping {
+  std::shared_ptr<DiskTier> tier;  // the tier outlives its mappings
+  void* base = nullptr;
+  size_t bytes = 0;    // mapped bytes (the tensor's)
+  int fd = -1;         // buffered descriptor
+  int direct_fd = -1;  // O_DIRECT descriptor of the same file, or -1 where the file system refuses it
+};
+// The mapping under t's storage, or null when t is not disk-backed.
+Mapping* mapping_of(const at::Tensor& t);
+
+// A transfer on the tier's I/O threads. wait() blocks until it is done and throws OffloadError
+// (naming offload.dir, what was moved and the bytes) if it failed; waiting twice is a no-op.
+class IoTicket {
+ public:
+  IoTicket() = default;
+  explicit IoTicket(std::shared_ptr<IoJob> job) : job_(std::move(job)) {}
+  void wait();
+  bool valid() const { return job_ != nullptr; }
+  bool done() const;
+  // A read's host buffer (numel elements of the range read), valid once wait() returned.
+  const at::Tensor& buffer() const;
+
+ private:
+  std::shared_ptr<IoJob> job_;
+};
+
+// Bytes the tier's threads moved since it opened (rounded to whole pages, as transferred).
+struct IoCounters {
+  int64_t bytes_read = 0, bytes_written = 0;
+  int64_t reads = 0, writes = 0;
+};
 
 class DiskTier : public std::enable_shared_from_this<DiskTier> {
  public:
@@ -44,7 +102,8 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   // Elements per chunk when `tensors` disk-tier tensors are streamed together: three chunks each
   // (read-ahead, current, write-behind) fit in the budget. A multiple of 1024 (one 4 KiB page of
   // floats, and of ATen's 64-element vector blocks: see Note [Bitwise-equal chunks]).
-  int64_t chunk_elements(int tensors) const;
+  // Throws ConfigError naming `unit` and the bytes needed when the budget is below three pages each.
+  int64_t chunk_elements(int tensors, const std::string& unit = "") const;
 
   int64_t file_bytes() const;
   int64_t resident_bytes() const;  // mincore over every live mapping
@@ -53,12 +112,50 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   void audit();  // records resident_bytes() into the peak when auditing
   int64_t peak_resident_bytes() const { return peak_resident_; }
 
-  // Internal: mappings register and unregister themselves.
+  // ---- the I/O threads (Note [Disk tier I/O threads], disk_io.cpp)
+  // Starts reading elements [begin, end) of the disk-backed 1-D tensor `t` into a new host
+  // buffer. `budgeted`: the buffer counts against the budget while it lives. `unit` names the
+  // span in the trace.
+  IoTicket read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted);
+  // Starts writing the host tensor `src` (contiguous fp32) into elements [begin, begin +
+  // src.numel()) of `t`. Nobody waits for it until flush() or a read of the same range.
+  IoTicket write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what);
+  // A host buffer of `numel` floats that counts against the budget while it lives (page-aligned,
+  // pinned when a host allocator for a device is set).
+  at::Tensor host_buffer(int64_t numel, bool budgeted);
+  // Waits for every write queued so far; throws the first failed transfer's error.
+  void flush();
+  // Waits until `bytes` more of budgeted buffers fit in the budget, or no write is pending.
+  void wait_for_buffers(int64_t bytes);
+  // Bytes of budgeted host buffers alive now.
+  int64_t buffered_bytes() const { return buffered_->load(); }
+  IoCounters io_counters() const;
+  void set_tracer(std::shared_ptr<Tracer> tracer);
+  Tracer* tracer() const;
+  // Host buffers come from `alloc` (e.g. pinned memory for a device's copies); it must return
+  // page-aligned memory for direct I/O to be used.
+  void set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc);
+  // Bumped whenever a master shard may have changed (the optimizer step, a checkpoint load): a
+  // read issued before it is stale.
+  uint64_t generation() const { return generation_.load(); }
+  void bump_generation() { ++generation_; }
+  // Drops the page cache of every file of the tier (benchmarks: the next reads come from the disk).
+  void drop_page_cache();
+  // Throws OffloadError when dir() is gone (removed while training), naming it.
+  void check_dir() const;
+
+  // Internal: mappings register and unregister themselves (remove waits for their transfers).
   void add(Mapping* m);
   void remove(Mapping* m);
 
  private:
   DiskTier(std::string dir, int64_t budget_bytes) : dir_(std::move(dir)), budget_bytes_(budget_bytes) {}
+  IoTicket submit(std::shared_ptr<IoJob> job);
+  void wait_for_transfers(Mapping* m);  // until no transfer of m's file is queued or running
+  void stop_io();
+  void run_io(bool writes);
+  void transfer(IoJob& job);
+  void wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock);
 
   std::string dir_;
   int64_t budget_bytes_ = 0;
@@ -67,6 +164,22 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   int64_t counter_ = 0;
   mutable std::mutex mu_;
   std::set<Mapping*> mappings_;
+
+  // I/O threads: started by the first transfer, stopped by the destructor.
+  mutable std::mutex io_mu_;
+  std::condition_variable io_cv_;
+  std::deque<std::shared_ptr<IoJob>> reads_, writes_;
+  std::set<IoJob*> writes_pending_;  // queued or running
+  std::map<Mapping*, int> active_;   // transfers queued or running, per file
+  std::thread reader_, writer_;
+  bool stopping_ = false;
+  std::string first_error_;
+  IoCounters counters_;
+  uint64_t seq_ = 0;
+  std::shared_ptr<std::atomic<int64_t>> buffered_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::atomic<uint64_t> generation_{0};
+  std::shared_ptr<Tracer> tracer_;
+  std::function<at::Tensor(int64_t)> host_alloc_;
 };
 
 // Whether `t`'s storage is a disk-tier mapping (views included).
@@ -77,6 +190,9 @@ DiskTier* tier_of(const at::Tensor& t);
 void will_need(const at::Tensor& t, int64_t begin, int64_t end);     // start reading them in
 void write_behind(const at::Tensor& t, int64_t begin, int64_t end);  // start writing them back
 void release(const at::Tensor& t, int64_t begin, int64_t end);       // unmap them (data kept)
+// t's values in host memory: a read through the tier's I/O threads for a disk-backed tensor
+// (waited for), t itself otherwise.
+at::Tensor read_whole(const at::Tensor& t, const std::string& what);
 inline void release(const at::Tensor& t) { release(t, 0, t.defined() ? t.numel() : 0); }
 // A tensor of t's shape with t's values, in t's tier: a new disk-tier file when t is disk-backed,
 // a RAM clone otherwise, a host copy of a device tensor (checkpoint snapshots; no RAM copy of
@@ -86,5 +202,10 @@ at::Tensor clone_in_tier(const at::Tensor& t);
 void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
 // Zeros shaped like `t` in t's tier.
 at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what);
+
+namespace testing {
+// Makes the tier's mmap calls fail with ENODEV, as on a file system without mmap support.
+void fail_mmap(bool on);
+}  // namespace testing
 
 }  // namespace fsdp::offload

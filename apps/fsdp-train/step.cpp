@@ -1,0 +1,154 @@
+// fsdp-train's step: micro-batches, loss scaling, the skip decision, clipping. See step.h.
+#include "step.h"
+
+#include <malloc.h>
+
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "fsdp/memory.h"
+
+namespace train {
+
+int64_t heap_in_use_bytes() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  const struct mallinfo2 mi = ::mallinfo2();  // summed over every arena
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+#else
+  return 0;
+#endif
+}
+
+nlohmann::json scaler_json(const fsdp::GradScaler& scaler) {
+  const auto& st = scaler.state();
+  return {{"scale", st.scale},
+          {"growth_tracker", st.growth_tracker},
+          {"skipped_steps", st.skipped_steps},
+          {"consecutive_skips", st.consecutive_skips}};
+}
+
+void restore_scaler(fsdp::GradScaler& scaler, const nlohmann::json& extra) {
+  if (!extra.is_object() || !extra.contains("grad_scaler")) return;
+  const auto& j = extra.at("grad_scaler");
+  try {
+    fsdp::GradScalerState st;
+    st.scale = j.at("scale").get<double>();
+    st.growth_tracker = j.at("growth_tracker").get<int64_t>();
+    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
+    st.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
+    scaler.load_state(st);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("checkpoint: train_state.json extra.grad_scaler=" + j.dump() + ": " + e.what());
+  }
+}
+
+Stepper::Stepper(const TrainConfig& cfg, const Dataset& data, llama::LlamaForCausalLM model,
+                 std::shared_ptr<fsdp::FSDPModule> root, fsdp::ShardedOptimizer& optim, c10::Device device, int rank)
+    : cfg_(cfg),
+      data_(data),
+      model_(std::move(model)),
+      root_(std::move(root)),
+      optim_(optim),
+      device_(device),
+      rank_(rank) {
+  parse_injection();
+  const auto& f = cfg_.fsdp;
+  scaler_ = std::make_unique<fsdp::GradScaler>(root_, fsdp::GradScalerOptions()
+                                                          .enabled(f.loss_scaling())
+                                                          .init_scale(f.loss_scale_init)
+                                                          .growth_interval(f.loss_scale_growth_interval)
+                                                          .max_consecutive_skips(cfg_.train.max_consecutive_skips));
+}
+
+// Note [Injected non-finite gradients]
+// Tests only: FSDP_TRAIN_TEST_INF_GRAD="RANK:STEP[,STEP...]" puts an inf into the gradient of the
+// logits on rank RANK during optimizer steps STEP (1 = the first), so that rank's loss stays finite
+// while its gradients, and after the reduction every rank's shard of them, are not.
+void Stepper::parse_injection() {
+  const char* env = std::getenv("FSDP_TRAIN_TEST_INF_GRAD");
+  if (env == nullptr || *env == '\0') return;
+  const std::string spec = env;
+  const size_t colon = spec.find(':');
+  try {
+    if (colon == std::string::npos) throw std::invalid_argument("no ':'");
+    if (std::stoi(spec.substr(0, colon)) != rank_) return;
+    std::stringstream steps(spec.substr(colon + 1));
+    for (std::string item; std::getline(steps, item, ',');) inject_steps_.insert(std::stoll(item));
+  } catch (const std::exception&) {
+    throw std::invalid_argument("FSDP_TRAIN_TEST_INF_GRAD=" + spec + ": expected RANK:STEP[,STEP...]");
+  }
+}
+
+// One micro-batch's forward and backward; returns its loss (already divided by the number of
+// micro-batches, detached).
+at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer) {
+  const int64_t accum = cfg_.train.grad_accum_steps;
+  Batch batch;
+  {
+    fsdp::Tracer::Scope s(tracer, "train::data", "train", "");
+    batch = micro_batch(data_, first, cfg_.data.batch_size_per_rank, rank_, Split::kTrain, micro, accum);
+  }
+  const int64_t heap0 = measure ? heap_in_use_bytes() : 0;
+  const int64_t gathered0 = measure ? fsdp::memory_report(*root_).unsharded_alive : 0;
+  at::Tensor loss;
+  {
+    fsdp::Tracer::Scope s(tracer, "train::forward", "train", "");
+    at::Tensor logits = fsdp::call(model_, batch.inputs.to(device_));
+    if (inject && micro == 0) {
+      logits.register_hook([](const at::Tensor& g) {
+        at::Tensor h = g.clone();
+        h.view(-1)[0] = std::numeric_limits<double>::infinity();
+        return h;
+      });
+    }
+    loss = llama::loss(logits, batch.targets.to(device_));
+    if (accum > 1) loss = loss / static_cast<double>(accum);
+  }
+  if (measure) {
+    // What the forward keeps for backward, less the gathered parameters still alive.
+    measured_.activations = (heap_in_use_bytes() - heap0) - (fsdp::memory_report(*root_).unsharded_alive - gathered0);
+  }
+  {
+    fsdp::Tracer::Scope s(tracer, "train::backward", "train", "");
+    scaler_->scale(loss).backward();
+  }
+  if (measure && micro == 0 && accum > 1) measured_.accum_grads = fsdp::memory_report(*root_).unsharded_grads_alive;
+  return loss.detach();
+}
+
+StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
+  const bool inject = inject_steps_.count(step) > 0;
+  const int64_t accum = cfg_.train.grad_accum_steps;
+  const bool measure = steps_run_++ == 1;
+  StepOutcome out;
+  at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  for (int64_t m = 0; m < accum; ++m) {
+    // Gradients stay local and unreduced until the last micro-batch, whose backward reduces the sum.
+    root_->set_requires_gradient_sync(m == accum - 1);
+    local += micro_step(first, m, measure && m == 0, inject, tracer).to(at::kDouble);
+  }
+  out.local_loss = local.item<double>();
+  bool skip;
+  {
+    fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
+    skip = scaler_->unscale_and_check(local);
+  }
+  double norm = 0;
+  if (!skip && cfg_.optim.grad_clip > 0) {
+    fsdp::Tracer::Scope s(tracer, "train::clip_grad_norm", "train", "");
+    norm = fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
+    out.grad_norm = norm;
+  }
+  {
+    fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
+    out.stepped = scaler_->step(optim_, norm);
+    optim_.zero_grad();
+  }
+  if (!out.stepped) out.grad_norm = -1;
+  return out;
+}
+
+}  // namespace train

@@ -1,0 +1,74 @@
+// One optimizer step of fsdp-train: gradient accumulation over micro-batches (gradients reduced on
+// the last one only), loss scaling and the skip decision (fsdp::GradScaler), clipping, and the
+// first measurements of what the memory levers cost, for the end-of-run report.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <set>
+
+#include <c10/core/Device.h>
+#include <nlohmann/json.hpp>
+
+#include "config.h"
+#include "data.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/grad_scaler.h"
+#include "fsdp/optim.h"
+#include "fsdp/trace.h"
+#include "llama.h"
+
+namespace train {
+
+struct StepOutcome {
+  double local_loss = 0;  // this rank's mean over its micro-batches
+  bool stepped = true;    // false: skipped on every rank (a non-finite loss or gradient somewhere)
+  double grad_norm = -1;  // before clipping; -1 when clipping is off or the step was skipped
+};
+
+// Bytes measured on this rank during the second step it trains (the first materialises shards and
+// optimizer state); -1 until then.
+struct LeverMeasurements {
+  int64_t activations = -1;  // heap growth over one micro-batch's forward, gathered params excluded
+  int64_t accum_grads = -1;  // unreduced gradient buffers alive between micro-batches
+};
+
+// This process's heap in use now (malloc'd arena bytes plus mmapped blocks).
+int64_t heap_in_use_bytes();
+
+// The scaler's state for TrainState.extra["grad_scaler"], and back (a checkpoint without it, from
+// before loss scaling existed, leaves the scaler as constructed).
+nlohmann::json scaler_json(const fsdp::GradScaler& scaler);
+void restore_scaler(fsdp::GradScaler& scaler, const nlohmann::json& extra);
+
+class Stepper {
+ public:
+  Stepper(const TrainConfig& cfg, const Dataset& data, llama::LlamaForCausalLM model,
+          std::shared_ptr<fsdp::FSDPModule> root, fsdp::ShardedOptimizer& optim, c10::Device device, int rank);
+
+  // Trains on the global batch that starts at global sample `first` (grad_accum_steps micro-batches
+  // per rank). Collective. Throws fsdp::NonFiniteError after max_consecutive_skips skips in a row.
+  // `step` is the number the step will have once taken (1 for the first).
+  StepOutcome run(int64_t first, int64_t step, fsdp::Tracer* tracer);
+
+  fsdp::GradScaler& scaler() { return *scaler_; }
+  const LeverMeasurements& measured() const { return measured_; }
+
+ private:
+  at::Tensor micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer);
+  void parse_injection();
+
+  const TrainConfig& cfg_;
+  const Dataset& data_;
+  llama::LlamaForCausalLM model_;
+  std::shared_ptr<fsdp::FSDPModule> root_;
+  fsdp::ShardedOptimizer& optim_;
+  c10::Device device_;
+  int rank_;
+  std::unique_ptr<fsdp::GradScaler> scaler_;
+  LeverMeasurements measured_;
+  int64_t steps_run_ = 0;
+  std::set<int64_t> inject_steps_;  // Note [Injected non-finite gradients] (step.cpp)
+};
+
+}  // namespace train

@@ -1,0 +1,168 @@
+// The disk tier's speed against training in memory, in one run: the same Llama model trained on
+// every rank (fsdp-run) first with everything in memory, then with the fp32 master shards and
+// AdamW state in the disk tier, alternating twice. Before every disk-tier step the page cache of
+// the tier's files is dropped (POSIX_FADV_DONTNEED), so its reads come from the disk. Per mode:
+// the median step time over the steps after the first of each round; for the disk tier also the
+// bytes its I/O threads read and wrote per step against the state's size (master + AdamW state
+// per rank) and against the plan (offload_plan: what the schedule must move). Rank 0 prints one
+// JSON object (all ranks' figures); --trace writes each rank's disk-tier trace (trace_report.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "fsdp/fsdp.h"
+#include "fsdp/offload.h"
+#include "llama.h"
+
+namespace {
+
+struct Options {
+  llama::LlamaConfig cfg;
+  int64_t seq = 64, batch = 1, steps = 5, rounds = 2, budget = 64 << 20;
+  std::string dir = "/tmp/fsdp-bench-disk-tier", trace;
+};
+
+struct Result {
+  std::vector<double> step_s;
+  fsdp::OffloadIo io;  // summed over the measured steps
+  int64_t measured = 0;
+  fsdp::OffloadPlan plan;
+  int64_t state_bytes = 0;  // master + AdamW state on this rank
+};
+
+void train(const Options& o, fsdp::DeviceMesh& mesh, bool disk, int round, Result& r) {
+  llama::LlamaForCausalLM model(o.cfg, at::kMeta);
+  auto opts = fsdp::FullyShardOptions().init(llama::llama_init_fn(o.cfg, 1234));
+  for (auto& layer : model->model->layers) fsdp::fully_shard(layer, mesh, opts);
+  auto root_opts = opts;
+  if (disk) {
+    root_opts.offload(fsdp::OffloadPolicy()
+                          .params(fsdp::OffloadTier::kDisk)
+                          .optimizer_state(fsdp::OffloadTier::kDisk)
+                          .dir(o.dir + "/rank" + std::to_string(mesh.dist().rank()))
+                          .memory_budget_bytes(o.budget));
+  }
+  auto root = fsdp::fully_shard(model, mesh, root_opts);
+  fsdp::AdamW optim(root, fsdp::AdamWOptions(1e-3));
+  std::shared_ptr<fsdp::Tracer> tracer;
+  if (!o.trace.empty() && disk && round == 0) {
+    tracer = std::make_shared<fsdp::Tracer>(mesh.dist().rank());
+    root->set_tracer(tracer);
+  }
+  for (int64_t step = 0; step < o.steps; ++step) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(step + 1);
+    auto tokens = at::randint(o.cfg.vocab_size, {o.batch, o.seq + 1}, gen);
+    if (disk) fsdp::drop_disk_tier_page_cache(*root);  // the step reads from the disk
+    mesh.dist().world().barrier("bench step");
+    const auto io_before = fsdp::offload_io(*root);
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+      fsdp::Tracer::Scope s(tracer.get(), "train::step", "train", "");
+      auto loss = llama::loss(fsdp::call(model, tokens.narrow(1, 0, o.seq)), tokens.narrow(1, 1, o.seq));
+      loss.backward();
+      optim.step();
+      optim.zero_grad();
+    }
+    mesh.dist().world().barrier("bench step end");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (step == 0) continue;  // the first step records the execution order and creates the state
+    r.step_s.push_back(s);
+    const auto moved = fsdp::offload_io(*root) - io_before;
+    r.io.disk_read += moved.disk_read;
+    r.io.disk_write += moved.disk_write;
+    ++r.measured;
+  }
+  if (disk) r.plan = fsdp::offload_plan(*root, optim);
+  const auto report = fsdp::memory_report(*root, &optim);
+  r.state_bytes = report.sharded_params + report.optimizer_state;
+  if (tracer) tracer->write(o.trace + ".rank" + std::to_string(mesh.dist().rank()) + ".json");
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  auto& c = o.cfg;
+  c.vocab_size = 256, c.hidden_size = 512, c.intermediate_size = 1536, c.num_hidden_layers = 8;
+  c.num_attention_heads = 8, c.num_key_value_heads = 8, c.max_position_embeddings = 4096;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has = i + 1 < argc;
+    if (a == "--hidden" && has) c.hidden_size = std::stoll(argv[++i]);
+    else if (a == "--intermediate" && has) c.intermediate_size = std::stoll(argv[++i]);
+    else if (a == "--layers" && has) c.num_hidden_layers = std::stoll(argv[++i]);
+    else if (a == "--seq" && has) o.seq = std::stoll(argv[++i]);
+    else if (a == "--batch" && has) o.batch = std::stoll(argv[++i]);
+    else if (a == "--steps" && has) o.steps = std::stoll(argv[++i]);
+    else if (a == "--rounds" && has) o.rounds = std::stoll(argv[++i]);
+    else if (a == "--budget" && has) o.budget = std::stoll(argv[++i]);
+    else if (a == "--dir" && has) o.dir = argv[++i];
+    else if (a == "--trace" && has) o.trace = argv[++i];
+    else {
+      std::fprintf(stderr,
+                   "usage: bench_disk_tier [--hidden H] [--intermediate I] [--layers L] [--seq T] [--batch B] "
+                   "[--steps S] [--rounds R] [--budget BYTES] [--dir DIR] [--trace PREFIX]\n");
+      return 2;
+    }
+  }
+  at::set_num_threads(1);
+  auto dist = fsdp::init_from_env();
+  fsdp::DeviceMesh mesh(dist);
+  Result memory, disk;
+  for (int64_t round = 0; round < o.rounds; ++round) {
+    train(o, mesh, false, static_cast<int>(round), memory);
+    train(o, mesh, true, static_cast<int>(round), disk);
+  }
+  const int64_t n = disk.measured > 0 ? disk.measured : 1;
+  const double mine[] = {median(memory.step_s),
+                         median(disk.step_s),
+                         double(disk.io.disk_read) / n,
+                         double(disk.io.disk_write) / n,
+                         double(disk.state_bytes),
+                         double(disk.plan.per_step.disk_read),
+                         double(disk.plan.per_step.disk_write)};
+  constexpr int kFields = 7;
+  const int world = dist->world_size();
+  auto all = at::zeros({world * kFields}, at::kDouble);
+  dist->world().all_gather(all, at::tensor(at::ArrayRef<double>(mine, kFields), at::kDouble), "report").wait();
+  if (dist->rank() == 0) {
+    nlohmann::json out;
+    out["world_size"] = world;
+    out["model"] = {{"hidden", c.hidden_size},
+                    {"intermediate", c.intermediate_size},
+                    {"layers", c.num_hidden_layers},
+                    {"vocab", c.vocab_size},
+                    {"seq", o.seq},
+                    {"batch", o.batch}};
+    out["steps_per_round"] = o.steps;
+    out["rounds"] = o.rounds;
+    out["budget_bytes"] = o.budget;
+    for (int r = 0; r < world; ++r) {
+      auto v = all.narrow(0, kFields * r, kFields);
+      const double moved = v[2].item<double>() + v[3].item<double>();
+      out["ranks"].push_back({{"memory_step_s", v[0].item<double>()},
+                              {"disk_step_s", v[1].item<double>()},
+                              {"ratio", v[1].item<double>() / v[0].item<double>()},
+                              {"disk_read_per_step", v[2].item<double>()},
+                              {"disk_write_per_step", v[3].item<double>()},
+                              {"state_bytes", v[4].item<double>()},
+                              {"moved_over_state_read_and_written", moved / (2 * v[4].item<double>())},
+                              {"planned_read_per_step", v[5].item<double>()},
+                              {"planned_write_per_step", v[6].item<double>()},
+                              {"moved_over_plan", moved / (v[5].item<double>() + v[6].item<double>())}});
+    }
+    std::printf("%s\n", out.dump().c_str());
+  }
+  return 0;
+}

@@ -1,0 +1,117 @@
+// GradScaler: unscale the gradient shards, agree on inf/NaN across every rank with one all-reduce,
+// skip or step, and move the scale as torch.amp.GradScaler does.
+#include "fsdp/grad_scaler.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "fsdp/errors.h"
+#include "fsdp/optim.h"
+#include "kernels/ops.h"
+#include "shard/sharded_unit.h"
+
+namespace fsdp {
+
+GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions& options)
+    : root_(std::move(root)), options_(options) {
+  if (!root_) throw ConfigError("fsdp: GradScaler got a null module; pass the FSDPModule fully_shard returned");
+  const auto& o = options_;
+  if (!(o.init_scale() > 0) || !std::isfinite(o.init_scale())) {
+    throw ConfigError("fsdp: GradScaler init_scale must be finite and > 0, got " + std::to_string(o.init_scale()));
+  }
+  if (!(o.growth_factor() > 1)) {
+    throw ConfigError("fsdp: GradScaler growth_factor must be > 1, got " + std::to_string(o.growth_factor()));
+  }
+  if (!(o.backoff_factor() > 0 && o.backoff_factor() < 1)) {
+    throw ConfigError("fsdp: GradScaler backoff_factor must be in (0, 1), got " + std::to_string(o.backoff_factor()));
+  }
+  if (o.growth_interval() < 1) {
+    throw ConfigError("fsdp: GradScaler growth_interval must be >= 1, got " + std::to_string(o.growth_interval()));
+  }
+  if (o.max_consecutive_skips() < 0) {
+    throw ConfigError("fsdp: GradScaler max_consecutive_skips must be >= 0, got " +
+                      std::to_string(o.max_consecutive_skips()));
+  }
+  state_.scale = o.enabled() ? o.init_scale() : 1.0;
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) const {
+  if (!options_.enabled()) return loss;
+  return loss * state_.scale;
+}
+
+bool GradScaler::unscale_and_check(const at::Tensor& local_loss) {
+  c10::NoGradGuard no_grad;
+  const auto units = units_of(*root_);
+  // Collect in the order backward finished them (last units first), as clip_grad_norm does.
+  for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
+  Dist& dist = unit_of(*root_).mesh().dist();
+  // This rank's count of non-finite sums: a sum is inf or NaN when any element is, and costs no
+  // buffer the size of the gradient. In double, a sum of finite fp32 values cannot overflow.
+  at::Tensor bad = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(dist.compute_device()));
+  const double inv = 1.0 / state_.scale;
+  for (ShardedUnit* unit : units) {
+    for (auto& fp : unit->flat_params()) {
+      if (!fp->config().requires_grad) continue;
+      auto& g = fp->sharded_grad();
+      if (!g.defined()) continue;
+      if (inv != 1.0) kernels::scale_(g, inv);
+      bad.add_(at::isfinite(g.sum(at::kDouble)).logical_not().to(bad.device(), at::kDouble));
+    }
+  }
+  if (local_loss.defined() && !std::isfinite(local_loss.detach().to(at::kDouble).sum().item<double>())) bad.add_(1);
+  // One all-reduce over every rank (both mesh dimensions): every rank takes the same decision.
+  dist.world().all_reduce(bad, ReduceOp::kSum, "grad_scaler/found_inf").wait();
+  found_inf_ = bad.item<double>() > 0;
+  checked_ = true;
+  return found_inf_;
+}
+
+bool GradScaler::step(ShardedOptimizer& optim, double grad_norm) {
+  if (!checked_) unscale_and_check();
+  checked_ = false;
+  const bool skip = found_inf_ || !std::isfinite(grad_norm);
+  if (!skip) optim.step();
+  update(skip);
+  return !skip;
+}
+
+void GradScaler::update(bool skipped) {
+  if (skipped) {
+    ++state_.skipped_steps;
+    ++state_.consecutive_skips;
+    if (options_.enabled()) state_.scale *= options_.backoff_factor();
+    state_.growth_tracker = 0;
+    const int64_t k = options_.max_consecutive_skips();
+    if (k > 0 && state_.consecutive_skips >= k) {
+      std::ostringstream s;
+      s << "fsdp: " << state_.consecutive_skips << " steps in a row had a non-finite loss or gradient "
+        << "(max_consecutive_skips=" << k << "; loss scale now " << state_.scale << "): training stopped before "
+        << "anything non-finite reached the parameters. Lower the learning rate, check the data, or use bf16/fp32";
+      throw NonFiniteError(s.str());
+    }
+    return;
+  }
+  state_.consecutive_skips = 0;
+  if (!options_.enabled()) return;
+  if (++state_.growth_tracker >= options_.growth_interval()) {
+    const double grown = state_.scale * options_.growth_factor();
+    if (std::isfinite(grown)) state_.scale = grown;
+    state_.growth_tracker = 0;
+  }
+}
+
+void GradScaler::load_state(const GradScalerState& state) {
+  if (!(state.scale > 0) || !std::isfinite(state.scale) || state.growth_tracker < 0 || state.skipped_steps < 0 ||
+      state.consecutive_skips < 0) {
+    throw ConfigError("fsdp: GradScaler::load_state got an invalid state (scale " + std::to_string(state.scale) +
+                      ", growth_tracker " + std::to_string(state.growth_tracker) + ")");
+  }
+  state_ = state;
+  if (!options_.enabled()) state_.scale = 1.0;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,129 @@
+// offload_plan and offload_io: what the tiers will hold and move per step, and what they moved.
+#include <c10/core/ScalarType.h>
+
+#include <sstream>
+
+#include "base/strings.h"
+#include "fsdp/offload.h"
+#include "fsdp/optim.h"
+#include "shard/sharded_unit.h"
+#include "tiers/device_stager.h"
+#include "tiers/disk_tier.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int64_t kPage = 4096;
+int64_t pages(int64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+struct Tally {
+  OffloadPlan& plan;
+  void hold(OffloadTier tier, int64_t bytes) {
+    (tier == OffloadTier::kDisk   ? plan.disk_bytes
+     : tier == OffloadTier::kHost ? plan.host_bytes
+                                  : plan.device_bytes) += bytes;
+  }
+};
+
+// All-gathers of `unit` in one steady-state step (see OffloadPlan).
+int gathers_per_step(ShardedUnit& unit, bool last) {
+  const auto& o = unit.options();
+  const bool kept = !o.reshard_after_forward || (!o.reshard_after_forward_explicit && (unit.is_root() || last));
+  return kept ? 1 : 2;
+}
+
+// One flat param's bytes per tier and I/O per step.
+void plan_flat(FlatParam& fp, int gathers, int state_tensors, bool device_is_cpu, OffloadPlan& plan) {
+  Tally tally{plan};
+  const auto& off = fp.offload();
+  const int64_t shard = fp.shard_numel() * static_cast<int64_t>(sizeof(float));
+  const int64_t compute = fp.shard_numel() * static_cast<int64_t>(c10::elementSize(fp.config().compute_dtype));
+  const int64_t reduced = fp.shard_numel() * static_cast<int64_t>(c10::elementSize(fp.config().reduce_dtype));
+  const bool follows = fp.master_follows_state();
+  const OffloadTier master = follows ? off.optimizer_state : off.params;
+  const bool trains = fp.config().requires_grad;
+  tally.hold(master, shard);
+  if (follows) tally.hold(OffloadTier::kNone, compute);
+  if (trains) {
+    tally.hold(off.grads, shard);
+    tally.hold(off.optimizer_state, state_tensors * shard);
+  }
+  OffloadIo& io = plan.per_step;
+  const bool gathers_at_all =
+      fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat || master != OffloadTier::kNone;
+  if (!follows && gathers_at_all) {
+    if (master == OffloadTier::kDisk) io.disk_read += gathers * pages(shard);
+    if (master == OffloadTier::kHost || (master == OffloadTier::kDisk && !device_is_cpu))
+      io.to_device += gathers * compute;
+  }
+  if (!trains) return;
+  if (off.grads == OffloadTier::kHost || (off.grads == OffloadTier::kDisk && !device_is_cpu)) io.to_host += reduced;
+  const int64_t streamed_reads =
+      (master == OffloadTier::kDisk ? 1 : 0) + (off.optimizer_state == OffloadTier::kDisk ? state_tensors : 0);
+  io.disk_read += streamed_reads * pages(shard);
+  io.disk_write += streamed_reads * pages(shard);
+  if (off.grads == OffloadTier::kDisk && (master == OffloadTier::kDisk || off.optimizer_state == OffloadTier::kDisk)) {
+    io.disk_read += pages(shard);  // the optimizer reads the gradient shard through the I/O threads
+  }
+  if (follows) {
+    io.to_host += shard;      // the gradient to the CPU step
+    io.to_device += compute;  // the updated master, cast, back to the working copy
+  }
+}
+
+std::string bytes(int64_t b) { return base::mib(b, 1); }
+
+}  // namespace
+
+OffloadIo OffloadIo::operator-(const OffloadIo& e) const {
+  return {disk_read - e.disk_read, disk_write - e.disk_write, to_device - e.to_device, to_host - e.to_host};
+}
+
+OffloadIo OffloadIo::per_step(int64_t steps) const {
+  if (steps <= 0) return *this;
+  return {disk_read / steps, disk_write / steps, to_device / steps, to_host / steps};
+}
+
+std::string OffloadIo::to_string() const {
+  std::ostringstream s;
+  s << "disk read " << bytes(disk_read) << ", disk write " << bytes(disk_write) << ", to device " << bytes(to_device)
+    << ", to host " << bytes(to_host);
+  return s.str();
+}
+
+std::string OffloadPlan::to_string() const {
+  return "holds: device " + bytes(device_bytes) + ", host " + bytes(host_bytes) + ", disk " + bytes(disk_bytes) +
+         "; moves per step: " + per_step.to_string();
+}
+
+OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
+  OffloadPlan plan;
+  const auto units = units_of(root);
+  const int state_tensors = static_cast<int>(optimizer.state_names().size());
+  for (size_t i = 0; i < units.size(); ++i) {
+    ShardedUnit& unit = *units[i];
+    const bool device_is_cpu = unit.mesh().dist().compute_device().is_cpu();
+    const int gathers = gathers_per_step(unit, i + 1 == units.size() && units.size() > 1);
+    for (auto& fp : unit.flat_params()) plan_flat(*fp, gathers, state_tensors, device_is_cpu, plan);
+  }
+  return plan;
+}
+
+OffloadIo offload_io(FSDPModule& root) {
+  OffloadIo io;
+  ShardedUnit& unit = unit_of(root);
+  if (unit.root() != &unit) unit.lazy_init();
+  RootState& rs = unit.root_state();
+  if (rs.disk_tier) {
+    const auto c = rs.disk_tier->io_counters();
+    io.disk_read = c.bytes_read;
+    io.disk_write = c.bytes_written;
+  }
+  if (rs.stager) {
+    io.to_device = rs.stager->bytes_to_device();
+    io.to_host = rs.stager->bytes_to_host();
+  }
+  return io;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,327 @@
+// The disk tier's I/O threads: reads and writes of whole ranges between its files and host
+// buffers, off the training thread. See Note [Disk tier I/O threads] in disk_tier.h.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include "base/strings.h"
+#include "fsdp/errors.h"
+#include "fsdp/trace.h"
+#include "tiers/disk_tier.h"
+
+namespace fsdp::offload {
+
+struct IoJob {
+  bool write = false;
+  Mapping* m = nullptr;
+  int64_t offset = 0;    // bytes into the file
+  int64_t bytes = 0;     // bytes of the range
+  at::Tensor buffer;     // host memory: a read's destination, a write's source
+  int64_t capacity = 0;  // bytes usable at buffer.data_ptr() (whole pages for direct transfers)
+  std::string what;
+  uint64_t seq = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::string error;
+};
+
+namespace {
+
+constexpr int64_t kPage = 4096;
+
+int64_t round_up(int64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+std::string describe(int64_t bytes) { return std::to_string(bytes) + " bytes (" + base::mib(bytes, 1) + ")"; }
+
+// pread/pwrite until `len` bytes moved; returns 0 or an errno.
+int move_all(bool write, int fd, char* data, int64_t len, int64_t offset) {
+  while (len > 0) {
+    const ssize_t n = write ? ::pwrite(fd, data, static_cast<size_t>(len), offset)
+                            : ::pread(fd, data, static_cast<size_t>(len), offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) return write ? ENOSPC : EIO;  // a short file: the reservation was lost
+    data += n;
+    len -= n;
+    offset += n;
+  }
+  return 0;
+}
+
+// The bytes a direct transfer of `job` moves, or 0 when it cannot be direct: page-aligned offset
+// and memory, whole pages that stay within the file's reservation and, for a write, do not run
+// into bytes of the tensor after the range.
+int64_t direct_length(const IoJob& job) {
+  if (job.m->direct_fd < 0) return 0;
+  const auto addr = reinterpret_cast<uintptr_t>(job.buffer.data_ptr());
+  const int64_t len = round_up(job.bytes);
+  if (job.offset % kPage != 0 || addr % kPage != 0 || job.capacity < len) return 0;
+  if (job.offset + len > round_up(static_cast<int64_t>(job.m->bytes))) return 0;
+  const bool ends_on_page_or_file =
+      job.bytes % kPage == 0 || job.offset + job.bytes == static_cast<int64_t>(job.m->bytes);
+  if (job.write && !ends_on_page_or_file) return 0;
+  return len;
+}
+
+}  // namespace
+
+// ---- tickets
+
+void IoTicket::wait() {
+  if (!job_) return;
+  std::unique_lock<std::mutex> lock(job_->mu);
+  job_->cv.wait(lock, [&] { return job_->done; });
+  if (!job_->error.empty()) throw OffloadError(job_->error);
+}
+
+bool IoTicket::done() const {
+  if (!job_) return true;
+  std::lock_guard<std::mutex> lock(job_->mu);
+  return job_->done;
+}
+
+const at::Tensor& IoTicket::buffer() const { return job_->buffer; }
+
+// ---- buffers
+
+at::Tensor DiskTier::host_buffer(int64_t numel, bool budgeted) {
+  const int64_t bytes = round_up(std::max<int64_t>(numel, 1) * static_cast<int64_t>(sizeof(float)));
+  const int64_t elems = bytes / static_cast<int64_t>(sizeof(float));
+  std::shared_ptr<std::atomic<int64_t>> counter;
+  if (budgeted) {
+    counter = buffered_;
+    *counter += bytes;
+  }
+  at::Tensor base;
+  if (host_alloc_) base = host_alloc_(elems);
+  void* data = base.defined() ? base.data_ptr() : nullptr;
+  if (data == nullptr) {
+    if (::posix_memalign(&data, kPage, static_cast<size_t>(bytes)) != 0) {
+      if (counter) *counter -= bytes;
+      throw OffloadError("fsdp: disk tier: cannot allocate a host buffer of " + describe(bytes));
+    }
+  }
+  const bool owned = !base.defined();
+  at::Tensor out = at::from_blob(
+      data, {elems},
+      [base, counter, bytes, owned](void* p) {
+        if (owned) std::free(p);
+        if (counter) *counter -= bytes;
+      },
+      at::TensorOptions().dtype(at::kFloat).pinned_memory(base.defined() && base.is_pinned()));
+  return out.narrow(0, 0, numel);
+}
+
+void DiskTier::set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc) { host_alloc_ = std::move(alloc); }
+
+// ---- submitting
+
+IoTicket DiskTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted) {
+  Mapping* m = mapping_of(t);
+  if (m == nullptr) throw ConfigError("fsdp: disk tier: read of a tensor that is not disk-backed (" + what + ")");
+  auto job = std::make_shared<IoJob>();
+  job->m = m;
+  job->offset = (static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(m->base)) +
+                begin * static_cast<int64_t>(sizeof(float));
+  job->bytes = (end - begin) * static_cast<int64_t>(sizeof(float));
+  job->buffer = host_buffer(end - begin, budgeted);
+  job->capacity = round_up(job->bytes);
+  job->what = what;
+  return submit(std::move(job));
+}
+
+IoTicket DiskTier::write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) {
+  Mapping* m = mapping_of(t);
+  if (m == nullptr) throw ConfigError("fsdp: disk tier: write to a tensor that is not disk-backed (" + what + ")");
+  auto job = std::make_shared<IoJob>();
+  job->write = true;
+  job->m = m;
+  job->offset = (static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(m->base)) +
+                begin * static_cast<int64_t>(sizeof(float));
+  job->bytes = src.numel() * static_cast<int64_t>(sizeof(float));
+  job->buffer = src.is_contiguous() ? src : src.contiguous();
+  job->capacity =
+      static_cast<int64_t>(job->buffer.storage().nbytes()) -
+      (static_cast<const char*>(job->buffer.data_ptr()) - static_cast<const char*>(job->buffer.storage().data()));
+  job->what = what;
+  return submit(std::move(job));
+}
+
+IoTicket DiskTier::submit(std::shared_ptr<IoJob> job) {
+  std::lock_guard<std::mutex> lock(io_mu_);
+  if (!first_error_.empty()) throw OffloadError(first_error_);
+  job->seq = ++seq_;
+  ++active_[job->m];
+  if (job->write) {
+    writes_pending_.insert(job.get());
+    writes_.push_back(job);
+  } else {
+    reads_.push_back(job);
+  }
+  if (!reader_.joinable()) {
+    reader_ = std::thread([this] { run_io(false); });
+    writer_ = std::thread([this] { run_io(true); });
+  }
+  io_cv_.notify_all();
+  return IoTicket(std::move(job));
+}
+
+// ---- the threads
+
+void DiskTier::wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock) {
+  io_cv_.wait(lock, [&] {
+    for (const IoJob* w : writes_pending_) {
+      if (w->m == job.m && w->seq < job.seq && w->offset < job.offset + job.bytes &&
+          job.offset < w->offset + w->bytes) {
+        return false;
+      }
+    }
+    return true;
+  });
+}
+
+void DiskTier::run_io(bool writes) {
+  auto& queue = writes ? writes_ : reads_;
+  for (;;) {
+    std::shared_ptr<IoJob> job;
+    std::shared_ptr<Tracer> tracer;
+    {
+      std::unique_lock<std::mutex> lock(io_mu_);
+      tracer = tracer_;
+      io_cv_.wait(lock, [&] { return stopping_ || !queue.empty(); });
+      if (queue.empty()) return;  // stopping, nothing left
+      job = queue.front();
+      queue.pop_front();
+      if (!job->write) wait_for_overlapping_writes(*job, lock);
+    }
+    const auto begin = std::chrono::steady_clock::now();
+    transfer(*job);
+    if (tracer) {
+      tracer->span(writes ? "fsdp::disk_write" : "fsdp::disk_read", writes ? "disk write" : "disk read", begin,
+                   std::chrono::steady_clock::now(), job->what);
+    }
+    const int64_t moved = direct_length(*job) > 0 ? round_up(job->bytes) : job->bytes;
+    if (writes) job->buffer = at::Tensor();  // the budget gets the bytes back now
+    {
+      std::lock_guard<std::mutex> lock(io_mu_);
+      if (writes) writes_pending_.erase(job.get());
+      if (--active_[job->m] == 0) active_.erase(job->m);
+      if (!job->error.empty() && first_error_.empty()) first_error_ = job->error;
+      if (job->error.empty()) {
+        (writes ? counters_.bytes_written : counters_.bytes_read) += moved;
+        ++(writes ? counters_.writes : counters_.reads);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(job->mu);
+      job->done = true;
+    }
+    job->cv.notify_all();
+    io_cv_.notify_all();
+  }
+}
+
+void DiskTier::transfer(IoJob& job) {
+  char* data = static_cast<char*>(job.buffer.data_ptr());
+  const int64_t direct = direct_length(job);
+  int err = direct > 0 ? move_all(job.write, job.m->direct_fd, data, direct, job.offset) : EINVAL;
+  // EINVAL: not direct, or the file system refused direct I/O after all: the buffered descriptor.
+  if (err == EINVAL) err = move_all(job.write, job.m->fd, data, job.bytes, job.offset);
+  if (err == 0) {
+    // Written back and out of the page cache (a direct transfer can leave pages there too, e.g.
+    // ext4 completing a write to reserved blocks), so the tier's pages stay within the budget.
+    const int64_t len = direct > 0 ? direct : round_up(job.bytes);
+    if (job.write) {
+      ::sync_file_range(job.m->fd, job.offset, len,
+                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+    }
+    ::posix_fadvise(job.m->fd, job.offset, len, POSIX_FADV_DONTNEED);
+    return;
+  }
+  job.error = "fsdp: offload.dir " + dir_ + ": " + (job.write ? "writing " : "reading ") + describe(job.bytes) +
+              " of " + job.what + (job.write ? " to " : " from ") + "its disk-tier file failed: " + std::strerror(err) +
+              (job.write ? "; free space (or lift the file-size limit) under offload.dir, then resume from the last "
+                           "checkpoint"
+                         : "; check the disk under offload.dir, then resume from the last checkpoint");
+}
+
+void DiskTier::flush() {
+  std::unique_lock<std::mutex> lock(io_mu_);
+  io_cv_.wait(lock, [&] { return writes_pending_.empty(); });
+  if (!first_error_.empty()) throw OffloadError(first_error_);
+}
+
+void DiskTier::wait_for_buffers(int64_t bytes) {
+  if (budget_bytes_ <= 0) return;
+  std::unique_lock<std::mutex> lock(io_mu_);
+  io_cv_.wait(lock, [&] { return buffered_->load() + bytes <= budget_bytes_ || writes_pending_.empty(); });
+}
+
+void DiskTier::wait_for_transfers(Mapping* m) {
+  std::unique_lock<std::mutex> lock(io_mu_);
+  io_cv_.wait(lock, [&] { return active_.count(m) == 0; });
+}
+
+void DiskTier::stop_io() {
+  {
+    std::lock_guard<std::mutex> lock(io_mu_);
+    stopping_ = true;
+  }
+  io_cv_.notify_all();
+  if (reader_.joinable()) reader_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+IoCounters DiskTier::io_counters() const {
+  std::lock_guard<std::mutex> lock(io_mu_);
+  return counters_;
+}
+
+void DiskTier::set_tracer(std::shared_ptr<Tracer> tracer) {
+  std::lock_guard<std::mutex> lock(io_mu_);
+  tracer_ = std::move(tracer);
+}
+
+Tracer* DiskTier::tracer() const {
+  std::lock_guard<std::mutex> lock(io_mu_);
+  return tracer_.get();
+}
+
+void DiskTier::drop_page_cache() {
+  flush();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Mapping* m : mappings_) {
+    ::madvise(m->base, m->bytes, MADV_DONTNEED);
+    ::sync_file_range(m->fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+    ::posix_fadvise(m->fd, 0, 0, POSIX_FADV_DONTNEED);
+  }
+}
+
+void DiskTier::check_dir() const {
+  struct stat st {};
+  if (::stat(dir_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return;
+  const int err = errno;
+  throw OffloadError("fsdp: offload.dir " + dir_ + " is gone (" + (err != 0 ? std::strerror(err) : "not a directory") +
+                     "): was it removed while training? The disk tier needs it for new files (optimizer state, "
+                     "checkpoint snapshots and loads); recreate it and resume from the last checkpoint");
+}
+
+at::Tensor read_whole(const at::Tensor& t, const std::string& what) {
+  Mapping* m = mapping_of(t);
+  if (m == nullptr) return t;
+  IoTicket ticket = m->tier->read_async(t.reshape({-1}), 0, t.numel(), what, /*budgeted=*/false);
+  ticket.wait();
+  return ticket.buffer().view(t.sizes());
+}
+
+}  // namespace fsdp::offload
