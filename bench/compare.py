@@ -162,10 +162,10 @@ def main():
     def command(system, p, w, threads, metrics, init_only):
         extra = ["--init-only"] if init_only else []
         if system == "fsdp":
-            return [f"{b}/fsdp-run", "--nproc-per-node", str(w), "--", f"{b}/fsdp-train"] + p["args"] + \
+            return [f"{b}/fsdp-run", "--nproc-per-node", str(w), "--timeout-s", "600", "--", f"{b}/fsdp-train"] + p["args"] + \
                    ["--metrics", metrics] + extra
         if system == "fsdp2":
-            return [f"{b}/fsdp-run", "--nproc-per-node", str(w), "--", args.python, "bench/compare_fsdp2.py",
+            return [f"{b}/fsdp-run", "--nproc-per-node", str(w), "--timeout-s", "600", "--", args.python, "bench/compare_fsdp2.py",
                     "--hf", p["hf"], "--checkpoint", p["ckpt"], "--data", f"{p['dir']}/data-w{w}.bin",
                     "--data-world", str(w), "--steps", str(p["steps"]), "--threads", str(threads),
                     "--metrics", metrics] + extra

@@ -33,6 +33,7 @@ Communication is measured by wrapping the torch.distributed collectives FSDP2 ca
   is): a small advantage to FSDP2.
 """
 import argparse
+import datetime
 import inspect
 import json
 import math
@@ -133,18 +134,27 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def init_process_group():
+def init_process_group(timeout_s=300):
     """Gloo from the torchrun-style environment. Under fsdp-run, rank 0 hosts the store on the
     socket the launcher holds for MASTER_PORT (FSDP_MASTER_LISTEN_FD; binding the port anew would
-    find it in use)."""
-    fd = os.environ.get("FSDP_MASTER_LISTEN_FD")
-    if fd is None or os.environ.get("RANK") != "0":
-        dist.init_process_group("gloo")
+    find it in use). Every rank then passes its store explicitly: init_process_group prefixes a
+    store it makes itself ("default_pg") but not one it is given, so a mix of the two never meets."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_RUN_ID") != "fsdp-run":  # torchrun and the like
+        dist.init_process_group("gloo", timeout=timeout)
         return
-    world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, True,
-                          wait_for_workers=False, master_listen_fd=int(fd))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    fd = os.environ.get("FSDP_MASTER_LISTEN_FD")
+    if rank == 0 and fd is None:
+        raise SystemExit("compare_fsdp2: under fsdp-run rank 0 needs FSDP_MASTER_LISTEN_FD (the held MASTER_PORT); "
+                         "run it with --master-port P if the launcher was told not to hold it")
+    if rank == 0:
+        store = dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=int(fd))
+    else:
+        store = dist.TCPStore(host, port, world, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def main():
