@@ -57,6 +57,24 @@ Vars without(Vars v, const std::string& k) {
   return v;
 }
 
+// Rank `rank` of a `world`-rank job whose store is on 127.0.0.1:`port`.
+DistEnv local_env(int rank, int world, int port) {
+  DistEnv env;
+  env.rank = rank;
+  env.world_size = world;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  return env;
+}
+
+// Joins the two-rank group `env` describes and checks that an all-reduce sums both ranks.
+void expect_two_ranks_sum(const DistEnv& env) {
+  auto dist = init_process_group(env, InitOptions().timeout(std::chrono::seconds(10)));
+  auto t = at::full({4}, 1.0f + env.rank);
+  dist->world().all_reduce(t, ReduceOp::kSum, "x").wait();
+  EXPECT_TRUE(at::equal(t, at::full({4}, 3.0f))) << "rank " << env.rank;
+}
+
 TEST(Env, NoVariablesMeansOneProcess) {
   auto env = parse({});
   EXPECT_EQ(env.world_size, 1);
@@ -165,11 +183,7 @@ TEST(Rendezvous, PortInUseFailsWithAMessage) {
   ASSERT_EQ(::listen(fd, 4), 0);
   socklen_t len = sizeof(addr);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  DistEnv env;
-  env.rank = 0;
-  env.world_size = 2;
-  env.master_addr = "127.0.0.1";
-  env.master_port = ntohs(addr.sin_port);
+  const DistEnv env = local_env(0, 2, ntohs(addr.sin_port));
   const auto t0 = Clock::now();
   try {
     init_process_group(env, InitOptions().timeout(std::chrono::seconds(3)));
@@ -189,26 +203,16 @@ TEST(Rendezvous, RankZeroHostsTheStoreOnTheSocketItIsHanded) {
   const int port = held.port();
   const int fd = held.release();  // rank 0's store owns it from here
   auto run = [&](int rank) {
-    DistEnv env;
-    env.rank = rank;
-    env.world_size = 2;
-    env.master_addr = "127.0.0.1";
-    env.master_port = port;
+    DistEnv env = local_env(rank, 2, port);
     if (rank == 0) env.master_listen_fd = fd;
-    auto dist = init_process_group(env, InitOptions().timeout(std::chrono::seconds(10)));
-    auto t = at::full({4}, 1.0f + rank);
-    dist->world().all_reduce(t, ReduceOp::kSum, "x").wait();
-    EXPECT_TRUE(at::equal(t, at::full({4}, 3.0f)));
+    expect_two_ranks_sum(env);
   };
   std::thread zero(run, 0);
   run(1);
   zero.join();
 
   testing::HeldPort other;
-  DistEnv bad;
-  bad.world_size = 2;
-  bad.master_addr = "127.0.0.1";
-  bad.master_port = port;
+  DistEnv bad = local_env(0, 2, port);
   bad.master_listen_fd = other.fd();
   try {
     init_process_group(bad, InitOptions().timeout(std::chrono::seconds(2)));
@@ -236,17 +240,10 @@ TEST(Rendezvous, AgentStoreIsJoinedByEveryRankPerRestart) {
     agent.set(key, std::vector<uint8_t>{1});
   }
   auto run = [&](int rank) {
-    DistEnv env;
-    env.rank = rank;
-    env.world_size = 2;
-    env.master_addr = "127.0.0.1";
-    env.master_port = sopts.port;
+    DistEnv env = local_env(rank, 2, sopts.port);
     env.agent_store = true;
     env.restart_count = 1;
-    auto dist = init_process_group(env, InitOptions().timeout(std::chrono::seconds(10)));
-    auto t = at::full({2}, 1.0f + rank);
-    dist->world().all_reduce(t, ReduceOp::kSum, "x").wait();
-    EXPECT_TRUE(at::equal(t, at::full({2}, 3.0f)));
+    expect_two_ranks_sum(env);
   };
   std::thread zero(run, 0);
   run(1);
@@ -263,12 +260,8 @@ TEST(Rendezvous, WorldsMadeAndDroppedAtOnceFailNoPeer) {
 }
 
 TEST(Rendezvous, RankThatNeverJoinsIsNamedWithinTheTimeout) {
-  DistEnv env;
-  env.rank = 0;
-  env.world_size = 3;
-  env.master_addr = "127.0.0.1";
   testing::HeldPort held;
-  env.master_port = held.port();
+  DistEnv env = local_env(0, 3, held.port());
   env.master_listen_fd = held.release();  // the store owns it from here
   const auto t0 = Clock::now();
   try {
@@ -283,12 +276,8 @@ TEST(Rendezvous, RankThatNeverJoinsIsNamedWithinTheTimeout) {
 }
 
 TEST(Rendezvous, UnreachableStoreFailsWithinTheTimeout) {
-  DistEnv env;
-  env.rank = 1;
-  env.world_size = 2;
-  env.master_addr = "127.0.0.1";
   testing::HeldPort bound_only(/*listening=*/false);  // taken for the test, and nobody listens
-  env.master_port = bound_only.port();
+  const DistEnv env = local_env(1, 2, bound_only.port());
   const auto t0 = Clock::now();
   try {
     init_process_group(env, InitOptions().timeout(std::chrono::seconds(2)));

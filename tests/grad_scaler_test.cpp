@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <limits>
 #include <mutex>
 
@@ -102,6 +103,26 @@ TEST(GradScaler, NanLossOnOneRankSkipsEverywhereWithScalingOff) {
     EXPECT_TRUE(at::equal(rig.shards(), before));
     EXPECT_EQ(scaler.current_scale(), 1);  // no scaling: nothing to back off
     EXPECT_TRUE(rig.step(scaler));
+  });
+}
+
+// Scaling off and clipping on: the gradient pass is left to the clipping norm, which is inf on
+// every rank when one rank's shard holds an inf, so every rank still skips the same step.
+TEST(GradScaler, GradientsJudgedByTheClippingNormSkipEverywhere) {
+  testing::run_threads(2, [](Dist& d) {
+    Rig rig(d);
+    GradScaler scaler(rig.root, GradScalerOptions().enabled(false));
+    const auto before = rig.shards();
+    const auto l = rig.loss();
+    scaler.scale(l).backward();
+    if (d.rank() == 1) rig.inject(std::numeric_limits<double>::infinity());
+    EXPECT_FALSE(scaler.unscale_and_check(l, /*gradients_by_norm=*/true));  // the loss is finite
+    const double norm = clip_grad_norm(*rig.root, 1.0);
+    EXPECT_FALSE(std::isfinite(norm)) << "rank " << d.rank();
+    EXPECT_FALSE(scaler.step(*rig.optim, norm));
+    rig.optim->zero_grad();
+    EXPECT_TRUE(at::equal(rig.shards(), before)) << "a skipped step changed rank " << d.rank() << "'s params";
+    EXPECT_EQ(scaler.state().skipped_steps, 1);
   });
 }
 

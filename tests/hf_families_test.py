@@ -15,15 +15,11 @@ beside --init-from, a truncated weight file) fails before the first step naming 
 
 Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... hf_families_test.py   (ctest sets all three)
 """
-import io
 import json
-import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,6 +28,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from hf_checks import load_hf, record, run, summary  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 LOSS_RTOL = 2e-5  # 1 rank against 2: the same math, gradients summed in another order
@@ -49,46 +48,6 @@ FAMILIES = {
 }
 TRAIN = ["--set", f"data.seq_len={SEQ}", "--set", "train.eval_every=0", "--set", "optim.warmup_steps=1",
          "--set", "optim.lr=1e-3"]
-
-passed = 0
-failed = 0
-
-
-def record(name, ok, detail=""):
-    global passed, failed
-    print(("PASS: " if ok else "FAIL: ") + name, flush=True)
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        for line in str(detail).splitlines()[-25:]:
-            print("    | " + line)
-
-
-def run(cmd, timeout=120):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL)
-    return p.returncode, p.stdout
-
-
-def load_hf(path):
-    """from_pretrained in fp32 with sdpa attention, its loading info and every warning it logged."""
-    log = io.StringIO()
-    handler = logging.StreamHandler(log)
-    handler.setLevel(logging.WARNING)
-    logger = transformers.logging.get_logger("transformers")
-    logger.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
-                                                               output_loading_info=True)
-    finally:
-        logger.removeHandler(handler)
-    msgs = [m for m in log.getvalue().splitlines() if m.strip()]
-    msgs += ["%s: %s" % (w.category.__name__, w.message) for w in caught]
-    return model.eval(), info, msgs
-
 
 def make_model(family, path):
     """A random bf16 model of `family` saved across several files. Weights are far from transformers'
@@ -173,7 +132,7 @@ def family_case(programs, tmp, family):
     if rc != 0:
         return
     ours = np.load(logits_path)
-    model, _, _ = load_hf(hf_dir)
+    model, _, _ = load_hf(hf_dir, "sdpa")
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
     diff = float(np.abs(ours - theirs).max()) if ours.shape == theirs.shape else float("inf")
@@ -219,7 +178,7 @@ def family_case(programs, tmp, family):
     record(f"{family}: export holds the original {len(orig)} bf16 tensors bit for bit",
            not bad and set(back) == set(orig), f"differ: {bad}\nextra: {sorted(set(back) - set(orig))}")
     config = json.load(open(os.path.join(out_dir, "config.json")))
-    exported, info, msgs = load_hf(out_dir)
+    exported, info, msgs = load_hf(out_dir, "sdpa")
     problems = {k: sorted(v) for k, v in info.items() if v}
     record(f"{family}: transformers loads the export as {config['architectures']} with no missing, unexpected or "
            "mismatched keys and no warnings",
@@ -287,8 +246,7 @@ def main():
         for family in FAMILIES:
             family_case(programs, tmp, family)
         bad_input(programs, tmp)
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return summary()
 
 
 if __name__ == "__main__":

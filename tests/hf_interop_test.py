@@ -10,14 +10,10 @@ the initial ones.
 Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train FSDP_CKPT=build/bin/fsdp-ckpt \\
          hf_interop_test.py    (the venv's python; ctest sets all three; "N passed, M failed")
 """
-import io
 import json
-import logging
 import os
-import subprocess
 import sys
 import tempfile
-import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for the Hub
 
@@ -26,6 +22,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from hf_checks import load_hf, record, run, summary  # noqa: E402
 
 LOGITS_ATOL = 1e-4  # fp32, the same math in two implementations
 VOCAB = 64
@@ -39,46 +38,6 @@ TINY = [
     "--set", "model.initializer_range=0.3",
 ]
 STEPS = 4
-
-passed = 0
-failed = 0
-
-
-def record(name, ok, detail=""):
-    global passed, failed
-    print(("PASS: " if ok else "FAIL: ") + name, flush=True)
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        for line in str(detail).splitlines()[-20:]:
-            print("    | " + line)
-
-
-def run(cmd, timeout=120):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL)
-    return p.returncode, p.stdout
-
-
-def load_hf(out_dir):
-    """from_pretrained with every transformers log record and Python warning captured."""
-    log = io.StringIO()
-    handler = logging.StreamHandler(log)
-    handler.setLevel(logging.WARNING)
-    logger = transformers.logging.get_logger("transformers")
-    logger.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model, info = LlamaForCausalLM.from_pretrained(out_dir, attn_implementation="eager",
-                                                           dtype=torch.float32, output_loading_info=True)
-    finally:
-        logger.removeHandler(handler)
-    msgs = [l for l in log.getvalue().splitlines() if l.strip()]
-    msgs += ["%s: %s" % (w.category.__name__, w.message) for w in caught]
-    return model.eval(), info, msgs
-
 
 def case(programs, tmp, tie):
     label = "tied" if tie else "untied"
@@ -101,7 +60,7 @@ def case(programs, tmp, tie):
         return
 
     try:
-        model, info, msgs = load_hf(out_dir)
+        model, info, msgs = load_hf(out_dir, "eager", LlamaForCausalLM)
     except Exception as e:  # noqa: BLE001 - reported as a failure
         record(f"{label}: LlamaForCausalLM.from_pretrained loads the export", False, repr(e))
         return
@@ -156,7 +115,7 @@ def case(programs, tmp, tie):
     config = json.load(open(os.path.join(out_dir, "config.json")))
     config["rope_theta"] = config["rope_parameters"]["rope_theta"] = 10000.0
     json.dump(config, open(os.path.join(control_dir, "config.json"), "w"))
-    control, _, _ = load_hf(control_dir)
+    control, _, _ = load_hf(control_dir, "eager", LlamaForCausalLM)
     with torch.no_grad():
         wrong = float(np.abs(control(torch.from_numpy(tokens)).logits.numpy() - ours).max())
     record(f"{label}: control: with rope_theta 10000 the logits miss by {wrong:.3e} (> {100 * LOGITS_ATOL})",
@@ -182,8 +141,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for tie in (True, False):
             case(programs, tmp, tie)
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return summary()
 
 
 if __name__ == "__main__":

@@ -190,22 +190,28 @@ case_timeout() {
   finish_case "--timeout-s stops the job with 124"
 }
 
+# signal_when_ready SIG PID START_MS: once both ranks have printed "ready" to $TMP/out (their traps
+# are installed), sends SIG to the launcher PID and waits for it: RC, and ELAPSED_MS since START_MS.
+signal_when_ready() {
+  local sig=$1 pid=$2 start=$3 i
+  for i in $(seq 50); do
+    [ "$(grep -c ready "$TMP/out")" -eq 2 ] && break
+    sleep 0.1
+  done
+  kill -"$sig" "$pid"
+  wait "$pid"
+  RC=$?
+  ELAPSED_MS=$(( $(now_ms) - start ))
+}
+
 # SIGTERM sent to the launcher reaches every rank (which can act on it), then exit 143.
 case_forwards_sigterm() {
-  local marker="sleep 64.$TAG" pid i start
+  local marker="sleep 64.$TAG" start
   start=$(now_ms)
   "$BIN" --nproc-per-node 2 -- bash -c \
     "trap 'echo rank \$RANK got TERM; exit 0' TERM; echo ready; $marker & wait" \
     >"$TMP/out" 2>"$TMP/err" </dev/null &
-  pid=$!
-  for i in $(seq 50); do  # until both ranks have installed their trap
-    [ "$(grep -c ready "$TMP/out")" -eq 2 ] && break
-    sleep 0.1
-  done
-  kill -TERM "$pid"
-  wait "$pid"
-  RC=$?
-  ELAPSED_MS=$(( $(now_ms) - start ))
+  signal_when_ready TERM $! "$start"
   expect "exit status 143" '[ "$RC" -eq 143 ]'
   expect "rank 0 got TERM" "grep -qx '\\[rank 0\\] rank 0 got TERM' '$TMP/out'"
   expect "rank 1 got TERM" "grep -qx '\\[rank 1\\] rank 1 got TERM' '$TMP/out'"
@@ -217,21 +223,13 @@ case_forwards_sigterm() {
 # SIGINT (Ctrl-C) is forwarded too, and a rank that needs time to finish (a checkpoint save) gets
 # the grace period: its late output arrives and it is not killed; the launcher exits 130.
 case_forwards_sigint_and_waits_the_grace_period() {
-  local marker="sleep 65.$TAG" pid i start
+  local marker="sleep 65.$TAG" start
   start=$(now_ms)
   # Started in the background, it would inherit an ignored SIGINT and keep ignoring it, as shells do.
   env --default-signal=INT "$BIN" --nproc-per-node 2 --grace-s 10 -- bash -c \
     "trap 'sleep 1.5; echo rank \$RANK saved; exit 130' INT; echo ready; $marker" \
     >"$TMP/out" 2>"$TMP/err" </dev/null &
-  pid=$!
-  for i in $(seq 50); do
-    [ "$(grep -c ready "$TMP/out")" -eq 2 ] && break
-    sleep 0.1
-  done
-  kill -INT "$pid"
-  wait "$pid"
-  RC=$?
-  ELAPSED_MS=$(( $(now_ms) - start ))
+  signal_when_ready INT $! "$start"
   expect "exit status 130" '[ "$RC" -eq 130 ]'
   expect "rank 0 finished its save" "grep -qx '\\[rank 0\\] rank 0 saved' '$TMP/out'"
   expect "rank 1 finished its save" "grep -qx '\\[rank 1\\] rank 1 saved' '$TMP/out'"

@@ -43,6 +43,19 @@ torch::nn::Sequential make_seq(bool wrap) {
   return torch::nn::Sequential(Sharded(a), torch::nn::Tanh(), Sharded(b));
 }
 
+// Runs `f`, which must throw fsdp::UsageError; returns its message (empty, and a test failure, when
+// nothing was thrown).
+template <typename F>
+std::string usage_error_of(F&& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no UsageError";
+  return "";
+}
+
 std::pair<at::Tensor, at::Tensor> batch(int rank, int world) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   auto x = at::randn({8, 6}, gen), y = at::randn({8, 3}, gen);
@@ -125,14 +138,9 @@ TEST(Misuse, ForgottenCallAtTheRootIsAUsageErrorOnEveryRank) {
     for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
     auto root = fully_shard(net, mesh);
     auto [x, y] = batch(dist.rank(), 2);
-    try {
-      net->forward(x);
-      ADD_FAILURE() << "rank " << dist.rank() << ": no error";
-    } catch (const UsageError& e) {
-      const std::string what = e.what();
-      EXPECT_NE(what.find("fsdp::call"), std::string::npos) << what;
-      EXPECT_NE(what.find("Linear"), std::string::npos) << what;
-    }
+    const std::string what = usage_error_of([&] { net->forward(x); });
+    EXPECT_NE(what.find("fsdp::call"), std::string::npos) << "rank " << dist.rank() << ": " << what;
+    EXPECT_NE(what.find("Linear"), std::string::npos) << what;
     auto loss = at::mse_loss(fsdp::call(net, x), y);
     loss.backward();
     EXPECT_TRUE(std::isfinite(loss.item<double>()));
@@ -150,21 +158,22 @@ class ParentImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Parent);
 
+// head and tail each their own unit, then the root.
+std::shared_ptr<FSDPModule> shard_parent(Parent& net, DeviceMesh& mesh) {
+  fully_shard(net->head, mesh);
+  fully_shard(net->tail, mesh);
+  return fully_shard(net, mesh);
+}
+
 TEST(Misuse, ChildForwardCalledDirectlyNamesTheChild) {
   testing::run_threads(2, [](Dist& dist) {
     std::shared_ptr<Dist> d(&dist, [](Dist*) {});
     DeviceMesh mesh(d);
     Parent net;
-    fully_shard(net->head, mesh);
-    fully_shard(net->tail, mesh);
-    auto root = fully_shard(net, mesh);
+    auto root = shard_parent(net, mesh);
     auto [x, y] = batch(dist.rank(), 2);
-    try {
-      fsdp::call(net, x);
-      ADD_FAILURE() << "rank " << dist.rank() << ": no error";
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("'tail'"), std::string::npos) << e.what();
-    }
+    const std::string what = usage_error_of([&] { fsdp::call(net, x); });
+    EXPECT_NE(what.find("'tail'"), std::string::npos) << "rank " << dist.rank() << ": " << what;
   });
 }
 
@@ -175,16 +184,10 @@ TEST(Misuse, OneRankLostGradientIsAUsageError) {
     std::shared_ptr<Dist> d(&dist, [](Dist*) {});
     DeviceMesh mesh(d);
     Parent net;
-    fully_shard(net->head, mesh);
-    fully_shard(net->tail, mesh);
-    auto root = fully_shard(net, mesh);
+    auto root = shard_parent(net, mesh);
     auto out = fsdp::call(net, at::ones({2, 6}));
-    try {
-      out.sum().backward();
-      ADD_FAILURE() << "no error";
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("'tail'"), std::string::npos) << e.what();
-    }
+    const std::string what = usage_error_of([&] { out.sum().backward(); });
+    EXPECT_NE(what.find("'tail'"), std::string::npos) << what;
   });
 }
 
@@ -198,19 +201,11 @@ TEST(Misuse, SequentialWithRawShardedChildren) {
     fully_shard(net->ptr(2), mesh);
     auto root = fully_shard(net, mesh);
     auto [x, y] = batch(dist.rank(), 2);
-    try {
-      fsdp::call(net, x);
-      ADD_FAILURE() << "no error";
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("fsdp::Sharded"), std::string::npos) << e.what();
-    }
+    const std::string refused = usage_error_of([&] { fsdp::call(net, x); });
+    EXPECT_NE(refused.find("fsdp::Sharded"), std::string::npos) << refused;
     // Inside a model's own forward the guard catches it the same way.
-    try {
-      net->forward(x);
-      ADD_FAILURE() << "no error";
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("Sequential"), std::string::npos) << e.what();
-    }
+    const std::string guarded = usage_error_of([&] { net->forward(x); });
+    EXPECT_NE(guarded.find("Sequential"), std::string::npos) << guarded;
   });
 }
 

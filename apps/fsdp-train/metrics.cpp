@@ -18,7 +18,7 @@
 namespace train {
 namespace {
 
-constexpr int kCountersPerRank = 5;
+constexpr int kCountersPerRank = 6;
 
 using fsdp::base::mib;
 
@@ -57,13 +57,14 @@ std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankC
   p[2] = mine.reduce_scatter_bytes;
   p[3] = mine.comm_wait_s;
   p[4] = mine.peak_rss_bytes;
+  p[5] = mine.stop_signal;
   at::Tensor out = at::empty({n * kCountersPerRank}, at::kDouble);
   world.all_gather(out, in, "train/metrics").wait();
   std::vector<RankCounters> all(n);
   const double* q = out.data_ptr<double>();
   for (int r = 0; r < n; ++r) {
     const double* c = q + r * kCountersPerRank;
-    all[r] = {c[0], c[1], c[2], c[3], c[4]};
+    all[r] = {c[0], c[1], c[2], c[3], c[4], c[5]};
   }
   return all;
 }

@@ -31,6 +31,7 @@ struct RankCounters {
   double reduce_scatter_bytes = 0;
   double comm_wait_s = 0;
   double peak_rss_bytes = 0;
+  double stop_signal = 0;  // this rank's pending stop request (fsdp::StopRequest::signal()), 0 for none
 };
 
 struct StepMetrics {

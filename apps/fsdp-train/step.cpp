@@ -134,7 +134,8 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
   bool skip;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    skip = scaler_->unscale_and_check(local);
+    // With clipping on, the clipping norm decides for the gradients (no second pass over them).
+    skip = scaler_->unscale_and_check(local, /*gradients_by_norm=*/cfg_.optim.grad_clip > 0);
   }
   double norm = 0;
   if (!skip && cfg_.optim.grad_clip > 0) {

@@ -171,7 +171,8 @@ class Job {
     model_ = llama::LlamaForCausalLM(cfg_.model, at::kMeta);
     // --init-from: the shards start at zero (cheap) and the import overwrites them, unless a
     // checkpoint is resumed (--resume latest with none saved yet starts fresh: from the import).
-    const bool resuming = !flags_.resume.empty() && (flags_.resume != "latest" || any_checkpoint_saved());
+    started_fresh_ = flags_.resume == "latest" && !any_checkpoint_saved();  // asked once: a collective
+    const bool resuming = !flags_.resume.empty() && !started_fresh_;
     const bool import = !flags_.init_from.empty() && !resuming;
     auto opts = fsdp::FullyShardOptions()
                     .strategy(cfg_.fsdp.strategy)
@@ -213,10 +214,7 @@ class Job {
 
   void resume_if_asked() {
     if (flags_.resume.empty()) return;
-    if (flags_.resume == "latest" && !any_checkpoint_saved()) {
-      started_fresh_ = true;
-      return;
-    }
+    if (started_fresh_) return;  // --resume latest with nothing saved yet (build() asked)
     fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_load", "train", "");
     const auto p = load_checkpoint(flags_.save_dir, flags_.resume, *root_, *optim_, cfg_.config_hash());
     step_ = p.step;
@@ -279,7 +277,7 @@ class Job {
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
     std::printf("%s\n", levers_summary(cfg_, global_batch_).c_str());
     if (offloads()) std::printf("offload plan per rank: %s\n", fsdp::offload_plan(*root_, *optim_).to_string().c_str());
-    if (off.params != "none" || off.grads != "none" || off.optimizer_state != "none") {
+    if (offloads()) {
       std::printf("offload: params %s, grads %s, optimizer_state %s%s%s, memory_budget_bytes %lld\n",
                   off.params.c_str(), off.grads.c_str(), off.optimizer_state.c_str(), off.dir.empty() ? "" : ", dir ",
                   off.dir.c_str(), static_cast<long long>(off.memory_budget_bytes));
@@ -316,9 +314,7 @@ class Job {
       train_step();
       // Offload I/O is reported per step after the first (whose execution order is not known yet).
       if (offloads() && step_ == first_step + 1) offload_io_after_first_ = fsdp::offload_io(*root_);
-      // Every rank brings its own stop request (preemption.h) and all learn the same answer.
-      stop_signal_ = fsdp::agree_on_stop(dist_->world(), fsdp::StopRequest::signal(), "train/stop");
-      if (stop_signal_ != 0) {
+      if (stop_signal_ != 0) {  // agreed in train_step's counters gather
         stop_on_request();
         return;
       }
@@ -351,8 +347,17 @@ class Job {
     mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
     mine.comm_wait_s = delta.total_wait_s();
     mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+    mine.stop_signal = fsdp::StopRequest::signal();
     StepMetrics m;
     m.ranks = gather_counters(dist_->world(), mine);
+    // Every rank brought its own stop request (preemption.h) in the gather, so all learn the same
+    // answer, as fsdp::agree_on_stop gives it (the lowest rank's signal), with no collective of its own.
+    for (const auto& r : m.ranks) {
+      if (r.stop_signal != 0) {
+        stop_signal_ = static_cast<int>(r.stop_signal);
+        break;
+      }
+    }
     // The mean of equal-sized slices' means is the mean over the global batch.
     for (const auto& r : m.ranks) m.loss += r.loss / static_cast<double>(m.ranks.size());
     m.step = step_;

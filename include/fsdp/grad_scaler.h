@@ -57,7 +57,10 @@ class GradScaler {
   // After backward, before clipping: collects the gradient shards, divides them by the scale, and
   // agrees across every rank whether any rank's `local_loss` (optional) or gradient shard holds an
   // inf or NaN. Returns true, the same on every rank, when the step must be skipped. Collective.
-  bool unscale_and_check(const at::Tensor& local_loss = {});
+  // `gradients_by_norm`: the caller clips and passes clip_grad_norm's result to step(), a norm that
+  // is non-finite exactly when some gradient element is; with scaling off (nothing to divide) the
+  // pass over the gradient shards is then skipped and only the loss is checked here.
+  bool unscale_and_check(const at::Tensor& local_loss = {}, bool gradients_by_norm = false);
 
   // Steps `optim` unless unscale_and_check found a non-finite value or `grad_norm` (the result of
   // clip_grad_norm, the same on every rank) is not finite; then updates the scale and the skip

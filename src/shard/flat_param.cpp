@@ -354,10 +354,7 @@ void FlatParam::stage_gather_input() {
 at::Tensor FlatParam::fetch_master() {
   if (!offload::is_disk_backed(sharded_param_)) return sharded_param_;
   offload::DiskTier& tier = *offload_.disk;
-  if (!pending_read_.valid() || pending_read_generation_ != tier.generation()) {
-    pending_read_generation_ = tier.generation();
-    pending_read_ = tier.read_async(sharded_param_, 0, shard_numel_, "the master shard of " + config_.tag, false);
-  }
+  start_master_read();
   const auto t0 = std::chrono::steady_clock::now();
   offload::IoTicket ticket = std::move(pending_read_);
   pending_read_ = offload::IoTicket();
@@ -370,6 +367,11 @@ at::Tensor FlatParam::fetch_master() {
 void FlatParam::read_ahead() {
   if (master_follows_state_ || !offload::is_disk_backed(sharded_param_)) return;
   if (state_ == ShardedState::kUnsharded || gather_pending_) return;
+  start_master_read();
+}
+
+// Issues the read of the disk-tier master unless one of its current contents is already pending.
+void FlatParam::start_master_read() {
   offload::DiskTier& tier = *offload_.disk;
   if (pending_read_.valid() && pending_read_generation_ == tier.generation()) return;
   pending_read_generation_ = tier.generation();

@@ -157,6 +157,7 @@ class FlatParam {
   // Whether a state in `tier` is copied between host and device memory by the stager.
   bool crosses_to_device(OffloadTier tier) const;
   at::Tensor fetch_master();  // the master in memory: a disk-tier master through the I/O threads
+  void start_master_read();   // the disk-tier master's read, unless one of its current contents is pending
   void refresh_working(int64_t a, int64_t b, const at::Tensor& master_part);
   void move_master_to_state_tier();
   void stage_gather_input();  // host tier: the all-gather reads a device copy of the shard

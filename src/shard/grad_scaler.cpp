@@ -43,23 +43,25 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   return loss * state_.scale;
 }
 
-bool GradScaler::unscale_and_check(const at::Tensor& local_loss) {
+bool GradScaler::unscale_and_check(const at::Tensor& local_loss, bool gradients_by_norm) {
   c10::NoGradGuard no_grad;
-  const auto units = units_of(*root_);
-  // Collect in the order backward finished them (last units first), as clip_grad_norm does.
-  for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
   Dist& dist = unit_of(*root_).mesh().dist();
-  // This rank's count of non-finite sums: a sum is inf or NaN when any element is, and costs no
-  // buffer the size of the gradient. In double, a sum of finite fp32 values cannot overflow.
   at::Tensor bad = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(dist.compute_device()));
   const double inv = 1.0 / state_.scale;
-  for (ShardedUnit* unit : units) {
-    for (auto& fp : unit->flat_params()) {
-      if (!fp->config().requires_grad) continue;
-      auto& g = fp->sharded_grad();
-      if (!g.defined()) continue;
-      if (inv != 1.0) kernels::scale_(g, inv);
-      bad.add_(at::isfinite(g.sum(at::kDouble)).logical_not().to(bad.device(), at::kDouble));
+  if (!(gradients_by_norm && inv == 1.0)) {
+    const auto units = units_of(*root_);
+    // Collect in the order backward finished them (last units first), as clip_grad_norm does.
+    for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
+    // This rank's count of non-finite sums: a sum is inf or NaN when any element is, and costs no
+    // buffer the size of the gradient. In double, a sum of finite fp32 values cannot overflow.
+    for (ShardedUnit* unit : units) {
+      for (auto& fp : unit->flat_params()) {
+        if (!fp->config().requires_grad) continue;
+        auto& g = fp->sharded_grad();
+        if (!g.defined()) continue;
+        if (inv != 1.0) kernels::scale_(g, inv);
+        bad.add_(at::isfinite(g.sum(at::kDouble)).logical_not().to(bad.device(), at::kDouble));
+      }
     }
   }
   if (local_loss.defined() && !std::isfinite(local_loss.detach().to(at::kDouble).sum().item<double>())) bad.add_(1);
