@@ -1,15 +1,20 @@
 // The disk tier's speed against training in memory, in one run: the same Llama model trained on
-// every rank (fsdp-run) first with everything in memory, then with the fp32 master shards and
-// AdamW state in the disk tier, alternating twice. Before every disk-tier step the page cache of
-// the tier's files is dropped (POSIX_FADV_DONTNEED), so its reads come from the disk. Per mode:
-// the median step time over the steps after the first of each round; for the disk tier also the
-// bytes its I/O threads read and wrote per step against the state's size (master + AdamW state
-// per rank) and against the plan (offload_plan: what the schedule must move). Rank 0 prints one
-// JSON object (all ranks' figures); --trace writes each rank's disk-tier trace (trace_report.py).
+// every rank (fsdp-run) in four modes, alternating round after round: everything in memory with
+// the optimizer stepping after backward and in backward (ShardedOptimizer::step_in_backward), then
+// the fp32 master shards and AdamW state in the disk tier, stepping after backward and in
+// backward. Before every disk-tier step the page cache of the tier's files is dropped
+// (POSIX_FADV_DONTNEED), so its reads come from the disk. Per mode: the median step time over the
+// steps after the first of each round; the ratio is the disk tier (in backward) over the faster
+// of the two in-memory modes. For the disk tier also the bytes its I/O threads read and wrote per
+// step against the state's size (master + AdamW state per rank, read once and written once) and
+// against the plan (offload_plan: what the schedule must move). Every mode's losses must agree
+// (the same work), else the run fails. Rank 0 prints one JSON object (all ranks' figures);
+// --trace writes each rank's trace of the disk tier in backward (trace_report.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -30,13 +35,14 @@ struct Options {
 
 struct Result {
   std::vector<double> step_s;
+  std::vector<double> losses;  // the last round's
   fsdp::OffloadIo io;  // summed over the measured steps
   int64_t measured = 0;
   fsdp::OffloadPlan plan;
   int64_t state_bytes = 0;  // master + AdamW state on this rank
 };
 
-void train(const Options& o, fsdp::DeviceMesh& mesh, bool disk, int round, Result& r) {
+void train(const Options& o, fsdp::DeviceMesh& mesh, bool disk, bool in_backward, int round, Result& r) {
   llama::LlamaForCausalLM model(o.cfg, at::kMeta);
   auto opts = fsdp::FullyShardOptions().init(llama::llama_init_fn(o.cfg, 1234));
   for (auto& layer : model->model->layers) fsdp::fully_shard(layer, mesh, opts);
@@ -50,8 +56,10 @@ void train(const Options& o, fsdp::DeviceMesh& mesh, bool disk, int round, Resul
   }
   auto root = fsdp::fully_shard(model, mesh, root_opts);
   fsdp::AdamW optim(root, fsdp::AdamWOptions(1e-3));
+  optim.step_in_backward(in_backward);
   std::shared_ptr<fsdp::Tracer> tracer;
-  if (!o.trace.empty() && disk && round == 0) {
+  r.losses.clear();
+  if (!o.trace.empty() && disk && in_backward && round == 0) {
     tracer = std::make_shared<fsdp::Tracer>(mesh.dist().rank());
     root->set_tracer(tracer);
   }
@@ -68,6 +76,7 @@ void train(const Options& o, fsdp::DeviceMesh& mesh, bool disk, int round, Resul
       loss.backward();
       optim.step();
       optim.zero_grad();
+      r.losses.push_back(loss.item<double>());
     }
     mesh.dist().world().barrier("bench step end");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -119,20 +128,35 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   auto dist = fsdp::init_from_env();
   fsdp::DeviceMesh mesh(dist);
-  Result memory, disk;
+  Result memory, memory_ib, disk_after, disk;
   for (int64_t round = 0; round < o.rounds; ++round) {
-    train(o, mesh, false, static_cast<int>(round), memory);
-    train(o, mesh, true, static_cast<int>(round), disk);
+    train(o, mesh, false, false, static_cast<int>(round), memory);
+    train(o, mesh, false, true, static_cast<int>(round), memory_ib);
+    train(o, mesh, true, false, static_cast<int>(round), disk_after);
+    train(o, mesh, true, true, static_cast<int>(round), disk);
+  }
+  // The same work in every mode: the losses agree (the step in backward is bitwise the same).
+  for (const Result* r : {&memory_ib, &disk_after, &disk}) {
+    for (size_t i = 0; i < memory.losses.size(); ++i) {
+      if (i >= r->losses.size() || std::abs(r->losses[i] - memory.losses[i]) > 1e-6) {
+        std::fprintf(stderr, "bench_disk_tier: the modes' losses differ at step %zu: not the same work\n", i);
+        return 1;
+      }
+    }
   }
   const int64_t n = disk.measured > 0 ? disk.measured : 1;
+  const int64_t n_after = disk_after.measured > 0 ? disk_after.measured : 1;
   const double mine[] = {median(memory.step_s),
                          median(disk.step_s),
                          double(disk.io.disk_read) / n,
                          double(disk.io.disk_write) / n,
                          double(disk.state_bytes),
                          double(disk.plan.per_step.disk_read),
-                         double(disk.plan.per_step.disk_write)};
-  constexpr int kFields = 7;
+                         double(disk.plan.per_step.disk_write),
+                         median(memory_ib.step_s),
+                         median(disk_after.step_s),
+                         double(disk_after.io.disk_read + disk_after.io.disk_write) / n_after};
+  constexpr int kFields = 10;
   const int world = dist->world_size();
   auto all = at::zeros({world * kFields}, at::kDouble);
   dist->world().all_gather(all, at::tensor(at::ArrayRef<double>(mine, kFields), at::kDouble), "report").wait();
@@ -151,9 +175,15 @@ int main(int argc, char** argv) {
     for (int r = 0; r < world; ++r) {
       auto v = all.narrow(0, kFields * r, kFields);
       const double moved = v[2].item<double>() + v[3].item<double>();
+      const double memory_best = std::min(v[0].item<double>(), v[7].item<double>());
       out["ranks"].push_back({{"memory_step_s", v[0].item<double>()},
+                              {"memory_in_backward_step_s", v[7].item<double>()},
+                              {"disk_after_backward_step_s", v[8].item<double>()},
                               {"disk_step_s", v[1].item<double>()},
-                              {"ratio", v[1].item<double>() / v[0].item<double>()},
+                              {"ratio", v[1].item<double>() / memory_best},
+                              {"ratio_after_backward", v[8].item<double>() / v[0].item<double>()},
+                              {"moved_after_backward_over_state_read_and_written",
+                               v[9].item<double>() / (2 * v[4].item<double>())},
                               {"disk_read_per_step", v[2].item<double>()},
                               {"disk_write_per_step", v[3].item<double>()},
                               {"state_bytes", v[4].item<double>()},

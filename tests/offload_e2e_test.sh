@@ -63,6 +63,26 @@ else
   bad "resume with the disk tier (rc $RC): $(losses "$TMP/resumed.jsonl" | tr '\n' ' ') vs $(losses "$TMP/none.jsonl" | tail -3 | tr '\n' ' ') $(tail -3 "$TMP/resumed.err")"
 fi
 
+# optim.step_in_backward: each unit stepped during the backward, its disk-tier state read and
+# written under the rest of it; the same losses as stepping after backward (clipping off in both).
+train "$TMP/noclip" --steps 6 --metrics "$TMP/noclip.jsonl" --set optim.grad_clip=0
+train "$TMP/inbwd" --steps 6 --metrics "$TMP/inbwd.jsonl" --set optim.grad_clip=0 --set optim.step_in_backward=true \
+  --set fsdp.offload.params=disk --set fsdp.offload.optimizer_state=disk --set "fsdp.offload.dir=$TMP/offload" \
+  --set fsdp.offload.memory_budget_bytes=1048576
+if [ "$RC" = 0 ] && [ -s "$TMP/noclip.jsonl" ] && [ "$(losses "$TMP/inbwd.jsonl")" = "$(losses "$TMP/noclip.jsonl")" ] &&
+  grep -q "steps in backward" "$TMP/inbwd.out"; then
+  ok "step in backward with the disk tier: losses bitwise equal to stepping after backward"
+else
+  bad "step in backward (rc $RC): $(losses "$TMP/inbwd.jsonl" | tr '\n' ' ') vs $(losses "$TMP/noclip.jsonl" | tr '\n' ' ') $(tail -3 "$TMP/inbwd.err")"
+fi
+train "$TMP/inbwd-clip" --steps 3 --metrics "$TMP/inbwd-clip.jsonl" --set optim.step_in_backward=true
+if [ "$RC" != 0 ] && grep -q "optim.step_in_backward.*needs optim.grad_clip 0" "$TMP/inbwd-clip.err" &&
+  [ ! -s "$TMP/inbwd-clip.jsonl" ]; then
+  ok "step in backward with clipping: refused before any step, naming both keys"
+else
+  bad "step in backward with clipping: rc $RC, $(head -5 "$TMP/inbwd-clip.err")"
+fi
+
 # An offload.dir that cannot be created fails before training, naming it.
 echo x >"$TMP/file"
 train "$TMP/unwritable" --steps 3 --metrics "$TMP/unwritable.jsonl" "${DISK[@]}" --set "fsdp.offload.dir=$TMP/file/offload"

@@ -201,6 +201,10 @@ void parse_optim(const json& doc, TrainConfig& c) {
   optim.number("grad_clip", c.optim.grad_clip, 0);
   optim.choice("schedule", c.optim.schedule, {"cosine", "constant"});
   optim.number("min_lr", c.optim.min_lr, 0);
+  if (const json* v = optim.find("step_in_backward")) {
+    if (!v->is_boolean()) reject(optim.key("step_in_backward"), *v, "must be true or false");
+    c.optim.step_in_backward = v->get<bool>();
+  }
   optim.finish();
   if (c.optim.min_lr > c.optim.lr) {
     reject("optim.min_lr", json(c.optim.min_lr), "exceeds optim.lr=" + json(c.optim.lr).dump());
@@ -350,7 +354,8 @@ json TrainConfig::to_json() const {
                 {"warmup_steps", optim.warmup_steps},
                 {"grad_clip", optim.grad_clip},
                 {"schedule", optim.schedule},
-                {"min_lr", optim.min_lr}};
+                {"min_lr", optim.min_lr},
+                {"step_in_backward", optim.step_in_backward}};
   j["fsdp"] = {{"strategy", fsdp::strategy_name(this->fsdp.strategy)},
                {"param_dtype", dtype_name(this->fsdp.param_dtype)},
                {"reduce_dtype", dtype_name(this->fsdp.reduce_dtype)},
@@ -402,6 +407,16 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   parse_optim(doc, c);
   parse_fsdp(doc, c);
   parse_train(doc, c);
+  if (c.optim.step_in_backward && c.optim.grad_clip > 0) {
+    reject("optim.step_in_backward", json(true),
+           "needs optim.grad_clip 0 (got " + json(c.optim.grad_clip).dump() +
+               "): each gradient is applied during backward, before the global norm is known");
+  }
+  if (c.optim.step_in_backward && c.fsdp.loss_scaling()) {
+    reject("optim.step_in_backward", json(true),
+           "needs fsdp.loss_scale \"none\" and no float16 params (got loss_scale \"" + c.fsdp.loss_scale +
+               "\"): scaled gradients would be applied before they could be unscaled or skipped");
+  }
   return c;
 }
 

@@ -45,6 +45,9 @@ struct OptimConfig {
   double grad_clip = 1.0;           // max global gradient norm; 0 turns clipping off
   std::string schedule = "cosine";  // "cosine" (to min_lr at train.steps) or "constant"
   double min_lr = 6e-4;
+  // Step each flat param during backward, as soon as its gradient is reduced
+  // (ShardedOptimizer::step_in_backward): needs grad_clip 0 and no loss scaling.
+  bool step_in_backward = false;
 };
 
 struct OffloadConfig {

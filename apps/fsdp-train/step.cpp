@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fsdp/errors.h"
 #include "fsdp/memory.h"
 
 namespace train {
@@ -131,6 +132,7 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
     local += micro_step(first, m, measure && m == 0, inject, tracer).to(at::kDouble);
   }
   out.local_loss = local.item<double>();
+  if (cfg_.optim.step_in_backward) return finish_in_backward(step, local, tracer);
   bool skip;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
@@ -149,6 +151,28 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
     optim_.zero_grad();
   }
   if (!out.stepped) out.grad_norm = -1;
+  return out;
+}
+
+// optim.step_in_backward: the backward has applied most of the step already, so nothing can skip
+// it; the optimizer finishes it, then every rank learns whether any loss was non-finite (one
+// all-reduce, the loss only) and, if so, all stop before anything is saved.
+StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer) {
+  StepOutcome out;
+  out.local_loss = local.item<double>();
+  {
+    fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
+    optim_.step();
+    optim_.zero_grad();
+  }
+  out.stepped = true;
+  fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
+  if (scaler_->unscale_and_check(local, /*gradients_by_norm=*/true)) {
+    throw fsdp::NonFiniteError("fsdp-train: a non-finite loss at step " + std::to_string(step) +
+                               " with optim.step_in_backward, whose steps cannot be skipped: the parameters may "
+                               "be non-finite now; resume from the last checkpoint with a lower optim.lr, or turn "
+                               "optim.step_in_backward off to skip such steps");
+  }
   return out;
 }
 

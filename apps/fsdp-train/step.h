@@ -56,6 +56,7 @@ class Stepper {
 
  private:
   at::Tensor micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer);
+  StepOutcome finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer);
   void parse_injection();
 
   const TrainConfig& cfg_;

@@ -200,6 +200,7 @@ class Job {
     const auto& o = cfg_.optim;
     optim_ = std::make_unique<fsdp::AdamW>(
         root_, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
+    optim_->step_in_backward(o.step_in_backward);
     sched_ = make_schedule(o, cfg_.train.steps);
     stepper_ = std::make_unique<Stepper>(cfg_, data_, model_, root_, *optim_, device_, rank_);
     checkpointer_ = std::make_unique<Checkpointer>(flags_.save_dir, cfg_.train.async_save, cfg_.train.keep_last);
@@ -267,13 +268,13 @@ class Job {
                 static_cast<long long>(global_batch_), static_cast<long long>(cfg_.data.batch_size_per_rank),
                 static_cast<long long>(global_batch_ * cfg_.data.seq_len));
     const auto& o = cfg_.optim;
-    std::printf("optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s\n",
+    std::printf("optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s%s\n",
                 o.lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, o.schedule.c_str(),
                 static_cast<long long>(o.warmup_steps),
                 o.schedule == "cosine"
                     ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg_.train.steps)).c_str()
                     : "",
-                o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off");
+                o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off", o.step_in_backward ? "; steps in backward" : "");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
     std::printf("%s\n", levers_summary(cfg_, global_batch_).c_str());
     if (offloads()) std::printf("offload plan per rank: %s\n", fsdp::offload_plan(*root_, *optim_).to_string().c_str());

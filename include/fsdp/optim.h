@@ -21,6 +21,12 @@
 
 namespace fsdp {
 
+class FlatParam;
+class Tracer;
+namespace offload {
+struct StepJob;
+}
+
 // Hyper-parameters that differ per optimizer group (see FullyShardOptions::param_group).
 struct GroupOptions {
   TORCH_ARG(double, lr_scale) = 1.0;
@@ -59,13 +65,31 @@ struct ShardState {
 class ShardedOptimizer {
  public:
   explicit ShardedOptimizer(const std::shared_ptr<FSDPModule>& root);
-  virtual ~ShardedOptimizer() = default;
+  virtual ~ShardedOptimizer();
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
   // Steps every flat param that has a gradient shard (one with none, e.g. a unit unused so far,
-  // is skipped and its step count stays).
+  // is skipped and its step count stays). With step_in_backward on: steps the flat params the
+  // backward did not step yet and waits for those it did.
   virtual void step();
   // Zeroes the gradient shards in place (the buffers stay).
   void zero_grad();
+
+  // The step in backward: each flat param is stepped as soon as the backward has its reduced
+  // gradient (during the next unit's backward), on a thread of the optimizer's own, while the
+  // backward goes on; disk-tier state is read and written under the rest of the backward, and a
+  // disk-tier master the backward's all-gather read is not read again. On a device the CPU step of
+  // an offloaded optimizer state runs while the device computes the next units' backward. The
+  // result is bit for bit the same as step() after backward. What changes for the caller:
+  //  - every backward that reduces gradients is one optimizer step: call step() after it (it
+  //    finishes the step), set the learning rate before the backward, and accumulate micro-batches
+  //    with set_requires_gradient_sync(false) on all but the last;
+  //  - the gradients are applied before the backward ends, so nothing can rescale or skip them:
+  //    clip_grad_norm and an enabled GradScaler are refused with a UsageError.
+  // Only optimizers that step shard by shard (AdamW, SGD) can; TorchOptimizer cannot (ConfigError).
+  void step_in_backward(bool on);
+  bool steps_in_backward() const { return in_backward_ != nullptr; }
 
   double lr() const { return lr_; }
   void set_lr(double lr);
@@ -100,10 +124,22 @@ class ShardedOptimizer {
   double group_lr(int group) const;
   // The group's weight decay set with set_group_options, if any.
   std::optional<double> group_weight_decay_override(int group) const;
+  // Whether step_in_backward can be turned on (the optimizer steps one shard at a time).
+  virtual bool can_step_in_backward() const { return true; }
 
  private:
   void reserve_offloaded_state();
   double group_weight_decay(int group) const;
+  FlatParam& flat_of(const ShardState& state) const;
+  // One flat param's part of a step (its gradient collected when the step reaches it).
+  offload::StepJob make_job(ShardState& state);
+  // step_in_backward (step_in_backward.cpp): the backward hands each reduced flat param over.
+  struct InBackward;
+  void hand_over(FlatParam& flat);
+  void finish_step_in_backward(Tracer* tracer);
+  void wait_for_backward_steps();
+  void stop_step_in_backward();
+  std::shared_ptr<InBackward> in_backward_;  // shared: its type is complete only in the library
 
   std::shared_ptr<FSDPModule> root_;
   // The root's flat params in ShardState::flat_index order, looked up once at construction (the

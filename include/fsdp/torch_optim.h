@@ -61,6 +61,7 @@ class TorchOptimizer : public ShardedOptimizer {
 
  protected:
   void init_state(ShardState& state) override;
+  bool can_step_in_backward() const override { return false; }  // it steps every shard at once
   void step_shard(ShardState& state, at::Tensor& param, const at::Tensor& grad, double lr,
                   double weight_decay) override;
 

@@ -164,7 +164,7 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
 }
 
-void FlatParam::unshard() {
+void FlatParam::unshard(bool keep_master_for_step) {
   if (needs_materialize_) {
     throw ConfigError("fsdp: unit '" + config_.tag +
                       "' was never materialised: run the root's lazy init "
@@ -176,6 +176,10 @@ void FlatParam::unshard() {
     gather_input_ = working_;  // already in param_dtype on the compute device
   } else {
     const at::Tensor master = fetch_master();
+    // A host buffer of the whole shard, read by the tier's I/O thread; one not taken by a step
+    // since the last backward is dropped.
+    const bool keep = keep_master_for_step && config_.requires_grad && offload::is_disk_backed(sharded_param_);
+    kept_master_ = keep ? master : at::Tensor();
     if (config_.compute_dtype == at::kFloat) {
       gather_input_ = master;
     } else {  // mixed-precision copy-in (kernels/ops.h)
@@ -370,6 +374,12 @@ void FlatParam::read_ahead() {
   start_master_read();
 }
 
+at::Tensor FlatParam::take_master_for_step() {
+  at::Tensor out = std::move(kept_master_);
+  kept_master_ = at::Tensor();
+  return out;
+}
+
 // Issues the read of the disk-tier master unless one of its current contents is already pending.
 void FlatParam::start_master_read() {
   offload::DiskTier& tier = *offload_.disk;
@@ -393,6 +403,7 @@ std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimi
 }
 
 void FlatParam::master_written() {
+  kept_master_ = at::Tensor();
   if (offload::DiskTier* tier = offload::tier_of(sharded_param_)) tier->bump_generation();
   if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
 }

@@ -108,6 +108,9 @@ class FlatParam {
   // Disk tier: starts reading the master shard for the next all-gather (Note [Disk tier I/O
   // threads]); the gather uses it unless the master changed since.
   void read_ahead();
+  // The master's values a gather kept for the step (see unshard), handed over once; undefined
+  // when none was kept or the master was written since.
+  at::Tensor take_master_for_step();
 
   // ---- layout
   const std::vector<FlatParamEntry>& entries() const { return entries_; }
@@ -127,7 +130,10 @@ class FlatParam {
   at::Tensor& sharded_grad() { return sharded_grad_; }    // fp32, undefined until the first reduce
 
   // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
-  void unshard();
+  // `keep_master_for_step`: a disk-tier master read for this gather is kept for the optimizer
+  // step that follows the unit's backward (take_master_for_step), so the step does not read it
+  // again (Note [The step in backward] in sharded_unit.cpp).
+  void unshard(bool keep_master_for_step = false);
   void wait_for_unshard();
   void reshard();
   bool gathering() const { return gather_pending_; }
@@ -195,6 +201,7 @@ class FlatParam {
   bool master_follows_state_ = false;
   at::Tensor working_;              // [shard] param_dtype on the compute device when the master follows the state
   offload::IoTicket pending_read_;  // read_ahead()'s read of the master
+  at::Tensor kept_master_;          // unshard(true)'s read of a disk-tier master, for the step
   uint64_t pending_read_generation_ = 0;
 };
 

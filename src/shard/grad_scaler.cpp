@@ -40,6 +40,11 @@ GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
+  if (ShardedUnit& unit = unit_of(*root_); unit.root() != nullptr && unit.root_state().on_gradient_reduced) {
+    throw UsageError("fsdp: GradScaler: the optimizer steps in backward (step_in_backward), so scaled gradients "
+                     "would be applied before they could be unscaled or skipped; turn off loss scaling or "
+                     "step_in_backward");
+  }
   return loss * state_.scale;
 }
 
@@ -73,6 +78,11 @@ bool GradScaler::unscale_and_check(const at::Tensor& local_loss, bool gradients_
 }
 
 bool GradScaler::step(ShardedOptimizer& optim, double grad_norm) {
+  if (optim.steps_in_backward()) {
+    throw UsageError("fsdp: GradScaler::step: the optimizer steps in backward (step_in_backward), so the step "
+                     "was taken before a non-finite gradient could skip it; call optim.step() directly, or turn "
+                     "off step_in_backward");
+  }
   if (!checked_) unscale_and_check();
   checked_ = false;
   const bool skip = found_inf_ || !std::isfinite(grad_norm);

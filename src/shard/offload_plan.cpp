@@ -32,8 +32,10 @@ int gathers_per_step(ShardedUnit& unit, bool last) {
   return kept ? 1 : 2;
 }
 
-// One flat param's bytes per tier and I/O per step.
-void plan_flat(FlatParam& fp, int gathers, int state_tensors, bool device_is_cpu, OffloadPlan& plan) {
+// One flat param's bytes per tier and I/O per step. `step_in_backward`: the optimizer steps in
+// backward, so the step takes the master a backward all-gather read (Note [The step in backward]).
+void plan_flat(FlatParam& fp, int gathers, int state_tensors, bool device_is_cpu, bool step_in_backward,
+               OffloadPlan& plan) {
   Tally tally{plan};
   const auto& off = fp.offload();
   const int64_t shard = fp.shard_numel() * static_cast<int64_t>(sizeof(float));
@@ -58,10 +60,11 @@ void plan_flat(FlatParam& fp, int gathers, int state_tensors, bool device_is_cpu
   }
   if (!trains) return;
   if (off.grads == OffloadTier::kHost || (off.grads == OffloadTier::kDisk && !device_is_cpu)) io.to_host += reduced;
-  const int64_t streamed_reads =
+  const int64_t streamed =
       (master == OffloadTier::kDisk ? 1 : 0) + (off.optimizer_state == OffloadTier::kDisk ? state_tensors : 0);
-  io.disk_read += streamed_reads * pages(shard);
-  io.disk_write += streamed_reads * pages(shard);
+  const bool master_kept = step_in_backward && !follows && master == OffloadTier::kDisk && gathers == 2;
+  io.disk_read += (streamed - (master_kept ? 1 : 0)) * pages(shard);
+  io.disk_write += streamed * pages(shard);
   if (off.grads == OffloadTier::kDisk && (master == OffloadTier::kDisk || off.optimizer_state == OffloadTier::kDisk)) {
     io.disk_read += pages(shard);  // the optimizer reads the gradient shard through the I/O threads
   }
@@ -104,7 +107,9 @@ OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
     ShardedUnit& unit = *units[i];
     const bool device_is_cpu = unit.mesh().dist().compute_device().is_cpu();
     const int gathers = gathers_per_step(unit, i + 1 == units.size() && units.size() > 1);
-    for (auto& fp : unit.flat_params()) plan_flat(*fp, gathers, state_tensors, device_is_cpu, plan);
+    for (auto& fp : unit.flat_params()) {
+      plan_flat(*fp, gathers, state_tensors, device_is_cpu, optimizer.steps_in_backward(), plan);
+    }
   }
   return plan;
 }

@@ -59,6 +59,8 @@ double ShardedOptimizer::group_weight_decay(int group) const {
   return group == 0 ? default_weight_decay_ : 0.0;
 }
 
+FlatParam& ShardedOptimizer::flat_of(const ShardState& s) const { return *flats_->at(s.flat_index); }
+
 at::Tensor& ShardedOptimizer::master_shard(const ShardState& s) const {
   return flats_->at(s.flat_index)->sharded_param();
 }
@@ -85,34 +87,39 @@ void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
   Tracer* tracer = unit_of(*root_).tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
+  if (in_backward_) {
+    finish_step_in_backward(tracer);
+    return;
+  }
   reserve_offloaded_state();
-  const Flats& flats = *flats_;
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
   std::vector<offload::StepJob> jobs;
-  for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
-    auto& s = *it;
-    FlatParam& flat = *flats.at(s.flat_index);
-    const int group = flat.config().group;
-    const double lr = group_lr(group), wd = group_weight_decay(group);
-    offload::StepJob job;
-    job.state = &s;
-    job.param = flat.optimizer_master();
-    job.grad_on_disk = flat.offload().grads == OffloadTier::kDisk;
-    job.prepare = [this, &s, &flat] {
-      at::Tensor grad = flat.optimizer_grad();
-      if (!grad.defined()) return grad;
-      if (s.tensors.empty()) init_state(s);
-      ++s.step;
-      return grad;
-    };
-    job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
-      step_shard(chunk, p, g, lr, wd);
-    };
-    job.after = flat.after_optimizer_update();
-    jobs.push_back(std::move(job));
-  }
+  for (auto it = states_.rbegin(); it != states_.rend(); ++it) jobs.push_back(make_job(*it));
   offload::run_step(jobs, tracer);
+}
+
+offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
+  FlatParam& flat = *flats_->at(s.flat_index);
+  const int group = flat.config().group;
+  const double lr = group_lr(group), wd = group_weight_decay(group);
+  offload::StepJob job;
+  job.state = &s;
+  job.param = flat.optimizer_master();
+  job.param_values = flat.take_master_for_step();
+  job.grad_on_disk = flat.offload().grads == OffloadTier::kDisk;
+  job.prepare = [this, &s, &flat] {
+    at::Tensor grad = flat.optimizer_grad();
+    if (!grad.defined()) return grad;
+    if (s.tensors.empty()) init_state(s);
+    ++s.step;
+    return grad;
+  };
+  job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
+    step_shard(chunk, p, g, lr, wd);
+  };
+  job.after = flat.after_optimizer_update();
+  return job;
 }
 
 // Note [Offloaded state is reserved before the first update]
@@ -147,6 +154,7 @@ at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name)
 }
 
 void ShardedOptimizer::zero_grad() {
+  if (in_backward_) wait_for_backward_steps();  // they read the gradient shards
   const Flats& flats = *flats_;
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
     FlatParam& flat = *flats.at(it->flat_index);
@@ -251,6 +259,10 @@ double WarmupCosine::lr_at(int64_t step) const {
 
 double clip_grad_norm(FSDPModule& root, double max_norm) {
   if (!(max_norm > 0)) throw ConfigError("fsdp: clip_grad_norm needs max_norm > 0, got " + std::to_string(max_norm));
+  if (ShardedUnit& unit = unit_of(root); unit.root() != nullptr && unit.root_state().on_gradient_reduced) {
+    throw UsageError("fsdp: clip_grad_norm: the optimizer steps in backward (step_in_backward), so each gradient "
+                     "was applied before the global norm was known; turn off clipping or step_in_backward");
+  }
   // Sum of squares per shard group: elements are distinct within a shard group and identical
   // across replicas, so each group is reduced once and replicas are not counted twice. Groups are
   // kept in unit order, which is the same on every rank, so the all-reduces are too; every rank

@@ -20,7 +20,16 @@ std::string ShardedUnit::name() const {
 }
 
 void ShardedUnit::unshard() {
-  for (auto& fp : flat_params_) fp->unshard();
+  // Note [The step in backward]
+  // With an optimizer that steps during backward (ShardedOptimizer::step_in_backward), a unit's
+  // flat params are stepped as soon as their reduced gradients are collected, which is during
+  // the backward of the unit after it in backward order (post_backward below), on the
+  // optimizer's own thread, while the training thread goes on with the backward. A disk-tier
+  // master read for a gather in backward is kept for that step (FlatParam::unshard), so the step
+  // reads only the optimizer state, and its writes go out under the rest of the backward.
+  const bool keep = root_ != nullptr && root_state().in_backward && root_state().on_gradient_reduced &&
+                    requires_gradient_sync_;
+  for (auto& fp : flat_params_) fp->unshard(keep);
 }
 
 void ShardedUnit::wait_for_unshard() {
@@ -180,8 +189,12 @@ void ShardedUnit::post_backward(size_t i) {
     for (FlatParam* fp : rs.pending_reduces) {
       const bool mine = std::any_of(flat_params_.begin(), flat_params_.end(),
                                     [fp](const std::unique_ptr<FlatParam>& f) { return f.get() == fp; });
-      if (mine) own.push_back(fp);
-      else fp->finalize_grads();
+      if (mine) {
+        own.push_back(fp);
+        continue;
+      }
+      fp->finalize_grads();
+      if (rs.on_gradient_reduced) rs.on_gradient_reduced(*fp);  // Note [The step in backward]
     }
     rs.pending_reduces = std::move(own);
     flat_params_[i]->reduce_scatter_grads();

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -68,6 +69,9 @@ struct RootState {
   // Persistent buffers of the whole tree (buffers.cpp) and how they are kept consistent.
   std::vector<BufferState> buffers;
   BufferSync buffer_sync = BufferSync::kBroadcast;
+  // Set by an optimizer that steps during backward (ShardedOptimizer::step_in_backward): called
+  // with each flat param whose reduced gradient the backward has just collected.
+  std::function<void(FlatParam&)> on_gradient_reduced;
   bool recomputed = false;     // a forward ran inside this backward (activation checkpointing)
   bool buffers_dirty = false;  // a training forward ran since the buffers were last synchronised
 };

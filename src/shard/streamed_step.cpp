@@ -46,9 +46,10 @@ class Pipeline {
       const StepJob& job = jobs_[j];
       if (!needs_streaming(job)) continue;
       check_streamable(job);
-      int streamed = (is_disk_backed(job.param) ? 1 : 0) + (job.grad_on_disk ? 1 : 0);
+      const bool read_master = is_disk_backed(job.param) && !job.param_values.defined();
+      int streamed = (read_master ? 1 : 0) + (job.grad_on_disk ? 1 : 0);
       for (const auto& [name, t] : job.state->tensors) streamed += is_disk_backed(t) ? 1 : 0;
-      const int64_t chunk = tier_.chunk_elements(streamed, tag_of(*job.state));
+      const int64_t chunk = tier_.chunk_elements(std::max(streamed, 1), tag_of(*job.state));
       const int64_t n = job.param.numel();
       for (int64_t a = 0; a < n; a += chunk) {
         Chunk c;
@@ -63,7 +64,7 @@ class Pipeline {
     }
   }
 
-  void run() {
+  void run(bool flush) {
     size_t next_chunk = 0;
     for (size_t j = 0; j < jobs_.size(); ++j) {
       StepJob& job = jobs_[j];
@@ -85,7 +86,7 @@ class Pipeline {
       }
       for (size_t k = begin; k < end; ++k) step_chunk(k, grad);
     }
-    tier_.flush();
+    if (flush) tier_.flush();
     tier_.audit();
   }
 
@@ -93,7 +94,7 @@ class Pipeline {
   void issue(Chunk& c) {
     const StepJob& job = jobs_[c.job];
     const std::string tag = tag_of(*job.state);
-    if (is_disk_backed(job.param)) {
+    if (is_disk_backed(job.param) && !job.param_values.defined()) {
       c.reads.emplace_back("", tier_.read_async(job.param, c.a, c.b, "the master shard of " + tag, true));
     }
     for (const auto& [name, t] : job.state->tensors) {
@@ -146,7 +147,9 @@ class Pipeline {
     }
     std::map<std::string, const void*> expected;
     for (const auto& [name, t] : view.tensors) expected[name] = t.data_ptr();
-    at::Tensor p = is_disk_backed(job.param) ? buffer_of("") : job.param.narrow(0, a, b - a);
+    at::Tensor p = job.param_values.defined() ? job.param_values.narrow(0, a, b - a)
+                   : is_disk_backed(job.param)  ? buffer_of("")
+                                                : job.param.narrow(0, a, b - a);
     at::Tensor g;
     if (job.grad_on_disk && is_disk_backed(grad)) {
       IoTicket t = tier_.read_async(grad, a, b, "the gradient shard of " + job.state->tag, true);
@@ -189,7 +192,7 @@ bool needs_streaming(const StepJob& job) {
   return false;
 }
 
-void run_step(std::vector<StepJob>& jobs, Tracer* tracer) {
+void run_step(std::vector<StepJob>& jobs, Tracer* tracer, RunOptions options) {
   DiskTier* tier = nullptr;
   for (const auto& job : jobs) {
     if (!needs_streaming(job)) continue;
@@ -209,9 +212,9 @@ void run_step(std::vector<StepJob>& jobs, Tracer* tracer) {
   tier->check_dir();
   Pipeline pipeline(jobs, *tier, tracer);
   pipeline.plan();  // every check before anything steps
-  tier->bump_generation();
-  pipeline.run();
-  tier->bump_generation();
+  if (options.bump_generation) tier->bump_generation();
+  pipeline.run(options.flush);
+  if (options.bump_generation) tier->bump_generation();
 }
 
 }  // namespace fsdp::offload

@@ -33,6 +33,10 @@ using ShardStepFn = std::function<void(ShardState& chunk, at::Tensor& param, con
 struct StepJob {
   ShardState* state = nullptr;
   at::Tensor param;           // the fp32 master shard, in its tier
+  // Optional: the master's current values already in host memory (the whole shard, page-aligned;
+  // e.g. what the unit's backward all-gather read). The step then updates it in place and writes
+  // it back instead of reading the master again.
+  at::Tensor param_values;
   bool grad_on_disk = false;  // the gradient shard lives in the disk tier
   // Collects the flat param's gradient and returns what the step reads (host memory), undefined
   // when the flat param has none yet (then it is skipped). Runs right before the flat's first chunk.
@@ -45,11 +49,20 @@ struct StepJob {
 // Whether any of the step's tensors (master, gradient, state) lives in the disk tier.
 bool needs_streaming(const StepJob& job);
 
+struct RunOptions {
+  // Wait for the step's writes at the end (else they stay queued: a later flush or a read of the
+  // same range waits for them).
+  bool flush = true;
+  // Mark every master read issued before the step as stale (DiskTier::generation). A step of a
+  // single flat param whose pending reads are known not to overlap it leaves them valid.
+  bool bump_generation = true;
+};
+
 // Runs the jobs in order: jobs with disk-tier tensors chunk by chunk through the tier's I/O
 // threads, the others whole. Throws ConfigError before anything steps when a state tensor does
 // not exist yet (it cannot stream) or the budget is below a unit's working set, and when `step`
 // replaces a state tensor instead of updating it in place; OffloadError when a transfer fails.
 // Waits for disk reads show on `tracer` (may be null) as fsdp::disk_read_wait.
-void run_step(std::vector<StepJob>& jobs, Tracer* tracer = nullptr);
+void run_step(std::vector<StepJob>& jobs, Tracer* tracer = nullptr, RunOptions options = {});
 
 }  // namespace fsdp::offload

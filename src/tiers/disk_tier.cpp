@@ -216,7 +216,9 @@ int64_t DiskTier::resident_bytes() const {
 void DiskTier::audit() {
   if (!audit_) return;
   const int64_t r = resident_bytes() + buffered_bytes();
-  peak_resident_ = std::max(peak_resident_, r);
+  int64_t seen = peak_resident_.load();
+  while (r > seen && !peak_resident_.compare_exchange_weak(seen, r)) {
+  }
 }
 
 bool is_disk_backed(const at::Tensor& t) { return mapping_of(t) != nullptr; }

@@ -110,7 +110,7 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   void set_audit(bool on) { audit_ = on; }
   bool audit_on() const { return audit_; }
   void audit();  // records resident_bytes() into the peak when auditing
-  int64_t peak_resident_bytes() const { return peak_resident_; }
+  int64_t peak_resident_bytes() const { return peak_resident_.load(); }
 
   // ---- the I/O threads (Note [Disk tier I/O threads], disk_io.cpp)
   // Starts reading elements [begin, end) of the disk-backed 1-D tensor `t` into a new host
@@ -160,7 +160,7 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   std::string dir_;
   int64_t budget_bytes_ = 0;
   bool audit_ = false;
-  int64_t peak_resident_ = 0;
+  std::atomic<int64_t> peak_resident_{0};  // audit() runs on the optimizer's thread too
   int64_t counter_ = 0;
   mutable std::mutex mu_;
   std::set<Mapping*> mappings_;

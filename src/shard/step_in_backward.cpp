@@ -1,0 +1,219 @@
+// ShardedOptimizer::step_in_backward: the backward hands each flat param over to the optimizer's
+// own thread as soon as its reduced gradient is collected (Note [The step in backward] in
+// sharded_unit.cpp); step() steps what is left and waits for the rest.
+//
+// Note [Step in backward threads]
+// The training thread (the autograd engine's, which runs the gradient hooks) does everything
+// that touches the flat param: it collects the gradient (a host copy through pinned staging when
+// the master follows an offloaded state), creates the state on first use, counts the step, takes
+// the master a backward gather kept, and queues the job. The optimizer's thread only runs the job
+// (the optimizer's step_shard over the master and state, streamed through the disk tier's I/O
+// threads, and the working copy's refresh), touching nothing the training thread uses until
+// step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds back the
+// backward instead of piling up kept masters and gradient copies. Every job is the same
+// arithmetic on the same values as step() after backward, so the result is bitwise the same.
+#include <c10/core/GradMode.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "fsdp/errors.h"
+#include "fsdp/optim.h"
+#include "fsdp/trace.h"
+#include "shard/sharded_unit.h"
+#include "shard/streamed_step.h"
+
+namespace fsdp {
+namespace {
+constexpr size_t kMaxQueued = 4;
+}
+
+struct ShardedOptimizer::InBackward {
+  struct Entry {
+    offload::StepJob job;
+    Tracer* tracer = nullptr;
+  };
+  std::unordered_map<const FlatParam*, size_t> index;  // flat param -> its place in states_
+  std::vector<char> stepped;                           // per state: handed over since the last step()
+  bool reserved = false;                               // offloaded state reserved this step
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Entry> queue;
+  bool running = false;
+  bool stopping = false;
+  std::exception_ptr error;  // the first job that failed; later ones are dropped
+  std::thread worker;
+
+  void run() {
+    c10::NoGradGuard no_grad;
+    for (;;) {
+      Entry e;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;
+        e = std::move(queue.front());
+        queue.pop_front();
+        running = error == nullptr;
+      }
+      if (running) {
+        try {
+          Tracer::Scope span(e.tracer, "fsdp::step_in_backward", "optimizer", e.job.state->tag);
+          std::vector<offload::StepJob> one;
+          one.push_back(std::move(e.job));
+          // Its writes stay queued (step() flushes them) and the reads issued for later gathers
+          // stay valid: they are of flat params this job does not touch.
+          offload::run_step(one, e.tracer, {/*flush=*/false, /*bump_generation=*/false});
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!error) error = std::current_exception();
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        running = false;
+      }
+      cv.notify_all();
+    }
+  }
+
+  void wait_idle() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return queue.empty() && !running; });
+  }
+};
+
+void ShardedOptimizer::step_in_backward(bool on) {
+  if (on == (in_backward_ != nullptr)) return;
+  RootState& rs = unit_of(*root_).root_state();
+  if (!on) {
+    stop_step_in_backward();
+    return;
+  }
+  if (!can_step_in_backward()) {
+    throw ConfigError("fsdp: " + type_name() +
+                      " steps every shard at once, so it cannot step in backward (step_in_backward); use "
+                      "fsdp::AdamW or fsdp::SGD, or step after backward");
+  }
+  if (rs.on_gradient_reduced) {
+    throw ConfigError("fsdp: another optimizer already steps this model in backward (step_in_backward): one "
+                      "optimizer per model can");
+  }
+  if (rs.in_backward) {
+    throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
+  }
+  auto ib = std::make_shared<InBackward>();
+  for (size_t i = 0; i < states_.size(); ++i) ib->index[&flat_of(states_[i])] = i;
+  ib->stepped.assign(states_.size(), 0);
+  InBackward* raw = ib.get();
+  ib->worker = std::thread([raw] { raw->run(); });
+  in_backward_ = std::move(ib);
+  rs.on_gradient_reduced = [this](FlatParam& flat) { hand_over(flat); };
+}
+
+void ShardedOptimizer::stop_step_in_backward() {
+  InBackward& ib = *in_backward_;
+  ib.wait_idle();
+  for (char s : ib.stepped) {
+    if (s) throw UsageError("fsdp: step_in_backward turned off between a backward and its step(); call step() first");
+  }
+  {
+    std::lock_guard<std::mutex> lock(ib.mu);
+    ib.stopping = true;
+  }
+  ib.cv.notify_all();
+  ib.worker.join();
+  unit_of(*root_).root_state().on_gradient_reduced = nullptr;
+  in_backward_.reset();
+}
+
+ShardedOptimizer::~ShardedOptimizer() {
+  if (!in_backward_) return;
+  InBackward& ib = *in_backward_;
+  {
+    std::lock_guard<std::mutex> lock(ib.mu);
+    ib.stopping = true;
+  }
+  ib.cv.notify_all();
+  ib.worker.join();
+  unit_of(*root_).root_state().on_gradient_reduced = nullptr;
+}
+
+// On the training thread, from the backward's gradient hook: see Note [Step in backward threads].
+void ShardedOptimizer::hand_over(FlatParam& flat) {
+  InBackward& ib = *in_backward_;
+  auto it = ib.index.find(&flat);
+  if (it == ib.index.end()) return;  // frozen: no optimizer state
+  const size_t i = it->second;
+  ShardState& s = states_[i];
+  if (ib.stepped[i]) {
+    throw UsageError("fsdp: " + type_name() + " steps in backward (step_in_backward), and the gradient of " + s.tag +
+                     " was reduced again before step(): call step() after every backward that reduces gradients, "
+                     "and accumulate micro-batches with set_requires_gradient_sync(false) on all but the last");
+  }
+  {
+    std::lock_guard<std::mutex> lock(ib.mu);
+    if (ib.error) return;  // step() reports it; nothing more steps
+  }
+  c10::NoGradGuard no_grad;
+  at::Tensor grad = flat.optimizer_grad();
+  if (!grad.defined()) return;
+  if (!ib.reserved) {
+    reserve_offloaded_state();  // Note [Offloaded state is reserved before the first update]
+    ib.reserved = true;
+  }
+  if (s.tensors.empty()) init_state(s);
+  ++s.step;
+  InBackward::Entry e;
+  e.job = make_job(s);
+  e.job.prepare = [grad] { return grad; };
+  e.tracer = unit_of(*root_).tracer();
+  ib.stepped[i] = 1;
+  {
+    std::unique_lock<std::mutex> lock(ib.mu);
+    ib.cv.wait(lock, [&] { return ib.queue.size() < kMaxQueued || ib.error; });
+    ib.queue.push_back(std::move(e));
+  }
+  ib.cv.notify_all();
+}
+
+void ShardedOptimizer::wait_for_backward_steps() {
+  Tracer::Scope span(unit_of(*root_).tracer(), "fsdp::step_in_backward_wait", "compute", "<all>");
+  in_backward_->wait_idle();
+}
+
+// step() with step_in_backward on: what the backward handed over is stepped or being stepped;
+// the rest (the flat params whose reductions the backward left to be collected, i.e. the last
+// units of backward) steps now, then the tier's writes are waited for.
+void ShardedOptimizer::finish_step_in_backward(Tracer* tracer) {
+  InBackward& ib = *in_backward_;
+  wait_for_backward_steps();
+  std::vector<char> stepped(states_.size(), 0);
+  std::swap(stepped, ib.stepped);
+  const bool reserved = ib.reserved;
+  ib.reserved = false;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(ib.mu);
+    std::swap(error, ib.error);
+  }
+  if (error) std::rethrow_exception(error);
+  if (!reserved) reserve_offloaded_state();
+  std::vector<offload::StepJob> jobs;
+  for (size_t i = states_.size(); i-- > 0;) {
+    if (!stepped[i]) jobs.push_back(make_job(states_[i]));
+  }
+  offload::run_step(jobs, tracer);
+  // The handed-over jobs' writes, and their masters changed: reads issued before are stale.
+  if (auto& tier = unit_of(*root_).root_state().disk_tier) {
+    tier->flush();
+    tier->bump_generation();
+  }
+}
+
+}  // namespace fsdp

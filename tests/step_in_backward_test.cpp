@@ -1,0 +1,268 @@
+// The optimizer step in backward (ShardedOptimizer::step_in_backward): each flat param stepped on
+// the optimizer's thread as soon as the backward has its reduced gradient equals step() after
+// backward bit for bit (AdamW and SGD with momentum; no offload, the disk tier with and without
+// gradients on disk, the host tier, the optimizer state alone in the host or disk tier; gradient
+// accumulation without sync), really steps during the backward, reads a disk-tier master once
+// less per step (as offload_plan says), and refuses what it cannot honour: clipping, loss scaling,
+// a second reducing backward before step(), TorchOptimizer, two optimizers in backward. A tier
+// failure on the optimizer's thread reaches the caller of step().
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <optional>
+
+#include "base/file_io.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/grad_scaler.h"
+#include "fsdp/offload.h"
+#include "fsdp/torch_optim.h"
+#include "shard/testing.h"
+#include "support/models.h"
+#include "support/ranks.h"
+#include "support/sharded_model.h"
+#include "support/state.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int kWorld = 2;
+constexpr int64_t kGlobalBatch = 8;
+constexpr int64_t kBudget = 3 * 3 * 1024 * 4;  // several chunks per shard, a ragged last one
+
+using Job = testing::ShardedModel;
+
+struct Case {
+  std::string name;
+  std::optional<OffloadPolicy> offload;
+  bool sgd = false;    // SGD with momentum and Nesterov instead of AdamW
+  int64_t accum = 1;   // micro-batches per step, all but the last without gradient sync
+};
+
+Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload) {
+  testing::ShardedModelOptions o;
+  o.net.in = 7;
+  o.net.dim = 61;
+  o.net.hidden = 333;
+  o.net.out = 5;
+  o.net.blocks = 3;
+  o.net.device = at::Device(at::kMeta);
+  o.shard.init(init::normal(0.2, 11));
+  o.root_shard = o.shard;
+  if (offload) o.root_shard->offload(*offload);
+  o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
+  return testing::make_sharded_model(mesh, o);
+}
+
+// One step on this rank's part of the batch; `between` runs after the backward(s), before step().
+double train_step(Job& j, ShardedOptimizer& optim, const Case& setup, int64_t step, int rank,
+                  const std::function<void()>& between = nullptr) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
+  auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
+  const int64_t local = kGlobalBatch / kWorld, micro = local / setup.accum;
+  double total = 0;
+  for (int64_t m = 0; m < setup.accum; ++m) {
+    j.root->set_requires_gradient_sync(m == setup.accum - 1);
+    const int64_t first = rank * local + m * micro;
+    at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, first, micro)), y.narrow(0, first, micro));
+    (loss / static_cast<double>(setup.accum)).backward();
+    total += loss.item<double>();
+  }
+  if (between) between();
+  optim.step();
+  optim.zero_grad();
+  return total;
+}
+
+std::unique_ptr<ShardedOptimizer> make_optimizer(Job& j, const Case& setup) {
+  if (!setup.sgd) return std::move(j.optim);
+  return std::make_unique<SGD>(j.root, SGDOptions(1e-2).momentum(0.9).nesterov(true).weight_decay(0.01));
+}
+
+// Trains `steps` steps on 2 thread ranks; each rank's fingerprint (losses, params, state).
+std::vector<std::string> train(const Case& setup, bool in_backward, int steps,
+                               const std::function<void(Job&, ShardedOptimizer&, int step)>& between = nullptr) {
+  std::vector<std::string> prints(kWorld);
+  testing::run_threads(
+      kWorld,
+      [&](Dist& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        Job j = build(mesh, setup.offload);
+        auto optim = make_optimizer(j, setup);
+        optim->step_in_backward(in_backward);
+        std::vector<double> losses;
+        for (int s = 0; s < steps; ++s) {
+          losses.push_back(train_step(j, *optim, setup, s, dist.rank(), [&] {
+            if (between) between(j, *optim, s);
+          }));
+        }
+        prints[dist.rank()] = testing::state_bytes(losses, *j.root, optim.get());
+      },
+      std::chrono::seconds(60));
+  return prints;
+}
+
+TEST(StepInBackward, EqualsStepAfterBackwardBitwise) {
+  const std::string dir = testing::temp_path("step-in-backward");
+  const auto disk = OffloadPolicy()
+                        .params(OffloadTier::kDisk)
+                        .optimizer_state(OffloadTier::kDisk)
+                        .dir(dir)
+                        .memory_budget_bytes(kBudget);
+  const std::vector<Case> setups{
+      {"no offload", std::nullopt},
+      {"disk tier", disk},
+      {"disk tier, gradients too", OffloadPolicy(disk).grads(OffloadTier::kDisk).memory_budget_bytes(4 * 3 * 4096)},
+      {"host tier",
+       OffloadPolicy().params(OffloadTier::kHost).grads(OffloadTier::kHost).optimizer_state(OffloadTier::kHost)},
+      {"state alone, host", OffloadPolicy().optimizer_state(OffloadTier::kHost)},
+      {"state alone, disk", OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget)},
+      {"SGD with momentum", std::nullopt, /*sgd=*/true},
+      {"disk tier, 2 micro-batches", disk, false, /*accum=*/2},
+  };
+  for (const auto& setup : setups) {
+    const auto reference = train(setup, false, 4);
+    const auto got = train(setup, true, 4, [&](Job&, ShardedOptimizer& optim, int step) {
+      // Before step(): the backward has stepped the flat params whose reductions it collected
+      // (every block's), and left the last ones (the root's) to step().
+      int in_backward = 0, left = 0;
+      for (const auto& s : optim.states()) (s.step == step + 1 ? in_backward : left) += 1;
+      EXPECT_GE(in_backward, 3) << setup.name;
+      EXPECT_GE(left, 1) << setup.name;
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_GT(reference[r].size(), 1000u);
+      EXPECT_TRUE(reference[r] == got[r]) << setup.name << ", rank " << r << ": differs from step() after backward";
+    }
+  }
+  // Negative control: a different run does differ, so equality above means something.
+  EXPECT_FALSE(train(setups[0], true, 3)[0] == train(setups[0], true, 4)[0]);
+  io::remove_tree(dir);
+}
+
+// The step takes the master its unit's backward all-gather read: a disk-tier master is read once
+// less per step for every unit gathered again in backward, as the plan says, and the step shows
+// on its own trace lane.
+TEST(StepInBackward, DiskTierReadsTheMasterOnceLessAsPlanned) {
+  const std::string dir = testing::temp_path("step-in-backward-io");
+  const std::string trace = testing::temp_path("step-in-backward-trace.json");
+  const auto policy = OffloadPolicy()
+                          .params(OffloadTier::kDisk)
+                          .optimizer_state(OffloadTier::kDisk)
+                          .dir(dir)
+                          .memory_budget_bytes(kBudget);
+  std::vector<int64_t> read(2), planned(2), written(2);
+  for (bool in_backward : {false, true}) {
+    testing::run_threads(kWorld, [&](Dist& dist) {
+      at::set_num_threads(1);
+      DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+      Job j = build(mesh, policy);
+      j.optim->step_in_backward(in_backward);
+      auto tracer = std::make_shared<Tracer>(dist.rank());
+      j.root->set_tracer(tracer);
+      set_disk_tier_audit(*j.root, true);
+      const auto plan = offload_plan(*j.root, *j.optim);
+      const Case setup{"disk", policy};
+      train_step(j, *j.optim, setup, 0, dist.rank());
+      const auto before = offload_io(*j.root);
+      constexpr int kSteps = 3;
+      for (int s = 1; s <= kSteps; ++s) train_step(j, *j.optim, setup, s, dist.rank());
+      const auto got = (offload_io(*j.root) - before).per_step(kSteps);
+      EXPECT_LE(std::abs(static_cast<double>(got.disk_read - plan.per_step.disk_read)),
+                0.1 * static_cast<double>(plan.per_step.disk_read))
+          << "in backward " << in_backward << ": planned " << plan.per_step.disk_read << " read " << got.disk_read;
+      EXPECT_LE(disk_tier_stats(*j.root).peak_resident_bytes, kBudget) << "in backward " << in_backward;
+      if (dist.rank() == 0) {
+        read[in_backward] = got.disk_read;
+        written[in_backward] = got.disk_write;
+        planned[in_backward] = plan.per_step.disk_read;
+        if (in_backward) tracer->write(trace);
+      }
+    });
+  }
+  EXPECT_LT(read[1], read[0]) << "the step in backward read the master again";
+  EXPECT_LT(planned[1], planned[0]);
+  EXPECT_EQ(written[1], written[0]);
+  const std::string text = io::read_small_file(trace);
+  EXPECT_NE(text.find("fsdp::step_in_backward\""), std::string::npos);
+  EXPECT_NE(text.find("\"optimizer\""), std::string::npos) << "no lane of its own";
+  io::remove_tree(dir);
+  ::unlink(trace.c_str());
+}
+
+template <class E, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "(nothing thrown)";
+}
+
+TEST(StepInBackward, RefusesWhatItCannotHonour) {
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    Job j = build(mesh, std::nullopt);
+    j.optim->step_in_backward(true);
+    const Case setup{"plain", std::nullopt};
+    const int rank = dist.rank();
+    // Clipping needs every gradient before any is applied.
+    std::string e = error_of<UsageError>(
+        [&] { train_step(j, *j.optim, setup, 0, rank, [&] { clip_grad_norm(*j.root, 1.0); }); });
+    EXPECT_NE(e.find("clip_grad_norm"), std::string::npos) << e;
+    EXPECT_NE(e.find("step_in_backward"), std::string::npos) << e;
+    j.optim->step();  // the step that clipping interrupted
+    j.optim->zero_grad();
+    // Loss scaling: refused before the backward.
+    GradScaler scaler(j.root, GradScalerOptions().enabled(true));
+    e = error_of<UsageError>([&] { scaler.scale(at::ones({}, at::kFloat)); });
+    EXPECT_NE(e.find("loss scaling"), std::string::npos) << e;
+    GradScaler off(j.root, GradScalerOptions().enabled(false));
+    e = error_of<UsageError>([&] { off.step(*j.optim); });
+    EXPECT_NE(e.find("optim.step() directly"), std::string::npos) << e;
+    // Two reducing backwards before step(): the second would step again on summed gradients.
+    e = error_of<UsageError>([&] {
+      for (int i = 0; i < 2; ++i) at::mse_loss(fsdp::call(j.model, at::ones({2, 7})), at::zeros({2, 5})).backward();
+    });
+    EXPECT_NE(e.find("reduced again before step()"), std::string::npos) << e;
+    EXPECT_NE(e.find("set_requires_gradient_sync(false)"), std::string::npos) << e;
+    // A second optimizer in backward on the same model; TorchOptimizer steps every shard at once.
+    AdamW second(j.root, AdamWOptions(1e-3));
+    e = error_of<ConfigError>([&] { second.step_in_backward(true); });
+    EXPECT_NE(e.find("another optimizer"), std::string::npos) << e;
+    auto torch_adam = TorchOptimizer::make<torch::optim::Adam>(j.root, torch::optim::AdamOptions(1e-3));
+    e = error_of<ConfigError>([&] { torch_adam->step_in_backward(true); });
+    EXPECT_NE(e.find("cannot step in backward"), std::string::npos) << e;
+  });
+}
+
+// A tier failure on the optimizer's thread (here: offload.dir removed while training) reaches
+// the caller of step() on the rank where it happened, naming the directory.
+TEST(StepInBackward, TierFailureOnTheOptimizerThreadReachesStep) {
+  const std::string dir = testing::temp_path("step-in-backward-gone");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    const std::string mine = dir + "/rank" + std::to_string(dist.rank());
+    Job j = build(mesh, OffloadPolicy()
+                            .params(OffloadTier::kDisk)
+                            .optimizer_state(OffloadTier::kDisk)
+                            .dir(mine)
+                            .memory_budget_bytes(kBudget));
+    j.optim->step_in_backward(true);
+    const Case setup{"disk", std::nullopt};
+    train_step(j, *j.optim, setup, 0, dist.rank());
+    io::remove_tree(mine);
+    const std::string e = error_of<OffloadError>([&] { train_step(j, *j.optim, setup, 1, dist.rank()); });
+    EXPECT_NE(e.find(mine), std::string::npos) << e;
+    EXPECT_NE(e.find("is gone"), std::string::npos) << e;
+  });
+  io::remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace fsdp
