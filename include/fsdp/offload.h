@@ -48,8 +48,10 @@ struct OffloadIo {
 // whose execution order is not known yet). A step gathers each unit in forward and again in
 // backward, except the root and the last unit in registration order, which keep their params
 // from forward to backward by default (docs/NOTES.md), and units that do not reshard after
-// forward. With the optimizer stepping in backward (ShardedOptimizer::step_in_backward), the step
-// takes a disk-tier master from the backward's all-gather instead of reading it again. Gradient
+// forward. The units whose backward comes first keep their forward read of a disk-tier master for
+// their backward gather, within half of memory_budget_bytes; with the optimizer stepping in
+// backward (ShardedOptimizer::step_in_backward), the step takes a disk-tier master from the
+// backward's all-gather instead of reading it again. Gradient
 // shards in the disk tier move through their mapping and are not counted.
 struct OffloadPlan {
   int64_t device_bytes = 0, host_bytes = 0, disk_bytes = 0;

@@ -164,7 +164,7 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
 }
 
-void FlatParam::unshard(bool keep_master_for_step) {
+void FlatParam::unshard(KeepMaster keep) {
   if (needs_materialize_) {
     throw ConfigError("fsdp: unit '" + config_.tag +
                       "' was never materialised: run the root's lazy init "
@@ -175,11 +175,18 @@ void FlatParam::unshard(bool keep_master_for_step) {
   if (master_follows_state_) {
     gather_input_ = working_;  // already in param_dtype on the compute device
   } else {
-    const at::Tensor master = fetch_master();
-    // A host buffer of the whole shard, read by the tier's I/O thread; one not taken by a step
-    // since the last backward is dropped.
-    const bool keep = keep_master_for_step && config_.requires_grad && offload::is_disk_backed(sharded_param_);
-    kept_master_ = keep ? master : at::Tensor();
+    // The master's values: kept from an earlier gather of this step when there is one (it has not
+    // changed: every write of the master drops it), else read through the tier's I/O threads.
+    const bool reused = kept_master_.defined();
+    const at::Tensor master = reused ? kept_master_ : fetch_master();
+    kept_master_ = at::Tensor();
+    if (offload::is_disk_backed(sharded_param_)) {
+      if (keep == KeepMaster::kForBackward) {
+        kept_master_ = reused ? master : offload_.disk->count_in_budget(master);
+      } else if (keep == KeepMaster::kForStep && config_.requires_grad) {
+        kept_master_ = master;  // one shard's host buffer, kept until the unit's step
+      }
+    }
     if (config_.compute_dtype == at::kFloat) {
       gather_input_ = master;
     } else {  // mixed-precision copy-in (kernels/ops.h)
@@ -369,7 +376,7 @@ at::Tensor FlatParam::fetch_master() {
 }
 
 void FlatParam::read_ahead() {
-  if (master_follows_state_ || !offload::is_disk_backed(sharded_param_)) return;
+  if (master_follows_state_ || !offload::is_disk_backed(sharded_param_) || kept_master_.defined()) return;
   if (state_ == ShardedState::kUnsharded || gather_pending_) return;
   start_master_read();
 }

@@ -130,10 +130,14 @@ class FlatParam {
   at::Tensor& sharded_grad() { return sharded_grad_; }    // fp32, undefined until the first reduce
 
   // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
-  // `keep_master_for_step`: a disk-tier master read for this gather is kept for the optimizer
-  // step that follows the unit's backward (take_master_for_step), so the step does not read it
-  // again (Note [The step in backward] in sharded_unit.cpp).
-  void unshard(bool keep_master_for_step = false);
+  // `keep`: what becomes of a disk-tier master read for this gather (Note [Kept master reads] in
+  // sharded_unit.cpp). A master kept earlier and not written since is used instead of a read.
+  enum class KeepMaster {
+    kNo,
+    kForBackward,  // forward: kept for the unit's backward gather, counted against the budget
+    kForStep,      // backward: kept for the step that follows (take_master_for_step)
+  };
+  void unshard(KeepMaster keep = KeepMaster::kNo);
   void wait_for_unshard();
   void reshard();
   bool gathering() const { return gather_pending_; }
@@ -201,7 +205,7 @@ class FlatParam {
   bool master_follows_state_ = false;
   at::Tensor working_;              // [shard] param_dtype on the compute device when the master follows the state
   offload::IoTicket pending_read_;  // read_ahead()'s read of the master
-  at::Tensor kept_master_;          // unshard(true)'s read of a disk-tier master, for the step
+  at::Tensor kept_master_;          // a disk-tier master's values read for a gather, kept (KeepMaster)
   uint64_t pending_read_generation_ = 0;
 };
 

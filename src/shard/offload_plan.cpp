@@ -1,6 +1,7 @@
 // offload_plan and offload_io: what the tiers will hold and move per step, and what they moved.
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "base/strings.h"
@@ -26,16 +27,13 @@ struct Tally {
 };
 
 // All-gathers of `unit` in one steady-state step (see OffloadPlan).
-int gathers_per_step(ShardedUnit& unit, bool last) {
-  const auto& o = unit.options();
-  const bool kept = !o.reshard_after_forward || (!o.reshard_after_forward_explicit && (unit.is_root() || last));
-  return kept ? 1 : 2;
-}
+int gathers_per_step(ShardedUnit& unit, bool last) { return unit.keeps_params_after_forward(last) ? 1 : 2; }
 
 // One flat param's bytes per tier and I/O per step. `step_in_backward`: the optimizer steps in
 // backward, so the step takes the master a backward all-gather read (Note [The step in backward]).
-void plan_flat(FlatParam& fp, int gathers, int state_tensors, bool device_is_cpu, bool step_in_backward,
-               OffloadPlan& plan) {
+// `forward_kept`: the unit keeps its forward read of the master for its backward gather.
+void plan_flat(FlatParam& fp, int gathers, bool forward_kept, int state_tensors, bool device_is_cpu,
+               bool step_in_backward, OffloadPlan& plan) {
   Tally tally{plan};
   const auto& off = fp.offload();
   const int64_t shard = fp.shard_numel() * static_cast<int64_t>(sizeof(float));
@@ -54,7 +52,7 @@ void plan_flat(FlatParam& fp, int gathers, int state_tensors, bool device_is_cpu
   const bool gathers_at_all =
       fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat || master != OffloadTier::kNone;
   if (!follows && gathers_at_all) {
-    if (master == OffloadTier::kDisk) io.disk_read += gathers * pages(shard);
+    if (master == OffloadTier::kDisk) io.disk_read += (gathers - (forward_kept && gathers == 2 ? 1 : 0)) * pages(shard);
     if (master == OffloadTier::kHost || (master == OffloadTier::kDisk && !device_is_cpu))
       io.to_device += gathers * compute;
   }
@@ -103,12 +101,16 @@ OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
   OffloadPlan plan;
   const auto units = units_of(root);
   const int state_tensors = static_cast<int>(optimizer.state_names().size());
+  // Registration order stands for the forward order, which is recorded only by the first step.
+  const auto& tier = unit_of(root).root_state().disk_tier;
+  const auto kept = tier ? units_keeping_forward_masters(units, tier->budget_bytes()) : std::vector<ShardedUnit*>{};
   for (size_t i = 0; i < units.size(); ++i) {
     ShardedUnit& unit = *units[i];
     const bool device_is_cpu = unit.mesh().dist().compute_device().is_cpu();
     const int gathers = gathers_per_step(unit, i + 1 == units.size() && units.size() > 1);
+    const bool forward_kept = std::find(kept.begin(), kept.end(), &unit) != kept.end();
     for (auto& fp : unit.flat_params()) {
-      plan_flat(*fp, gathers, state_tensors, device_is_cpu, optimizer.steps_in_backward(), plan);
+      plan_flat(*fp, gathers, forward_kept, state_tensors, device_is_cpu, optimizer.steps_in_backward(), plan);
     }
   }
   return plan;

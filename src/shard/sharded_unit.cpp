@@ -11,6 +11,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
+#include "tiers/disk_tier.h"
 
 namespace fsdp {
 
@@ -19,17 +20,80 @@ std::string ShardedUnit::name() const {
   return prefix_.substr(0, prefix_.size() - 1);
 }
 
+// Note [The step in backward]
+// With an optimizer that steps during backward (ShardedOptimizer::step_in_backward), a unit's
+// flat params are stepped as soon as their reduced gradients are collected, which is during
+// the backward of the unit after it in backward order (post_backward below), on the
+// optimizer's own thread, while the training thread goes on with the backward. A disk-tier
+// master read for a gather in backward is kept for that step (Note [Kept master reads]), so the
+// step reads only the optimizer state, and its writes go out under the rest of the backward.
+//
+// Note [Kept master reads]
+// A disk-tier master is read for each all-gather of its unit: in forward and, unless the unit
+// keeps its params, again in backward. Two of those reads are kept in host memory rather than
+// read again (FlatParam::KeepMaster):
+//  - forward: the units whose backward comes first (the last to run forward, among those that
+//    gather again in backward) keep their forward read for their backward gather, as many as fit
+//    in half of memory_budget_bytes, counted against the budget while kept; chosen at the start of
+//    each step from the last step's order, by units_keeping_forward_masters (which offload_plan
+//    uses too);
+//  - backward, with the step in backward: the gather's read is kept for the unit's step.
+// Every kept read is dropped when a step starts and by any write of the master (a checkpoint load).
 void ShardedUnit::unshard() {
-  // Note [The step in backward]
-  // With an optimizer that steps during backward (ShardedOptimizer::step_in_backward), a unit's
-  // flat params are stepped as soon as their reduced gradients are collected, which is during
-  // the backward of the unit after it in backward order (post_backward below), on the
-  // optimizer's own thread, while the training thread goes on with the backward. A disk-tier
-  // master read for a gather in backward is kept for that step (FlatParam::unshard), so the step
-  // reads only the optimizer state, and its writes go out under the rest of the backward.
-  const bool keep = root_ != nullptr && root_state().in_backward && root_state().on_gradient_reduced &&
-                    requires_gradient_sync_;
+  using Keep = FlatParam::KeepMaster;
+  Keep keep = Keep::kNo;
+  if (root_ != nullptr) {
+    const RootState& rs = root_state();
+    if (rs.in_backward) {
+      if (rs.on_gradient_reduced && requires_gradient_sync_) keep = Keep::kForStep;
+    } else if (keep_forward_master_ && c10::GradMode::is_enabled()) {
+      keep = Keep::kForBackward;
+    }
+  }
   for (auto& fp : flat_params_) fp->unshard(keep);
+}
+
+bool ShardedUnit::keeps_params_after_forward(bool last_in_forward) const {
+  const auto& o = options_;
+  return !o.reshard_after_forward || (!o.reshard_after_forward_explicit && (is_root() || last_in_forward));
+}
+
+int64_t ShardedUnit::disk_master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& fp : flat_params_) {
+    if (fp->master_follows_state() || !offload::is_disk_backed(fp->sharded_param())) continue;
+    bytes += (fp->shard_numel() * static_cast<int64_t>(sizeof(float)) + 4095) / 4096 * 4096;  // whole pages
+  }
+  return bytes;
+}
+
+std::vector<ShardedUnit*> units_keeping_forward_masters(const std::vector<ShardedUnit*>& forward_order,
+                                                        int64_t budget_bytes) {
+  std::vector<ShardedUnit*> out;
+  int64_t room = budget_bytes / 2;
+  for (size_t i = forward_order.size(); i-- > 0;) {
+    ShardedUnit* unit = forward_order[i];
+    if (std::find(out.begin(), out.end(), unit) != out.end()) continue;
+    if (unit->keeps_params_after_forward(i + 1 == forward_order.size())) continue;
+    const int64_t bytes = unit->disk_master_bytes();
+    if (bytes == 0) continue;
+    if (bytes > room) break;
+    room -= bytes;
+    out.push_back(unit);
+  }
+  return out;
+}
+
+void ShardedUnit::choose_kept_masters() {
+  RootState& rs = root_state();
+  for (ShardedUnit* unit : rs.units) {
+    unit->keep_forward_master_ = false;
+    for (auto& fp : unit->flat_params_) fp->take_master_for_step();  // dropped
+  }
+  if (!rs.disk_tier) return;
+  for (ShardedUnit* unit : units_keeping_forward_masters(rs.order.predicted(), rs.disk_tier->budget_bytes())) {
+    unit->keep_forward_master_ = true;
+  }
 }
 
 void ShardedUnit::wait_for_unshard() {
@@ -92,6 +156,7 @@ void ShardedUnit::pre_forward() {
   }
   if (is_root() && !recompute) {
     rs.order.begin_step();
+    choose_kept_masters();
     if (rs.buffers_dirty) sync_buffers();
   }
   if (!recompute) rs.order.record(this);

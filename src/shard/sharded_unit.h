@@ -108,6 +108,11 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void wait_for_unshard();
   void reshard();
   bool is_gathered_or_gathering() const;
+  // Whether the unit keeps its params from forward to backward (no gather in backward), by its
+  // options; `last_in_forward`: it ran forward last (Note [The last unit keeps its params]).
+  bool keeps_params_after_forward(bool last_in_forward) const;
+  // Host bytes a read of this unit's disk-tier masters takes (0 without any).
+  int64_t disk_master_bytes() const;
   // Explicit prefetch lists; when set they replace the recorded-order ones.
   void set_forward_prefetch(std::vector<ShardedUnit*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<ShardedUnit*> units) { backward_prefetch_ = std::move(units); }
@@ -147,6 +152,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void post_backward(size_t flat_index);
   void note_memory();
   void reset_after_backward();
+  void choose_kept_masters();  // root only, at the start of a step: Note [Kept master reads]
 
   std::weak_ptr<torch::nn::Module> module_;
   DeviceMesh mesh_;
@@ -168,6 +174,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::unordered_map<const void*, at::ScalarType> buffer_dtypes_;
 
   std::vector<ShardedUnit*> forward_prefetch_, backward_prefetch_;
+  bool keep_forward_master_ = false;  // Note [Kept master reads]
   std::chrono::steady_clock::time_point forward_begin_, backward_begin_;
 
   std::string prefix_;
@@ -195,5 +202,10 @@ inline ShardedUnit& unit_of(const FSDPModule& handle) { return detail::FSDPModul
 std::vector<ShardedUnit*> units_of(const FSDPModule& handle);
 // Their flat params in that order, each unit's in turn: ShardState::flat_index indexes this.
 std::vector<FlatParam*> flat_params_of(const FSDPModule& handle);
+// The units of `forward_order` that keep their forward all-gather's read of a disk-tier master for
+// their backward gather: the last ones to run forward (the first of backward) that gather again in
+// backward, as many as fit in half of `budget_bytes` (Note [Kept master reads]).
+std::vector<ShardedUnit*> units_keeping_forward_masters(const std::vector<ShardedUnit*>& forward_order,
+                                                        int64_t budget_bytes);
 
 }  // namespace fsdp

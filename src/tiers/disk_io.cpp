@@ -122,6 +122,19 @@ at::Tensor DiskTier::host_buffer(int64_t numel, bool budgeted) {
   return out.narrow(0, 0, numel);
 }
 
+at::Tensor DiskTier::count_in_budget(const at::Tensor& host) {
+  // A tensor over the same whole pages (so direct transfers from it stay direct) whose deleter
+  // gives the bytes back and keeps `host` alive until then.
+  const int64_t bytes = static_cast<int64_t>(host.storage().nbytes());
+  const int64_t offset = host.storage_offset();
+  std::shared_ptr<std::atomic<int64_t>> counter = buffered_;
+  *counter += bytes;
+  at::Tensor base = at::from_blob(
+      host.storage().mutable_data(), {bytes / static_cast<int64_t>(sizeof(float))},
+      [keep = host, counter, bytes](void*) { *counter -= bytes; }, host.options());
+  return base.narrow(0, offset, host.numel());
+}
+
 void DiskTier::set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc) { host_alloc_ = std::move(alloc); }
 
 // ---- submitting

@@ -123,6 +123,9 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   // A host buffer of `numel` floats that counts against the budget while it lives (page-aligned,
   // pinned when a host allocator for a device is set).
   at::Tensor host_buffer(int64_t numel, bool budgeted);
+  // `host` (a buffer this tier's reads returned), counted against the budget for as long as the
+  // returned tensor or a view of it lives. For read buffers kept beyond their use.
+  at::Tensor count_in_budget(const at::Tensor& host);
   // Waits for every write queued so far; throws the first failed transfer's error.
   void flush();
   // Waits until `bytes` more of budgeted buffers fit in the budget, or no write is pending.
