@@ -6,7 +6,8 @@
 // The training thread (the autograd engine's, which runs the gradient hooks) does everything
 // that touches the flat param: it collects the gradient (a host copy through pinned staging when
 // the master follows an offloaded state), creates the state on first use, counts the step, takes
-// the master a backward gather kept, and queues the job. The optimizer's thread only runs the job
+// the master a backward gather kept, issues the disk reads of the job's first chunk when the
+// budget has room (so the disk reads on while the jobs ahead of it step), and queues the job. The optimizer's thread only runs the job
 // (the optimizer's step_shard over the master and state, streamed through the disk tier's I/O
 // threads, and the working copy's refresh), touching nothing the training thread uses until
 // step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds back the
@@ -173,6 +174,7 @@ void ShardedOptimizer::hand_over(FlatParam& flat) {
   e.job = make_job(s);
   e.job.prepare = [grad] { return grad; };
   e.tracer = unit_of(*root_).tracer();
+  offload::prefetch_first_chunk(e.job);  // the disk reads on while the jobs ahead of it step
   ib.stepped[i] = 1;
   {
     std::unique_lock<std::mutex> lock(ib.mu);

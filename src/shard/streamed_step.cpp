@@ -37,6 +37,39 @@ void check_streamable(const StepJob& job) {
   }
 }
 
+// How a job streams: tensors moved through the tier per chunk, elements per chunk, and the host
+// bytes one chunk's reads take (whole pages: a shard shorter than a page still takes one).
+struct Streaming {
+  int streamed = 0;
+  int64_t chunk = 0;
+  int64_t bytes_per(int64_t elements, bool grad_on_disk) const {
+    const int64_t page_bytes = (elements * static_cast<int64_t>(sizeof(float)) + 4095) / 4096 * 4096;
+    return (streamed - (grad_on_disk ? 1 : 0)) * page_bytes;
+  }
+};
+
+Streaming streaming_of(const StepJob& job, DiskTier& tier) {
+  Streaming st;
+  const bool read_master = is_disk_backed(job.param) && !job.param_values.defined();
+  st.streamed = (read_master ? 1 : 0) + (job.grad_on_disk ? 1 : 0);
+  for (const auto& [name, t] : job.state->tensors) st.streamed += is_disk_backed(t) ? 1 : 0;
+  st.chunk = tier.chunk_elements(std::max(st.streamed, 1), tag_of(*job.state));
+  return st;
+}
+
+// The reads of a chunk: the master unless its values came with the job, and each disk-tier state.
+std::vector<std::pair<std::string, IoTicket>> issue_reads(const StepJob& job, DiskTier& tier, int64_t a, int64_t b) {
+  std::vector<std::pair<std::string, IoTicket>> reads;
+  const std::string tag = tag_of(*job.state);
+  if (is_disk_backed(job.param) && !job.param_values.defined()) {
+    reads.emplace_back("", tier.read_async(job.param, a, b, "the master shard of " + tag, true));
+  }
+  for (const auto& [name, t] : job.state->tensors) {
+    if (is_disk_backed(t)) reads.emplace_back(name, tier.read_async(t, a, b, name + " of " + tag, true));
+  }
+  return reads;
+}
+
 class Pipeline {
  public:
   Pipeline(std::vector<StepJob>& jobs, DiskTier& tier, Tracer* tracer) : jobs_(jobs), tier_(tier), tracer_(tracer) {}
@@ -46,19 +79,18 @@ class Pipeline {
       const StepJob& job = jobs_[j];
       if (!needs_streaming(job)) continue;
       check_streamable(job);
-      const bool read_master = is_disk_backed(job.param) && !job.param_values.defined();
-      int streamed = (read_master ? 1 : 0) + (job.grad_on_disk ? 1 : 0);
-      for (const auto& [name, t] : job.state->tensors) streamed += is_disk_backed(t) ? 1 : 0;
-      const int64_t chunk = tier_.chunk_elements(std::max(streamed, 1), tag_of(*job.state));
+      const Streaming st = streaming_of(job, tier_);
       const int64_t n = job.param.numel();
-      for (int64_t a = 0; a < n; a += chunk) {
+      for (int64_t a = 0; a < n; a += st.chunk) {
         Chunk c;
         c.job = j;
         c.a = a;
-        c.b = std::min(n, a + chunk);
-        // Host buffers are whole pages (a shard shorter than a page still takes one).
-        const int64_t page_bytes = ((c.b - c.a) * static_cast<int64_t>(sizeof(float)) + 4095) / 4096 * 4096;
-        c.bytes = (streamed - (job.grad_on_disk ? 1 : 0)) * page_bytes;
+        c.b = std::min(n, a + st.chunk);
+        c.bytes = st.bytes_per(c.b - c.a, job.grad_on_disk);
+        if (a == 0 && jobs_[j].first_end == c.b) {  // read already (prefetch_first_chunk)
+          c.reads = std::move(jobs_[j].first_reads);
+          c.issued = true;
+        }
         chunks_.push_back(std::move(c));
       }
     }
@@ -92,14 +124,7 @@ class Pipeline {
 
  private:
   void issue(Chunk& c) {
-    const StepJob& job = jobs_[c.job];
-    const std::string tag = tag_of(*job.state);
-    if (is_disk_backed(job.param) && !job.param_values.defined()) {
-      c.reads.emplace_back("", tier_.read_async(job.param, c.a, c.b, "the master shard of " + tag, true));
-    }
-    for (const auto& [name, t] : job.state->tensors) {
-      if (is_disk_backed(t)) c.reads.emplace_back(name, tier_.read_async(t, c.a, c.b, name + " of " + tag, true));
-    }
+    c.reads = issue_reads(jobs_[c.job], tier_, c.a, c.b);
     c.issued = true;
   }
 
@@ -190,6 +215,27 @@ bool needs_streaming(const StepJob& job) {
     if (is_disk_backed(t)) return true;
   }
   return false;
+}
+
+void prefetch_first_chunk(StepJob& job) {
+  if (!needs_streaming(job)) return;
+  DiskTier* tier = tier_of(job.param);
+  for (const auto& [name, t] : job.state->tensors) tier = tier != nullptr ? tier : tier_of(t);
+  if (tier == nullptr) return;
+  for (const auto& [name, t] : job.state->tensors) {
+    if (!t.defined()) return;  // the step refuses it (check_streamable)
+  }
+  Streaming st;
+  try {
+    st = streaming_of(job, *tier);
+  } catch (const ConfigError&) {
+    return;  // the step reports it
+  }
+  const int64_t end = std::min(job.param.numel(), st.chunk);
+  const int64_t budget = tier->budget_bytes();
+  if (budget > 0 && tier->buffered_bytes() + st.bytes_per(end, job.grad_on_disk) > budget) return;
+  job.first_reads = issue_reads(job, *tier, 0, end);
+  job.first_end = end;
 }
 
 void run_step(std::vector<StepJob>& jobs, Tracer* tracer, RunOptions options) {

@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/optim.h"
+#include "tiers/disk_tier.h"
 
 namespace fsdp {
 class Tracer;
@@ -44,7 +45,16 @@ struct StepJob {
   ShardStepFn step;
   // Optional: elements [a, b) of the master were updated; `updated` holds their new values.
   std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after;
+  // Set by prefetch_first_chunk: the reads of elements [0, first_end), by state name ("" for
+  // the master), which the step uses instead of reading them again.
+  std::vector<std::pair<std::string, IoTicket>> first_reads;
+  int64_t first_end = 0;
 };
+
+// Issues the disk reads of the job's first chunk now, when they fit in the budget without waiting
+// (otherwise, or when the step will refuse the job, it does nothing): for a job queued behind
+// others, so that the disk keeps reading while they step.
+void prefetch_first_chunk(StepJob& job);
 
 // Whether any of the step's tensors (master, gradient, state) lives in the disk tier.
 bool needs_streaming(const StepJob& job);
