@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 
@@ -78,6 +79,17 @@ double train_step(Job& j, ShardedOptimizer& optim, const Case& setup, int64_t st
   return total;
 }
 
+// Where two fingerprints (testing::state_bytes: the losses as text lines, then the bytes of the
+// params and the optimizer state) first differ.
+std::string first_difference(const std::string& a, const std::string& b) {
+  size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  const size_t line = std::count(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(i), '\n');
+  return "(first difference at byte " + std::to_string(i) + " of " + std::to_string(a.size()) + ", after " +
+         std::to_string(line) + " newlines; the losses come first, one line each: " + a.substr(0, a.find('\n')) +
+         " vs " + b.substr(0, b.find('\n')) + ")";
+}
+
 std::unique_ptr<ShardedOptimizer> make_optimizer(Job& j, const Case& setup) {
   if (!setup.sgd) return std::move(j.optim);
   return std::make_unique<SGD>(j.root, SGDOptions(1e-2).momentum(0.9).nesterov(true).weight_decay(0.01));
@@ -138,7 +150,8 @@ TEST(StepInBackward, EqualsStepAfterBackwardBitwise) {
     });
     for (int r = 0; r < kWorld; ++r) {
       ASSERT_GT(reference[r].size(), 1000u);
-      EXPECT_TRUE(reference[r] == got[r]) << setup.name << ", rank " << r << ": differs from step() after backward";
+      EXPECT_TRUE(reference[r] == got[r]) << setup.name << ", rank " << r << ": differs from step() after backward "
+                                          << first_difference(reference[r], got[r]);
     }
   }
   // Negative control: a different run does differ, so equality above means something.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <vector>
 
 #include "fsdp/errors.h"
@@ -133,8 +134,11 @@ class Pipeline {
   void read_ahead(size_t k) {
     if (!chunks_[k].issued) {
       tier_.wait_for_buffers(chunks_[k].bytes);
+      std::lock_guard<std::mutex> lock(tier_.budget_mutex());
       issue(chunks_[k]);
     }
+    // Checking for room and taking it are one step: the training thread prefetches too.
+    std::lock_guard<std::mutex> lock(tier_.budget_mutex());
     for (size_t n = k + 1; n < chunks_.size() && n <= k + 2; ++n) {
       if (chunks_[n].issued) continue;
       const int64_t budget = tier_.budget_bytes();
@@ -233,7 +237,11 @@ void prefetch_first_chunk(StepJob& job) {
   }
   const int64_t end = std::min(job.param.numel(), st.chunk);
   const int64_t budget = tier->budget_bytes();
-  if (budget > 0 && tier->buffered_bytes() + st.bytes_per(end, job.grad_on_disk) > budget) return;
+  // Prefetched reads are held until their job runs, so the running job could not wait for them to
+  // make room: they leave room for two of its chunks (the one it steps and the next).
+  const int64_t room_for_running = 2 * st.bytes_per(st.chunk, job.grad_on_disk);
+  std::lock_guard<std::mutex> lock(tier->budget_mutex());
+  if (budget > 0 && tier->buffered_bytes() + st.bytes_per(end, job.grad_on_disk) + room_for_running > budget) return;
   job.first_reads = issue_reads(job, *tier, 0, end);
   job.first_end = end;
 }

@@ -132,6 +132,9 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   void wait_for_buffers(int64_t bytes);
   // Bytes of budgeted host buffers alive now.
   int64_t buffered_bytes() const { return buffered_->load(); }
+  // Held by whoever checks buffered_bytes() for room and then issues reads into it, so that two
+  // threads (the optimizer's and the training thread's prefetch) do not take the same room.
+  std::mutex& budget_mutex() { return budget_mu_; }
   IoCounters io_counters() const;
   void set_tracer(std::shared_ptr<Tracer> tracer);
   Tracer* tracer() const;
@@ -180,6 +183,7 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   IoCounters counters_;
   uint64_t seq_ = 0;
   std::shared_ptr<std::atomic<int64_t>> buffered_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::mutex budget_mu_;
   std::atomic<uint64_t> generation_{0};
   std::shared_ptr<Tracer> tracer_;
   std::function<at::Tensor(int64_t)> host_alloc_;
