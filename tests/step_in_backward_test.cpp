@@ -293,5 +293,50 @@ TEST(StepInBackward, TierFailureOnTheOptimizerThreadReachesStep) {
   io::remove_tree(dir);
 }
 
+// ZeRO-Offload's setup on a GPU: params and grads on the device, the optimizer state and fp32
+// master in the host or disk tier; stepping in backward runs each unit's CPU step while the device
+// computes the next units' backward, and must give what stepping after backward gives. Compiled,
+// and the same schedule runs on CPU above (EqualsStepAfterBackwardBitwise, "state alone").
+TEST(StepInBackward, CudaOptimizerStateAloneMatchesStepAfterBackward) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU: params and grads on a device need one";
+  auto dist = Dist::single(InitOptions().device("cuda"));
+  DeviceMesh mesh(dist);
+  const std::string dir = testing::temp_path("cuda-step-in-backward");
+  auto run = [&](const OffloadPolicy& policy, bool in_backward) {
+    testing::ShardedModelOptions o;
+    o.net.in = 7;
+    o.net.dim = 61;
+    o.net.hidden = 333;
+    o.net.out = 5;
+    o.net.blocks = 3;
+    o.seed = 3;
+    o.move_to = at::Device(at::kCUDA, 0);
+    o.root_shard = o.shard;
+    o.root_shard->offload(policy);
+    o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
+    Job j = testing::make_sharded_model(mesh, o);
+    j.optim->step_in_backward(in_backward);
+    for (int s = 0; s < 3; ++s) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + s);
+      auto x = at::randn({kGlobalBatch, 7}, gen).cuda(), y = at::randn({kGlobalBatch, 5}, gen).cuda();
+      testing::train_on_batch(j, x, y);
+    }
+    std::vector<at::Tensor> out;
+    for (const auto& unit : fsdp::testing::units(*j.root)) {
+      for (auto& fp : unit->flat_params()) {
+        EXPECT_TRUE(fp->working_shard().is_cuda());
+        out.push_back(fp->sharded_param().cpu());
+      }
+    }
+    return at::cat(out);
+  };
+  for (auto policy : {OffloadPolicy().optimizer_state(OffloadTier::kHost),
+                      OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir)}) {
+    EXPECT_TRUE(at::allclose(run(policy, true), run(policy, false), 1e-6, 1e-7))
+        << offload_tier_name(policy.optimizer_state());
+  }
+  io::remove_tree(dir);
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -7,6 +7,7 @@
 
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <utility>
 
 #include "tiers/device_stager.h"
@@ -100,8 +101,10 @@ class CudaStager : public DeviceStager {
   }
 
   // A pinned source must stay alive until its asynchronous copy has run: kept here until the
-  // copy's event has completed (checked on every later copy).
+  // copy's event has completed (checked on every later copy). The optimizer's thread copies too
+  // (ShardedOptimizer::step_in_backward), hence the lock.
   void keep_until_copied(const at::Tensor& host, at::cuda::CUDAEvent& copied) {
+    std::lock_guard<std::mutex> lock(in_flight_mu_);
     while (!in_flight_.empty() && in_flight_.front().first->query()) in_flight_.pop_front();
     auto done = std::make_shared<at::cuda::CUDAEvent>();
     done->record(side_);
@@ -111,6 +114,7 @@ class CudaStager : public DeviceStager {
 
   c10::Device device_;
   c10::cuda::CUDAStream side_;
+  std::mutex in_flight_mu_;
   std::deque<std::pair<std::shared_ptr<at::cuda::CUDAEvent>, at::Tensor>> in_flight_;
 };
 
