@@ -44,14 +44,21 @@ struct Case {
   int64_t accum = 1;   // micro-batches per step, all but the last without gradient sync
 };
 
+// A block holds ~41k params: ~20k per rank, several chunks of the budgets below.
+testing::NetOptions net_options(at::Device device) {
+  testing::NetOptions o;
+  o.in = 7;
+  o.dim = 61;
+  o.hidden = 333;
+  o.out = 5;
+  o.blocks = 3;
+  o.device = device;
+  return o;
+}
+
 Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload) {
   testing::ShardedModelOptions o;
-  o.net.in = 7;
-  o.net.dim = 61;
-  o.net.hidden = 333;
-  o.net.out = 5;
-  o.net.blocks = 3;
-  o.net.device = at::Device(at::kMeta);
+  o.net = net_options(at::kMeta);
   o.shard.init(init::normal(0.2, 11));
   o.root_shard = o.shard;
   if (offload) o.root_shard->offload(*offload);
@@ -304,11 +311,7 @@ TEST(StepInBackward, CudaOptimizerStateAloneMatchesStepAfterBackward) {
   const std::string dir = testing::temp_path("cuda-step-in-backward");
   auto run = [&](const OffloadPolicy& policy, bool in_backward) {
     testing::ShardedModelOptions o;
-    o.net.in = 7;
-    o.net.dim = 61;
-    o.net.hidden = 333;
-    o.net.out = 5;
-    o.net.blocks = 3;
+    o.net = net_options(at::kCPU);
     o.seed = 3;
     o.move_to = at::Device(at::kCUDA, 0);
     o.root_shard = o.shard;
