@@ -83,6 +83,18 @@ else
   bad "step in backward with clipping: rc $RC, $(head -5 "$TMP/inbwd-clip.err")"
 fi
 
+# A non-finite gradient cannot be skipped when the step is taken in backward: every rank stops
+# before saving that step, and the last checkpoint stays the latest.
+FSDP_TRAIN_TEST_INF_GRAD=0:2 train "$TMP/inbwd-inf" --steps 4 --set optim.grad_clip=0 --set optim.step_in_backward=true \
+  --set train.save_every=1 --save-dir "$TMP/inbwd-ckpt"
+if [ "$RC" != 0 ] && grep -q "non-finite loss or gradient at step 2 with optim.step_in_backward" "$TMP/inbwd-inf.err" &&
+  [ -d "$TMP/inbwd-ckpt/step-00000001" ] && [ ! -e "$TMP/inbwd-ckpt/step-00000002" ] &&
+  [ "$(cat "$TMP/inbwd-ckpt/latest")" = step-00000001 ]; then
+  ok "step in backward, inf gradient at step 2: stopped (rc $RC) before saving it, step 1 still the latest"
+else
+  bad "step in backward with an inf gradient: rc $RC, $(ls "$TMP/inbwd-ckpt" 2>&1 | tr '\n' ' ') $(tail -3 "$TMP/inbwd-inf.err")"
+fi
+
 # An offload.dir that cannot be created fails before training, naming it.
 echo x >"$TMP/file"
 train "$TMP/unwritable" --steps 3 --metrics "$TMP/unwritable.jsonl" "${DISK[@]}" --set "fsdp.offload.dir=$TMP/file/offload"

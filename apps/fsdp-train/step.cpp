@@ -155,22 +155,28 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
 }
 
 // optim.step_in_backward: the backward has applied most of the step already, so nothing can skip
-// it; the optimizer finishes it, then every rank learns whether any loss was non-finite (one
-// all-reduce, the loss only) and, if so, all stop before anything is saved.
+// it; the optimizer finishes it, then every rank learns whether any loss or gradient was
+// non-finite (one all-reduce; the gradient shards are still there until zero_grad) and, if so, all
+// stop before the step is saved: the last checkpoint stays the latest.
 StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer) {
   StepOutcome out;
   out.local_loss = local.item<double>();
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
     optim_.step();
-    optim_.zero_grad();
   }
   out.stepped = true;
-  fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-  if (scaler_->unscale_and_check(local, /*gradients_by_norm=*/true)) {
-    throw fsdp::NonFiniteError("fsdp-train: a non-finite loss at step " + std::to_string(step) +
-                               " with optim.step_in_backward, whose steps cannot be skipped: the parameters may "
-                               "be non-finite now; resume from the last checkpoint with a lower optim.lr, or turn "
+  bool bad;
+  {
+    fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
+    bad = scaler_->unscale_and_check(local, /*gradients_by_norm=*/false);
+  }
+  optim_.zero_grad();
+  if (bad) {
+    throw fsdp::NonFiniteError("fsdp-train: a non-finite loss or gradient at step " + std::to_string(step) +
+                               " with optim.step_in_backward, whose steps are applied during backward and cannot "
+                               "be skipped: the parameters may be non-finite now, so training stopped before "
+                               "saving them; resume from the last checkpoint with a lower optim.lr, or turn "
                                "optim.step_in_backward off to skip such steps");
   }
   return out;
