@@ -40,7 +40,7 @@ GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
-  if (ShardedUnit& unit = unit_of(*root_); unit.root() != nullptr && unit.root_state().on_gradient_reduced) {
+  if (unit_of(*root_).steps_in_backward()) {
     throw UsageError("fsdp: GradScaler: the optimizer steps in backward (step_in_backward), so scaled gradients "
                      "would be applied before they could be unscaled or skipped; turn off loss scaling or "
                      "step_in_backward");

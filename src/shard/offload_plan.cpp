@@ -14,8 +14,6 @@
 namespace fsdp {
 namespace {
 
-constexpr int64_t kPage = 4096;
-int64_t pages(int64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
 struct Tally {
   OffloadPlan& plan;
@@ -52,7 +50,7 @@ void plan_flat(FlatParam& fp, int gathers, bool forward_kept, int state_tensors,
   const bool gathers_at_all =
       fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat || master != OffloadTier::kNone;
   if (!follows && gathers_at_all) {
-    if (master == OffloadTier::kDisk) io.disk_read += (gathers - (forward_kept && gathers == 2 ? 1 : 0)) * pages(shard);
+    if (master == OffloadTier::kDisk) io.disk_read += (gathers - (forward_kept && gathers == 2 ? 1 : 0)) * offload::whole_pages(shard);
     if (master == OffloadTier::kHost || (master == OffloadTier::kDisk && !device_is_cpu))
       io.to_device += gathers * compute;
   }
@@ -61,10 +59,10 @@ void plan_flat(FlatParam& fp, int gathers, bool forward_kept, int state_tensors,
   const int64_t streamed =
       (master == OffloadTier::kDisk ? 1 : 0) + (off.optimizer_state == OffloadTier::kDisk ? state_tensors : 0);
   const bool master_kept = step_in_backward && !follows && master == OffloadTier::kDisk && gathers == 2;
-  io.disk_read += (streamed - (master_kept ? 1 : 0)) * pages(shard);
-  io.disk_write += streamed * pages(shard);
+  io.disk_read += (streamed - (master_kept ? 1 : 0)) * offload::whole_pages(shard);
+  io.disk_write += streamed * offload::whole_pages(shard);
   if (off.grads == OffloadTier::kDisk && (master == OffloadTier::kDisk || off.optimizer_state == OffloadTier::kDisk)) {
-    io.disk_read += pages(shard);  // the optimizer reads the gradient shard through the I/O threads
+    io.disk_read += offload::whole_pages(shard);  // the optimizer reads the gradient shard through the I/O threads
   }
   if (follows) {
     io.to_host += shard;      // the gradient to the CPU step

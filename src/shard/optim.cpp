@@ -100,7 +100,7 @@ void ShardedOptimizer::step() {
 }
 
 offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
-  FlatParam& flat = *flats_->at(s.flat_index);
+  FlatParam& flat = flat_of(s);
   const int group = flat.config().group;
   const double lr = group_lr(group), wd = group_weight_decay(group);
   offload::StepJob job;
@@ -259,7 +259,7 @@ double WarmupCosine::lr_at(int64_t step) const {
 
 double clip_grad_norm(FSDPModule& root, double max_norm) {
   if (!(max_norm > 0)) throw ConfigError("fsdp: clip_grad_norm needs max_norm > 0, got " + std::to_string(max_norm));
-  if (ShardedUnit& unit = unit_of(root); unit.root() != nullptr && unit.root_state().on_gradient_reduced) {
+  if (unit_of(root).steps_in_backward()) {
     throw UsageError("fsdp: clip_grad_norm: the optimizer steps in backward (step_in_backward), so each gradient "
                      "was applied before the global norm was known; turn off clipping or step_in_backward");
   }

@@ -42,13 +42,10 @@ std::string ShardedUnit::name() const {
 void ShardedUnit::unshard() {
   using Keep = FlatParam::KeepMaster;
   Keep keep = Keep::kNo;
-  if (root_ != nullptr) {
-    const RootState& rs = root_state();
-    if (rs.in_backward) {
-      if (rs.on_gradient_reduced && requires_gradient_sync_) keep = Keep::kForStep;
-    } else if (keep_forward_master_ && c10::GradMode::is_enabled()) {
-      keep = Keep::kForBackward;
-    }
+  if (root_ != nullptr && root_state().in_backward) {
+    if (steps_in_backward() && requires_gradient_sync_) keep = Keep::kForStep;
+  } else if (keep_forward_master_ && c10::GradMode::is_enabled()) {
+    keep = Keep::kForBackward;
   }
   for (auto& fp : flat_params_) fp->unshard(keep);
 }
@@ -62,7 +59,7 @@ int64_t ShardedUnit::disk_master_bytes() const {
   int64_t bytes = 0;
   for (const auto& fp : flat_params_) {
     if (fp->master_follows_state() || !offload::is_disk_backed(fp->sharded_param())) continue;
-    bytes += (fp->shard_numel() * static_cast<int64_t>(sizeof(float)) + 4095) / 4096 * 4096;  // whole pages
+    bytes += offload::whole_pages(fp->shard_numel() * static_cast<int64_t>(sizeof(float)));
   }
   return bytes;
 }
@@ -86,11 +83,11 @@ std::vector<ShardedUnit*> units_keeping_forward_masters(const std::vector<Sharde
 
 void ShardedUnit::choose_kept_masters() {
   RootState& rs = root_state();
+  if (!rs.disk_tier) return;  // masters are kept only from the disk tier
   for (ShardedUnit* unit : rs.units) {
     unit->keep_forward_master_ = false;
     for (auto& fp : unit->flat_params_) fp->take_master_for_step();  // dropped
   }
-  if (!rs.disk_tier) return;
   for (ShardedUnit* unit : units_keeping_forward_masters(rs.order.predicted(), rs.disk_tier->budget_bytes())) {
     unit->keep_forward_master_ = true;
   }

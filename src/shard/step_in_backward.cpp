@@ -7,10 +7,10 @@
 // that touches the flat param: it collects the gradient (a host copy through pinned staging when
 // the master follows an offloaded state), creates the state on first use, counts the step, takes
 // the master a backward gather kept, issues the disk reads of the job's first chunk when the
-// budget has room (so the disk reads on while the jobs ahead of it step), and queues the job. The optimizer's thread only runs the job
-// (the optimizer's step_shard over the master and state, streamed through the disk tier's I/O
-// threads, and the working copy's refresh), touching nothing the training thread uses until
-// step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds back the
+// budget has room (so the disk reads on while the jobs ahead of it step), and queues the job.
+// The optimizer's thread only runs the job (the optimizer's step_shard over the master and state,
+// streamed through the disk tier's I/O threads, and the working copy's refresh), touching nothing
+// the training thread uses until step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds back the
 // backward instead of piling up kept masters and gradient copies. Every job is the same
 // arithmetic on the same values as step() after backward, so the result is bitwise the same.
 #include <c10/core/GradMode.h>
@@ -87,6 +87,16 @@ struct ShardedOptimizer::InBackward {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return queue.empty() && !running; });
   }
+
+  // Runs what is queued, then ends the thread.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopping = true;
+    }
+    cv.notify_all();
+    worker.join();
+  }
 };
 
 void ShardedOptimizer::step_in_backward(bool on) {
@@ -123,25 +133,14 @@ void ShardedOptimizer::stop_step_in_backward() {
   for (char s : ib.stepped) {
     if (s) throw UsageError("fsdp: step_in_backward turned off between a backward and its step(); call step() first");
   }
-  {
-    std::lock_guard<std::mutex> lock(ib.mu);
-    ib.stopping = true;
-  }
-  ib.cv.notify_all();
-  ib.worker.join();
+  ib.stop();
   unit_of(*root_).root_state().on_gradient_reduced = nullptr;
   in_backward_.reset();
 }
 
 ShardedOptimizer::~ShardedOptimizer() {
   if (!in_backward_) return;
-  InBackward& ib = *in_backward_;
-  {
-    std::lock_guard<std::mutex> lock(ib.mu);
-    ib.stopping = true;
-  }
-  ib.cv.notify_all();
-  ib.worker.join();
+  in_backward_->stop();
   unit_of(*root_).root_state().on_gradient_reduced = nullptr;
 }
 

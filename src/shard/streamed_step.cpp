@@ -38,14 +38,20 @@ void check_streamable(const StepJob& job) {
   }
 }
 
+// The disk tier of the job's master or state, or null.
+DiskTier* tier_of_job(const StepJob& job) {
+  DiskTier* tier = tier_of(job.param);
+  for (const auto& [name, t] : job.state->tensors) tier = tier != nullptr ? tier : tier_of(t);
+  return tier;
+}
+
 // How a job streams: tensors moved through the tier per chunk, elements per chunk, and the host
 // bytes one chunk's reads take (whole pages: a shard shorter than a page still takes one).
 struct Streaming {
   int streamed = 0;
   int64_t chunk = 0;
   int64_t bytes_per(int64_t elements, bool grad_on_disk) const {
-    const int64_t page_bytes = (elements * static_cast<int64_t>(sizeof(float)) + 4095) / 4096 * 4096;
-    return (streamed - (grad_on_disk ? 1 : 0)) * page_bytes;
+    return (streamed - (grad_on_disk ? 1 : 0)) * whole_pages(elements * static_cast<int64_t>(sizeof(float)));
   }
 };
 
@@ -222,9 +228,7 @@ bool needs_streaming(const StepJob& job) {
 }
 
 void prefetch_first_chunk(StepJob& job) {
-  if (!needs_streaming(job)) return;
-  DiskTier* tier = tier_of(job.param);
-  for (const auto& [name, t] : job.state->tensors) tier = tier != nullptr ? tier : tier_of(t);
+  DiskTier* tier = needs_streaming(job) ? tier_of_job(job) : nullptr;
   if (tier == nullptr) return;
   for (const auto& [name, t] : job.state->tensors) {
     if (!t.defined()) return;  // the step refuses it (check_streamable)
@@ -250,8 +254,7 @@ void run_step(std::vector<StepJob>& jobs, Tracer* tracer, RunOptions options) {
   DiskTier* tier = nullptr;
   for (const auto& job : jobs) {
     if (!needs_streaming(job)) continue;
-    tier = tier_of(job.param);
-    for (const auto& [name, t] : job.state->tensors) tier = tier != nullptr ? tier : tier_of(t);
+    tier = tier_of_job(job);
     if (tier != nullptr) break;
   }
   if (tier == nullptr) {

@@ -39,8 +39,6 @@ namespace {
 
 constexpr int64_t kPage = 4096;
 
-int64_t round_up(int64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
-
 std::string describe(int64_t bytes) { return std::to_string(bytes) + " bytes (" + base::mib(bytes, 1) + ")"; }
 
 // pread/pwrite until `len` bytes moved; returns 0 or an errno.
@@ -64,9 +62,9 @@ int move_all(bool write, int fd, char* data, int64_t len, int64_t offset) {
 int64_t direct_length(const IoJob& job) {
   if (job.m->direct_fd < 0) return 0;
   const auto addr = reinterpret_cast<uintptr_t>(job.buffer.data_ptr());
-  const int64_t len = round_up(job.bytes);
+  const int64_t len = whole_pages(job.bytes);
   if (job.offset % kPage != 0 || addr % kPage != 0 || job.capacity < len) return 0;
-  if (job.offset + len > round_up(static_cast<int64_t>(job.m->bytes))) return 0;
+  if (job.offset + len > whole_pages(static_cast<int64_t>(job.m->bytes))) return 0;
   const bool ends_on_page_or_file =
       job.bytes % kPage == 0 || job.offset + job.bytes == static_cast<int64_t>(job.m->bytes);
   if (job.write && !ends_on_page_or_file) return 0;
@@ -95,7 +93,7 @@ const at::Tensor& IoTicket::buffer() const { return job_->buffer; }
 // ---- buffers
 
 at::Tensor DiskTier::host_buffer(int64_t numel, bool budgeted) {
-  const int64_t bytes = round_up(std::max<int64_t>(numel, 1) * static_cast<int64_t>(sizeof(float)));
+  const int64_t bytes = whole_pages(std::max<int64_t>(numel, 1) * static_cast<int64_t>(sizeof(float)));
   const int64_t elems = bytes / static_cast<int64_t>(sizeof(float));
   std::shared_ptr<std::atomic<int64_t>> counter;
   if (budgeted) {
@@ -148,7 +146,7 @@ IoTicket DiskTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, c
                 begin * static_cast<int64_t>(sizeof(float));
   job->bytes = (end - begin) * static_cast<int64_t>(sizeof(float));
   job->buffer = host_buffer(end - begin, budgeted);
-  job->capacity = round_up(job->bytes);
+  job->capacity = whole_pages(job->bytes);
   job->what = what;
   return submit(std::move(job));
 }
@@ -223,7 +221,7 @@ void DiskTier::run_io(bool writes) {
       tracer->span(writes ? "fsdp::disk_write" : "fsdp::disk_read", writes ? "disk write" : "disk read", begin,
                    std::chrono::steady_clock::now(), job->what);
     }
-    const int64_t moved = direct_length(*job) > 0 ? round_up(job->bytes) : job->bytes;
+    const int64_t moved = direct_length(*job) > 0 ? whole_pages(job->bytes) : job->bytes;
     if (writes) job->buffer = at::Tensor();  // the budget gets the bytes back now
     {
       std::lock_guard<std::mutex> lock(io_mu_);
@@ -253,7 +251,7 @@ void DiskTier::transfer(IoJob& job) {
   if (err == 0) {
     // Written back and out of the page cache (a direct transfer can leave pages there too, e.g.
     // ext4 completing a write to reserved blocks), so the tier's pages stay within the budget.
-    const int64_t len = direct > 0 ? direct : round_up(job.bytes);
+    const int64_t len = direct > 0 ? direct : whole_pages(job.bytes);
     if (job.write) {
       ::sync_file_range(job.m->fd, job.offset, len,
                         SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);

@@ -189,6 +189,8 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   std::function<at::Tensor(int64_t)> host_alloc_;
 };
 
+// `bytes` rounded up to whole 4 KiB pages: what a host buffer of the tier and a direct transfer take.
+inline int64_t whole_pages(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 // Whether `t`'s storage is a disk-tier mapping (views included).
 bool is_disk_backed(const at::Tensor& t);
 // The tier that owns `t`'s mapping, or null.
