@@ -3,6 +3,9 @@
 // when known, the peer.
 #include <signal.h>
 
+#include <cstdio>
+#include <functional>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -27,6 +30,24 @@ class ProcessTier : public ::testing::TestWithParam<std::string> {
     return dist;
   }
 };
+
+// Runs `collective`, printing the type of the error it throws: a transport's failure must reach the
+// calling thread as fsdp::DistError, a timeout as fsdp::TimeoutError (never an abort, never another
+// type).
+void typed(const std::function<void()>& collective) {
+  try {
+    collective();
+  } catch (const TimeoutError& e) {
+    std::fprintf(stderr, "caught fsdp::TimeoutError\n");
+    throw;
+  } catch (const DistError& e) {
+    std::fprintf(stderr, "caught fsdp::DistError\n");
+    throw;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "caught another exception type\n");
+    throw;
+  }
+}
 
 void expect_survivors_fail(const std::vector<RankResult>& results, int victim, const std::string& needle) {
   for (const auto& r : results) {
@@ -54,10 +75,11 @@ TEST_P(ProcessTier, PeerKilledDuringAllGather) {
     dist->world().barrier("warm-up");
     if (rank == 2) ::raise(SIGKILL);
     auto out = at::empty({3 * 100000});
-    dist->world().all_gather(out, at::ones({100000}), "layers.0").wait();
+    typed([&] { dist->world().all_gather(out, at::ones({100000}), "layers.0").wait(); });
   });
   EXPECT_EQ(results[2].term_signal, SIGKILL);
   expect_survivors_fail(results, 2, "all_gather 'layers.0'");
+  expect_survivors_fail(results, 2, "caught fsdp::DistError");
 }
 
 TEST_P(ProcessTier, PeerKilledDuringReduceScatter) {
@@ -84,10 +106,17 @@ TEST_P(ProcessTier, StoppedPeerTimesOut) {
         dist->world().barrier("warm-up");
         if (rank == 1) ::raise(SIGSTOP);
         auto out = at::empty({3 * 1000});
-        dist->world().all_gather(out, at::ones({1000}), "stopped").wait();
+        typed([&] { dist->world().all_gather(out, at::ones({1000}), "stopped").wait(); });
       },
       opts);
   expect_survivors_fail(results, 1, "all_gather 'stopped'");
+  // The stopped rank's neighbours time out; the third may instead see its neighbour give up.
+  int timeouts = 0;
+  for (const auto& r : results) timeouts += r.output.find("caught fsdp::TimeoutError") != std::string::npos;
+  EXPECT_GE(timeouts, 1) << testing::describe(results);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.output.find("caught another exception type"), std::string::npos) << testing::describe(results);
+  }
 }
 
 TEST_P(ProcessTier, FailureBreaksTheCommunicator) {

@@ -91,6 +91,12 @@ class Communicator {
   CommHandle all_reduce(at::Tensor tensor, ReduceOp op, const std::string& tag);
   CommHandle broadcast(at::Tensor tensor, int root, const std::string& tag);
   void barrier(const std::string& tag);
+  // Checks that every rank ran the same collectives since the last check, and throws DistError
+  // naming each rank's collective where they differ. The CPU transports check every collective as
+  // it runs (its identity travels with its bytes), so this returns at once there; over NCCL it is
+  // a small all-gather, run by the end of each backward before any optimizer step. Every rank must
+  // call it at the same point.
+  void verify_collectives(const std::string& tag);
 
   CommStats stats() const;
   void reset_stats();

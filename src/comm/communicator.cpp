@@ -34,6 +34,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "comm/communicator_impl.h"
+#include "comm/id_check.h"
 #include "comm/order_check.h"
 #include "comm/transport.h"
 #include "fsdp/trace.h"
@@ -69,41 +70,6 @@ void check_flat(const at::Tensor& t, const char* what, const char* op) {
 }
 }  // namespace
 
-const char* collective_name(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::kAllGather: return "all_gather";
-    case CollectiveKind::kReduceScatter: return "reduce_scatter";
-    case CollectiveKind::kAllReduce: return "all_reduce";
-    case CollectiveKind::kBroadcast: return "broadcast";
-    case CollectiveKind::kBarrier: return "barrier";
-  }
-  return "unknown";
-}
-
-uint64_t CommStats::total_bytes_sent() const {
-  uint64_t total = 0;
-  for (const auto& op : ops) total += op.bytes_sent;
-  return total;
-}
-
-double CommStats::total_wait_s() const {
-  double total = 0;
-  for (const auto& op : ops) total += op.wait_s;
-  return total;
-}
-
-CommStats CommStats::operator-(const CommStats& earlier) const {
-  CommStats d;
-  for (int i = 0; i < kNumCollectiveKinds; ++i) {
-    d.ops[i].calls = ops[i].calls - earlier.ops[i].calls;
-    d.ops[i].bytes_sent = ops[i].bytes_sent - earlier.ops[i].bytes_sent;
-    d.ops[i].bytes_received = ops[i].bytes_received - earlier.ops[i].bytes_received;
-    d.ops[i].busy_s = ops[i].busy_s - earlier.ops[i].busy_s;
-    d.ops[i].wait_s = ops[i].wait_s - earlier.ops[i].wait_s;
-  }
-  return d;
-}
-
 // Counters shared by the communicator and its outstanding handles.
 struct StatsBox {
   std::mutex mu;
@@ -138,6 +104,7 @@ struct CommHandle::Pending {
   uint64_t bytes = 0;  // payload bytes of this rank's input (for the order check)
   int dtype = -1;      // at::ScalarType of the payload; -1 for none
   std::string lane;    // "comm <group>"
+  bool verify = false;  // Communicator::verify_collectives: the queue's identity check, no payload
   Clock::time_point issued;
   std::shared_ptr<DeviceOrder> order;  // device collectives on a worker thread only
 
@@ -175,6 +142,12 @@ class Communicator::Impl {
                                              std::vector<at::Tensor> keep_alive,
                                              std::function<void(Transport&, OpStats&)> body);
   int global_rank(int group_rank) const { return options.global_ranks.at(group_rank); }
+  void push(const std::shared_ptr<PendingCollective>& p);
+  // Whether verify_collectives has work: the queue's identity check is on (set before the worker
+  // starts, never changed).
+  bool verifies() const { return queue_check.has_value(); }
+  std::shared_ptr<PendingCollective> describe(CollectiveKind kind, const std::string& tag,
+                                              const std::vector<at::Tensor>& keep_alive);
 
   std::unique_ptr<Transport> transport;
   CommunicatorOptions options;
@@ -190,10 +163,9 @@ class Communicator::Impl {
   std::shared_ptr<Tracer> tracer;
 
  private:
-  std::shared_ptr<PendingCollective> describe(CollectiveKind kind, const std::string& tag,
-                                              const std::vector<at::Tensor>& keep_alive);
   void run_now(PendingCollective& p);
   void worker_loop();
+  void note_first_error(const std::exception_ptr& error);
   std::shared_ptr<PendingCollective> next(std::string& broken);
   std::exception_ptr run(PendingCollective& p, int64_t seq, OpStats& delta);
   void run_on_device_stream(PendingCollective& p, OpStats& delta);
@@ -201,6 +173,7 @@ class Communicator::Impl {
   void add_stats(CollectiveKind kind, const OpStats& delta);
 
   int64_t next_seq = 0;                      // collectives run so far (worker thread only)
+  std::optional<QueueIdCheck> queue_check;   // Note [Identity check in the queue] (worker only)
   std::optional<c10::Stream> device_stream;  // the worker's stream for device collectives
   std::thread worker;
 };
@@ -254,6 +227,10 @@ Communicator::Impl::Impl(std::unique_ptr<Transport> transport_in, CommunicatorOp
     throw ConfigError("fsdp: communicator '" + options.name + "' has " + std::to_string(size) + " ranks but " +
                       std::to_string(options.global_ranks.size()) + " global ranks");
   }
+  const IdCheck ids = collective_id_check();
+  if (size > 1 && (ids == IdCheck::kQueue || (ids == IdCheck::kAuto && !transport->carries_ids()))) {
+    queue_check.emplace(rank, size, options.name, options.id_check_every);
+  }
   if (size > 1) worker = std::thread([this] { worker_loop(); });
 }
 
@@ -276,6 +253,17 @@ void Communicator::Impl::worker_loop() {
                                                   "' is unusable after an earlier failure: " + broken)));
       continue;
     }
+    if (p->verify) {
+      std::exception_ptr error;
+      try {
+        if (queue_check) queue_check->check(*transport, next_seq);
+      } catch (...) {
+        error = failure(*p);
+        note_first_error(error);
+      }
+      p->finish(error);
+      continue;
+    }
     OpStats delta;
     const auto t0 = Clock::now();
     const int64_t seq = next_seq++;
@@ -285,17 +273,18 @@ void Communicator::Impl::worker_loop() {
     if (p->tracer)
       p->tracer->span(std::string("fsdp::") + collective_name(p->kind), p->lane, p->issued, Clock::now(), p->tag);
     add_stats(p->kind, delta);
-    if (error) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (first_error.empty()) {
-        try {
-          std::rethrow_exception(error);
-        } catch (const std::exception& e) {
-          first_error = e.what();
-        }
-      }
-    }
+    if (error) note_first_error(error);
     p->finish(error);
+  }
+}
+
+void Communicator::Impl::note_first_error(const std::exception_ptr& error) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!first_error.empty()) return;
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    first_error = e.what();
   }
 }
 
@@ -315,7 +304,19 @@ std::shared_ptr<PendingCollective> Communicator::Impl::next(std::string& broken)
 // Runs one collective on the worker thread; returns its error, worded for the caller.
 std::exception_ptr Communicator::Impl::run(PendingCollective& p, int64_t seq, OpStats& delta) {
   try {
+    CollectiveId id;
+    id.seq = static_cast<uint64_t>(seq);
+    id.kind = static_cast<int>(p.kind);
+    id.dtype = p.dtype;
+    id.bytes = p.bytes;
+    id.tag = p.tag;
     if (options.check_order) {
+      CollectiveId exchange = id;
+      exchange.kind = -1;
+      exchange.dtype = -1;
+      exchange.bytes = 0;
+      exchange.tag = "collective-order check";
+      transport->begin(exchange);
       OrderProbe probe;
       probe.seq = seq;
       probe.kind = p.kind;
@@ -325,6 +326,9 @@ std::exception_ptr Communicator::Impl::run(PendingCollective& p, int64_t seq, Op
       probe.description = p.description;
       check_collective_order(*transport, options, rank, size, probe);
     }
+    // Note [Identity check in the queue]: a full window is checked before this collective runs.
+    if (queue_check && queue_check->record(id)) queue_check->check(*transport, id.seq);
+    transport->begin(id);
     if (p.order) {
       run_on_device_stream(p, delta);
     } else {
@@ -354,10 +358,15 @@ void Communicator::Impl::run_on_device_stream(PendingCollective& p, OpStats& del
 std::exception_ptr Communicator::Impl::failure(const PendingCollective& p) {
   try {
     throw;
+  } catch (const CollectiveMismatch& e) {
+    return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: " + e.what() + " (rank " +
+                                             std::to_string(e.peer()) + " is global rank " +
+                                             std::to_string(global_rank(e.peer())) + ")"));
   } catch (const PeerError& e) {
-    return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: peer rank " +
-                                             std::to_string(e.peer()) + " (global rank " +
-                                             std::to_string(global_rank(e.peer())) + "): " + e.what()));
+    const std::string text = "fsdp: " + p.description + " failed: peer rank " + std::to_string(e.peer()) +
+                             " (global rank " + std::to_string(global_rank(e.peer())) + "): " + e.what();
+    if (e.timed_out()) return std::make_exception_ptr(TimeoutError(text));
+    return std::make_exception_ptr(DistError(text));
   } catch (const OrderMismatch& e) {
     return std::make_exception_ptr(DistError("fsdp: " + p.description + " failed: " + e.what()));
   } catch (const TimeoutError& e) {
@@ -400,12 +409,16 @@ std::shared_ptr<PendingCollective> Communicator::Impl::enqueue(CollectiveKind ki
     run_now(*p);
     return p;
   }
+  push(p);
+  return p;
+}
+
+void Communicator::Impl::push(const std::shared_ptr<PendingCollective>& p) {
   {
     std::lock_guard<std::mutex> lock(mu);
     queue.push_back(p);
   }
   cv.notify_all();
-  return p;
 }
 
 // A new pending collective with everything but its body: names, counters, tracer.
@@ -540,6 +553,18 @@ CommHandle Communicator::broadcast(at::Tensor tensor, int root, const std::strin
     count(s, c);
   };
   return CommHandle(impl_->enqueue(CollectiveKind::kBroadcast, tag, {tensor}, body));
+}
+
+void Communicator::verify_collectives(const std::string& tag) {
+  // Queued like a collective, so it lands at the same place in every rank's sequence; a
+  // transport that carries identities has checked each collective already.
+  if (!impl_->verifies()) return;
+  auto p = impl_->describe(CollectiveKind::kAllGather, tag, {});
+  p->verify = true;
+  p->description = "collective identity check '" + tag + "' on rank " + std::to_string(impl_->rank) + " of " +
+                   std::to_string(impl_->size) + " (group '" + impl_->options.name + "')";
+  impl_->push(p);
+  CommHandle(p).wait();
 }
 
 void Communicator::barrier(const std::string& tag) {

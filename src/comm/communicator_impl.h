@@ -28,6 +28,9 @@ struct CommunicatorOptions {
   // exchange times out. Both may be empty.
   std::function<void(const std::string& key, const std::string& value)> order_post;
   std::function<std::optional<std::string>(const std::string& key)> order_lookup;
+  // The identity check in the queue (transports that cannot carry identities, or
+  // FSDP_COLLECTIVE_IDS=queue): every how many collectives it runs by itself, 1 to 64.
+  int id_check_every = 64;
 };
 
 // A communicator over `transport`'s ranks. Throws ConfigError when options.global_ranks does not

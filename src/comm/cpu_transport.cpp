@@ -52,7 +52,7 @@ std::string connect_hops(c10d::Store& store, int rank, int size, bool in_shm, bo
   std::string error;
   if (in_shm) {
     try {
-      hops.in = ShmChannel::create("r" + std::to_string(rank), prev);
+      hops.in = ShmChannel::create("r" + std::to_string(rank), prev, rank);
       set_text(store, "shm/" + std::to_string(rank), "ok " + hops.in->name());
     } catch (const std::exception& e) {
       error = base::first_line(e);
@@ -67,7 +67,7 @@ std::string connect_hops(c10d::Store& store, int rank, int size, bool in_shm, bo
       if (error.empty()) error = "rank " + std::to_string(next) + " could not create its segment: " + posted.substr(6);
     } else {
       try {
-        hops.out = ShmChannel::open(posted.substr(3), next);
+        hops.out = ShmChannel::open(posted.substr(3), next, rank);
       } catch (const std::exception& e) {
         outcome = "error " + base::first_line(e);
         if (error.empty()) error = base::first_line(e);

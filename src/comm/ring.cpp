@@ -42,6 +42,31 @@ std::string describe(const std::exception& e) {
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
+// Gloo reports a wait past its timeout as an exception whose text says so.
+bool says_timed_out(const std::string& text) {
+  return text.find("Timed out") != std::string::npos || text.find("timed out") != std::string::npos;
+}
+
+// Note [Collective identity in the framing]
+// Ranks that issue different collectives (a rank skipped or repeated a backward) would otherwise
+// pair their bytes whatever the op and size: an 80-byte reduce-scatter on one rank meeting a
+// 384-byte all-gather on the other, the replicas diverging silently, or Gloo enforcing a size on
+// its own thread and aborting the process. So every collective's identity (CollectiveId: sequence
+// number, kind, dtype, payload bytes, tag) travels with its messages and is checked before a byte
+// of them is used:
+// - a shared-memory hop carries it in each slot (ShmChannel's `ids`), beside the slot's byte
+//   count; the receiver compares both with its own before it copies or adds;
+// - a Gloo hop gets one 128-byte message per collective before the data, sent to the next rank
+//   and, in a ring of more than two, to the previous one too, so both neighbours of a rank that
+//   went astray see it. Its size never varies, so it always pairs; data is posted only once the
+//   identities agree, so a message of the wrong size never reaches Gloo.
+// A mismatch throws CollectiveMismatch naming both sides; the rank then closes its shared-memory
+// hops with that text as the reason, so ranks further round the ring fail at once and say why.
+// The cost is a 128-byte copy per slot and, over Gloo, one small exchange per collective
+// (bench/results/compare.md). FSDP_COLLECTIVE_IDS=0 turns it off, for measuring that cost.
+// A transport that cannot carry them (NCCL) is checked in the communicator's queue instead: Note
+// [Identity check in the queue] in communicator.cpp.
+
 // Note [One schedule, any hop]
 // All four collectives are rings over the same two hops (to rank+1, from rank-1), whatever carries
 // them: reduce-scatter and all-gather as in Note [Ring schedule], all-reduce as a reduce-scatter
@@ -78,6 +103,7 @@ class RingTransport final : public Transport {
 
   void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) override {
     guarded([&] {
+      exchange_ids();
       const int64_t n = input.numel();
       auto mine = output.narrow(0, rank_ * n, n);
       if (mine.data_ptr() != input.data_ptr()) mine.copy_(input.view(-1));
@@ -87,6 +113,7 @@ class RingTransport final : public Transport {
 
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, TransferCount& count) override {
     guarded([&] {
+      exchange_ids();
       const int64_t n = output.numel();
       ring_reduce(input, n, count);
       output.copy_(input.narrow(0, rank_ * n, n));
@@ -96,6 +123,7 @@ class RingTransport final : public Transport {
 
   void all_reduce(const at::Tensor& tensor, ReduceOp op, TransferCount& count) override {
     guarded([&] {
+      exchange_ids();
       const int64_t numel = tensor.numel();
       const int64_t n = (numel + size_ - 1) / size_;
       const bool direct = tensor.is_contiguous() && n * size_ == numel;
@@ -110,6 +138,7 @@ class RingTransport final : public Transport {
 
   void broadcast(const at::Tensor& tensor, int root, TransferCount& count) override {
     guarded([&] {
+      exchange_ids();
       const uint64_t bytes = tensor.numel() * tensor.element_size();
       if (hops_.layout == RingHops::Layout::kGloo) {
         std::vector<at::Tensor> tensors{tensor};
@@ -130,13 +159,19 @@ class RingTransport final : public Transport {
 
   void barrier(TransferCount& count) override {
     if (hops_.layout == RingHops::Layout::kGloo) {
-      c10d::BarrierOptions opts;
-      opts.timeout = timeout_;
-      wait_work(pg_->barrier(opts), -1, "barrier");
+      guarded([&] {
+        exchange_ids();
+        c10d::BarrierOptions opts;
+        opts.timeout = timeout_;
+        wait_work(pg_->barrier(opts), -1, "barrier");
+      });
       return;
     }
     all_reduce(at::zeros({1}, at::kInt), ReduceOp::kSum, count);
   }
+
+  void begin(const CollectiveId& id) override { wire_ = WireId::of(id); }
+  bool carries_ids() const override { return ids_on_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -147,10 +182,61 @@ class RingTransport final : public Transport {
   void guarded(F&& body) {
     try {
       body();
-    } catch (...) {
-      if (hops_.in) hops_.in->close();
-      if (hops_.out) hops_.out->close();
+    } catch (const std::exception& e) {
+      close_hops("rank " + std::to_string(rank_) + " failed: " + describe(e));
       throw;
+    } catch (...) {
+      close_hops("");
+      throw;
+    }
+  }
+
+  void close_hops(const std::string& reason) {
+    if (hops_.in) hops_.in->close(reason);
+    if (hops_.out) hops_.out->close(reason);
+  }
+
+  // See Note [Collective identity in the framing]: the identity exchange over the Gloo hops.
+  void exchange_ids() {
+    if (!ids_on_ || size_ < 2) return;
+    const bool in_gloo = !hops_.in, out_gloo = !hops_.out;
+    if (!in_gloo && !out_gloo) return;
+    const int base = 0x40000000 | static_cast<int>((exchanges_++ & 0x07ffffff) << 1);
+    const auto bytes_of = [](WireId& w) {
+      return at::from_blob(&w, {static_cast<int64_t>(sizeof(WireId))}, at::TensorOptions().dtype(at::kByte));
+    };
+    id_out_ = wire_;
+    struct Recv {
+      int peer;
+      WireId* into;
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    std::vector<Recv> recvs;
+    std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> sends;
+    // Forward: this rank's id to the next rank; the previous rank's id from it.
+    if (in_gloo) recvs.push_back({prev(), &id_from_prev_, post(bytes_of(id_from_prev_), prev(), base, false)});
+    if (out_gloo) sends.emplace_back(next(), post(bytes_of(id_out_), next(), base, /*send=*/true));
+    // Backward, in a ring of more than two: to the previous rank, from the next.
+    if (size_ > 2 && out_gloo) {
+      recvs.push_back({next(), &id_from_next_, post(bytes_of(id_from_next_), next(), base + 1, false)});
+    }
+    if (size_ > 2 && in_gloo) sends.emplace_back(prev(), post(bytes_of(id_out_), prev(), base + 1, true));
+    // Every exchange completes before any comparison, so each neighbour has this rank's identity
+    // (and can name the mismatch itself) even when this rank fails next.
+    for (auto& r : recvs) wait_work(r.work, r.peer, "collective identity from");
+    for (auto& [peer, work] : sends) wait_work(work, peer, "collective identity to");
+    for (auto& r : recvs) {
+      if (!r.into->same_collective(wire_)) throw CollectiveMismatch(r.peer, mismatch_text(rank_, wire_, r.peer, *r.into));
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Work> post(const at::Tensor& t, int peer, int tag, bool send) {
+    std::vector<at::Tensor> v{t};
+    try {
+      return send ? pg_->send(v, peer, tag) : pg_->recv(v, peer, tag);
+    } catch (const std::exception& e) {
+      throw PeerError(peer, std::string(send ? "send to" : "receive from") + " rank " + std::to_string(peer) +
+                                " failed: " + describe(e));
     }
   }
 
@@ -200,7 +286,7 @@ class RingTransport final : public Transport {
     const auto* src = static_cast<const uint8_t*>(send.data_ptr());
     for (int64_t off = 0; off < send.numel(); off += piece) {
       const int64_t len = std::min(piece, send.numel() - off);
-      if (hops_.out) hops_.out->write(src + off * es, len * es, deadline);
+      if (hops_.out) hops_.out->write(src + off * es, len * es, wire_, deadline);
       if (hops_.in) receive_piece(recv, off, len, accumulate, deadline);
     }
     if (rw) {
@@ -217,7 +303,7 @@ class RingTransport final : public Transport {
     auto part = recv.narrow(0, off, len);
     if (hops_.out) hops_.out->set_sender_waiting_for(prev());
     hops_.in->read(
-        len * recv.element_size(),
+        len * recv.element_size(), wire_,
         [&](const void* data) {
           if (accumulate) {
             part.add_(at::from_blob(const_cast<void*>(data), {len}, recv.options()));
@@ -248,7 +334,7 @@ class RingTransport final : public Transport {
       }
       if (next() != root) {
         if (hops_.out) {
-          hops_.out->write(part.data_ptr(), bytes, deadline);
+          hops_.out->write(part.data_ptr(), bytes, wire_, deadline);
         } else {
           wait_work(post_send(part, next()), next(), "send to");
         }
@@ -308,22 +394,8 @@ class RingTransport final : public Transport {
   int tag() const { return static_cast<int>(seq_ & 0x3fffffff); }
   void next_tag() { ++seq_; }
 
-  c10::intrusive_ptr<c10d::Work> post_send(const at::Tensor& t, int to) {
-    std::vector<at::Tensor> v{t};
-    try {
-      return pg_->send(v, to, tag());
-    } catch (const std::exception& e) {
-      throw PeerError(to, "send to rank " + std::to_string(to) + " failed: " + describe(e));
-    }
-  }
-  c10::intrusive_ptr<c10d::Work> post_recv(const at::Tensor& t, int from) {
-    std::vector<at::Tensor> v{t};
-    try {
-      return pg_->recv(v, from, tag());
-    } catch (const std::exception& e) {
-      throw PeerError(from, "receive from rank " + std::to_string(from) + " failed: " + describe(e));
-    }
-  }
+  c10::intrusive_ptr<c10d::Work> post_send(const at::Tensor& t, int to) { return post(t, to, tag(), true); }
+  c10::intrusive_ptr<c10d::Work> post_recv(const at::Tensor& t, int from) { return post(t, from, tag(), false); }
 
   void gloo_exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf, TransferCount& count) {
     auto rw = post_recv(recv_buf, prev());
@@ -340,15 +412,16 @@ class RingTransport final : public Transport {
     try {
       ok = work->wait(timeout_);
     } catch (const std::exception& e) {
-      std::string msg =
-          std::string(what) + (peer >= 0 ? " rank " + std::to_string(peer) : "") + " failed: " + describe(e);
-      if (peer >= 0) throw PeerError(peer, msg);
+      const std::string text = describe(e);
+      std::string msg = std::string(what) + (peer >= 0 ? " rank " + std::to_string(peer) : "") + " failed: " + text;
+      if (peer >= 0) throw PeerError(peer, msg, says_timed_out(text));
+      if (says_timed_out(text)) throw TimeoutError(msg);
       throw DistError(msg);
     }
     if (!ok) {
       std::string msg = std::string(what) + (peer >= 0 ? " rank " + std::to_string(peer) : "") +
                         " did not complete within " + std::to_string(timeout_.count()) + " ms";
-      if (peer >= 0) throw PeerError(peer, msg);
+      if (peer >= 0) throw PeerError(peer, msg, /*timed_out=*/true);
       throw TimeoutError(msg);
     }
   }
@@ -359,6 +432,11 @@ class RingTransport final : public Transport {
   RingHops hops_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   uint64_t seq_ = 0;
+  // Note [Collective identity in the framing]
+  bool ids_on_ = collective_ids_enabled();
+  WireId wire_;  // the collective in progress
+  WireId id_out_, id_from_prev_, id_from_next_;  // the Gloo identity exchange's buffers
+  uint64_t exchanges_ = 0;
 };
 
 // One rank: every collective is a local copy.
@@ -379,6 +457,19 @@ class LocalTransport final : public Transport {
 };
 
 }  // namespace
+
+IdCheck collective_id_check() {
+  const char* v = std::getenv("FSDP_COLLECTIVE_IDS");
+  const std::string mode = v == nullptr ? "" : v;
+  if (mode.empty() || mode == "1") return IdCheck::kAuto;
+  if (mode == "queue") return IdCheck::kQueue;
+  if (mode == "0") return IdCheck::kOff;
+  throw ConfigError("fsdp: FSDP_COLLECTIVE_IDS must be 1 (the default: identities in the transport's framing), "
+                    "queue (checked in the communicator's queue) or 0 (off), got \"" +
+                    mode + "\"");
+}
+
+bool collective_ids_enabled() { return collective_id_check() == IdCheck::kAuto; }
 
 // Note [Flight recorder off]
 // c10d's flight recorder (on by default, 2000 entries) records every collective of every process

@@ -35,7 +35,10 @@ namespace fsdp {
 // counter's futex in short slices, between which it checks the deadline (the collective timeout),
 // the peer's `closed` flag (set when the peer's transport fails or is destroyed) and that the
 // peer's process still exists, so a dead peer is reported within a slice, a stopped one at the
-// deadline. The counters' release/acquire order publishes the slot's bytes.
+// deadline. The counters' release/acquire order publishes the slot's bytes. Each slot carries the
+// identity of the collective it belongs to (`ids`, Note [Collective identity in the framing] in
+// ring.cpp), checked by the receiver before it touches the bytes. A side that fails writes the
+// first line of its error into `reason` before setting `closed`, so the peer says why.
 struct ShmChannel::Header {
   uint64_t magic;
   int32_t receiver_pid;
@@ -44,11 +47,14 @@ struct ShmChannel::Header {
   alignas(64) std::atomic<uint32_t> consumed;
   alignas(64) std::atomic<uint32_t> closed;
   std::atomic<int32_t> sender_waiting_for;
+  WireId ids[kSlots];
+  std::atomic<uint32_t> reason_taken;
+  char reason[1024];
 };
 
 namespace {
 
-constexpr uint64_t kMagic = 0x6673647073686d31ULL;  // "fsdpshm1"
+constexpr uint64_t kMagic = 0x6673647073686d32ULL;  // "fsdpshm2"
 constexpr size_t kHeaderBytes = 4096;
 constexpr auto kSlice = std::chrono::milliseconds(5);
 
@@ -107,7 +113,8 @@ int remove_stale_shm_segments() {
   return removed;
 }
 
-std::unique_ptr<ShmChannel> ShmChannel::create(const std::string& tag, int peer) {
+std::unique_ptr<ShmChannel> ShmChannel::create(const std::string& tag, int peer, int self) {
+  static_assert(sizeof(Header) <= kHeaderBytes, "the channel header fits its page");
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
   std::ostringstream name;
@@ -132,10 +139,10 @@ std::unique_ptr<ShmChannel> ShmChannel::create(const std::string& tag, int peer)
   h->sender_pid.store(0);
   h->sender_waiting_for.store(-1);
   h->magic = kMagic;
-  return std::unique_ptr<ShmChannel>(new ShmChannel(n, peer, base, segment_bytes(), /*owner=*/true));
+  return std::unique_ptr<ShmChannel>(new ShmChannel(n, peer, self, base, segment_bytes(), /*owner=*/true));
 }
 
-std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name, int peer) {
+std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name, int peer, int self) {
   const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
     throw DistError("fsdp: cannot open shared-memory segment " + name + " of rank " + std::to_string(peer) + ": " +
@@ -150,18 +157,21 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name, int peer) 
     throw DistError("fsdp: shared-memory segment " + name + " of rank " + std::to_string(peer) +
                     " is not a channel of this version");
   }
-  auto channel = std::unique_ptr<ShmChannel>(new ShmChannel(name, peer, base, segment_bytes(), /*owner=*/false));
+  auto channel =
+      std::unique_ptr<ShmChannel>(new ShmChannel(name, peer, self, base, segment_bytes(), /*owner=*/false));
   channel->header_->sender_pid.store(::getpid());
   return channel;
 }
 
-ShmChannel::ShmChannel(std::string name, int peer, void* base, size_t size, bool owner)
+ShmChannel::ShmChannel(std::string name, int peer, int self, void* base, size_t size, bool owner)
     : name_(std::move(name)),
       peer_(peer),
+      self_(self),
       base_(base),
       size_(size),
       owner_(owner),
       linked_(owner),
+      ids_on_(collective_ids_enabled()),
       header_(static_cast<Header*>(base)) {}
 
 ShmChannel::~ShmChannel() {
@@ -178,7 +188,13 @@ void ShmChannel::unlink() {
 
 void ShmChannel::set_sender_waiting_for(int rank) { header_->sender_waiting_for.store(rank); }
 
-void ShmChannel::close() {
+void ShmChannel::close(const std::string& reason) {
+  // The first side to close with a reason writes it; `closed` (set after) publishes it.
+  if (!reason.empty() && header_->reason_taken.exchange(1) == 0) {
+    const size_t n = std::min(reason.size(), sizeof(header_->reason) - 1);
+    std::memcpy(header_->reason, reason.data(), n);
+    header_->reason[n] = '\0';
+  }
   header_->closed.store(1);
   futex_wake(header_->written);
   futex_wake(header_->consumed);
@@ -192,8 +208,13 @@ void ShmChannel::check_peer(const char* what) {
   const std::string side = std::string(what) + " rank " + std::to_string(peer_);
   if (header_->closed.load() != 0) {
     const int upstream = owner_ ? header_->sender_waiting_for.load() : -1;
+    std::string why;
+    if (header_->reason_taken.load() != 0) {
+      why = std::string(header_->reason, strnlen(header_->reason, sizeof(header_->reason)));
+    }
     throw PeerError(peer_, "shared-memory " + side + " failed: the channel was closed (the peer failed or exited" +
-                               (upstream >= 0 ? " while waiting for rank " + std::to_string(upstream) : "") + ")");
+                               (upstream >= 0 ? " while waiting for rank " + std::to_string(upstream) : "") + ")" +
+                               (why.empty() ? "" : ": " + why));
   }
   const pid_t pid = owner_ ? header_->sender_pid.load() : header_->receiver_pid;
   if (!process_exists(pid)) {
@@ -215,34 +236,52 @@ void ShmChannel::wait_until(const std::atomic<uint32_t>& word, const std::functi
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       const int upstream = owner_ ? header_->sender_waiting_for.load() : -1;
-      throw PeerError(peer_, std::string("shared-memory ") + what + " rank " + std::to_string(peer_) +
-                                 ": Timed out: the peer did not " + (owner_ ? "send" : "receive") +
-                                 " within the collective timeout" +
-                                 (upstream >= 0 ? "; it is itself waiting for rank " + std::to_string(upstream) +
-                                                      " (is that one stopped or stuck?)"
-                                                : " (is it stopped or stuck?)"));
+      throw PeerError(peer_,
+                      std::string("shared-memory ") + what + " rank " + std::to_string(peer_) +
+                          ": Timed out: the peer did not " + (owner_ ? "send" : "receive") +
+                          " within the collective timeout" +
+                          (upstream >= 0 ? "; it is itself waiting for rank " + std::to_string(upstream) +
+                                               " (is that one stopped or stuck?)"
+                                         : " (is it stopped or stuck?)"),
+                      /*timed_out=*/true);
     }
     futex_wait(word, seen, std::min<std::chrono::nanoseconds>(kSlice, deadline - now));
   }
 }
 
-void ShmChannel::write(const void* data, size_t bytes, std::chrono::steady_clock::time_point deadline) {
+void ShmChannel::write(const void* data, size_t bytes, const WireId& id,
+                       std::chrono::steady_clock::time_point deadline) {
+  if (bytes > kSlotBytes) {
+    throw DistError("fsdp: shared-memory send of " + std::to_string(bytes) + " bytes exceeds a slot (" +
+                    std::to_string(kSlotBytes) + ")");
+  }
   const uint32_t w = header_->written.load(std::memory_order_relaxed);
   wait_until(
       header_->consumed, [&] { return w - header_->consumed.load(std::memory_order_acquire) < kSlots; }, deadline,
       "send to");
   std::memcpy(slot(w), data, bytes);
+  WireId& carried = header_->ids[w % kSlots];
+  if (ids_on_) carried = id;
+  carried.piece = static_cast<uint32_t>(bytes);
   header_->written.store(w + 1, std::memory_order_release);
   futex_wake(header_->written);
 }
 
-void ShmChannel::read(size_t bytes, const std::function<void(const void* data)>& consume,
+void ShmChannel::read(size_t bytes, const WireId& expected, const std::function<void(const void* data)>& consume,
                       std::chrono::steady_clock::time_point deadline) {
   const uint32_t c = header_->consumed.load(std::memory_order_relaxed);
   wait_until(
       header_->written, [&] { return header_->written.load(std::memory_order_acquire) != c; }, deadline,
       "receive from");
-  (void)bytes;
+  // A copy: the peer's bytes are checked, then used, never trusted in place.
+  const WireId got = header_->ids[c % kSlots];
+  if (ids_on_ && !got.same_collective(expected)) throw CollectiveMismatch(peer_, mismatch_text(self_, expected, peer_, got));
+  if (got.piece != bytes) {
+    throw CollectiveMismatch(peer_, "shared-memory receive from rank " + std::to_string(peer_) + ": its slot of " +
+                                        expected.describe() + " holds " + std::to_string(got.piece) +
+                                        " bytes where this rank expects " + std::to_string(bytes) +
+                                        " (a corrupted or foreign channel)");
+  }
   consume(slot(c));
   header_->consumed.store(c + 1, std::memory_order_release);
   futex_wake(header_->consumed);

@@ -28,15 +28,58 @@ struct TransferCount {
   uint64_t received = 0;
 };
 
-// A transport failure that involves a known peer (a group rank).
+// A transport failure that involves a known peer (a group rank). `timed_out`: the peer did not
+// answer within the collective timeout (the communicator reports it as TimeoutError).
 class PeerError : public DistError {
  public:
-  PeerError(int peer, const std::string& what) : DistError(what), peer_(peer) {}
+  PeerError(int peer, const std::string& what, bool timed_out = false)
+      : DistError(what), peer_(peer), timed_out_(timed_out) {}
   int peer() const { return peer_; }
+  bool timed_out() const { return timed_out_; }
 
  private:
   int peer_;
+  bool timed_out_;
 };
+
+// What one collective is, as the ranks compare it (Note [Collective identity in the framing] in
+// ring.cpp): its sequence number on the communicator, kind, dtype, this rank's payload bytes and
+// tag. The communicator hands it to the transport before each collective.
+struct CollectiveId {
+  uint64_t seq = 0;
+  int kind = -1;  // CollectiveKind; -1 for the communicator's own exchanges
+  int dtype = -1;  // at::ScalarType; -1 for none
+  uint64_t bytes = 0;
+  std::string tag;
+  std::string describe() const;  // "reduce_scatter 'layers.0' (80 bytes of float) as collective #12"
+};
+
+// A collective identity as it travels: 128 bytes, the same layout on every rank. A tag longer
+// than `tag` is compared through its hash and length.
+struct WireId {
+  uint64_t seq = 0;
+  uint64_t bytes = 0;
+  uint64_t tag_hash = 0;
+  int32_t kind = -1;
+  int32_t dtype = -1;
+  uint32_t tag_len = 0;
+  uint32_t piece = 0;  // shared memory: the bytes in this slot
+  char tag[88] = {};
+
+  static WireId of(const CollectiveId& id);
+  bool same_collective(const WireId& other) const;
+  std::string describe() const;
+};
+static_assert(sizeof(WireId) == 128, "WireId travels as 128 bytes");
+
+// The previous rank's collective is not this rank's: no byte of it is used.
+class CollectiveMismatch : public PeerError {
+ public:
+  using PeerError::PeerError;
+};
+
+// "this rank (rank R) runs X but rank P runs Y ...", with the likely cause.
+std::string mismatch_text(int rank, const WireId& mine, int peer, const WireId& theirs);
 
 class Transport {
  public:
@@ -52,6 +95,11 @@ class Transport {
   virtual void all_reduce(const at::Tensor& tensor, ReduceOp op, TransferCount& count) = 0;
   virtual void broadcast(const at::Tensor& tensor, int root, TransferCount& count) = 0;
   virtual void barrier(TransferCount& count) = 0;
+
+  // The collective the next calls belong to. A transport whose messages carry it (the CPU ring)
+  // fails with CollectiveMismatch as soon as a peer's differs; the others ignore it.
+  virtual void begin(const CollectiveId& id) { (void)id; }
+  virtual bool carries_ids() const { return false; }
 };
 
 struct CpuTransportOptions {
@@ -67,6 +115,15 @@ struct CpuTransportOptions {
 };
 
 std::unique_ptr<Transport> make_local_transport();
+// How collective identities are checked (Note [Collective identity in the framing] in ring.cpp),
+// from FSDP_COLLECTIVE_IDS: unset or "1", in the framing of a transport that carries them and in
+// the communicator's queue for one that cannot (NCCL); "queue", in the queue on every transport
+// (the CPU ring then carries none: this is how the NCCL path is tested on CPU); "0", not at all
+// (to measure their cost). Anything else is a ConfigError.
+enum class IdCheck { kAuto, kQueue, kOff };
+IdCheck collective_id_check();
+// Whether the CPU ring carries identities in its framing: collective_id_check() == kAuto.
+bool collective_ids_enabled();
 // Turns c10d's flight recorder off (once, unless the user configured it): Note [Flight recorder
 // off] in ring.cpp. Call before making a c10d process group.
 void disable_flight_recorder_once();

@@ -292,6 +292,7 @@ void ShardedUnit::finalize_backward() {
     }
   }
   rs.pending_reduces.clear();
+  verify_collectives(rs);
   Tracer* t = tracer();
   for (ShardedUnit* unit : rs.units) {
     if (t != nullptr && unit->state_ == TrainingState::kPreBackward) {
@@ -305,6 +306,21 @@ void ShardedUnit::finalize_backward() {
   // The forward (and any recomputation in this backward) updated the buffers, each rank its way.
   if (rs.buffers_dirty || rs.recomputed) sync_buffers();
   rs.recomputed = false;
+}
+
+// Note [Identity check in the queue] (src/comm/id_check.cpp): on a transport whose messages cannot
+// carry a collective's identity, the ranks compare what they ran before any optimizer step; on
+// the CPU transports each collective was checked as it ran and this returns at once.
+void ShardedUnit::verify_collectives(RootState& rs) {
+  std::vector<Communicator*> groups;
+  for (ShardedUnit* unit : rs.units) {
+    for (auto& fp : unit->flat_params_) {
+      for (Communicator* g : {&fp->shard_group(), &fp->replicate_group()}) {
+        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+      }
+    }
+  }
+  for (Communicator* g : groups) g->verify_collectives("end of backward");
 }
 
 void ShardedUnit::collect_gradients() {

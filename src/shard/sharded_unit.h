@@ -134,6 +134,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::weak_ptr<torch::nn::Module> module() const { return module_; }
 
  private:
+  static void verify_collectives(RootState& rs);  // before any optimizer step: sharded_unit.cpp
   // unit_init.cpp
   void check_not_owned(const std::string& name, const at::Tensor& param) const;  // Note [Parameters already sharded]
   void record_owned();
