@@ -152,6 +152,9 @@ void ShardedUnit::pre_forward() {
                      "(fsdp::call(root, inputs)), and this module inside it");
   }
   if (is_root() && !recompute) {
+    for (ShardedUnit* unit : rs.units) {
+      for (auto& fp : unit->flat_params_) fp->unguard_grads();  // Note [Guarded gradients]
+    }
     rs.order.begin_step();
     choose_kept_masters();
     if (rs.buffers_dirty) sync_buffers();
@@ -298,6 +301,7 @@ void ShardedUnit::finalize_backward() {
       t->span("fsdp::backward", "compute", unit->backward_begin_, std::chrono::steady_clock::now(), unit->name());
     }
     unit->reshard();
+    for (auto& fp : unit->flat_params_) fp->guard_grads();  // Note [Guarded gradients] in param_data.h
     unit->reset_after_backward();
   }
   rs.callback_queued = false;
