@@ -137,8 +137,9 @@ void ShardedUnit::pre_forward() {
   if (root_ == nullptr) {
     if (nested_) {
       auto module = module_.lock();
-      throw UsageError("fsdp: sharded module " + (module ? module->name() : std::string("?")) +
-                       " ran before its root: the root's forward never ran through fsdp::call. A step starts "
+      throw UsageError("fsdp: sharded module '" + path_before_root() + "' (" +
+                       (module ? module->name() : std::string("?")) +
+                       ") ran before its root: the root's forward never ran through fsdp::call. A step starts "
                        "with fsdp::call(root, inputs) on the module fully_shard was applied to last");
     }
     lazy_init();
