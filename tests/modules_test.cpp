@@ -6,13 +6,18 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/pooling.h>
 
 #include <mutex>
 
+#include "base/file_io.h"
+#include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "support/ranks.h"
 
@@ -96,6 +101,122 @@ TEST(Containers, ShardedSequentialMatchesUnsharded) {
       ref_optim.zero_grad();
       EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5) << "step " << step;
     }
+  });
+}
+
+// A CNN of Sequential blocks (Conv2d, BatchNorm2d, ReLU, MaxPool2d), each block taken by
+// fsdp::Sharded as it is, and a Linear head.
+torch::nn::Sequential make_cnn() {
+  std::lock_guard<std::mutex> lock(g_seed_mutex);
+  at::manual_seed(9);
+  auto block = [](int64_t in, int64_t out) {
+    return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)),
+                                 torch::nn::BatchNorm2d(out), torch::nn::ReLU(),
+                                 torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
+  };
+  auto b0 = block(3, 5), b1 = block(5, 6);
+  torch::nn::Linear head(6 * 2 * 2, 4);
+  return torch::nn::Sequential(Sharded(b0), Sharded(b1), torch::nn::Flatten(), head);
+}
+
+// Sharded over each Sequential block on 2 ranks trains as the unsharded model (the same model
+// without fully_shard: a Sequential cannot hold a Sequential, and Sharded unsharded is a plain
+// forward): the same losses, parameters and BatchNorm running statistics, under the block's own
+// names ("0.0.weight", "0.1.running_mean"), in the module tree and in a checkpoint loaded into
+// an unsharded model. BatchNorm normalises over the
+// batch a rank sees, so here every rank trains on the whole batch, as the unsharded model does;
+// the reduce-scatter averages the ranks' (equal) gradients.
+TEST(Containers, ShardedSequentialCnnBlocksMatchUnsharded) {
+  const std::string dir = testing::temp_path("cnn-ckpt");
+  io::make_dirs(dir);
+  testing::run_threads(2, [&](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    auto ref = make_cnn();
+    auto net = make_cnn();
+    const std::vector<std::string> expect_names = {"0.0.weight", "0.0.bias",   "0.1.weight", "0.1.bias", "1.0.weight",
+                                                   "1.0.bias",   "1.1.weight", "1.1.bias",   "3.weight", "3.bias"};
+    EXPECT_EQ(net->named_parameters().keys(), expect_names);
+    const std::vector<std::string> expect_buffers = {"0.1.running_mean", "0.1.running_var", "0.1.num_batches_tracked",
+                                                     "1.1.running_mean", "1.1.running_var", "1.1.num_batches_tracked"};
+    EXPECT_EQ(net->named_buffers().keys(), expect_buffers);
+    for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
+    auto root = fully_shard(net, mesh);
+    auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::optim::SGD ref_optim(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    for (int step = 0; step < 4; ++step) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(40 + step);
+      auto x = at::randn({6, 3, 8, 8}, gen), y = at::randn({6, 4}, gen);
+      auto loss = at::mse_loss(fsdp::call(net, x), y);
+      loss.backward();
+      optim->step();
+      optim->zero_grad();
+      auto ref_loss = at::mse_loss(ref->forward(x), y);
+      ref_loss.backward();
+      ref_optim.step();
+      ref_optim.zero_grad();
+      EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-5) << "step " << step;
+    }
+    checkpoint::save(dir, "cnn", *root, nullptr, checkpoint::TrainState());
+    auto loaded = make_cnn();  // the initial values until loaded
+    checkpoint::load_unsharded(dir + "/cnn", *loaded);
+    for (const auto& p : ref->named_parameters()) {
+      const at::Tensor got = loaded->named_parameters()[p.key()];
+      EXPECT_TRUE(at::allclose(got, p.value(), 1e-5, 1e-6)) << p.key();
+    }
+    for (const auto& b : ref->named_buffers()) {
+      const at::Tensor got = loaded->named_buffers()[b.key()];
+      EXPECT_TRUE(at::allclose(got, b.value(), 1e-5, 1e-6)) << b.key();
+    }
+  });
+}
+
+// A module deriving from ModuleList with its own forward (ModuleList itself has none): Sharded
+// takes that forward.
+class StackImpl : public torch::nn::ModuleListImpl {
+ public:
+  StackImpl() {
+    push_back(torch::nn::Linear(6, 6));
+    push_back(torch::nn::Linear(6, 6));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    for (size_t i = 0; i < size(); ++i) h = at::tanh(ptr<torch::nn::LinearImpl>(i)->forward(h));
+    return h;
+  }
+};
+TORCH_MODULE(Stack);
+
+TEST(Containers, ShardedModuleListWithItsOwnForward) {
+  testing::run_threads(2, [](Dist& dist) {
+    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+    DeviceMesh mesh(d);
+    Stack ref, inner;
+    {
+      c10::NoGradGuard ng;
+      for (size_t i = 0; i < 2; ++i) {
+        for (auto* s : {&ref, &inner}) {
+          (*s)->ptr<torch::nn::LinearImpl>(i)->weight.copy_(at::linspace(-1, 1, 36).reshape({6, 6}) * (i + 1.0));
+          (*s)->ptr<torch::nn::LinearImpl>(i)->bias.fill_(0.1);
+        }
+      }
+    }
+    torch::nn::Linear head(6, 2);
+    {
+      c10::NoGradGuard ng;
+      head->weight.copy_(at::linspace(-0.5, 0.5, 12).reshape({2, 6}));
+      head->bias.fill_(0.2);
+    }
+    torch::nn::Sequential net{Sharded(inner), head};
+    torch::nn::Sequential ref_net(ref, head);  // the same head module
+    EXPECT_TRUE(net->named_parameters().contains("0.1.weight"));
+    for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
+    auto x = at::linspace(-2, 2, 12).reshape({2, 6});
+    const at::Tensor expect = ref_net->forward(x).detach();
+    auto root = fully_shard(net, mesh);
+    auto out = fsdp::call(net, x);
+    EXPECT_TRUE(at::allclose(out, expect, 1e-5, 1e-6));
+    out.sum().backward();
   });
 }
 

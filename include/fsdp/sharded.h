@@ -11,12 +11,16 @@
 //   auto loss = loss_fn(fsdp::call(net, x), y);
 //
 // Or rebuild an existing Sequential: net = fsdp::wrap_children<torch::nn::LinearImpl>(net).
-// A ModuleList needs no wrapper: your forward calls its blocks, as fsdp::call(list->ptr<Block>(i), h).
+// A torch::nn::Sequential block goes in as it is (Sharded(Sequential(Conv2d, BatchNorm2d, ReLU,
+// MaxPool2d)): Tensor -> Tensor); a ModuleList needs no wrapper: your forward calls its blocks, as
+// fsdp::call(list->ptr<Block>(i), h). A block whose forward cannot be deduced (a ModuleList or
+// ModuleDict itself, a template or overloaded forward) is a compile-time error saying so.
 // Unsharded (no fully_shard), Sharded<M> is a plain forward: the same model runs either way.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -47,11 +51,50 @@ class ShardedModuleBase : public torch::nn::Module {
 };
 }  // namespace detail
 
-template <typename M, typename Forward = decltype(&M::forward)>
-class ShardedImpl;
+namespace detail {
+template <typename M>
+inline constexpr bool always_false_module = false;
 
-// The block's forward must be one non-template, non-overloaded member (what AnyModule and
-// Sequential need of any child anyway); it may be declared in a base class of M.
+// The block's forward as a member-function pointer type, or void when it cannot be deduced:
+//  - a forward that is one non-template, non-overloaded member (it may be inherited), e.g. a
+//    user's module deriving from torch::nn::ModuleList or ModuleDict with its own forward;
+//  - else, for torch::nn::Sequential (or a module deriving from it without its own forward),
+//    SequentialImpl::forward<Tensor> on one Tensor: Tensor -> Tensor.
+template <typename M, typename = void>
+struct own_forward {
+  using type = void;
+};
+template <typename M>
+struct own_forward<M, std::void_t<decltype(&M::forward)>> {
+  using type = decltype(&M::forward);
+};
+template <typename M, typename Own = typename own_forward<M>::type>
+struct block_forward {
+  using type = Own;
+};
+template <typename M>
+struct block_forward<M, void> {
+  using type = std::conditional_t<std::is_base_of_v<torch::nn::SequentialImpl, M>,
+                                  at::Tensor (torch::nn::SequentialImpl::*)(const at::Tensor&), void>;
+};
+}  // namespace detail
+
+template <typename M, typename Forward = typename detail::block_forward<M>::type>
+class ShardedImpl : public detail::ShardedModuleBase {
+  static_assert(detail::always_false_module<M>,
+                "fsdp::Sharded: cannot deduce the block's forward. Sharded takes a block whose forward is one "
+                "non-template, non-overloaded member function (it may be inherited), or a torch::nn::Sequential "
+                "(run as Tensor -> Tensor). torch::nn::ModuleList and ModuleDict have no forward: shard the module "
+                "whose forward loops over them (fsdp::call on each block), or derive your own module from them and "
+                "give it a forward. For a template or overloaded forward, wrap the block in a small module with "
+                "one forward that calls it (docs/WRAPPING.md)");
+
+ public:
+  explicit ShardedImpl(std::shared_ptr<M> block) : ShardedModuleBase(block) {}
+  explicit ShardedImpl(const torch::nn::ModuleHolder<M>& block) : ShardedImpl(block.ptr()) {}
+  at::Tensor forward(const at::Tensor& x) { return x; }  // never compiled into a program: see the assert
+};
+
 template <typename M, typename C, typename R, typename... Args>
 class ShardedImpl<M, R (C::*)(Args...)> : public detail::ShardedModuleBase {
  public:

@@ -133,7 +133,32 @@ void FlatParam::use_unsharded_views() {
 void FlatParam::make_guards() {
   guard_info_ = std::make_shared<ParamGuardInfo>();
   guard_info_->module_type = config_.module_type;
-  for (auto& e : entries_) guards_.push_back(make_param_guard(e.param, guard_info_));
+  for (auto& e : entries_) {
+    guards_.push_back(make_param_guard(e.param, guard_info_, e.name));
+    if (config_.requires_grad) grad_guards_.push_back(make_param_guard(e.param, guard_info_, e.name, true));
+  }
+}
+
+void FlatParam::guard_grads() {
+  for (size_t i = 0; i < grad_guards_.size(); ++i) entries_[i].param.mutable_grad() = grad_guards_[i];
+  grads_guarded_ = !grad_guards_.empty();
+}
+
+void FlatParam::unguard_grads() {
+  if (!grads_guarded_) return;
+  if (grads_prepared_) {
+    point_grads_at_buffer();
+    return;
+  }
+  for (size_t i = 0; i < grad_guards_.size(); ++i) entries_[i].param.mutable_grad() = at::Tensor();
+  grads_guarded_ = false;
+}
+
+void FlatParam::point_grads_at_buffer() {
+  for (auto& e : entries_) {
+    e.param.mutable_grad() = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
+  }
+  grads_guarded_ = false;
 }
 
 void FlatParam::use_guards() {
@@ -228,23 +253,24 @@ void FlatParam::reshard() {
 
 void FlatParam::prepare_gradients() {
   finalize_grads();  // the buffer may still belong to the last step's reduce-scatter
-  if (!config_.requires_grad || grads_prepared_) return;
-  if (!unsharded_grad_.defined()) {
-    unsharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
-  } else {
-    set_storage_alive(unsharded_grad_, true);
-    unsharded_grad_.zero_();
+  if (!config_.requires_grad) return;
+  if (!grads_prepared_) {
+    if (!unsharded_grad_.defined()) {
+      unsharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
+    } else {
+      set_storage_alive(unsharded_grad_, true);
+      unsharded_grad_.zero_();
+    }
   }
-  for (auto& e : entries_) {
-    e.param.mutable_grad() = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
-  }
+  // Accumulating (no sync), the buffer is already there; .grad is guarded since the last backward.
+  if (!grads_prepared_ || grads_guarded_) point_grads_at_buffer();
   grads_prepared_ = true;
 }
 
 void FlatParam::reduce_scatter_grads() {
   if (!grads_prepared_ || reduce_issued_) return;
   // The buffer now belongs to the collective: detach the params' views from it.
-  for (auto& e : entries_) e.param.mutable_grad() = at::Tensor();
+  guard_grads();
   reduce_input_ = config_.reduce_dtype == unsharded_grad_.scalar_type() ? unsharded_grad_
                                                                         : unsharded_grad_.to(config_.reduce_dtype);
   if (shard_group_.size() == 1) {

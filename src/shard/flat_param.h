@@ -146,6 +146,11 @@ class FlatParam {
   // Collects a reduction still in flight first (see Note [Lazy gradient collection]).
   void prepare_gradients();
   bool gradients_prepared() const { return grads_prepared_; }
+  // Note [Guarded gradients] (param_data.h): after a backward the parameters' .grad are guards;
+  // unguard_grads(), at the root's next forward, points them back at the gradient buffer while
+  // gradients accumulate (no sync), else leaves them undefined.
+  void guard_grads();
+  void unguard_grads();
   // Issues the reduction of the gradient buffer (reduce-scatter over the shard group).
   void reduce_scatter_grads();
   // Waits for the reduction, all-reduces across replicas when hybrid, and adds the result to the
@@ -163,6 +168,7 @@ class FlatParam {
   void use_unsharded_views();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
+  void point_grads_at_buffer();
   // Offload hooks in the gather / reduce cycle (no-ops without offload).
   // Whether a state in `tier` is copied between host and device memory by the stager.
   bool crosses_to_device(OffloadTier tier) const;
@@ -198,10 +204,12 @@ class FlatParam {
   CommHandle reduce_handle_;
   bool reduce_issued_ = false;
   bool grads_prepared_ = false;
+  bool grads_guarded_ = false;  // the parameters' .grad are grad_guards_
 
   OffloadPlacement offload_;
   std::shared_ptr<ParamGuardInfo> guard_info_;
-  std::vector<at::Tensor> guards_;  // per entry
+  std::vector<at::Tensor> guards_;       // per entry
+  std::vector<at::Tensor> grad_guards_;  // per entry of a trainable flat param
   bool master_follows_state_ = false;
   at::Tensor working_;              // [shard] param_dtype on the compute device when the master follows the state
   offload::IoTicket pending_read_;  // read_ahead()'s read of the master

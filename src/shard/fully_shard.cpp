@@ -14,8 +14,11 @@ namespace fsdp {
 std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh& mesh,
                                         const FullyShardOptions& options) {
   if (!module) throw ConfigError("fsdp: fully_shard got a null module");
-  if (detail::unit_of(*module) != nullptr) {
-    throw ConfigError("fsdp: fully_shard was already applied to this module (" + module->name() + ")");
+  if (ShardedUnit* sharded = detail::unit_of(*module)) {
+    const std::string path = sharded->path_before_root();
+    throw ConfigError("fsdp: fully_shard was already applied to " +
+                      (path == "<root>" ? "this module (" + module->name() + ")" : "module '" + path + "'") +
+                      "; shard each module once");
   }
   auto unit = std::make_shared<ShardedUnit>(module, mesh, options);
   unit->build();

@@ -24,49 +24,114 @@ void rebind_param_data(const at::Tensor& param, const at::Tensor& data) {
 
 namespace {
 
-// A guard's storage holds no bytes; its DataPtr's context is the guard's ParamGuardInfo, which
-// is how the fallback tells a guard from another tensor and names the module.
+// A guard's storage holds no bytes; its DataPtr's context says what the guard stands for, which
+// is how the fallback tells a guard from another tensor and names the parameter and module.
 struct GuardContext {
   std::shared_ptr<ParamGuardInfo> info;
+  std::string param;  // its name in the unit
+  bool gradient = false;
 };
 
 void delete_guard_context(void* ctx) { delete static_cast<GuardContext*>(ctx); }
 
-const ParamGuardInfo* guard_info(const at::Tensor& t) {
+const GuardContext* guard_of(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return nullptr;
   const c10::DataPtr& ptr = t.storage().data_ptr();
   if (ptr.get_deleter() != &delete_guard_context) return nullptr;
-  return static_cast<GuardContext*>(ptr.get_context())->info.get();
+  return static_cast<GuardContext*>(ptr.get_context());
 }
 
-const ParamGuardInfo* find_guard(const torch::jit::Stack& stack) {
+// The parameter's path from the root once the root is known ("layers.0.fc.weight"), else its
+// name in its unit.
+std::string param_path(const GuardContext& g) {
+  const std::string& unit = g.info->unit;
+  return unit.empty() || unit == "<root>" ? g.param : unit + "." + g.param;
+}
+
+std::string module_of(const GuardContext& g) {
+  const std::string& type = g.info->module_type;
+  return g.info->unit.empty() ? type : "'" + g.info->unit + "' (" + type + ")";
+}
+
+// The guards among an operator's arguments: the first gradient guard, the first parameter guard
+// and whether that parameter's .grad is guarded (it was read after a backward).
+struct GuardsSeen {
+  const GuardContext* grad = nullptr;
+  const GuardContext* param = nullptr;
+  bool param_after_backward = false;
+};
+
+void see(const at::Tensor& t, GuardsSeen& seen) {
+  const GuardContext* g = guard_of(t);
+  if (g == nullptr) return;
+  if (g->gradient) {
+    if (seen.grad == nullptr) seen.grad = g;
+  } else if (seen.param == nullptr) {
+    seen.param = g;
+    seen.param_after_backward = is_gradient_guard(t.unsafeGetTensorImpl()->grad());
+  }
+}
+
+GuardsSeen guards_in(const torch::jit::Stack& stack) {
+  GuardsSeen seen;
   for (const auto& v : stack) {
     if (v.isTensor()) {
-      if (const auto* info = guard_info(v.toTensor())) return info;
+      see(v.toTensor(), seen);
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) {
-        if (const auto* info = guard_info(t)) return info;
-      }
+      for (const at::Tensor& t : v.toTensorVector()) see(t, seen);
     }
   }
-  return nullptr;
+  return seen;
 }
 
-[[noreturn]] void guarded_param_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const ParamGuardInfo* info = find_guard(*stack);
-  const std::string type = info ? info->module_type : "a sharded module";
-  const std::string unit = info && !info->unit.empty() ? "'" + info->unit + "' (" + type + ")" : type;
-  std::string msg = "fsdp: " + std::string(op.schema().name()) + " was given a parameter of sharded module " + unit +
-                    " while its parameters are not gathered: the module's forward ran outside fsdp::call. Run it as "
-                    "fsdp::call(module, args...)";
-  if (info && info->unit.empty()) {
+constexpr const char* kOptimizerAdvice =
+    "Build a torch::optim optimizer over the shards with fsdp::TorchOptimizer::make<torch::optim::Adam>(root, "
+    "options) (fsdp/torch_optim.h) or use fsdp::AdamW / fsdp::SGD, and clip with fsdp::clip_grad_norm(*root, "
+    "max_norm), not torch::nn::utils::clip_grad_norm_ (docs/WRAPPING.md)";
+
+std::string gradient_message(const std::string& op, const GuardContext& g) {
+  return "fsdp: " + op + " was given the .grad of parameter '" + param_path(g) + "' of sharded module " + module_of(g) +
+         ": a sharded model's gradients live in fsdp's gradient shards, not in its parameters' .grad, so a "
+         "torch::optim optimizer or gradient clipping over module->parameters() would train nothing. " +
+         kOptimizerAdvice;
+}
+
+std::string after_backward_message(const std::string& op, const GuardContext& g) {
+  return "fsdp: " + op + " was given parameter '" + param_path(g) + "' of sharded module " + module_of(g) +
+         " after backward, while its parameters are not gathered: a torch::optim optimizer or gradient clipping "
+         "over module->parameters() cannot step a sharded model. " +
+         kOptimizerAdvice + "; a forward runs as fsdp::call(module, args...)";
+}
+
+std::string parameter_message(const std::string& op, const GuardContext* g) {
+  std::string msg = "fsdp: " + op + " was given " + (g ? "parameter '" + param_path(*g) + "'" : "a parameter") +
+                    " of sharded module " + (g ? module_of(*g) : "?") +
+                    " while its parameters are not gathered: the module's forward ran outside fsdp::call. Run it "
+                    "as fsdp::call(module, args...)";
+  if (g && g->info->unit.empty()) {
     msg += "; the root never ran through fsdp::call either: a step starts with fsdp::call(root, inputs)";
   }
-  msg +=
-      "; a sharded block inside a torch::nn::Sequential, ModuleList or AnyModule, which call their children's "
-      "forward themselves, must be wrapped with fsdp::Sharded (docs/WRAPPING.md); outside forward and backward, "
-      "read parameters through the optimizer's shards or a checkpoint";
-  throw UsageError(msg);
+  return msg +
+         "; a sharded block inside a torch::nn::Sequential, ModuleList or AnyModule, which call their children's "
+         "forward themselves, must be wrapped with fsdp::Sharded (docs/WRAPPING.md); outside forward and backward, "
+         "read parameters through the optimizer's shards or a checkpoint, and build a torch::optim optimizer with "
+         "fsdp::TorchOptimizer::make(root, options), not over module->parameters()";
+}
+
+// What clearing a gradient does (Module::zero_grad, Optimizer::zero_grad): nothing to clear.
+bool is_noop_on_gradient(const std::string& op) {
+  return op == "aten::detach" || op == "aten::detach_" || op == "aten::zero_";
+}
+
+void guarded_param_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const GuardsSeen seen = guards_in(*stack);
+  const std::string name = op.schema().name();
+  if (seen.grad != nullptr && seen.param == nullptr && is_noop_on_gradient(name)) {
+    return;  // the stack holds `self`, which is also what these operators return
+  }
+  if (seen.grad != nullptr) throw UsageError(gradient_message(name, *seen.grad));
+  if (seen.param != nullptr && seen.param_after_backward) throw UsageError(after_backward_message(name, *seen.param));
+  throw UsageError(parameter_message(name, seen.param));
 }
 
 void register_guard_fallback() {
@@ -81,15 +146,21 @@ void register_guard_fallback() {
 
 }  // namespace
 
-at::Tensor make_param_guard(const at::Tensor& like, std::shared_ptr<ParamGuardInfo> info) {
+at::Tensor make_param_guard(const at::Tensor& like, std::shared_ptr<ParamGuardInfo> info, std::string param,
+                            bool gradient) {
   register_guard_fallback();
-  auto* ctx = new GuardContext{std::move(info)};
+  auto* ctx = new GuardContext{std::move(info), std::move(param), gradient};
   c10::DataPtr ptr(nullptr, ctx, &delete_guard_context, like.device());
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0, std::move(ptr), /*allocator=*/nullptr, /*resizable=*/false);
   const auto keys = like.key_set() | c10::DispatchKeySet(c10::DispatchKey::DeferredInit);
   at::Tensor guard = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, like.dtype());
   guard.unsafeGetTensorImpl()->set_sizes_contiguous(like.sizes());
   return guard;
+}
+
+bool is_gradient_guard(const at::Tensor& t) {
+  const GuardContext* g = guard_of(t);
+  return g != nullptr && g->gradient;
 }
 
 void point_param_at(const at::Tensor& param, const at::Tensor& data) {

@@ -23,13 +23,29 @@ void rebind_param_data(const at::Tensor& param, const at::Tensor& data);
 // forward run outside fsdp::call, a stock container calling a sharded child, printing a
 // parameter) reaches the fallback before any kernel, and it throws UsageError naming the module.
 // Metadata (sizes, dtype, device, requires_grad) reads no data and stays available.
+//
+// Note [Guarded gradients]
+// A sharded model's gradients live in fsdp's gradient shards; a parameter's .grad is a view of
+// the unit's gradient buffer only during its backward. From the end of a backward until the
+// root's next forward every trainable parameter's .grad is a guard of the same kind, so that a
+// torch::optim optimizer or torch::nn::utils::clip_grad_norm_ over module->parameters(), which
+// would otherwise see no gradient and silently do nothing, fails on its first read of a gradient
+// with UsageError pointing to fsdp::TorchOptimizer::make and fsdp::clip_grad_norm. detach,
+// detach_ and zero_ of a guarded gradient (what Module::zero_grad and Optimizer::zero_grad do)
+// are no-ops: the gradient they would clear is not there. fsdp's pre_backward points .grad back
+// at the gradient buffer before AccumulateGrad adds into it.
 struct ParamGuardInfo {
   std::string unit;         // the unit's name once the root is known ("" before its lazy init)
   std::string module_type;  // e.g. "torch::nn::LinearImpl"
 };
 
-// A guard shaped like `like` (the parameter's gathered view).
-at::Tensor make_param_guard(const at::Tensor& like, std::shared_ptr<ParamGuardInfo> info);
+// A guard shaped like `like` (the parameter's gathered view) for parameter `param` (its name in
+// the unit); `gradient`: it stands in for the parameter's .grad (Note [Guarded gradients]).
+at::Tensor make_param_guard(const at::Tensor& like, std::shared_ptr<ParamGuardInfo> info, std::string param,
+                            bool gradient = false);
+
+// Whether `t` is a guard of a parameter's .grad.
+bool is_gradient_guard(const at::Tensor& t);
 
 // Points `param` at `data` (a guard or a view of the gathered buffer) without dispatching.
 void point_param_at(const at::Tensor& param, const at::Tensor& data);

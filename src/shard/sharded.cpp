@@ -5,6 +5,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "fsdp/errors.h"
+#include "shard/sharded_unit.h"
 
 namespace fsdp {
 namespace detail {
@@ -37,7 +38,10 @@ void check_container(const torch::nn::Module& module) {
   for (const auto& child : seq->named_children()) {
     if (unit_of(*child.value()) == nullptr) continue;
     if (dynamic_cast<const ShardedModuleBase*>(child.value().get()) != nullptr) continue;
-    throw UsageError("fsdp: Sequential child '" + child.key() + "' (" + child.value()->name() +
+    const ShardedUnit* unit = unit_of(module);
+    const std::string seq_path = unit ? unit->path_before_root() : "<root>";
+    const std::string path = seq_path == "<root>" ? child.key() : seq_path + "." + child.key();
+    throw UsageError("fsdp: Sequential child '" + path + "' (" + child.value()->name() +
                      ") is sharded, but a torch::nn::Sequential calls its children's forward itself, past their "
                      "units; build it with fsdp::Sharded(block) (or net = fsdp::wrap_children<Block>(net)) before "
                      "sharding: docs/WRAPPING.md");

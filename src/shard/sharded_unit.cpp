@@ -137,8 +137,9 @@ void ShardedUnit::pre_forward() {
   if (root_ == nullptr) {
     if (nested_) {
       auto module = module_.lock();
-      throw UsageError("fsdp: sharded module " + (module ? module->name() : std::string("?")) +
-                       " ran before its root: the root's forward never ran through fsdp::call. A step starts "
+      throw UsageError("fsdp: sharded module '" + path_before_root() + "' (" +
+                       (module ? module->name() : std::string("?")) +
+                       ") ran before its root: the root's forward never ran through fsdp::call. A step starts "
                        "with fsdp::call(root, inputs) on the module fully_shard was applied to last");
     }
     lazy_init();
@@ -152,6 +153,9 @@ void ShardedUnit::pre_forward() {
                      "(fsdp::call(root, inputs)), and this module inside it");
   }
   if (is_root() && !recompute) {
+    for (ShardedUnit* unit : rs.units) {
+      for (auto& fp : unit->flat_params_) fp->unguard_grads();  // Note [Guarded gradients]
+    }
     rs.order.begin_step();
     choose_kept_masters();
     if (rs.buffers_dirty) sync_buffers();
@@ -299,6 +303,7 @@ void ShardedUnit::finalize_backward() {
       t->span("fsdp::backward", "compute", unit->backward_begin_, std::chrono::steady_clock::now(), unit->name());
     }
     unit->reshard();
+    for (auto& fp : unit->flat_params_) fp->guard_grads();  // Note [Guarded gradients] in param_data.h
     unit->reset_after_backward();
   }
   rs.callback_queued = false;

@@ -90,7 +90,15 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   bool is_root() const { return root_ == this; }
   // A unit a larger unit was applied over (its parent, sharded after it): only a root's forward
   // may start a step, so running it before its root is refused.
-  void mark_nested() { nested_ = true; }
+  // `enclosing`: the unit applied over it; `path`: this unit's module path in that unit's module.
+  void mark_nested(std::weak_ptr<ShardedUnit> enclosing, std::string path) {
+    nested_ = true;
+    enclosing_ = std::move(enclosing);
+    path_in_enclosing_ = std::move(path);
+  }
+  // The module's path from the outermost sharded module around it ("layers.0"; "<root>" for that
+  // module itself): name() before the root's lazy init, for errors.
+  std::string path_before_root() const;
   ShardedUnit* root() { return root_; }
   RootState& root_state() { return *root_->root_state_; }
   // Makes this unit the root of every unit in its module tree (names, inherited options, offload
@@ -135,6 +143,17 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
  private:
   static void verify_collectives(RootState& rs);  // before any optimizer step: sharded_unit.cpp
+  // tied_params.cpp: Note [Tied parameters across units]
+  struct TiedParam {
+    std::string name;                  // in this unit's module
+    std::weak_ptr<ShardedUnit> owner;  // the unit that holds it
+    std::string owner_name;            // in the owner's module
+  };
+  // Whether `param` (named `name` here) is tied to a parameter another unit holds: either a unit
+  // nested in this one (`nested_owner`, else null) or one sharded earlier beside this one; then
+  // it is recorded in tied_ (and left out of this unit) for the root's lazy init to refuse.
+  bool record_tie(const std::string& name, const at::Tensor& param, ShardedUnit* nested_owner);
+  void check_no_ties() const;  // root only, first in lazy_init
   // unit_init.cpp
   void check_not_owned(const std::string& name, const at::Tensor& param) const;  // Note [Parameters already sharded]
   void record_owned();
@@ -184,6 +203,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
   std::string prefix_;
   bool nested_ = false;
+  std::weak_ptr<ShardedUnit> enclosing_;
+  std::string path_in_enclosing_;
+  std::vector<TiedParam> tied_;
   ShardedUnit* root_ = nullptr;
   std::unique_ptr<RootState> root_state_;
   TrainingState state_ = TrainingState::kIdle;

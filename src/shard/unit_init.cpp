@@ -49,20 +49,32 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
-// Parameters owned by units nested under `module` (not counting `module`'s own unit).
-void collect_nested_params(const torch::nn::Module& module, std::unordered_set<const void*>& out, bool top) {
+// Parameters owned by units nested under `module` (not counting `module`'s own unit), with the
+// unit that owns each; each nested unit learns the unit applied over it and its path there.
+using NestedOwners = std::unordered_map<const void*, ShardedUnit*>;
+void collect_nested_params(const torch::nn::Module& module, const std::string& path,
+                           const std::weak_ptr<ShardedUnit>& enclosing, NestedOwners& out, bool top) {
   if (!top) {
     if (ShardedUnit* unit = detail::unit_of(module)) {
-      unit->mark_nested();
+      unit->mark_nested(enclosing, path);
       for (auto& fp : unit->flat_params()) {
-        for (auto& e : fp->entries()) out.insert(e.param.unsafeGetTensorImpl());
+        for (auto& e : fp->entries()) out[e.param.unsafeGetTensorImpl()] = unit;
       }
       return;
     }
   }
   for (const auto& child : module.named_children()) {
-    if (child.key() != kAnchorName) collect_nested_params(*child.value(), out, false);
+    if (child.key() == kAnchorName) continue;
+    collect_nested_params(*child.value(), path.empty() ? child.key() : path + "." + child.key(), enclosing, out, false);
   }
+}
+
+// `inner`'s path in `outer`'s module tree ("" for outer itself), if it is there.
+std::optional<std::string> path_in(const torch::nn::Module& outer, const torch::nn::Module* inner) {
+  for (const auto& item : outer.named_modules("", /*include_self=*/true)) {
+    if (item.value().get() == inner) return item.key();
+  }
+  return std::nullopt;
 }
 
 struct Found {
@@ -91,12 +103,7 @@ void collect_own_params(const torch::nn::Module& module, const std::string& pref
   }
 }
 
-void check_param(const Found& f, const std::unordered_set<const void*>& nested) {
-  if (nested.count(f.param.unsafeGetTensorImpl())) {
-    throw ConfigError("fsdp: parameter '" + f.name +
-                      "' is shared with a nested unit; tied parameters must "
-                      "belong to one unit: shard their common ancestor instead of each user");
-  }
+void check_param(const Found& f) {
   if (!f.param.is_floating_point()) {
     throw ConfigError("fsdp: parameter '" + f.name + "' has dtype " +
                       std::string(c10::toString(f.param.scalar_type())) +
@@ -246,8 +253,8 @@ void ShardedUnit::build() {
 // One flat param per (dtype, requires_grad, optimizer group) of the unit's own parameters, in
 // first-seen order.
 void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
-  std::unordered_set<const void*> nested;
-  collect_nested_params(module, nested, /*top=*/true);
+  NestedOwners nested;
+  collect_nested_params(module, "", weak_from_this(), nested, /*top=*/true);
   std::vector<Found> found;
   std::unordered_map<const void*, size_t> index;
   collect_own_params(module, "", /*top=*/true, found, index);
@@ -257,8 +264,10 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   std::vector<FlatParamConfig> configs;
   const auto& mp = options_.mp_policy;
   for (auto& f : found) {
+    const auto owner = nested.find(f.param.unsafeGetTensorImpl());
+    if (record_tie(f.name, f.param, owner == nested.end() ? nullptr : owner->second)) continue;
     check_not_owned(f.name, f.param);
-    check_param(f, nested);
+    check_param(f);
     const int group = options_.param_group(f.name, f.param);
     const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group);
     auto it = slot.find(key);
@@ -316,19 +325,48 @@ std::unordered_map<const void*, std::weak_ptr<ShardedUnit>>& owned_params() {
   static auto* owned = new std::unordered_map<const void*, std::weak_ptr<ShardedUnit>>();
   return *owned;
 }
-}  // namespace
 
-void ShardedUnit::check_not_owned(const std::string& name, const at::Tensor& param) const {
+std::shared_ptr<ShardedUnit> owner_of(const at::Tensor& param) {
   std::lock_guard<std::mutex> lock(owned_mutex);
   auto it = owned_params().find(param.unsafeGetTensorImpl());
-  if (it == owned_params().end()) return;
-  auto owner = it->second.lock();
+  return it == owned_params().end() ? nullptr : it->second.lock();
+}
+}  // namespace
+
+// A parameter that another unit holds is tied across units when that unit is nested in this one
+// or sits beside it (its module does not contain this one); contained, this module is a child
+// sharded after its parent, which check_not_owned refuses.
+bool ShardedUnit::record_tie(const std::string& name, const at::Tensor& param, ShardedUnit* nested_owner) {
+  std::shared_ptr<ShardedUnit> owner = nested_owner ? nested_owner->shared_from_this() : owner_of(param);
+  if (!owner) return false;
+  if (nested_owner == nullptr) {
+    auto owner_module = owner->module_.lock();
+    if (!owner_module || path_in(*owner_module, module_.lock().get())) return false;
+  }
+  std::string owner_name = "?";
+  for (auto& fp : owner->flat_params_) {
+    for (const auto& e : fp->entries()) {
+      if (e.param.is_same(param)) owner_name = e.name;
+    }
+  }
+  tied_.push_back({name, owner, owner_name});
+  return true;
+}
+
+void ShardedUnit::check_not_owned(const std::string& name, const at::Tensor& param) const {
+  auto owner = owner_of(param);
   if (!owner) return;
   auto owner_module = owner->module().lock();
   auto module = module_.lock();
-  throw ConfigError("fsdp: cannot shard module " + module->name() + ": its parameter '" + name +
-                    "' already belongs to the sharded unit of " +
-                    (owner_module ? owner_module->name() : std::string("another module")) +
+  const auto path = owner_module ? path_in(*owner_module, module.get()) : std::nullopt;
+  // Paths from the outermost sharded module: the owner's, then this module's in the owner.
+  const std::string owner_path = owner->path_before_root();
+  const bool outermost = owner_path == "<root>";
+  const std::string here = !path ? "" : outermost ? *path : owner_path + (path->empty() ? "" : "." + *path);
+  const std::string param_path = here.empty() ? name : here + "." + name;
+  throw ConfigError("fsdp: cannot shard " + (here.empty() ? std::string("this module") : "'" + here + "'") +
+                    ": its parameter '" + param_path + "' already belongs to the unit of " +
+                    (outermost ? std::string("a module around it") : "'" + owner_path + "'") +
                     ", which was sharded first. Shard bottom-up: the blocks first, their parents after them, the "
                     "root last");
 }
@@ -364,6 +402,7 @@ std::vector<ShardedUnit*> ShardedUnit::subtree_units() const {
 
 void ShardedUnit::lazy_init() {
   if (root_ == this) return;
+  check_no_ties();
   auto module = module_.lock();
   root_state_ = std::make_unique<RootState>();
   root_ = this;
