@@ -3,7 +3,9 @@
 // and F32 sources; one file or an index over several), each rank reads only its own byte ranges
 // (the ranks' reads add up to the files' size once), a tied lm_head may be absent, and every bad
 // directory (missing, unexpected, mis-shaped or mistyped tensors, truncated or malformed files, no
-// weights at all) is refused on every rank naming the file and the tensor.
+// weights at all) is refused on every rank naming the file and the tensor. A tensor allowed to grow
+// (Note [Grown rows]) keeps the source's rows and gets their mean in the added ones on any world
+// size and strategy, and import_unsharded reads the same directories into an ordinary module.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -233,6 +235,108 @@ TEST(Import, BadDirectoriesAreRefusedNamingFileAndTensor) {
     const std::string msg = import_error(c, k.dir);
     for (const auto& s : k.must_contain) EXPECT_NE(msg.find(s), std::string::npos) << k.what << ": " << msg;
   }
+}
+
+// Note [Grown rows]: `src`'s tensors with the embedding (and the untied LM head) grown to `rows`
+// rows, each added row the mean of the source's rows (in fp64, as import does).
+Named grown(const Named& src, int64_t rows) {
+  Named out;
+  for (const auto& [n, t] : src) {
+    if (n != "model.embed_tokens.weight" && n != "lm_head.weight") {
+      out.emplace_back(n, t);
+      continue;
+    }
+    const at::Tensor f = t.to(at::kDouble);
+    const at::Tensor mean = f.mean(0, /*keepdim=*/true).expand({rows - t.size(0), t.size(1)});
+    out.emplace_back(n, at::cat({f, mean}).to(at::kFloat));
+  }
+  return out;
+}
+
+TEST(Import, GrownRowsKeepTheSourceRowsAndTakeTheirMeanOnAnyWorldSizeAndStrategy) {
+  struct Case {
+    int ranks;
+    ShardingStrategy strategy;
+  };
+  for (bool tied : {false, true}) {
+    auto src_config = tiny(tied), model_config = tiny(tied);
+    model_config.vocab_size = 64;  // 14 rows more than the source's 50
+    const Named src = reference(src_config, at::kBFloat16);
+    const Named want = grown(src, 64);
+    const std::string dir = write_dir("import-grow", src, 2);
+    // 3 ranks split rows mid-way; NO_SHARD's replicas must not count the source rows twice.
+    for (const Case k : {Case{1, ShardingStrategy::kFullShard}, Case{2, ShardingStrategy::kFullShard},
+                         Case{3, ShardingStrategy::kFullShard}, Case{2, ShardingStrategy::kNoShard}}) {
+      testing::run_threads(k.ranks, [&](Dist& dist) {
+        std::shared_ptr<Dist> d(&dist, [](Dist*) {});
+        DeviceMesh mesh(d);
+        llama::LlamaForCausalLM model(model_config, at::kMeta);
+        auto opts = FullyShardOptions().strategy(k.strategy).init(init::constant(0.0));
+        for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
+        auto root = fully_shard(model, mesh, opts);
+        const auto report = checkpoint::import_weights(
+            dir, *root, checkpoint::ImportOptions().grow_rows({"model.embed_tokens.weight", "lm_head.weight"}));
+        std::vector<std::string> expect = {"model.embed_tokens.weight: 50 -> 64 rows"};
+        if (!tied) expect.push_back("lm_head.weight: 50 -> 64 rows");
+        EXPECT_EQ(report.grown, expect);
+        expect_shards_equal(*root, want, dist.rank());
+      });
+    }
+  }
+}
+
+TEST(Import, GrowingIsOnlyForTheNamedTensorsAndNeverShrinks) {
+  auto small = tiny(false), big = tiny(false);
+  big.vocab_size = 64;
+  const std::string from_small = write_dir("import-small", reference(small, at::kBFloat16), 1);
+  // Without grow_rows the larger model is refused as before.
+  EXPECT_NE(import_error(big, from_small)
+                .find("tensor 'model.embed_tokens.weight' has shape [50, 16] but the "
+                      "model's has shape [64, 16]"),
+            std::string::npos);
+  // A source with more rows than the model: refused, even for a tensor that may grow.
+  const std::string from_big = write_dir("import-big", reference(big, at::kBFloat16), 1);
+  std::string message;
+  auto dist = Dist::single();
+  DeviceMesh mesh(dist);
+  auto m = sharded(small, mesh);
+  try {
+    checkpoint::import_weights(from_big, *m.root,
+                               checkpoint::ImportOptions().grow_rows({"model.embed_tokens.weight", "lm_head.weight"}));
+  } catch (const CheckpointError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("'lm_head.weight' has shape [64, 16] but the model's has shape [50, 16]: its rows can grow "
+                         "(a larger vocabulary), not shrink"),
+            std::string::npos)
+      << message;
+}
+
+TEST(Import, UnshardedModuleFromAHuggingFaceDirectory) {
+  for (bool tied : {false, true}) {
+    const auto c = tiny(tied);
+    const Named ref = reference(c, at::kBFloat16);
+    const std::string dir = write_dir("import-unsharded", ref, 2);
+    llama::LlamaForCausalLM model(c, at::kCPU);
+    const auto report = checkpoint::import_unsharded(dir, *model);
+    EXPECT_EQ(report.tensors, static_cast<int64_t>(ref.size()));
+    EXPECT_EQ(report.bytes_read, report.total_bytes);
+    const auto params = model->named_parameters();
+    for (const auto& [name, t] : ref) EXPECT_TRUE(at::equal(params[name], t.to(at::kFloat))) << name;
+    EXPECT_EQ(model->lm_head->weight.data_ptr() == model->model->embed_tokens->weight.data_ptr(), tied);
+  }
+  // A bad directory is refused naming the tensor, and the module keeps its values.
+  const auto c = tiny(false);
+  llama::LlamaForCausalLM model(c, at::kCPU);
+  const at::Tensor before = model->lm_head->weight.clone();
+  const std::string dir = write_dir("import-unsharded-bad", without(reference(c, at::kBFloat16), "lm_head.weight"), 1);
+  try {
+    checkpoint::import_unsharded(dir, *model);
+    ADD_FAILURE() << "accepted a directory without lm_head.weight";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing tensor 'lm_head.weight'"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(at::equal(model->lm_head->weight, before));
 }
 
 }  // namespace

@@ -214,6 +214,8 @@ TEST(TrainFlags, ParsesEveryFlagInBothForms) {
   EXPECT_TRUE(flags_of({"--help"}).help);
   EXPECT_FALSE(f.init_only);
   EXPECT_TRUE(flags_of({"--init-only"}).init_only);
+  EXPECT_FALSE(f.allow_schedule_change);
+  EXPECT_TRUE(flags_of({"--allow-schedule-change"}).allow_schedule_change);
 }
 
 TEST(TrainFlags, BadFlagsAreRejectedNamingThem) {
@@ -236,6 +238,8 @@ TEST(TrainFlags, BadFlagsAreRejectedNamingThem) {
   EXPECT_NE(usage_error({"--set", "optim.lr"}).find("expects KEY=VALUE"), std::string::npos);
   EXPECT_NE(usage_error({"--set", "=1"}).find("expects KEY=VALUE"), std::string::npos);
   EXPECT_NE(usage_error({"--init-only=1"}).find("--init-only takes no value"), std::string::npos);
+  EXPECT_NE(usage_error({"--allow-schedule-change=yes"}).find("--allow-schedule-change takes no value"),
+            std::string::npos);
   EXPECT_NE(usage_error({"--resume", "latest"}).find("--resume latest needs --save-dir"), std::string::npos);
   EXPECT_NE(usage_error({"--help=yes"}).find("--help takes no value"), std::string::npos);
 }

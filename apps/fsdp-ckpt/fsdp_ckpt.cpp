@@ -4,10 +4,12 @@
 //   fsdp-ckpt info DIR             tensors per file set, totals, the train state
 //   fsdp-ckpt verify DIR           every check there is (Note [What verify checks]); "ok: ..."
 //   fsdp-ckpt diff [opts] A B      equal training state? (Note [What diff compares])
-//   fsdp-ckpt export [--dtype T] DIR OUT
+//   fsdp-ckpt export [--dtype T] [--tokenizer-dir D] DIR OUT
 //                                  a Hugging Face directory of the model's family, in dtype T
-//                                  (Note [Hugging Face config])
-//   fsdp-ckpt logits DIR TOK OUT   logits of the unsharded model for int64 tokens (.npy in and out)
+//                                  (Note [Hugging Face config]), with the tokenizer files
+//                                  (Note [Tokenizer files])
+//   fsdp-ckpt logits DIR TOK OUT   logits of the unsharded model for int64 tokens (.npy in and out);
+//                                  DIR may also be a Hugging Face model directory
 //
 // DIR is a checkpoint directory or a save root whose `latest` names one. Exit status: 0 success,
 // 1 a failed verify, a difference or an error, 2 bad usage (and, for diff, an unreadable
@@ -29,13 +31,18 @@ constexpr const char* kUsage =
     "                            exit 0 when A and B hold the same tensors (byte for byte) and train state\n"
     "                            (rng_states never compared; --ignore-world: nor world_size, strategy);\n"
     "                            shows the first N differences per file set and of train_state (default 20)\n"
-    "  export [--dtype bfloat16|float16|float32] DIR OUT\n"
+    "  export [--dtype bfloat16|float16|float32] [--tokenizer-dir DIR] DIR OUT\n"
     "                            write a Hugging Face directory of the model's family (LlamaForCausalLM,\n"
     "                            Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM: config.json,\n"
     "                            model.safetensors, model.safetensors.index.json) into a new directory OUT,\n"
-    "                            in --dtype (default: the dtype the model was imported in, else float32)\n"
+    "                            in --dtype (default: the dtype the model was imported in, else float32),\n"
+    "                            with tokenizer.json, tokenizer_config.json, special_tokens_map.json and\n"
+    "                            generation_config.json copied from --tokenizer-dir, else from the run's\n"
+    "                            --init-from directory (a file it lacks is skipped with a note)\n"
     "  logits DIR TOKENS.npy OUT.npy\n"
-    "                            run the unsharded model on int64 tokens [B, T]; write float32 logits\n"
+    "                            run the unsharded model on int64 tokens [B, T]; write float32 logits.\n"
+    "                            DIR may also be a Hugging Face model directory (config.json and\n"
+    "                            safetensors, as fsdp-train --init-from reads it)\n"
     "DIR: a checkpoint directory, or a save root whose 'latest' names one.\n"
     "Exit status: 0 ok, 1 problems found / differences / errors, 2 usage errors (diff: also unreadable input).\n";
 

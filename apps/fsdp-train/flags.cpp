@@ -74,7 +74,7 @@ void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
 const char* usage_text() {
   return "usage: fsdp-train [--config FILE] [--set KEY=VALUE]... [--steps N] [--seed N] [--data FILE]\n"
          "                  [--save-dir DIR] [--resume latest|DIR] [--metrics FILE] [--trace FILE] [--init-only]\n"
-         "                  [--init-from HF_DIR]\n"
+         "                  [--init-from HF_DIR] [--allow-schedule-change]\n"
          "                  [--help]\n"
          "\n"
          "Trains a Llama-style decoder with fully-sharded data parallelism. Launch one process per rank,\n"
@@ -88,7 +88,11 @@ const char* usage_text() {
          "  --data FILE         train on FILE: .bin = uint16 tokens (nanoGPT / llm.c), else raw bytes\n"
          "  --save-dir DIR      save checkpoints into DIR (every train.save_every steps and at the end)\n"
          "  --resume WHICH      'latest' (the newest in --save-dir; none yet: start at step 0) or a\n"
-         "                      checkpoint directory\n"
+         "                      checkpoint directory; a change of train.steps, the lr schedule or the\n"
+         "                      global batch against the saved run is printed with its effect\n"
+         "  --allow-schedule-change\n"
+         "                      accept a --resume whose lr at the resumed step differs from what the saved\n"
+         "                      run's schedule gives there (refused otherwise, before anything is loaded)\n"
          "  --metrics FILE      JSON lines, one per step and one per evaluation (written by rank 0)\n"
          "  --trace FILE        Chrome trace (Perfetto, chrome://tracing) of the step phases and of fsdp's\n"
          "                      gathers, reductions and waits; with several ranks each writes FILE with\n"
@@ -99,7 +103,8 @@ const char* usage_text() {
          "  --init-from HF_DIR  start from a Hugging Face model directory (llama, qwen2, qwen3, mistral):\n"
          "                      config.json gives the model section, model.safetensors (or its index)\n"
          "                      the weights, read by each rank into its own shards; with --resume the\n"
-         "                      checkpoint's weights win\n"
+         "                      checkpoint's weights win. A larger model.vocab_size grows the embedding\n"
+         "                      and LM head: new rows are the mean of the pretrained ones\n"
          "  --help              this text\n"
          "\n"
          "SIGTERM or SIGINT: every rank stops after the step in flight, saves to --save-dir and exits with\n"
@@ -122,9 +127,9 @@ Flags parse_flags(int argc, const char* const* argv) {
     if (arg == "--help" || arg == "-h") {
       if (inline_value) throw UsageError("flag --help takes no value");
       f.help = true;
-    } else if (arg == "--init-only") {
-      if (inline_value) throw UsageError("flag --init-only takes no value");
-      f.init_only = true;
+    } else if (arg == "--init-only" || arg == "--allow-schedule-change") {
+      if (inline_value) throw UsageError("flag " + arg + " takes no value");
+      (arg == "--init-only" ? f.init_only : f.allow_schedule_change) = true;
     } else if (takes_value(arg)) {
       if (!inline_value && i + 1 >= argc) throw UsageError("flag " + arg + " needs a value");
       apply_flag(f, arg, inline_value ? *inline_value : std::string(argv[++i]));
@@ -143,8 +148,11 @@ Flags parse_flags(int argc, const char* const* argv) {
 TrainConfig config_from_flags(const Flags& flags) {
   nlohmann::json file_doc;
   if (!flags.config_path.empty()) file_doc = read_config_file(flags.config_path);
-  if (!flags.init_from.empty()) file_doc = with_hf_model(flags.init_from, file_doc, flags.overrides);
-  return build_config(file_doc, flags.overrides);
+  if (flags.init_from.empty()) return build_config(file_doc, flags.overrides);
+  file_doc = with_hf_model(flags.init_from, file_doc, flags.overrides);
+  TrainConfig config = build_config(file_doc, flags.overrides);
+  check_hf_vocab(flags.init_from, config.model.vocab_size);
+  return config;
 }
 
 }  // namespace train

@@ -4,6 +4,7 @@
 // import_weights). Kept apart from the config and the trainer so that the two meet in two calls.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,14 +16,25 @@
 namespace train {
 
 // The config document with its "model" section replaced by DIR/config.json's model. Only
-// model.attn_implementation (a runtime choice, not part of the checkpoint's weights) may be set
-// besides, in `doc` or in `overrides`; any other model key is refused by name, since it would
-// contradict the weights. Throws std::invalid_argument naming the file or key.
+// model.attn_implementation (a runtime choice, not part of the checkpoint's weights) and
+// model.vocab_size (a larger vocabulary, see check_hf_vocab) may be set besides, in `doc` or in
+// `overrides`; any other model key is refused by name, since it would contradict the weights.
+// Throws std::invalid_argument naming the file or key.
 nlohmann::json with_hf_model(const std::string& hf_dir, nlohmann::json doc,
                              const std::vector<std::pair<std::string, std::string>>& overrides);
 
-// Reads the weights of HF_DIR into the sharded model (collective) and, on rank 0, prints one line:
-// files, tensors, source dtypes and what this rank read.
-void import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank);
+// model.vocab_size against HF_DIR's: equal, or larger (the embedding and an untied LM head grow,
+// Note [Grown rows] in fsdp/checkpoint.h). Throws std::invalid_argument when it is smaller: rows
+// of trained tokens would be dropped.
+void check_hf_vocab(const std::string& hf_dir, int64_t vocab_size);
+
+// Reads the weights of HF_DIR into the sharded model (collective), growing the embedding and the
+// LM head to vocab_size when it is larger than HF_DIR's, and, on rank 0, prints what it read (and
+// grew). Returns what a checkpoint records of it (init_from_record).
+nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size);
+
+// TrainState.extra.init_from: {"dir": HF_DIR made absolute, "vocab_size": HF_DIR's, "model_vocab_size":
+// the run's}. fsdp-ckpt export copies the tokenizer and generation files from "dir".
+nlohmann::json init_from_record(const std::string& hf_dir, int64_t vocab_size);
 
 }  // namespace train

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -36,6 +37,8 @@
 #include "memory_plan.h"
 #include "metrics.h"
 #include "preemption.h"
+#include "resume_review.h"
+#include "schedule.h"
 #include "step.h"
 
 namespace train {
@@ -54,25 +57,6 @@ std::string trace_path(const std::string& path, int rank, int world_size) {
   const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash + 1);
   const std::string tag = ".rank" + std::to_string(rank);
   return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
-}
-
-// Linear warmup to base_lr (as WarmupCosine's), then constant.
-class WarmupConstant : public fsdp::LRScheduler {
- public:
-  WarmupConstant(double base_lr, int64_t warmup_steps) : base_lr_(base_lr), warmup_steps_(warmup_steps) {}
-  double lr_at(int64_t step) const override {
-    if (step < warmup_steps_) return base_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_steps_);
-    return base_lr_;
-  }
-
- private:
-  double base_lr_;
-  int64_t warmup_steps_;
-};
-
-std::unique_ptr<fsdp::LRScheduler> make_schedule(const OptimConfig& o, int64_t total_steps) {
-  if (o.schedule == "constant") return std::make_unique<WarmupConstant>(o.lr, o.warmup_steps);
-  return std::make_unique<fsdp::WarmupCosine>(o.lr, o.warmup_steps, total_steps, o.min_lr);
 }
 
 std::string fmt(const char* format, double x) {
@@ -194,14 +178,14 @@ class Job {
                           .dir(off.dir)
                           .memory_budget_bytes(off.memory_budget_bytes));
     root_ = fsdp::fully_shard(model_, *mesh_, root_opts);
-    if (import) import_hf_weights(flags_.init_from, *root_, rank_);
+    if (import) init_from_ = import_hf_weights(flags_.init_from, *root_, rank_, cfg_.model.vocab_size);
     model_->model->checkpoint_every = cfg_.train.activation_checkpointing;
 
     const auto& o = cfg_.optim;
     optim_ = std::make_unique<fsdp::AdamW>(
         root_, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
     optim_->step_in_backward(o.step_in_backward);
-    sched_ = make_schedule(o, cfg_.train.steps);
+    sched_ = make_schedule(ScheduleSpec::of(cfg_));
     stepper_ = std::make_unique<Stepper>(cfg_, data_, model_, root_, *optim_, device_, rank_);
     checkpointer_ = std::make_unique<Checkpointer>(flags_.save_dir, cfg_.train.async_save, cfg_.train.keep_last);
     comm_ = std::make_unique<CommCounter>(*mesh_);
@@ -217,12 +201,27 @@ class Job {
     if (flags_.resume.empty()) return;
     if (started_fresh_) return;  // --resume latest with nothing saved yet (build() asked)
     fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_load", "train", "");
-    const auto p = load_checkpoint(flags_.save_dir, flags_.resume, *root_, *optim_, cfg_.config_hash());
+    const std::string dir = fsdp::checkpoint::resolve(flags_.save_dir, flags_.resume);
+    review_changes(dir);  // before loading: a refused resume reads and writes nothing more
+    const auto p = load_checkpoint(flags_.save_dir, dir, *root_, *optim_, cfg_.config_hash());
     step_ = p.step;
     samples_seen_ = p.samples_seen;
     last_saved_step_ = p.step;
     resumed_from_ = p.dir;
     restore_scaler(stepper_->scaler(), p.extra);
+    // The checkpoint's weights came from its own --init-from (recorded for fsdp-ckpt export).
+    if (p.extra.contains("init_from")) init_from_ = p.extra["init_from"];
+    else if (!flags_.init_from.empty()) init_from_ = init_from_record(flags_.init_from, cfg_.model.vocab_size);
+  }
+
+  // Note [Resume changes]: the same decision on every rank, from the same train_state.json.
+  void review_changes(const std::string& dir) {
+    const nlohmann::json saved = read_train_state(dir);
+    if (saved.is_null()) return;  // unreadable: load_checkpoint says why
+    const ResumeReview review = review_resume(saved, dir, cfg_, world_);
+    if (!review.lr_jump.empty() && !flags_.allow_schedule_change) throw std::invalid_argument(review.lr_jump);
+    resume_notes_ = review.notes;
+    if (!review.lr_jump.empty()) resume_notes_.push_back("the lr change is accepted (--allow-schedule-change)");
   }
 
   // --resume latest before the first save (a restarted job that never got that far, or a job
@@ -298,6 +297,7 @@ class Job {
       std::printf("resumed from %s at step %lld (samples_seen %lld)\n", resumed_from_.c_str(),
                   static_cast<long long>(step_), static_cast<long long>(samples_seen_));
     }
+    for (const auto& note : resume_notes_) std::printf("resume: %s\n", note.c_str());
     if (step_ >= cfg_.train.steps) {
       std::printf("already at step %lld: nothing to train for --steps %lld\n", static_cast<long long>(step_),
                   static_cast<long long>(cfg_.train.steps));
@@ -423,18 +423,13 @@ class Job {
   void save(double pause_s = 0) {
     if (flags_.save_dir.empty()) return;
     fsdp::Tracer::Scope span(tracer_.get(), "train::checkpoint_save", "train", "");
-    const auto& o = cfg_.optim;
-    const nlohmann::json extra = {{"config", cfg_.to_json()},
-                                  {"config_hash", cfg_.config_hash()},
-                                  {"lr_schedule",
-                                   {{"schedule", o.schedule},
-                                    {"lr", o.lr},
-                                    {"warmup_steps", o.warmup_steps},
-                                    {"total_steps", cfg_.train.steps},
-                                    {"min_lr", o.min_lr},
-                                    {"next_lr", sched_->lr_at(step_)}}},
-                                  {"global_batch", global_batch_},
-                                  {"grad_scaler", scaler_json(stepper_->scaler())}};
+    // What a resume checks (config_hash; Note [Resume changes]) and what fsdp-ckpt export reads.
+    nlohmann::json extra = {{"config", cfg_.to_json()},
+                            {"config_hash", cfg_.config_hash()},
+                            {"lr_schedule", ScheduleSpec::of(cfg_).to_json(step_)},
+                            {"global_batch", global_batch_},
+                            {"grad_scaler", scaler_json(stepper_->scaler())}};
+    if (!init_from_.is_null()) extra["init_from"] = init_from_;
     std::function<void(const std::string&)> on_phase;
     if (pause_s > 0) {
       on_phase = [this, pause_s](const std::string& phase) {
@@ -550,6 +545,8 @@ class Job {
   }
   double last_loss_ = 0, last_eval_loss_ = 0, train_seconds_ = 0;
   std::string resumed_from_, last_checkpoint_;
+  std::vector<std::string> resume_notes_;  // Note [Resume changes], printed with the header
+  nlohmann::json init_from_;               // TrainState.extra.init_from (init_from.h); null without one
   bool started_fresh_ = false;  // --resume latest found no checkpoint
   int stop_signal_ = 0;         // the signal every rank agreed to stop on
 };

@@ -95,14 +95,37 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
 // rank reads only the byte ranges of its own shards, converting them to the fp32 master shards in
 // bounded chunks: no rank holds the whole model and nothing is broadcast. Collective (the ranks
 // agree at the end, so a read that fails on one rank fails on all); the optimizer is untouched.
+//
+// Note [Grown rows]
+// ImportOptions::grow_rows names tensors (by any of their names; a tied one once) that may hold
+// more rows (dim 0) in the model than in the source, e.g. an embedding and an LM head for a
+// vocabulary larger than the pretrained one. The source's rows are copied into the first rows and
+// every added row is the mean of the source's rows, computed in fp64 from this rank's part of them
+// and summed over the ranks (one all-reduce of a row per grown tensor), so no rank reads more than
+// its shards. This is transformers' resize_token_embeddings default (mean_resizing=True) without
+// its noise: transformers samples N(mean, 1e-9 * covariance), whose spread is about 3e-5 of the
+// rows' own and below bf16 resolution; the mean itself is deterministic and independent of the
+// world size. A source with more rows than the model's is refused.
+struct ImportOptions {
+  TORCH_ARG(std::vector<std::string>, grow_rows) = {};
+};
+
 struct ImportReport {
   std::vector<std::string> files;  // the safetensors files, by plain name
   int64_t tensors = 0;             // imported tensors (tied ones once)
   uint64_t total_bytes = 0;        // their size in the files
   uint64_t bytes_read = 0;         // what this rank read of them
   std::string dtypes;              // the source dtypes, e.g. "BF16" or "BF16, F32"
+  // Per grown tensor (Note [Grown rows]): "NAME: R -> M rows", R the source's, M the model's.
+  std::vector<std::string> grown;
 };
-ImportReport import_weights(const std::string& dir, FSDPModule& root);
+ImportReport import_weights(const std::string& dir, FSDPModule& root, const ImportOptions& options = {});
+
+// The same source format and checks as import_weights, read into an ordinary, unsharded module
+// (every parameter named as in its named_parameters(); a tied one under any of its names), each
+// tensor converted to the parameter's dtype. E.g. a Hugging Face model directory run in LibTorch.
+// Throws CheckpointError naming the file and tensor; the module is untouched unless all checks pass.
+ImportReport import_unsharded(const std::string& dir, torch::nn::Module& module);
 
 // Loads the model tensors of a checkpoint into an ordinary, unsharded module (names as in its
 // named_parameters(); tied parameters under their first name).

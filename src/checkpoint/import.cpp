@@ -3,10 +3,13 @@
 // each rank knows its byte ranges exactly as load does; what differs from load is that the files
 // are not ours: a single model.safetensors without an index is accepted, tensors come in BF16, F16
 // or F32 and are converted on the way, tied parameters may be stored under either name, and there
-// is no train_state.json.
+// is no train_state.json. A tensor named in ImportOptions::grow_rows may have fewer rows in the
+// source; the added ones get the mean of the source's (Note [Grown rows]). import_unsharded runs
+// the same checks and conversion into an ordinary module.
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -71,14 +74,43 @@ Source open_source(const std::string& dir) {
 struct Located {
   std::string file;
   const st::TensorEntry* entry = nullptr;
+  bool grown = false;  // the source has fewer rows than the model (Note [Grown rows])
 };
+
+bool may_grow(const ShardedTensorView& t, const std::set<std::string>& grow_rows) {
+  if (grow_rows.count(t.name)) return true;
+  for (const auto& a : t.aliases) {
+    if (grow_rows.count(a)) return true;
+  }
+  return false;
+}
+
+// The source's shape against the model's: "" when it fits (grown: fewer rows, the rest equal),
+// else the problem.
+std::string shape_problem(const st::TensorEntry& e, const ShardedTensorView& t, bool growable, bool& grown) {
+  grown = false;
+  if (e.shape == t.shape) return "";
+  const bool same_rank = e.shape.size() == t.shape.size() && !e.shape.empty();
+  const bool same_rows = same_rank && std::equal(e.shape.begin() + 1, e.shape.end(), t.shape.begin() + 1);
+  if (growable && same_rows && e.shape[0] > 0 && e.shape[0] < t.shape[0]) {
+    grown = true;
+    return "";
+  }
+  std::string why =
+      "tensor '" + e.name + "' has shape " + shape_text(e.shape) + " but the model's has shape " + shape_text(t.shape);
+  if (growable && same_rows && e.shape[0] > t.shape[0]) {
+    why += ": its rows can grow (a larger vocabulary), not shrink";
+  }
+  return why;
+}
 
 void add_problem(std::vector<std::string>& problems, const std::string& p) {
   if (problems.size() < kMaxProblems) problems.push_back(p);
 }
 
 // Every check of Note [Importing weights], every problem reported at once (up to kMaxProblems).
-std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorView>& tensors) {
+std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorView>& tensors,
+                            const std::set<std::string>& grow_rows) {
   std::vector<Located> out(tensors.size());
   std::vector<std::string> problems;
   std::set<std::string> claimed;
@@ -102,10 +134,8 @@ std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorVi
       add_problem(problems, out[i].file + ": tensor '" + t.name + "' is " + st::dtype_name(e.dtype) +
                                 "; import reads BF16, F16 and F32");
     }
-    if (e.shape != t.shape) {
-      add_problem(problems, out[i].file + ": tensor '" + e.name + "' has shape " + shape_text(e.shape) +
-                                " but the model's has shape " + shape_text(t.shape));
-    }
+    const std::string shape = shape_problem(e, t, may_grow(t, grow_rows), out[i].grown);
+    if (!shape.empty()) add_problem(problems, out[i].file + ": " + shape);
   }
   for (const auto& [name, file] : src.index.weight_map) {
     if (!claimed.count(name))
@@ -144,14 +174,23 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
   return static_cast<uint64_t>(count * item);
 }
 
+int64_t source_numel(const Located& l) {
+  int64_t n = 1;
+  for (const int64_t d : l.entry->shape) n *= d;
+  return n;
+}
+
 uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::vector<Located>& located) {
   std::map<std::string, File> files;
   at::Tensor staging;
   uint64_t bytes = 0;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const auto& t = layout.tensors[i];
-    const auto span = shard_span(layout.flats[t.flat].shard, t);
+    auto span = shard_span(layout.flats[t.flat].shard, t);
     if (!span) continue;
+    // A grown tensor's source rows are its first elements; the rest are filled by fill_grown.
+    span->count = std::min(span->count, source_numel(located[i]) - span->tensor_begin);
+    if (span->count <= 0) continue;
     at::Tensor& dst = *layout.flats[t.flat].shard.master_shard;
     auto it = files.find(located[i].file);
     if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
@@ -159,6 +198,71 @@ uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::
                             dst, span->shard_begin, staging);
   }
   return bytes;
+}
+
+// Calls fn(off, n, col) over elements [0, count) of a span that starts at element `begin` of a
+// tensor with rows of `row` elements, in pieces that lie within one row (col + n <= row) or are
+// whole rows (col 0, n a multiple of row, at most about kChunkElements).
+void for_row_pieces(int64_t begin, int64_t count, int64_t row,
+                    const std::function<void(int64_t off, int64_t n, int64_t col)>& fn) {
+  for (int64_t off = 0; off < count;) {
+    const int64_t col = (begin + off) % row;
+    int64_t n = std::min(row - col, count - off);
+    if (col == 0 && count - off >= row)
+      n = std::min((count - off) / row, std::max<int64_t>(1, kChunkElements / row)) * row;
+    fn(off, n, col);
+    off += n;
+  }
+}
+
+// Adds the span's elements of `shard` to `sums` (fp64 on the CPU, one per column).
+void add_column_sums(const at::Tensor& shard, const Span& span, int64_t row, at::Tensor& sums) {
+  for_row_pieces(span.tensor_begin, span.count, row, [&](int64_t off, int64_t n, int64_t col) {
+    const at::Tensor part = shard.narrow(0, span.shard_begin + off, n).to(at::kCPU, at::kDouble);
+    if (col + n <= row) {
+      sums.narrow(0, col, n).add_(part);
+    } else {
+      sums.add_(part.view({n / row, row}).sum(0));
+    }
+  });
+}
+
+// Writes mean[col] to every element of the span.
+void fill_rows(at::Tensor& shard, const Span& span, int64_t row, const at::Tensor& mean) {
+  for_row_pieces(span.tensor_begin, span.count, row, [&](int64_t off, int64_t n, int64_t col) {
+    at::Tensor out = shard.narrow(0, span.shard_begin + off, n);
+    if (col + n <= row) {
+      out.copy_(mean.narrow(0, col, n));
+    } else {
+      out.view({n / row, row}).copy_(mean.unsqueeze(0).expand({n / row, row}));
+    }
+  });
+  if (shard.is_cpu()) offload::release(shard, span.shard_begin, span.shard_begin + span.count);
+}
+
+// Note [Grown rows]: the added rows of tensor t, whose first src_rows rows are already read, are
+// the mean of those. Collective: one all-reduce, which every rank joins.
+void fill_grown(const CheckpointLayout& layout, const ShardedTensorView& t, int64_t src_rows, Dist& dist) {
+  const int64_t row = t.numel / t.shape[0];
+  const int64_t src_numel = src_rows * row;
+  const FlatShardView& flat = layout.flats[t.flat].shard;
+  const auto span = shard_span(flat, t);
+  at::Tensor sums = at::zeros({row}, at::kDouble);
+  // Replicas of a shard (HSDP, NO_SHARD) hold the same elements: only the writer's count.
+  if (span && layout.writer && span->tensor_begin < src_numel) {
+    Span old = *span;
+    old.count = std::min(old.count, src_numel - old.tensor_begin);
+    add_column_sums(*flat.master_shard, old, row, sums);
+  }
+  dist.side_group("checkpoint").all_reduce(sums, ReduceOp::kSum, "checkpoint/import_grown_rows").wait();
+  if (!span || span->tensor_begin + span->count <= src_numel) return;
+  const int64_t skip = std::max<int64_t>(0, src_numel - span->tensor_begin);
+  Span added = *span;
+  added.tensor_begin += skip;
+  added.shard_begin += skip;
+  added.count -= skip;
+  const at::Tensor mean = (sums / static_cast<double>(src_rows)).to(flat.master_shard->device(), at::kFloat);
+  fill_rows(*flat.master_shard, added, row, mean);
 }
 
 // Every rank learns whether any rank failed; the failing ranks rethrow their own error.
@@ -175,15 +279,7 @@ void agree(Dist& dist, const std::string& dir, const std::string& local_error) {
   }
 }
 
-}  // namespace
-
-ImportReport import_weights(const std::string& dir, FSDPModule& root) {
-  const ModelView model = model_view(root);
-  const CheckpointLayout layout = make_layout(model, nullptr);
-  // Every rank opens and checks the same files, so a bad directory fails on every rank alike.
-  const Source src = open_source(dir);
-  const std::vector<Located> located = locate(src, layout.tensors);
-
+ImportReport report_of(const Source& src, const std::vector<Located>& located) {
   ImportReport report;
   report.files = src.index.files();
   report.tensors = static_cast<int64_t>(located.size());
@@ -193,6 +289,19 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root) {
     dtypes.insert(st::dtype_name(l.entry->dtype));
   }
   for (const auto& d : dtypes) report.dtypes += (report.dtypes.empty() ? "" : ", ") + d;
+  return report;
+}
+
+}  // namespace
+
+ImportReport import_weights(const std::string& dir, FSDPModule& root, const ImportOptions& options) {
+  const ModelView model = model_view(root);
+  const CheckpointLayout layout = make_layout(model, nullptr);
+  // Every rank opens and checks the same files, so a bad directory fails on every rank alike.
+  const Source src = open_source(dir);
+  const std::set<std::string> grow(options.grow_rows().begin(), options.grow_rows().end());
+  const std::vector<Located> located = locate(src, layout.tensors, grow);
+  ImportReport report = report_of(src, located);
 
   std::string error;
   c10::NoGradGuard no_grad;
@@ -202,6 +311,49 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root) {
     error = std::string("fsdp: import: ") + e.what();
   }
   agree(*model.dist, dir, error);
+  for (size_t i = 0; i < located.size(); ++i) {
+    if (!located[i].grown) continue;
+    const auto& t = layout.tensors[i];
+    fill_grown(layout, t, located[i].entry->shape[0], *model.dist);
+    report.grown.push_back(t.name + ": " + std::to_string(located[i].entry->shape[0]) + " -> " +
+                           std::to_string(t.shape[0]) + " rows");
+  }
+  return report;
+}
+
+ImportReport import_unsharded(const std::string& dir, torch::nn::Module& module) {
+  // Each parameter once, its tied names as aliases, as the sharded layout has them.
+  std::vector<ShardedTensorView> tensors;
+  std::vector<at::Tensor> params;
+  std::map<const void*, size_t> by_storage;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const auto [it, fresh] = by_storage.emplace(item.value().unsafeGetTensorImpl(), tensors.size());
+    if (!fresh) {
+      tensors[it->second].aliases.push_back(item.key());
+      continue;
+    }
+    ShardedTensorView t;
+    t.name = item.key();
+    t.shape = item.value().sizes().vec();
+    t.numel = item.value().numel();
+    tensors.push_back(t);
+    params.push_back(item.value());
+  }
+  const Source src = open_source(dir);
+  const std::vector<Located> located = locate(src, tensors, {});
+  ImportReport report = report_of(src, located);
+  std::map<std::string, File> files;
+  std::vector<at::Tensor> values;  // read whole before any parameter changes
+  at::Tensor staging;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto it = files.find(located[i].file);
+    if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(dir, located[i].file))).first;
+    values.push_back(at::empty({tensors[i].numel}, at::kFloat));
+    report.bytes_read += read_converted(it->second, src.headers.at(located[i].file), located[i], 0, tensors[i].numel,
+                                        values.back(), 0, staging);
+  }
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i].view(params[i].sizes()));
   return report;
 }
 
