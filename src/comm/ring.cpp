@@ -56,10 +56,13 @@ bool says_timed_out(const std::string& text) {
 // of them is used:
 // - a shared-memory hop carries it in each slot (ShmChannel's `ids`), beside the slot's byte
 //   count; the receiver compares both with its own before it copies or adds;
-// - a Gloo hop gets one 128-byte message per collective before the data, sent to the next rank
-//   and, in a ring of more than two, to the previous one too, so both neighbours of a rank that
-//   went astray see it. Its size never varies, so it always pairs; data is posted only once the
-//   identities agree, so a message of the wrong size never reaches Gloo.
+// - a Gloo hop gets one 128-byte message per collective, sent to the next rank and, in a ring of
+//   more than two, to the previous one too, so both neighbours of a rank that went astray see
+//   it. Its size never varies, so it always pairs. The data is posted beside it (a round trip of
+//   its own per collective cost 39% of the communication-bound step), but under tags that carry
+//   a digest of the identity, so a mismatched peer's data never matches this rank's receives and
+//   a message of the wrong size never reaches Gloo; every wait on data comes after the identities
+//   are compared. Gloo's own broadcast and barrier wait for the comparison first.
 // A mismatch throws CollectiveMismatch naming both sides; the rank then closes its shared-memory
 // hops with that text as the reason, so ranks further round the ring fail at once and say why.
 // The cost is a 128-byte copy per slot and, over Gloo, one small exchange per collective
@@ -103,7 +106,7 @@ class RingTransport final : public Transport {
 
   void all_gather(const at::Tensor& output, const at::Tensor& input, TransferCount& count) override {
     guarded([&] {
-      exchange_ids();
+      post_ids();
       const int64_t n = input.numel();
       auto mine = output.narrow(0, rank_ * n, n);
       if (mine.data_ptr() != input.data_ptr()) mine.copy_(input.view(-1));
@@ -113,7 +116,7 @@ class RingTransport final : public Transport {
 
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, TransferCount& count) override {
     guarded([&] {
-      exchange_ids();
+      post_ids();
       const int64_t n = output.numel();
       ring_reduce(input, n, count);
       output.copy_(input.narrow(0, rank_ * n, n));
@@ -123,7 +126,7 @@ class RingTransport final : public Transport {
 
   void all_reduce(const at::Tensor& tensor, ReduceOp op, TransferCount& count) override {
     guarded([&] {
-      exchange_ids();
+      post_ids();
       const int64_t numel = tensor.numel();
       const int64_t n = (numel + size_ - 1) / size_;
       const bool direct = tensor.is_contiguous() && n * size_ == numel;
@@ -170,7 +173,13 @@ class RingTransport final : public Transport {
     all_reduce(at::zeros({1}, at::kInt), ReduceOp::kSum, count);
   }
 
-  void begin(const CollectiveId& id) override { wire_ = WireId::of(id); }
+  void begin(const CollectiveId& id) override {
+    wire_ = WireId::of(id);
+    if (!ids_on_) return;
+    uint64_t h = wire_.tag_hash ^ (wire_.bytes * 0x9e3779b97f4a7c15ULL) ^ (wire_.seq * 0xff51afd7ed558ccdULL);
+    h ^= (static_cast<uint64_t>(wire_.kind + 2) << 40) ^ (static_cast<uint64_t>(wire_.dtype + 2) << 50);
+    salt_ = static_cast<uint32_t>(h ^ (h >> 32));
+  }
   bool carries_ids() const override { return ids_on_; }
 
  private:
@@ -182,10 +191,15 @@ class RingTransport final : public Transport {
   void guarded(F&& body) {
     try {
       body();
+      settle_ids();
     } catch (const std::exception& e) {
+      id_recvs_.clear();
+      id_sends_.clear();
       close_hops("rank " + std::to_string(rank_) + " failed: " + describe(e));
       throw;
     } catch (...) {
+      id_recvs_.clear();
+      id_sends_.clear();
       close_hops("");
       throw;
     }
@@ -196,8 +210,9 @@ class RingTransport final : public Transport {
     if (hops_.out) hops_.out->close(reason);
   }
 
-  // See Note [Collective identity in the framing]: the identity exchange over the Gloo hops.
-  void exchange_ids() {
+  // See Note [Collective identity in the framing]: the identity exchange over the Gloo hops,
+  // posted before the collective's data; settle_ids() waits for it and compares.
+  void post_ids() {
     if (!ids_on_ || size_ < 2) return;
     const bool in_gloo = !hops_.in, out_gloo = !hops_.out;
     if (!in_gloo && !out_gloo) return;
@@ -206,21 +221,22 @@ class RingTransport final : public Transport {
       return at::from_blob(&w, {static_cast<int64_t>(sizeof(WireId))}, at::TensorOptions().dtype(at::kByte));
     };
     id_out_ = wire_;
-    struct Recv {
-      int peer;
-      WireId* into;
-      c10::intrusive_ptr<c10d::Work> work;
-    };
-    std::vector<Recv> recvs;
-    std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> sends;
     // Forward: this rank's id to the next rank; the previous rank's id from it.
-    if (in_gloo) recvs.push_back({prev(), &id_from_prev_, post(bytes_of(id_from_prev_), prev(), base, false)});
-    if (out_gloo) sends.emplace_back(next(), post(bytes_of(id_out_), next(), base, /*send=*/true));
+    if (in_gloo) id_recvs_.push_back({prev(), &id_from_prev_, post(bytes_of(id_from_prev_), prev(), base, false)});
+    if (out_gloo) id_sends_.emplace_back(next(), post(bytes_of(id_out_), next(), base, /*send=*/true));
     // Backward, in a ring of more than two: to the previous rank, from the next.
     if (size_ > 2 && out_gloo) {
-      recvs.push_back({next(), &id_from_next_, post(bytes_of(id_from_next_), next(), base + 1, false)});
+      id_recvs_.push_back({next(), &id_from_next_, post(bytes_of(id_from_next_), next(), base + 1, false)});
     }
-    if (size_ > 2 && in_gloo) sends.emplace_back(prev(), post(bytes_of(id_out_), prev(), base + 1, true));
+    if (size_ > 2 && in_gloo) id_sends_.emplace_back(prev(), post(bytes_of(id_out_), prev(), base + 1, true));
+  }
+
+  void settle_ids() {
+    if (id_recvs_.empty() && id_sends_.empty()) return;
+    auto recvs = std::move(id_recvs_);
+    auto sends = std::move(id_sends_);
+    id_recvs_.clear();
+    id_sends_.clear();
     // Every exchange completes before any comparison, so each neighbour has this rank's identity
     // (and can name the mismatch itself) even when this rank fails next.
     for (auto& r : recvs) wait_work(r.work, r.peer, "collective identity from");
@@ -228,6 +244,12 @@ class RingTransport final : public Transport {
     for (auto& r : recvs) {
       if (!r.into->same_collective(wire_)) throw CollectiveMismatch(r.peer, mismatch_text(rank_, wire_, r.peer, *r.into));
     }
+  }
+
+  // A collective whose every message waits behind settle_ids() (Gloo's own broadcast and barrier).
+  void exchange_ids() {
+    post_ids();
+    settle_ids();
   }
 
   c10::intrusive_ptr<c10d::Work> post(const at::Tensor& t, int peer, int tag, bool send) {
@@ -281,6 +303,7 @@ class RingTransport final : public Transport {
       rw = post_recv(scratch, prev());
     }
     if (!hops_.out) sw = post_send(send, next());
+    settle_ids();
     const int64_t es = send.element_size();
     const int64_t piece = static_cast<int64_t>(ShmChannel::kSlotBytes) / es;
     const auto* src = static_cast<const uint8_t*>(send.data_ptr());
@@ -317,6 +340,7 @@ class RingTransport final : public Transport {
 
   // Broadcast without Gloo's: the root's tensor flows around the ring in slot-sized pieces.
   void pipeline_broadcast(const at::Tensor& tensor, int root, TransferCount& count) {
+    settle_ids();
     const auto flat = tensor.view(-1);
     const int64_t es = flat.element_size();
     const int64_t piece = static_cast<int64_t>(ShmChannel::kSlotBytes) / es;
@@ -365,6 +389,7 @@ class RingTransport final : public Transport {
         count.received += len * send_chunk.element_size();
         next_tag();
       }
+      settle_ids();  // before any wait on data: a mismatched peer's data never comes (its tags differ)
       if (pending_off >= 0) {
         wait_work(pending_recv, prev(), "receive from");
         wait_work(pending_send, next(), "send to");
@@ -391,7 +416,10 @@ class RingTransport final : public Transport {
 
   static int64_t segment_elems(const at::Tensor& t) { return std::max<int64_t>(1, kSegmentBytes / t.element_size()); }
 
-  int tag() const { return static_cast<int>(seq_ & 0x3fffffff); }
+  // Data tags carry a digest of the collective's identity: a mismatched peer's data never matches
+  // this rank's receives, so no message of another size reaches them while the identities are
+  // being compared (Note [Collective identity in the framing]).
+  int tag() const { return static_cast<int>((seq_ + salt_) & 0x3fffffff); }
   void next_tag() { ++seq_; }
 
   c10::intrusive_ptr<c10d::Work> post_send(const at::Tensor& t, int to) { return post(t, to, tag(), true); }
@@ -400,6 +428,7 @@ class RingTransport final : public Transport {
   void gloo_exchange(const at::Tensor& send_buf, const at::Tensor& recv_buf, TransferCount& count) {
     auto rw = post_recv(recv_buf, prev());
     auto sw = post_send(send_buf, next());
+    settle_ids();
     wait_work(rw, prev(), "receive from");
     wait_work(sw, next(), "send to");
     count.sent += send_buf.numel() * send_buf.element_size();
@@ -437,6 +466,14 @@ class RingTransport final : public Transport {
   WireId wire_;  // the collective in progress
   WireId id_out_, id_from_prev_, id_from_next_;  // the Gloo identity exchange's buffers
   uint64_t exchanges_ = 0;
+  uint32_t salt_ = 0;  // see tag()
+  struct IdRecv {
+    int peer;
+    WireId* into;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::vector<IdRecv> id_recvs_;
+  std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> id_sends_;
 };
 
 // One rank: every collective is a local copy.
