@@ -1,4 +1,4 @@
-// Multi-rank test harness, two tiers (see DESIGN section 12):
+// Multi-rank test harness, two tiers (docs/ARCHITECTURE.md, "Tests: tiers and what to run"):
 //  - run_threads: ranks as threads of this process, a FileStore on a temp file, Gloo on 127.0.0.1.
 //    Fast; for collectives and sharding logic.
 //  - run_processes: the test binary re-executed once per rank (only the current test runs in each
