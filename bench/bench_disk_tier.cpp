@@ -24,6 +24,7 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/offload.h"
 #include "llama.h"
+#include "shard/testing.h"  // drop_disk_tier_page_cache: a benchmark switch, not installed
 
 namespace {
 

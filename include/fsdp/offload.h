@@ -61,12 +61,5 @@ struct OffloadPlan {
 OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer);
 // Bytes moved so far (cumulative since the tiers opened): measure a step's as a difference.
 OffloadIo offload_io(FSDPModule& root);
-// Measures the mapped resident set after every chunk of the streamed optimizer step and after
-// each all-gather reads a disk-tier shard, keeping the peak in DiskTierStats (costs a mincore
-// per mapping each time; for tests and benchmarks).
-void set_disk_tier_audit(FSDPModule& root, bool on);
-// Drops the page cache of the disk tier's files (after waiting for its queued writes), so that
-// what it reads next comes from the disk. For benchmarks.
-void drop_disk_tier_page_cache(FSDPModule& root);
 
 }  // namespace fsdp

@@ -2,6 +2,7 @@
 #include "fsdp/offload.h"
 #include "tiers/disk_tier.h"
 #include "shard/sharded_unit.h"
+#include "shard/testing.h"
 
 namespace fsdp {
 namespace {

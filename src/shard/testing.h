@@ -1,4 +1,4 @@
-// Introspection for tests and benchmarks: the units and flat params behind a public handle, which
+// Introspection and switches for tests and benchmarks: the units and flat params behind a public handle, which
 // the public API keeps opaque. Not installed; library code uses sharded_unit.h directly.
 #pragma once
 
@@ -19,3 +19,14 @@ inline std::vector<ShardedUnit*> units(const FSDPModule& handle) { return units_
 inline std::vector<FlatParam*> flat_params(const FSDPModule& handle) { return flat_params_of(handle); }
 
 }  // namespace fsdp::testing
+
+namespace fsdp {
+// Switches for tests and benchmarks, kept out of the installed headers (src/shard/disk_tier_stats.cpp).
+// Measures the mapped resident set after every chunk of the streamed optimizer step and after
+// each all-gather reads a disk-tier shard, keeping the peak in DiskTierStats (costs a mincore
+// per mapping each time).
+void set_disk_tier_audit(FSDPModule& root, bool on);
+// Drops the page cache of the disk tier's files (after waiting for its queued writes), so that
+// what it reads next comes from the disk.
+void drop_disk_tier_page_cache(FSDPModule& root);
+}  // namespace fsdp
