@@ -57,10 +57,12 @@ testing::NetOptions net_options(bool meta) {
 
 using Job = testing::ShardedModel;
 
-// `offload` on the root only: the blocks inherit it.
-Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true) {
+// `offload` on the root only: the blocks inherit it. `checkpoint_block`: a block run under
+// activation checkpointing.
+Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true, int checkpoint_block = -1) {
   testing::ShardedModelOptions o;
   o.net = net_options(meta);
+  o.net.checkpoint_block = checkpoint_block;
   // The non-meta model's initial values come from the global generator, which the rank threads
   // share: seeded and drawn under a lock so that every rank (and every run) gets the same values.
   o.seed = 3;
@@ -594,6 +596,54 @@ TEST(Offload, PlanAgreesWithMeasuredIoWithinTenPercent) {
       EXPECT_NE(plan.to_string().find("moves per step"), std::string::npos) << plan.to_string();
     });
   }
+  io::remove_tree(dir);
+}
+
+// Note [The last unit keeps its params]: the last block keeps its params from forward to backward
+// only when its forward runs with gradients on. Under activation checkpointing it runs without
+// them, so the state machine reshards it and its recomputation gathers it again in backward: one
+// more disk read of its master per step. The plan used to count one gather for the last block
+// whatever its forward (its rule left out the gradient and recomputation tests); it now applies
+// the state machine's rule (prefetch::keeps_params_after_forward) to the step the runtime
+// recorded, so its extra read matches what the tier measures.
+TEST(Offload, PlanAgreesWithRuntimeWhenTheLastBlockIsCheckpointed) {
+  const std::string dir = testing::temp_path("offload-plan-ckpt");
+  testing::run_threads(kWorld, [&](Dist& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    struct Seen {
+      OffloadPlan plan;
+      OffloadIo measured;
+      int64_t last_read = 0;  // one read of the last block's master
+      bool last_gathers_in_backward = false;
+    };
+    auto run = [&](int checkpoint_block) {
+      Job j =
+          build(mesh, disk_policy(dir + (checkpoint_block < 0 ? "/plain" : "/checkpointed")), true, checkpoint_block);
+      train_step(j, 0, dist.rank());  // records the forward order and each unit's gradient mode
+      Seen seen;
+      seen.plan = offload_plan(*j.root, *j.optim);
+      ShardedUnit& last = *fsdp::testing::units(*j.root).back();
+      seen.last_read = last.disk_master_bytes();
+      seen.last_gathers_in_backward = last.gathers_in_backward(/*ran_last=*/true);
+      const auto before = offload_io(*j.root);
+      constexpr int kSteps = 3;
+      for (int s = 1; s <= kSteps; ++s) train_step(j, s, dist.rank());
+      seen.measured = (offload_io(*j.root) - before).per_step(kSteps);
+      return seen;
+    };
+    const Seen plain = run(-1);
+    const Seen checkpointed = run(static_cast<int>(net_options(true).blocks) - 1);
+    EXPECT_FALSE(plain.last_gathers_in_backward);
+    EXPECT_TRUE(checkpointed.last_gathers_in_backward);
+    ASSERT_GT(checkpointed.last_read, 0);
+    EXPECT_EQ(checkpointed.plan.per_step.disk_read - plain.plan.per_step.disk_read, checkpointed.last_read);
+    const int64_t measured_extra = checkpointed.measured.disk_read - plain.measured.disk_read;
+    EXPECT_LE(std::abs(static_cast<double>(measured_extra - checkpointed.last_read)),
+              0.1 * static_cast<double>(checkpointed.last_read))
+        << "measured extra read " << measured_extra << ", one read of the last block " << checkpointed.last_read;
+    EXPECT_EQ(checkpointed.plan.per_step.disk_write, plain.plan.per_step.disk_write);
+  });
   io::remove_tree(dir);
 }
 

@@ -46,9 +46,11 @@ struct OffloadIo {
 // params' sizes and tiers: the bytes each tier holds (params, gradients, optimizer state and the
 // master's working copy) and the I/O of one training step in the steady state (after the first,
 // whose execution order is not known yet). A step gathers each unit in forward and again in
-// backward, except the root and the last unit in registration order, which keep their params
-// from forward to backward by default (docs/NOTES.md), and units that do not reshard after
-// forward. The units whose backward comes first keep their forward read of a disk-tier master for
+// backward, except the root and the last unit to run forward, which keep their params from
+// forward to backward by default (docs/NOTES.md), and units that do not reshard after forward;
+// the same rule as the state machine's (a last unit whose forward runs without gradients, under
+// activation checkpointing, gathers again). The forward order and each unit's gradient mode are
+// those of the last step run; before the first, registration order and gradients on. The units whose backward comes first keep their forward read of a disk-tier master for
 // their backward gather, within half of memory_budget_bytes; with the optimizer stepping in
 // backward (ShardedOptimizer::step_in_backward), the step takes a disk-tier master from the
 // backward's all-gather instead of reading it again. Gradient

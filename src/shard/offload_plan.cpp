@@ -14,7 +14,6 @@
 namespace fsdp {
 namespace {
 
-
 struct Tally {
   OffloadPlan& plan;
   void hold(OffloadTier tier, int64_t bytes) {
@@ -23,9 +22,6 @@ struct Tally {
                                   : plan.device_bytes) += bytes;
   }
 };
-
-// All-gathers of `unit` in one steady-state step (see OffloadPlan).
-int gathers_per_step(ShardedUnit& unit, bool last) { return unit.keeps_params_after_forward(last) ? 1 : 2; }
 
 // One flat param's bytes per tier and I/O per step. `step_in_backward`: the optimizer steps in
 // backward, so the step takes the master a backward all-gather read (Note [The step in backward]).
@@ -99,13 +95,16 @@ OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
   OffloadPlan plan;
   const auto units = units_of(root);
   const int state_tensors = static_cast<int>(optimizer.state_names().size());
-  // Registration order stands for the forward order, which is recorded only by the first step.
-  const auto& tier = unit_of(root).root_state().disk_tier;
-  const auto kept = tier ? units_keeping_forward_masters(units, tier->budget_bytes()) : std::vector<ShardedUnit*>{};
-  for (size_t i = 0; i < units.size(); ++i) {
-    ShardedUnit& unit = *units[i];
+  // The forward order the last step recorded; before the first step, registration order stands
+  // for it. Gathers per step follow prefetch::keeps_params_after_forward, as the state machine does.
+  const RootState& rs = unit_of(root).root_state();
+  const auto order = rs.order.latest().empty() ? units : rs.units_in(rs.order.latest());
+  const auto& tier = rs.disk_tier;
+  const auto kept = tier ? units_keeping_forward_masters(order, tier->budget_bytes()) : std::vector<ShardedUnit*>{};
+  for (ShardedUnit* u : units) {
+    ShardedUnit& unit = *u;
     const bool device_is_cpu = unit.mesh().dist().compute_device().is_cpu();
-    const int gathers = gathers_per_step(unit, i + 1 == units.size() && units.size() > 1);
+    const int gathers = unit.gathers_in_backward(!order.empty() && order.back() == u) ? 2 : 1;
     const bool forward_kept = std::find(kept.begin(), kept.end(), &unit) != kept.end();
     for (auto& fp : unit.flat_params()) {
       plan_flat(*fp, gathers, forward_kept, state_tensors, device_is_cpu, optimizer.steps_in_backward(), plan);

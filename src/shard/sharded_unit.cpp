@@ -36,7 +36,8 @@ std::string ShardedUnit::name() const {
 //    gather again in backward) keep their forward read for their backward gather, as many as fit
 //    in half of memory_budget_bytes, counted against the budget while kept; chosen at the start of
 //    each step from the last step's order, by units_keeping_forward_masters (which offload_plan
-//    uses too);
+//    uses too); a unit whose forward runs without gradients (activation checkpointing) keeps
+//    none: its read is kept only under gradients, and its recomputation gathers it in backward;
 //  - backward, with the step in backward: the gather's read is kept for the unit's step.
 // Every kept read is dropped when a step starts and by any write of the master (a checkpoint load).
 void ShardedUnit::unshard() {
@@ -50,9 +51,19 @@ void ShardedUnit::unshard() {
   for (auto& fp : flat_params_) fp->unshard(keep);
 }
 
-bool ShardedUnit::keeps_params_after_forward(bool last_in_forward) const {
-  const auto& o = options_;
-  return !o.reshard_after_forward || (!o.reshard_after_forward_explicit && (is_root() || last_in_forward));
+prefetch::ForwardEnd ShardedUnit::forward_end(bool ran_last, bool backward_follows, bool recomputing) const {
+  prefetch::ForwardEnd f;
+  f.reshard_after_forward = options_.reshard_after_forward;
+  f.option_explicit = options_.reshard_after_forward_explicit;
+  f.is_root = is_root();
+  f.ran_last = ran_last;
+  f.backward_follows = backward_follows;
+  f.recomputing = recomputing;
+  return f;
+}
+
+bool ShardedUnit::gathers_in_backward(bool ran_last) const {
+  return !prefetch::keeps_params_after_forward(forward_end(ran_last, forward_had_grad_, /*recomputing=*/false));
 }
 
 int64_t ShardedUnit::disk_master_bytes() const {
@@ -71,7 +82,8 @@ std::vector<ShardedUnit*> units_keeping_forward_masters(const std::vector<Sharde
   for (size_t i = forward_order.size(); i-- > 0;) {
     ShardedUnit* unit = forward_order[i];
     if (std::find(out.begin(), out.end(), unit) != out.end()) continue;
-    if (unit->keeps_params_after_forward(i + 1 == forward_order.size())) continue;
+    // A forward without gradients (activation checkpointing) cannot keep its read for backward.
+    if (!unit->forward_had_grad() || !unit->gathers_in_backward(i + 1 == forward_order.size())) continue;
     const int64_t bytes = unit->disk_master_bytes();
     if (bytes == 0) continue;
     if (bytes > room) break;
@@ -88,7 +100,8 @@ void ShardedUnit::choose_kept_masters() {
     unit->keep_forward_master_ = false;
     for (auto& fp : unit->flat_params_) fp->take_master_for_step();  // dropped
   }
-  for (ShardedUnit* unit : units_keeping_forward_masters(rs.order.predicted(), rs.disk_tier->budget_bytes())) {
+  for (ShardedUnit* unit :
+       units_keeping_forward_masters(rs.units_in(rs.order.predicted()), rs.disk_tier->budget_bytes())) {
     unit->keep_forward_master_ = true;
   }
 }
@@ -109,28 +122,42 @@ bool ShardedUnit::is_gathered_or_gathering() const {
   return false;
 }
 
-// Issues the all-gathers of `targets` that are not gathered yet, within the root's cap on units
-// gathered at once. Never waits: the target's own pre_forward / pre_backward waits.
-void ShardedUnit::prefetch(const std::vector<ShardedUnit*>& targets) {
-  RootState& rs = root_state();
-  for (ShardedUnit* target : targets) {
-    if (target == this || target->root_ != root_ || target->is_gathered_or_gathering()) continue;
-    if (options_.max_unsharded_units > 0) {
-      int alive = 0;
-      for (ShardedUnit* u : rs.units) alive += u->is_gathered_or_gathering() ? 1 : 0;
-      if (alive >= options_.max_unsharded_units) return;
-    }
-    target->unshard();
+namespace {
+
+// The root's units as the prefetch layer sees them (prefetch/policy.h).
+class RootUnits final : public prefetch::Units {
+ public:
+  explicit RootUnits(RootState& rs) : rs_(rs) {}
+  size_t count() const override { return rs_.units.size(); }
+  bool gathered_or_gathering(prefetch::UnitIndex unit) const override {
+    return rs_.units[unit]->is_gathered_or_gathering();
   }
+  void gather(prefetch::UnitIndex unit) override { rs_.units[unit]->unshard(); }
+  void read_ahead(prefetch::UnitIndex unit) override {  // Note [Disk tier I/O threads]
+    for (auto& fp : rs_.units[unit]->flat_params()) fp->read_ahead();
+  }
+
+ private:
+  RootState& rs_;
+};
+
+}  // namespace
+
+prefetch::ExplicitTargets ShardedUnit::explicit_targets(const std::vector<ShardedUnit*>& units) const {
+  if (units.empty()) return std::nullopt;
+  std::vector<prefetch::UnitIndex> out;
+  for (ShardedUnit* unit : units) {
+    if (unit->root_ == root_) out.push_back(unit->index_);
+  }
+  return out;
 }
 
-// Starts the disk reads of the master shards `targets` will gather (one unit beyond the
-// prefetched ones, so that each all-gather finds its input read): Note [Disk tier I/O threads].
-void ShardedUnit::read_ahead(const std::vector<ShardedUnit*>& targets) {
-  for (ShardedUnit* target : targets) {
-    if (target == this || target->root_ != root_ || target->is_gathered_or_gathering()) continue;
-    for (auto& fp : target->flat_params_) fp->read_ahead();
-  }
+prefetch::Limits ShardedUnit::prefetch_limits() const {
+  prefetch::Limits limits;
+  limits.prefetch_depth = options_.prefetch_depth;
+  limits.max_unsharded_units = options_.max_unsharded_units;
+  limits.read_ahead = root_->root_state_->disk_tier != nullptr;
+  return limits;
 }
 
 void ShardedUnit::pre_forward() {
@@ -157,18 +184,19 @@ void ShardedUnit::pre_forward() {
       for (auto& fp : unit->flat_params_) fp->unguard_grads();  // Note [Guarded gradients]
     }
     rs.order.begin_step();
+    rs.step_trains = c10::GradMode::is_enabled();
     choose_kept_masters();
     if (rs.buffers_dirty) sync_buffers();
   }
-  if (!recompute) rs.order.record(this);
+  if (!recompute) rs.order.record(index_);
   if (recompute) rs.recomputed = true;
   forward_begin_ = std::chrono::steady_clock::now();
   // Our own gather goes first on the communicator's queue, the prefetches behind it.
   unshard();
-  if (!recompute && options_.prefetch_depth > 0) {
-    prefetch(forward_prefetch_.empty() ? rs.order.next_in_forward(this, options_.prefetch_depth) : forward_prefetch_);
+  if (!recompute) {
+    RootUnits units(rs);
+    prefetch::before_forward(rs.order, index_, explicit_targets(forward_prefetch_), prefetch_limits(), units);
   }
-  if (!recompute && rs.disk_tier) read_ahead(rs.order.next_in_forward(this, options_.prefetch_depth + 1));
   wait_for_unshard();  // also records the memory peak, prefetched buffers included
   state_ = TrainingState::kForward;
 }
@@ -179,23 +207,22 @@ void ShardedUnit::pre_forward() {
 // all-gather per step and a wait at the start of backward that nothing overlaps. So, unless
 // reshard_after_forward is set explicitly, a unit keeps its params after forward when it was the
 // last to run forward in the previous step and as many units ran before it this step as then
-// (the order looks the same), and gradients are on (a backward is coming). If the guess is
+// (the order looks the same), and gradients are on (a backward is coming; a block under activation
+// checkpointing runs its forward without them, and its recomputation gathers it again). The rule
+// is prefetch::keeps_params_after_forward (src/prefetch/keep_params.h). If the guess is
 // wrong, the params are simply freed later: by the unit's own backward, or at the end of
 // backward, or by its next forward. Peak memory is unchanged: the backward would gather the same
 // unit at that point.
 void ShardedUnit::post_forward() {
   // The root's backward starts right after its forward: unless told otherwise, keep its params
   // (saves one all-gather of the root per step). A recomputation inside backward (activation
-  // checkpointing) keeps them too: its backward follows at once.
+  // checkpointing) keeps them too: its backward follows at once. The rule is
+  // prefetch::keeps_params_after_forward, which the offload plan applies too.
   RootState& rs = root_state();
   const bool in_backward = rs.in_backward;
-  const bool by_default = !options_.reshard_after_forward_explicit;
-  const bool root_keeps = is_root() && by_default;
-  // See Note [The last unit keeps its params].
-  const auto& last_order = rs.order.predicted();
-  const bool last_keeps = by_default && c10::GradMode::is_enabled() && !last_order.empty() &&
-                          last_order.back() == this && rs.order.recorded().size() == last_order.size();
-  if (options_.reshard_after_forward && !root_keeps && !last_keeps && !in_backward) reshard();
+  const bool grad = c10::GradMode::is_enabled();
+  if (!in_backward && rs.step_trains) forward_had_grad_ = grad;
+  if (!prefetch::keeps_params_after_forward(forward_end(rs.order.ran_last(index_), grad, in_backward))) reshard();
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
   // Buffers changed by a training forward are synchronised at the end of backward, once the
   // graph that saved them is done (or by the next forward, if no backward comes).
@@ -217,11 +244,8 @@ void ShardedUnit::pre_backward() {
   }
   if (state_ != TrainingState::kPreBackward) backward_begin_ = std::chrono::steady_clock::now();
   unshard();
-  if (options_.prefetch_depth > 0) {
-    prefetch(backward_prefetch_.empty() ? rs.order.next_in_backward(this, options_.prefetch_depth)
-                                        : backward_prefetch_);
-  }
-  if (rs.disk_tier) read_ahead(rs.order.next_in_backward(this, options_.prefetch_depth + 1));
+  RootUnits units(rs);
+  prefetch::before_backward(rs.order, index_, explicit_targets(backward_prefetch_), prefetch_limits(), units);
   wait_for_unshard();
   for (auto& fp : flat_params_) fp->prepare_gradients();
   note_memory();

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -29,7 +30,9 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/options.h"
-#include "shard/execution_order.h"
+#include "prefetch/execution_order.h"
+#include "prefetch/keep_params.h"
+#include "prefetch/policy.h"
 #include "shard/flat_param.h"
 #include "shard/resolved_options.h"
 
@@ -58,7 +61,8 @@ struct RootState {
   bool callback_queued = false;
   bool in_backward = false;
   std::vector<FlatParam*> pending_reduces;  // reduce-scatters issued and not yet collected
-  ExecutionOrder order;
+  prefetch::ExecutionOrder order;           // of indices into `units`
+  bool step_trains = false;                 // the root's forward of this step ran with gradients on
   std::shared_ptr<Tracer> tracer;
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
@@ -74,6 +78,13 @@ struct RootState {
   std::function<void(FlatParam&)> on_gradient_reduced;
   bool recomputed = false;     // a forward ran inside this backward (activation checkpointing)
   bool buffers_dirty = false;  // a training forward ran since the buffers were last synchronised
+
+  // The units of a recorded order (indices into `units`).
+  std::vector<ShardedUnit*> units_in(const std::vector<prefetch::UnitIndex>& order) const {
+    std::vector<ShardedUnit*> out;
+    for (prefetch::UnitIndex i : order) out.push_back(units[i]);
+    return out;
+  }
 };
 
 class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
@@ -116,9 +127,18 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void wait_for_unshard();
   void reshard();
   bool is_gathered_or_gathering() const;
-  // Whether the unit keeps its params from forward to backward (no gather in backward), by its
-  // options; `last_in_forward`: it ran forward last (Note [The last unit keeps its params]).
-  bool keeps_params_after_forward(bool last_in_forward) const;
+  // Its index in the root's unit list (RootState::units): how the prefetch layer names it.
+  prefetch::UnitIndex index() const { return index_; }
+  // What prefetch::keeps_params_after_forward decides from, for this unit: `ran_last`, it ran
+  // forward last (ExecutionOrder::ran_last); `backward_follows`, gradients are on in its forward;
+  // `recomputing`, its forward runs inside backward.
+  prefetch::ForwardEnd forward_end(bool ran_last, bool backward_follows, bool recomputing) const;
+  // Whether the unit gathers again in backward in a training step like the last one (its forward
+  // with gradients on or off as then; `ran_last`: it runs forward last), by the same rule.
+  bool gathers_in_backward(bool ran_last) const;
+  // Whether its forward ran with gradients on in the last training step (true before any): off
+  // under activation checkpointing, whose recomputation gathers it again in backward.
+  bool forward_had_grad() const { return forward_had_grad_; }
   // Host bytes a read of this unit's disk-tier masters takes (0 without any).
   int64_t disk_master_bytes() const;
   // Explicit prefetch lists; when set they replace the recorded-order ones.
@@ -171,8 +191,10 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void sync_buffers();
   // sharded_unit.cpp
   void on_grad_ready(size_t flat_index);
-  void prefetch(const std::vector<ShardedUnit*>& targets);
-  void read_ahead(const std::vector<ShardedUnit*>& targets);
+  // An explicit prefetch list as indices in the root's unit list (units of other roots left out);
+  // none when the list is empty (the recorded order decides).
+  prefetch::ExplicitTargets explicit_targets(const std::vector<ShardedUnit*>& units) const;
+  prefetch::Limits prefetch_limits() const;
   void post_backward(size_t flat_index);
   void note_memory();
   void reset_after_backward();
@@ -199,6 +221,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 
   std::vector<ShardedUnit*> forward_prefetch_, backward_prefetch_;
   bool keep_forward_master_ = false;  // Note [Kept master reads]
+  bool forward_had_grad_ = true;      // see forward_had_grad()
   std::chrono::steady_clock::time_point forward_begin_, backward_begin_;
 
   std::string prefix_;
@@ -207,6 +230,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::string path_in_enclosing_;
   std::vector<TiedParam> tied_;
   ShardedUnit* root_ = nullptr;
+  prefetch::UnitIndex index_ = 0;  // in root_'s RootState::units
   std::unique_ptr<RootState> root_state_;
   TrainingState state_ = TrainingState::kIdle;
 };

@@ -415,6 +415,7 @@ void ShardedUnit::lazy_init() {
       unit->root_state_.reset();
       unit->prefix_ = item.key() + ".";
     }
+    unit->index_ = root_state_->units.size();
     root_state_->units.push_back(unit);
   }
   for (ShardedUnit* unit : root_state_->units) {

@@ -1,0 +1,50 @@
+// See policy.h.
+#include "prefetch/policy.h"
+
+namespace fsdp::prefetch {
+namespace {
+
+// Issues the all-gathers of `targets` that are not gathered yet, within the cap on units gathered
+// at once. Never waits: the target's own pre_forward / pre_backward waits.
+void gather(const std::vector<UnitIndex>& targets, UnitIndex self, int max_unsharded_units, Units& units) {
+  for (UnitIndex target : targets) {
+    if (target == self || units.gathered_or_gathering(target)) continue;
+    if (max_unsharded_units > 0) {
+      int alive = 0;
+      for (UnitIndex u = 0; u < units.count(); ++u) alive += units.gathered_or_gathering(u) ? 1 : 0;
+      if (alive >= max_unsharded_units) return;
+    }
+    units.gather(target);
+  }
+}
+
+// Starts the disk reads of the master shards `targets` will gather (one unit beyond the
+// prefetched ones, so that each all-gather finds its input read): Note [Disk tier I/O threads].
+void read_ahead(const std::vector<UnitIndex>& targets, UnitIndex self, Units& units) {
+  for (UnitIndex target : targets) {
+    if (target == self || units.gathered_or_gathering(target)) continue;
+    units.read_ahead(target);
+  }
+}
+
+}  // namespace
+
+void before_forward(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets,
+                    const Limits& limits, Units& units) {
+  if (limits.prefetch_depth > 0) {
+    gather(explicit_targets ? *explicit_targets : order.next_in_forward(self, limits.prefetch_depth), self,
+           limits.max_unsharded_units, units);
+  }
+  if (limits.read_ahead) read_ahead(order.next_in_forward(self, limits.prefetch_depth + 1), self, units);
+}
+
+void before_backward(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets,
+                     const Limits& limits, Units& units) {
+  if (limits.prefetch_depth > 0) {
+    gather(explicit_targets ? *explicit_targets : order.next_in_backward(self, limits.prefetch_depth), self,
+           limits.max_unsharded_units, units);
+  }
+  if (limits.read_ahead) read_ahead(order.next_in_backward(self, limits.prefetch_depth + 1), self, units);
+}
+
+}  // namespace fsdp::prefetch
