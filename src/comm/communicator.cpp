@@ -100,9 +100,9 @@ struct CommHandle::Pending {
   std::shared_ptr<StatsBox> stats;
   std::shared_ptr<Tracer> tracer;
   std::string tag;
-  uint64_t bytes = 0;  // payload bytes of this rank's input (for the order check)
-  int dtype = -1;      // at::ScalarType of the payload; -1 for none
-  std::string lane;    // "comm <group>"
+  uint64_t bytes = 0;   // payload bytes of this rank's input (for the order check)
+  int dtype = -1;       // at::ScalarType of the payload; -1 for none
+  std::string lane;     // "comm <group>"
   bool verify = false;  // Communicator::verify_collectives: the queue's identity check, no payload
   Clock::time_point issued;
   std::shared_ptr<DeviceOrder> order;  // device collectives on a worker thread only

@@ -10,9 +10,9 @@
 // budget has room (so the disk reads on while the jobs ahead of it step), and queues the job.
 // The optimizer's thread only runs the job (the optimizer's step_shard over the master and state,
 // streamed through the disk tier's I/O threads, and the working copy's refresh), touching nothing
-// the training thread uses until step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds back the
-// backward instead of piling up kept masters and gradient copies. Every job is the same
-// arithmetic on the same values as step() after backward, so the result is bitwise the same.
+// the training thread uses until step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds
+// back the backward instead of piling up kept masters and gradient copies. Every job is the same arithmetic on the same
+// values as step() after backward, so the result is bitwise the same.
 #include <c10/core/GradMode.h>
 
 #include <exception>
@@ -67,8 +67,9 @@ void ShardedOptimizer::step_in_backward(bool on) {
                       "fsdp::AdamW or fsdp::SGD, or step after backward");
   }
   if (rs.on_gradient_reduced) {
-    throw ConfigError("fsdp: another optimizer already steps this model in backward (step_in_backward): one "
-                      "optimizer per model can");
+    throw ConfigError(
+        "fsdp: another optimizer already steps this model in backward (step_in_backward): one "
+        "optimizer per model can");
   }
   if (rs.in_backward) {
     throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
