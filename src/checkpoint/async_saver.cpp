@@ -1,21 +1,19 @@
 // AsyncSaver: snapshot on the caller's thread, write on a background thread, one save in flight.
 // The background save talks over its own communicator (Dist::side_group("checkpoint")), so its
 // agreement collectives never interleave with training's collectives.
-#include <atomic>
-#include <condition_variable>
 #include <exception>
-#include <mutex>
-#include <thread>
 
+#include "base/worker_queue.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 
 namespace fsdp::checkpoint {
 
 struct AsyncSaver::Impl {
-  std::thread worker;
-  std::exception_ptr error;
-  std::atomic<bool> running{false};
+  // The saver's thread, started by the first save. A job's snapshot is released before the save
+  // counts as finished; its error waits for wait().
+  base::WorkerQueue<std::shared_ptr<SaveJob>> queue{
+      [](std::shared_ptr<SaveJob>& job, const base::Turn&) { run_save(*job); }};
   int64_t snapshot_bytes = 0;
 };
 
@@ -45,29 +43,16 @@ void AsyncSaver::save(const std::string& root_dir, const std::string& name, FSDP
   wait();  // one save in flight: memory stays bounded by one snapshot
   auto job = std::make_shared<SaveJob>(make_save_job(root_dir, name, root, optimizer, state, options, /*copy=*/true));
   impl_->snapshot_bytes = bytes_of(job->data);
-  impl_->running = true;
-  impl_->worker = std::thread([this, job]() mutable {
-    try {
-      run_save(*job);
-    } catch (...) {
-      impl_->error = std::current_exception();
-    }
-    job.reset();  // the snapshot goes before the save counts as finished
-    impl_->running = false;
-  });
+  impl_->queue.submit(std::move(job));
 }
 
-bool AsyncSaver::in_flight() const { return impl_->running; }
+bool AsyncSaver::in_flight() const { return impl_->queue.busy(); }
 
 int64_t AsyncSaver::snapshot_bytes() const { return impl_->snapshot_bytes; }
 
 void AsyncSaver::wait() {
-  if (impl_->worker.joinable()) impl_->worker.join();
-  if (impl_->error) {
-    auto e = impl_->error;
-    impl_->error = nullptr;
-    std::rethrow_exception(e);
-  }
+  impl_->queue.wait_idle();
+  if (std::exception_ptr e = impl_->queue.take_error()) std::rethrow_exception(e);
 }
 
 }  // namespace fsdp::checkpoint

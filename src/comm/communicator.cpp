@@ -1,12 +1,12 @@
 // Communicator: ordered asynchronous collectives with counters and bounded waits.
 //
 // Note [One ordered queue per communicator]
-// Every collective on a communicator runs on that communicator's single worker thread, in issue
-// order. Ranks that issue the same sequence of collectives therefore run them in the same order,
-// whatever thread issued them, and a collective can be issued (e.g. a prefetch or a gradient
-// reduce-scatter) without blocking the caller. After a failure the communicator is broken: every
-// later collective fails at once with the first error, so no rank runs on with a half-finished
-// exchange.
+// Every collective on a communicator runs on that communicator's single worker thread (a
+// base::WorkerQueue, Note [Worker queues]), in issue order. Ranks that issue the same sequence of
+// collectives therefore run them in the same order, whatever thread issued them, and a collective
+// can be issued (e.g. a prefetch or a gradient reduce-scatter) without blocking the caller. After
+// a failure the communicator is broken: every later collective fails at once with the first
+// error, so no rank runs on with a half-finished exchange.
 //
 // Note [Collective-order check]
 // Ranks must issue collectives in the same order; a rank that skips or reorders one either hangs
@@ -23,16 +23,15 @@
 #include "fsdp/comm.h"
 
 #include <condition_variable>
-#include <deque>
 #include <mutex>
 #include <sstream>
-#include <thread>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "base/worker_queue.h"
 #include "comm/communicator_impl.h"
 #include "comm/id_check.h"
 #include "comm/order_check.h"
@@ -101,9 +100,9 @@ struct CommHandle::Pending {
   std::shared_ptr<StatsBox> stats;
   std::shared_ptr<Tracer> tracer;
   std::string tag;
-  uint64_t bytes = 0;  // payload bytes of this rank's input (for the order check)
-  int dtype = -1;      // at::ScalarType of the payload; -1 for none
-  std::string lane;    // "comm <group>"
+  uint64_t bytes = 0;   // payload bytes of this rank's input (for the order check)
+  int dtype = -1;       // at::ScalarType of the payload; -1 for none
+  std::string lane;     // "comm <group>"
   bool verify = false;  // Communicator::verify_collectives: the queue's identity check, no payload
   Clock::time_point issued;
   std::shared_ptr<DeviceOrder> order;  // device collectives on a worker thread only
@@ -154,19 +153,16 @@ class Communicator::Impl {
   int rank;
   int size;
 
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::shared_ptr<PendingCollective>> queue;
-  bool stopping = false;
-  std::string first_error;  // non-empty once broken
+  // The ordered queue: one lane, its first error is the communicator's (every later collective
+  // fails with it); stopping fails what is still queued. Its lock also guards `tracer`.
+  base::WorkerQueue<std::shared_ptr<PendingCollective>> queue{
+      [this](std::shared_ptr<PendingCollective>& p, const base::Turn& turn) { run_queued(*p, turn); }};
   std::shared_ptr<StatsBox> stats = std::make_shared<StatsBox>();
   std::shared_ptr<Tracer> tracer;
 
  private:
   void run_now(PendingCollective& p);
-  void worker_loop();
-  void note_first_error(const std::exception_ptr& error);
-  std::shared_ptr<PendingCollective> next(std::string& broken);
+  void run_queued(PendingCollective& p, const base::Turn& turn);
   std::exception_ptr run(PendingCollective& p, int64_t seq, OpStats& delta);
   void run_on_device_stream(PendingCollective& p, OpStats& delta);
   std::exception_ptr failure(const PendingCollective& p);
@@ -175,7 +171,6 @@ class Communicator::Impl {
   int64_t next_seq = 0;                      // collectives run so far (worker thread only)
   std::optional<QueueIdCheck> queue_check;   // Note [Identity check in the queue] (worker only)
   std::optional<c10::Stream> device_stream;  // the worker's stream for device collectives
-  std::thread worker;
 };
 
 CommHandle::CommHandle(std::shared_ptr<Pending> pending) : pending_(std::move(pending)) {}
@@ -231,74 +226,42 @@ Communicator::Impl::Impl(std::unique_ptr<Transport> transport_in, CommunicatorOp
   if (size > 1 && (ids == IdCheck::kQueue || (ids == IdCheck::kAuto && !transport->carries_ids()))) {
     queue_check.emplace(rank, size, options.name, options.id_check_every);
   }
-  if (size > 1) worker = std::thread([this] { worker_loop(); });
+  if (size > 1) queue.start();
 }
 
-Communicator::Impl::~Impl() {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    stopping = true;
+// The queue's thread stops once it has failed what is still queued (run_queued).
+Communicator::Impl::~Impl() { queue.stop(base::OnStop::kDrain); }
+
+// One collective on the worker thread. It must not run after the communicator's first error, nor
+// once the communicator is being destroyed: it fails saying why.
+void Communicator::Impl::run_queued(PendingCollective& p, const base::Turn& turn) {
+  if (turn.first_error || turn.stopping) {
+    const std::string broken = turn.first_error ? base::error_text(turn.first_error) : "the communicator was destroyed";
+    p.finish(std::make_exception_ptr(DistError("fsdp: " + p.description + " not run: group '" + options.name +
+                                               "' is unusable after an earlier failure: " + broken)));
+    return;
   }
-  cv.notify_all();
-  if (worker.joinable()) worker.join();
-}
-
-void Communicator::Impl::worker_loop() {
-  for (;;) {
-    std::string broken;
-    std::shared_ptr<PendingCollective> p = next(broken);
-    if (!p) return;
-    if (!broken.empty()) {
-      p->finish(std::make_exception_ptr(DistError("fsdp: " + p->description + " not run: group '" + options.name +
-                                                  "' is unusable after an earlier failure: " + broken)));
-      continue;
+  if (p.verify) {
+    std::exception_ptr error;
+    try {
+      if (queue_check) queue_check->check(*transport, next_seq);
+    } catch (...) {
+      error = failure(p);
+      queue.keep_error(error);
     }
-    if (p->verify) {
-      std::exception_ptr error;
-      try {
-        if (queue_check) queue_check->check(*transport, next_seq);
-      } catch (...) {
-        error = failure(*p);
-        note_first_error(error);
-      }
-      p->finish(error);
-      continue;
-    }
-    OpStats delta;
-    const auto t0 = Clock::now();
-    const int64_t seq = next_seq++;
-    std::exception_ptr error = run(*p, seq, delta);
-    delta.calls = 1;
-    delta.busy_s = seconds_since(t0);
-    if (p->tracer)
-      p->tracer->span(std::string("fsdp::") + collective_name(p->kind), p->lane, p->issued, Clock::now(), p->tag);
-    add_stats(p->kind, delta);
-    if (error) note_first_error(error);
-    p->finish(error);
+    p.finish(error);
+    return;
   }
-}
-
-void Communicator::Impl::note_first_error(const std::exception_ptr& error) {
-  std::lock_guard<std::mutex> lock(mu);
-  if (!first_error.empty()) return;
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    first_error = e.what();
-  }
-}
-
-// The next collective to run, or nullptr once stopping with nothing queued. `broken` gets why it
-// must not run: the communicator's first error, or its destruction.
-std::shared_ptr<PendingCollective> Communicator::Impl::next(std::string& broken) {
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return stopping || !queue.empty(); });
-  if (queue.empty()) return nullptr;
-  auto p = queue.front();
-  queue.pop_front();
-  broken = first_error;
-  if (stopping && broken.empty()) broken = "the communicator was destroyed";
-  return p;
+  OpStats delta;
+  const auto t0 = Clock::now();
+  const int64_t seq = next_seq++;
+  std::exception_ptr error = run(p, seq, delta);
+  delta.calls = 1;
+  delta.busy_s = seconds_since(t0);
+  if (p.tracer) p.tracer->span(std::string("fsdp::") + collective_name(p.kind), p.lane, p.issued, Clock::now(), p.tag);
+  add_stats(p.kind, delta);
+  if (error) queue.keep_error(error);
+  p.finish(error);
 }
 
 // Runs one collective on the worker thread; returns its error, worded for the caller.
@@ -413,13 +376,7 @@ std::shared_ptr<PendingCollective> Communicator::Impl::enqueue(CollectiveKind ki
   return p;
 }
 
-void Communicator::Impl::push(const std::shared_ptr<PendingCollective>& p) {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    queue.push_back(p);
-  }
-  cv.notify_all();
-}
+void Communicator::Impl::push(const std::shared_ptr<PendingCollective>& p) { queue.submit(p); }
 
 // A new pending collective with everything but its body: names, counters, tracer.
 std::shared_ptr<PendingCollective> Communicator::Impl::describe(CollectiveKind kind, const std::string& tag,
@@ -440,7 +397,7 @@ std::shared_ptr<PendingCollective> Communicator::Impl::describe(CollectiveKind k
   }
   p->issued = Clock::now();
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = queue.lock();
     p->tracer = tracer;
   }
   if (p->tracer) p->lane = "comm " + options.name;
@@ -581,7 +538,7 @@ CommStats Communicator::stats() const {
 }
 
 void Communicator::set_tracer(std::shared_ptr<Tracer> tracer) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto lock = impl_->queue.lock();
   impl_->tracer = std::move(tracer);
 }
 

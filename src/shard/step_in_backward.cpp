@@ -10,18 +10,15 @@
 // budget has room (so the disk reads on while the jobs ahead of it step), and queues the job.
 // The optimizer's thread only runs the job (the optimizer's step_shard over the master and state,
 // streamed through the disk tier's I/O threads, and the working copy's refresh), touching nothing
-// the training thread uses until step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds back the
-// backward instead of piling up kept masters and gradient copies. Every job is the same
-// arithmetic on the same values as step() after backward, so the result is bitwise the same.
+// the training thread uses until step() or zero_grad() waits for it. At most kMaxQueued jobs wait, so a slow disk holds
+// back the backward instead of piling up kept masters and gradient copies. Every job is the same arithmetic on the same
+// values as step() after backward, so the result is bitwise the same.
 #include <c10/core/GradMode.h>
 
-#include <condition_variable>
-#include <deque>
 #include <exception>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 
+#include "base/worker_queue.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim.h"
 #include "fsdp/trace.h"
@@ -42,60 +39,18 @@ struct ShardedOptimizer::InBackward {
   std::vector<char> stepped;                           // per state: handed over since the last step()
   bool reserved = false;                               // offloaded state reserved this step
 
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<Entry> queue;
-  bool running = false;
-  bool stopping = false;
-  std::exception_ptr error;  // the first job that failed; later ones are dropped
-  std::thread worker;
+  // The optimizer's thread: after the first job that fails the later ones are dropped unrun, and
+  // the error waits for step() (take_error). Stopping runs what is queued.
+  base::WorkerQueue<Entry> queue{[](Entry& e, const base::Turn&) { run(e); }, base::AfterError::kDrop};
 
-  void run() {
+  static void run(Entry& e) {
     c10::NoGradGuard no_grad;
-    for (;;) {
-      Entry e;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stopping || !queue.empty(); });
-        if (queue.empty()) return;
-        e = std::move(queue.front());
-        queue.pop_front();
-        running = error == nullptr;
-      }
-      if (running) {
-        try {
-          Tracer::Scope span(e.tracer, "fsdp::step_in_backward", "optimizer", e.job.state->tag);
-          std::vector<offload::StepJob> one;
-          one.push_back(std::move(e.job));
-          // Its writes stay queued (step() flushes them) and the reads issued for later gathers
-          // stay valid: they are of flat params this job does not touch.
-          offload::run_step(one, e.tracer, {/*flush=*/false, /*bump_generation=*/false});
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (!error) error = std::current_exception();
-        }
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        running = false;
-      }
-      cv.notify_all();
-    }
-  }
-
-  void wait_idle() {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return queue.empty() && !running; });
-  }
-
-  // Runs what is queued, then ends the thread.
-  void stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      stopping = true;
-    }
-    cv.notify_all();
-    worker.join();
+    Tracer::Scope span(e.tracer, "fsdp::step_in_backward", "optimizer", e.job.state->tag);
+    std::vector<offload::StepJob> one;
+    one.push_back(std::move(e.job));
+    // Its writes stay queued (step() flushes them) and the reads issued for later gathers stay
+    // valid: they are of flat params this job does not touch.
+    offload::run_step(one, e.tracer, {/*flush=*/false, /*bump_generation=*/false});
   }
 };
 
@@ -112,8 +67,9 @@ void ShardedOptimizer::step_in_backward(bool on) {
                       "fsdp::AdamW or fsdp::SGD, or step after backward");
   }
   if (rs.on_gradient_reduced) {
-    throw ConfigError("fsdp: another optimizer already steps this model in backward (step_in_backward): one "
-                      "optimizer per model can");
+    throw ConfigError(
+        "fsdp: another optimizer already steps this model in backward (step_in_backward): one "
+        "optimizer per model can");
   }
   if (rs.in_backward) {
     throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
@@ -121,26 +77,25 @@ void ShardedOptimizer::step_in_backward(bool on) {
   auto ib = std::make_shared<InBackward>();
   for (size_t i = 0; i < states_.size(); ++i) ib->index[&flat_of(states_[i])] = i;
   ib->stepped.assign(states_.size(), 0);
-  InBackward* raw = ib.get();
-  ib->worker = std::thread([raw] { raw->run(); });
+  ib->queue.start();
   in_backward_ = std::move(ib);
   rs.on_gradient_reduced = [this](FlatParam& flat) { hand_over(flat); };
 }
 
 void ShardedOptimizer::stop_step_in_backward() {
   InBackward& ib = *in_backward_;
-  ib.wait_idle();
+  ib.queue.wait_idle();
   for (char s : ib.stepped) {
     if (s) throw UsageError("fsdp: step_in_backward turned off between a backward and its step(); call step() first");
   }
-  ib.stop();
+  ib.queue.stop(base::OnStop::kDrain);
   unit_of(*root_).root_state().on_gradient_reduced = nullptr;
   in_backward_.reset();
 }
 
 ShardedOptimizer::~ShardedOptimizer() {
   if (!in_backward_) return;
-  in_backward_->stop();
+  in_backward_->queue.stop(base::OnStop::kDrain);
   unit_of(*root_).root_state().on_gradient_reduced = nullptr;
 }
 
@@ -156,10 +111,7 @@ void ShardedOptimizer::hand_over(FlatParam& flat) {
                      " was reduced again before step(): call step() after every backward that reduces gradients, "
                      "and accumulate micro-batches with set_requires_gradient_sync(false) on all but the last");
   }
-  {
-    std::lock_guard<std::mutex> lock(ib.mu);
-    if (ib.error) return;  // step() reports it; nothing more steps
-  }
+  if (ib.queue.error()) return;  // step() reports it; nothing more steps
   c10::NoGradGuard no_grad;
   at::Tensor grad = flat.optimizer_grad();
   if (!grad.defined()) return;
@@ -175,17 +127,12 @@ void ShardedOptimizer::hand_over(FlatParam& flat) {
   e.tracer = unit_of(*root_).tracer();
   offload::prefetch_first_chunk(e.job);  // the disk reads on while the jobs ahead of it step
   ib.stepped[i] = 1;
-  {
-    std::unique_lock<std::mutex> lock(ib.mu);
-    ib.cv.wait(lock, [&] { return ib.queue.size() < kMaxQueued || ib.error; });
-    ib.queue.push_back(std::move(e));
-  }
-  ib.cv.notify_all();
+  ib.queue.submit_bounded(std::move(e), kMaxQueued);
 }
 
 void ShardedOptimizer::wait_for_backward_steps() {
   Tracer::Scope span(unit_of(*root_).tracer(), "fsdp::step_in_backward_wait", "compute", "<all>");
-  in_backward_->wait_idle();
+  in_backward_->queue.wait_idle();
 }
 
 // step() with step_in_backward on: what the backward handed over is stepped or being stepped;
@@ -198,12 +145,7 @@ void ShardedOptimizer::finish_step_in_backward(Tracer* tracer) {
   std::swap(stepped, ib.stepped);
   const bool reserved = ib.reserved;
   ib.reserved = false;
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(ib.mu);
-    std::swap(error, ib.error);
-  }
-  if (error) std::rethrow_exception(error);
+  if (std::exception_ptr error = ib.queue.take_error()) std::rethrow_exception(error);
   if (!reserved) reserve_offloaded_state();
   std::vector<offload::StepJob> jobs;
   for (size_t i = states_.size(); i-- > 0;) {

@@ -29,6 +29,7 @@ struct IoJob {
   int64_t capacity = 0;  // bytes usable at buffer.data_ptr() (whole pages for direct transfers)
   std::string what;
   uint64_t seq = 0;
+  std::shared_ptr<Tracer> tracer;  // the tier's when the job was taken
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -169,28 +170,20 @@ IoTicket DiskTier::write_async(const at::Tensor& t, int64_t begin, const at::Ten
 }
 
 IoTicket DiskTier::submit(std::shared_ptr<IoJob> job) {
-  std::lock_guard<std::mutex> lock(io_mu_);
-  if (!first_error_.empty()) throw OffloadError(first_error_);
+  auto lock = io_.lock();
+  if (std::exception_ptr e = io_.error_locked()) std::rethrow_exception(e);
   job->seq = ++seq_;
   ++active_[job->m];
-  if (job->write) {
-    writes_pending_.insert(job.get());
-    writes_.push_back(job);
-  } else {
-    reads_.push_back(job);
-  }
-  if (!reader_.joinable()) {
-    reader_ = std::thread([this] { run_io(false); });
-    writer_ = std::thread([this] { run_io(true); });
-  }
-  io_cv_.notify_all();
+  if (job->write) writes_pending_.insert(job.get());
+  io_.submit_locked(job, job->write ? kWriteLane : kReadLane);
+  io_.notify();
   return IoTicket(std::move(job));
 }
 
 // ---- the threads
 
 void DiskTier::wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock) {
-  io_cv_.wait(lock, [&] {
+  io_.wait(lock, [&] {
     for (const IoJob* w : writes_pending_) {
       if (w->m == job.m && w->seq < job.seq && w->offset < job.offset + job.bytes &&
           job.offset < w->offset + w->bytes) {
@@ -201,45 +194,39 @@ void DiskTier::wait_for_overlapping_writes(const IoJob& job, std::unique_lock<st
   });
 }
 
-void DiskTier::run_io(bool writes) {
-  auto& queue = writes ? writes_ : reads_;
-  for (;;) {
-    std::shared_ptr<IoJob> job;
-    std::shared_ptr<Tracer> tracer;
-    {
-      std::unique_lock<std::mutex> lock(io_mu_);
-      tracer = tracer_;
-      io_cv_.wait(lock, [&] { return stopping_ || !queue.empty(); });
-      if (queue.empty()) return;  // stopping, nothing left
-      job = queue.front();
-      queue.pop_front();
-      if (!job->write) wait_for_overlapping_writes(*job, lock);
-    }
-    const auto begin = std::chrono::steady_clock::now();
-    transfer(*job);
-    if (tracer) {
-      tracer->span(writes ? "fsdp::disk_write" : "fsdp::disk_read", writes ? "disk write" : "disk read", begin,
-                   std::chrono::steady_clock::now(), job->what);
-    }
-    const int64_t moved = direct_length(*job) > 0 ? whole_pages(job->bytes) : job->bytes;
-    if (writes) job->buffer = at::Tensor();  // the budget gets the bytes back now
-    {
-      std::lock_guard<std::mutex> lock(io_mu_);
-      if (writes) writes_pending_.erase(job.get());
-      if (--active_[job->m] == 0) active_.erase(job->m);
-      if (!job->error.empty() && first_error_.empty()) first_error_ = job->error;
-      if (job->error.empty()) {
-        (writes ? counters_.bytes_written : counters_.bytes_read) += moved;
-        ++(writes ? counters_.writes : counters_.reads);
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(job->mu);
-      job->done = true;
-    }
-    job->cv.notify_all();
-    io_cv_.notify_all();
+// Under the lock, as a job is taken: a read first waits for the queued writes it overlaps.
+void DiskTier::take_io(const std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock) {
+  job->tracer = tracer_;
+  if (lane == kReadLane) wait_for_overlapping_writes(*job, lock);
+}
+
+void DiskTier::run_io(const std::shared_ptr<IoJob>& job, int lane) {
+  const bool writes = lane == kWriteLane;
+  const auto begin = std::chrono::steady_clock::now();
+  transfer(*job);
+  if (job->tracer) {
+    job->tracer->span(writes ? "fsdp::disk_write" : "fsdp::disk_read", writes ? "disk write" : "disk read", begin,
+                      std::chrono::steady_clock::now(), job->what);
   }
+  const int64_t moved = direct_length(*job) > 0 ? whole_pages(job->bytes) : job->bytes;
+  if (writes) job->buffer = at::Tensor();  // the budget gets the bytes back now
+  {
+    auto lock = io_.lock();
+    if (writes) writes_pending_.erase(job.get());
+    if (--active_[job->m] == 0) active_.erase(job->m);
+    if (!job->error.empty() && !io_.error_locked())
+      io_.keep_error_locked(std::make_exception_ptr(OffloadError(job->error)));
+    if (job->error.empty()) {
+      (writes ? counters_.bytes_written : counters_.bytes_read) += moved;
+      ++(writes ? counters_.writes : counters_.reads);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(job->mu);
+    job->done = true;
+  }
+  job->cv.notify_all();
+  // The queue notifies its waiters (flush, wait_for_buffers, wait_for_transfers) after the job.
 }
 
 void DiskTier::transfer(IoJob& job) {
@@ -267,44 +254,36 @@ void DiskTier::transfer(IoJob& job) {
 }
 
 void DiskTier::flush() {
-  std::unique_lock<std::mutex> lock(io_mu_);
-  io_cv_.wait(lock, [&] { return writes_pending_.empty(); });
-  if (!first_error_.empty()) throw OffloadError(first_error_);
+  auto lock = io_.lock();
+  io_.wait(lock, [&] { return writes_pending_.empty(); });
+  if (std::exception_ptr e = io_.error_locked()) std::rethrow_exception(e);
 }
 
 void DiskTier::wait_for_buffers(int64_t bytes) {
   if (budget_bytes_ <= 0) return;
-  std::unique_lock<std::mutex> lock(io_mu_);
-  io_cv_.wait(lock, [&] { return buffered_->load() + bytes <= budget_bytes_ || writes_pending_.empty(); });
+  auto lock = io_.lock();
+  io_.wait(lock, [&] { return buffered_->load() + bytes <= budget_bytes_ || writes_pending_.empty(); });
 }
 
 void DiskTier::wait_for_transfers(Mapping* m) {
-  std::unique_lock<std::mutex> lock(io_mu_);
-  io_cv_.wait(lock, [&] { return active_.count(m) == 0; });
+  auto lock = io_.lock();
+  io_.wait(lock, [&] { return active_.count(m) == 0; });
 }
 
-void DiskTier::stop_io() {
-  {
-    std::lock_guard<std::mutex> lock(io_mu_);
-    stopping_ = true;
-  }
-  io_cv_.notify_all();
-  if (reader_.joinable()) reader_.join();
-  if (writer_.joinable()) writer_.join();
-}
+void DiskTier::stop_io() { io_.stop(base::OnStop::kDrain); }
 
 IoCounters DiskTier::io_counters() const {
-  std::lock_guard<std::mutex> lock(io_mu_);
+  auto lock = io_.lock();
   return counters_;
 }
 
 void DiskTier::set_tracer(std::shared_ptr<Tracer> tracer) {
-  std::lock_guard<std::mutex> lock(io_mu_);
+  auto lock = io_.lock();
   tracer_ = std::move(tracer);
 }
 
 Tracer* DiskTier::tracer() const {
-  std::lock_guard<std::mutex> lock(io_mu_);
+  auto lock = io_.lock();
   return tracer_.get();
 }
 

@@ -28,18 +28,17 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 
 #include <ATen/core/Tensor.h>
+
+#include "base/worker_queue.h"
 
 namespace fsdp {
 class Tracer;
@@ -159,7 +158,8 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   IoTicket submit(std::shared_ptr<IoJob> job);
   void wait_for_transfers(Mapping* m);  // until no transfer of m's file is queued or running
   void stop_io();
-  void run_io(bool writes);
+  void take_io(const std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock);
+  void run_io(const std::shared_ptr<IoJob>& job, int lane);
   void transfer(IoJob& job);
   void wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock);
 
@@ -171,15 +171,9 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   mutable std::mutex mu_;
   std::set<Mapping*> mappings_;
 
-  // I/O threads: started by the first transfer, stopped by the destructor.
-  mutable std::mutex io_mu_;
-  std::condition_variable io_cv_;
-  std::deque<std::shared_ptr<IoJob>> reads_, writes_;
+  // Under io_'s lock (Note [Worker queues]): the I/O bookkeeping its threads and callers share.
   std::set<IoJob*> writes_pending_;  // queued or running
   std::map<Mapping*, int> active_;   // transfers queued or running, per file
-  std::thread reader_, writer_;
-  bool stopping_ = false;
-  std::string first_error_;
   IoCounters counters_;
   uint64_t seq_ = 0;
   std::shared_ptr<std::atomic<int64_t>> buffered_ = std::make_shared<std::atomic<int64_t>>(0);
@@ -187,6 +181,15 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   std::atomic<uint64_t> generation_{0};
   std::shared_ptr<Tracer> tracer_;
   std::function<at::Tensor(int64_t)> host_alloc_;
+
+  // The I/O threads, two lanes of one queue (reads, writes): started by the first transfer,
+  // stopped by the destructor once what is queued has run. Its first error is the first failed
+  // transfer's; later transfers still run, new ones are refused.
+  static constexpr int kReadLane = 0, kWriteLane = 1;
+  base::WorkerQueue<std::shared_ptr<IoJob>> io_{
+      [this](std::shared_ptr<IoJob>& job, const base::Turn& turn) { run_io(job, turn.lane); }, base::AfterError::kRun,
+      2,
+      [this](std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock) { take_io(job, lane, lock); }};
 };
 
 // `bytes` rounded up to whole 4 KiB pages: what a host buffer of the tier and a direct transfer take.
