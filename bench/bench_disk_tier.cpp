@@ -37,7 +37,7 @@ struct Options {
 struct Result {
   std::vector<double> step_s;
   std::vector<double> losses;  // the last round's
-  fsdp::OffloadIo io;  // summed over the measured steps
+  fsdp::OffloadIo io;          // summed over the measured steps
   int64_t measured = 0;
   fsdp::OffloadPlan plan;
   int64_t state_bytes = 0;  // master + AdamW state on this rank
@@ -177,21 +177,21 @@ int main(int argc, char** argv) {
       auto v = all.narrow(0, kFields * r, kFields);
       const double moved = v[2].item<double>() + v[3].item<double>();
       const double memory_best = std::min(v[0].item<double>(), v[7].item<double>());
-      out["ranks"].push_back({{"memory_step_s", v[0].item<double>()},
-                              {"memory_in_backward_step_s", v[7].item<double>()},
-                              {"disk_after_backward_step_s", v[8].item<double>()},
-                              {"disk_step_s", v[1].item<double>()},
-                              {"ratio", v[1].item<double>() / memory_best},
-                              {"ratio_after_backward", v[8].item<double>() / v[0].item<double>()},
-                              {"moved_after_backward_over_state_read_and_written",
-                               v[9].item<double>() / (2 * v[4].item<double>())},
-                              {"disk_read_per_step", v[2].item<double>()},
-                              {"disk_write_per_step", v[3].item<double>()},
-                              {"state_bytes", v[4].item<double>()},
-                              {"moved_over_state_read_and_written", moved / (2 * v[4].item<double>())},
-                              {"planned_read_per_step", v[5].item<double>()},
-                              {"planned_write_per_step", v[6].item<double>()},
-                              {"moved_over_plan", moved / (v[5].item<double>() + v[6].item<double>())}});
+      out["ranks"].push_back(
+          {{"memory_step_s", v[0].item<double>()},
+           {"memory_in_backward_step_s", v[7].item<double>()},
+           {"disk_after_backward_step_s", v[8].item<double>()},
+           {"disk_step_s", v[1].item<double>()},
+           {"ratio", v[1].item<double>() / memory_best},
+           {"ratio_after_backward", v[8].item<double>() / v[0].item<double>()},
+           {"moved_after_backward_over_state_read_and_written", v[9].item<double>() / (2 * v[4].item<double>())},
+           {"disk_read_per_step", v[2].item<double>()},
+           {"disk_write_per_step", v[3].item<double>()},
+           {"state_bytes", v[4].item<double>()},
+           {"moved_over_state_read_and_written", moved / (2 * v[4].item<double>())},
+           {"planned_read_per_step", v[5].item<double>()},
+           {"planned_write_per_step", v[6].item<double>()},
+           {"moved_over_plan", moved / (v[5].item<double>() + v[6].item<double>())}});
     }
     std::printf("%s\n", out.dump().c_str());
   }

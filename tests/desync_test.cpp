@@ -224,7 +224,8 @@ TEST(DesyncFraming, AForgedSlotIsRefusedBeforeItsBytesAreUsed) {
   sender->write(data.data(), 64, WireId::of(forged), deadline);
   bool consumed = false;
   try {
-    receiver->read(64, WireId::of(id), [&](const void*) { consumed = true; }, deadline);
+    receiver->read(
+        64, WireId::of(id), [&](const void*) { consumed = true; }, deadline);
     ADD_FAILURE() << "a forged slot was read";
   } catch (const CollectiveMismatch& e) {
     expect_has(e.what(), "1125899906842624 bytes");
@@ -255,7 +256,8 @@ TEST(DesyncFraming, ClosedChannelCarriesTheReason) {
   receiver->unlink();
   sender->close("rank 1 failed: collective mismatch: ...");
   try {
-    receiver->read(4, WireId{}, [](const void*) {}, Clock::now() + 2s);
+    receiver->read(
+        4, WireId{}, [](const void*) {}, Clock::now() + 2s);
     ADD_FAILURE() << "read a closed channel";
   } catch (const PeerError& e) {
     expect_has(e.what(), "the channel was closed");

@@ -40,8 +40,8 @@ using Job = testing::ShardedModel;
 struct Case {
   std::string name;
   std::optional<OffloadPolicy> offload;
-  bool sgd = false;    // SGD with momentum and Nesterov instead of AdamW
-  int64_t accum = 1;   // micro-batches per step, all but the last without gradient sync
+  bool sgd = false;   // SGD with momentum and Nesterov instead of AdamW
+  int64_t accum = 1;  // micro-batches per step, all but the last without gradient sync
 };
 
 // A block holds ~41k params: ~20k per rank, several chunks of the budgets below.
@@ -201,8 +201,8 @@ TEST(StepInBackward, DiskTierReadsTheMasterOnceLessAsPlanned) {
       constexpr int kSteps = 3;
       for (int s = 1; s <= kSteps; ++s) train_step(j, *j.optim, c, s, dist.rank());
       const auto got = (offload_io(*j.root) - before).per_step(kSteps);
-      const std::string what = std::string(run.in_backward ? "in backward" : "after backward") + ", budget " +
-                               std::to_string(run.budget);
+      const std::string what =
+          std::string(run.in_backward ? "in backward" : "after backward") + ", budget " + std::to_string(run.budget);
       EXPECT_LE(std::abs(static_cast<double>(got.disk_read - plan.per_step.disk_read)),
                 0.1 * static_cast<double>(plan.per_step.disk_read))
           << what << ": planned " << plan.per_step.disk_read << " read " << got.disk_read;
@@ -247,8 +247,8 @@ TEST(StepInBackward, RefusesWhatItCannotHonour) {
     const Case setup{"plain", std::nullopt};
     const int rank = dist.rank();
     // Clipping needs every gradient before any is applied.
-    std::string e = error_of<UsageError>(
-        [&] { train_step(j, *j.optim, setup, 0, rank, [&] { clip_grad_norm(*j.root, 1.0); }); });
+    std::string e =
+        error_of<UsageError>([&] { train_step(j, *j.optim, setup, 0, rank, [&] { clip_grad_norm(*j.root, 1.0); }); });
     EXPECT_NE(e.find("clip_grad_norm"), std::string::npos) << e;
     EXPECT_NE(e.find("step_in_backward"), std::string::npos) << e;
     j.optim->step();  // the step that clipping interrupted

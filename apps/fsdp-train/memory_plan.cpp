@@ -37,8 +37,7 @@ int64_t layer_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64
                                          seq_len * seq_len;  // probabilities, the causal mask
   const int64_t window_mask = sdpa && m.sliding_window > 0 ? seq_len * seq_len : 0;
   const int64_t qk_norms = m.qk_norm() ? norm_bytes(N, q, e) + norm_bytes(N, kv, e) : 0;
-  return 2 * norm_bytes(N, H, e) + 2 * e * N * H + 4 * e * N * q + qk_norms + attn_kernel + window_mask +
-         4 * e * N * I;
+  return 2 * norm_bytes(N, H, e) + 2 * e * N * H + 4 * e * N * q + qk_norms + attn_kernel + window_mask + 4 * e * N * I;
 }
 
 int64_t root_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {

@@ -1,8 +1,8 @@
 // fsdp-train's answer to SIGTERM (a scheduler's or launcher's notice before SIGKILL) and SIGINT
 // (Ctrl-C): the first signal asks the job to stop after the step in flight; every rank agrees on
 // it at the step boundary (carried in the per-step metrics gather, with fsdp::agree_on_stop's
-// rule), saves a checkpoint when --save-dir is given, and exits with 128 + signal. A second signal exits at once: the save in progress is abandoned and,
-// the commit being atomic, the previous checkpoint stays as it was.
+// rule), saves a checkpoint when --save-dir is given, and exits with 128 + signal. A second signal exits at once: the
+// save in progress is abandoned and, the commit being atomic, the previous checkpoint stays as it was.
 #pragma once
 
 #include <string>

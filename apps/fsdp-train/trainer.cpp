@@ -267,13 +267,13 @@ class Job {
                 static_cast<long long>(global_batch_), static_cast<long long>(cfg_.data.batch_size_per_rank),
                 static_cast<long long>(global_batch_ * cfg_.data.seq_len));
     const auto& o = cfg_.optim;
-    std::printf("optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s%s\n",
-                o.lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, o.schedule.c_str(),
-                static_cast<long long>(o.warmup_steps),
-                o.schedule == "cosine"
-                    ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg_.train.steps)).c_str()
-                    : "",
-                o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off", o.step_in_backward ? "; steps in backward" : "");
+    std::printf(
+        "optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s%s\n", o.lr,
+        o.betas[0], o.betas[1], o.eps, o.weight_decay, o.schedule.c_str(), static_cast<long long>(o.warmup_steps),
+        o.schedule == "cosine"
+            ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg_.train.steps)).c_str()
+            : "",
+        o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off", o.step_in_backward ? "; steps in backward" : "");
     std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
     std::printf("%s\n", levers_summary(cfg_, global_batch_).c_str());
     if (offloads()) std::printf("offload plan per rank: %s\n", fsdp::offload_plan(*root_, *optim_).to_string().c_str());
@@ -547,8 +547,8 @@ class Job {
   std::string resumed_from_, last_checkpoint_;
   std::vector<std::string> resume_notes_;  // Note [Resume changes], printed with the header
   nlohmann::json init_from_;               // TrainState.extra.init_from (init_from.h); null without one
-  bool started_fresh_ = false;  // --resume latest found no checkpoint
-  int stop_signal_ = 0;         // the signal every rank agreed to stop on
+  bool started_fresh_ = false;             // --resume latest found no checkpoint
+  int stop_signal_ = 0;                    // the signal every rank agreed to stop on
 };
 
 }  // namespace

@@ -54,7 +54,6 @@ class CommHandle {
   CommHandle() = default;
   void wait();
   bool is_completed() const;
-  bool valid() const { return pending_ != nullptr; }
 
   struct Pending;  // the issued collective; defined in the library (src/comm/communicator.cpp)
 

@@ -50,11 +50,11 @@ struct OffloadIo {
 // forward to backward by default (docs/NOTES.md), and units that do not reshard after forward;
 // the same rule as the state machine's (a last unit whose forward runs without gradients, under
 // activation checkpointing, gathers again). The forward order and each unit's gradient mode are
-// those of the last step run; before the first, registration order and gradients on. The units whose backward comes first keep their forward read of a disk-tier master for
-// their backward gather, within half of memory_budget_bytes; with the optimizer stepping in
-// backward (ShardedOptimizer::step_in_backward), the step takes a disk-tier master from the
-// backward's all-gather instead of reading it again. Gradient
-// shards in the disk tier move through their mapping and are not counted.
+// those of the last step run; before the first, registration order and gradients on. The units whose backward comes
+// first keep their forward read of a disk-tier master for their backward gather, within half of memory_budget_bytes;
+// with the optimizer stepping in backward (ShardedOptimizer::step_in_backward), the step takes a disk-tier master from
+// the backward's all-gather instead of reading it again. Gradient shards in the disk tier move through their mapping
+// and are not counted.
 struct OffloadPlan {
   int64_t device_bytes = 0, host_bytes = 0, disk_bytes = 0;
   OffloadIo per_step;

@@ -24,7 +24,6 @@ class StopRequest {
   static int record(int sig) noexcept;
   // The first recorded signal, 0 when none.
   static int signal() noexcept;
-  static int count() noexcept;
   // Forgets every request (tests, or a program that handled one and goes on).
   static void reset() noexcept;
 };

@@ -366,7 +366,7 @@ std::shared_ptr<PendingCollective> Communicator::Impl::enqueue(CollectiveKind ki
     p->order = std::make_shared<DeviceOrder>(d);
     p->order->issued.record(c10::impl::VirtualGuardImpl(d.type()).getStream(d));
   }
-  // The tensors stay referenced until the collective has run: see Note [One ordered queue].
+  // The tensors stay referenced until the collective has run: see Note [One ordered queue per communicator].
   p->body = [body = std::move(body), keep = std::move(keep_alive)](Transport& t, OpStats& s) { body(t, s); };
   if (size == 1) {
     run_now(*p);

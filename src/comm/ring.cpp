@@ -242,7 +242,8 @@ class RingTransport final : public Transport {
     for (auto& r : recvs) wait_work(r.work, r.peer, "collective identity from");
     for (auto& [peer, work] : sends) wait_work(work, peer, "collective identity to");
     for (auto& r : recvs) {
-      if (!r.into->same_collective(wire_)) throw CollectiveMismatch(r.peer, mismatch_text(rank_, wire_, r.peer, *r.into));
+      if (!r.into->same_collective(wire_))
+        throw CollectiveMismatch(r.peer, mismatch_text(rank_, wire_, r.peer, *r.into));
     }
   }
 
@@ -463,7 +464,7 @@ class RingTransport final : public Transport {
   uint64_t seq_ = 0;
   // Note [Collective identity in the framing]
   bool ids_on_ = collective_ids_enabled();
-  WireId wire_;  // the collective in progress
+  WireId wire_;                                  // the collective in progress
   WireId id_out_, id_from_prev_, id_from_next_;  // the Gloo identity exchange's buffers
   uint64_t exchanges_ = 0;
   uint32_t salt_ = 0;  // see tag()
@@ -501,9 +502,10 @@ IdCheck collective_id_check() {
   if (mode.empty() || mode == "1") return IdCheck::kAuto;
   if (mode == "queue") return IdCheck::kQueue;
   if (mode == "0") return IdCheck::kOff;
-  throw ConfigError("fsdp: FSDP_COLLECTIVE_IDS must be 1 (the default: identities in the transport's framing), "
-                    "queue (checked in the communicator's queue) or 0 (off), got \"" +
-                    mode + "\"");
+  throw ConfigError(
+      "fsdp: FSDP_COLLECTIVE_IDS must be 1 (the default: identities in the transport's framing), "
+      "queue (checked in the communicator's queue) or 0 (off), got \"" +
+      mode + "\"");
 }
 
 bool collective_ids_enabled() { return collective_id_check() == IdCheck::kAuto; }

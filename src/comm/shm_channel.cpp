@@ -157,8 +157,7 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name, int peer, 
     throw DistError("fsdp: shared-memory segment " + name + " of rank " + std::to_string(peer) +
                     " is not a channel of this version");
   }
-  auto channel =
-      std::unique_ptr<ShmChannel>(new ShmChannel(name, peer, self, base, segment_bytes(), /*owner=*/false));
+  auto channel = std::unique_ptr<ShmChannel>(new ShmChannel(name, peer, self, base, segment_bytes(), /*owner=*/false));
   channel->header_->sender_pid.store(::getpid());
   return channel;
 }
@@ -236,14 +235,14 @@ void ShmChannel::wait_until(const std::atomic<uint32_t>& word, const std::functi
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       const int upstream = owner_ ? header_->sender_waiting_for.load() : -1;
-      throw PeerError(peer_,
-                      std::string("shared-memory ") + what + " rank " + std::to_string(peer_) +
-                          ": Timed out: the peer did not " + (owner_ ? "send" : "receive") +
-                          " within the collective timeout" +
-                          (upstream >= 0 ? "; it is itself waiting for rank " + std::to_string(upstream) +
-                                               " (is that one stopped or stuck?)"
-                                         : " (is it stopped or stuck?)"),
-                      /*timed_out=*/true);
+      throw PeerError(
+          peer_,
+          std::string("shared-memory ") + what + " rank " + std::to_string(peer_) + ": Timed out: the peer did not " +
+              (owner_ ? "send" : "receive") + " within the collective timeout" +
+              (upstream >= 0
+                   ? "; it is itself waiting for rank " + std::to_string(upstream) + " (is that one stopped or stuck?)"
+                   : " (is it stopped or stuck?)"),
+          /*timed_out=*/true);
     }
     futex_wait(word, seen, std::min<std::chrono::nanoseconds>(kSlice, deadline - now));
   }
@@ -275,7 +274,8 @@ void ShmChannel::read(size_t bytes, const WireId& expected, const std::function<
       "receive from");
   // A copy: the peer's bytes are checked, then used, never trusted in place.
   const WireId got = header_->ids[c % kSlots];
-  if (ids_on_ && !got.same_collective(expected)) throw CollectiveMismatch(peer_, mismatch_text(self_, expected, peer_, got));
+  if (ids_on_ && !got.same_collective(expected))
+    throw CollectiveMismatch(peer_, mismatch_text(self_, expected, peer_, got));
   if (got.piece != bytes) {
     throw CollectiveMismatch(peer_, "shared-memory receive from rank " + std::to_string(peer_) + ": its slot of " +
                                         expected.describe() + " holds " + std::to_string(got.piece) +

@@ -23,8 +23,6 @@ int StopRequest::record(int sig) noexcept {
 
 int StopRequest::signal() noexcept { return first_signal.load(); }
 
-int StopRequest::count() noexcept { return requests.load(); }
-
 void StopRequest::reset() noexcept {
   first_signal.store(0);
   requests.store(0);

@@ -47,7 +47,7 @@ class PeerError : public DistError {
 // tag. The communicator hands it to the transport before each collective.
 struct CollectiveId {
   uint64_t seq = 0;
-  int kind = -1;  // CollectiveKind; -1 for the communicator's own exchanges
+  int kind = -1;   // CollectiveKind; -1 for the communicator's own exchanges
   int dtype = -1;  // at::ScalarType; -1 for none
   uint64_t bytes = 0;
   std::string tag;

@@ -80,7 +80,6 @@ class FlatParam {
 
   // Deferred init: fills the master shard from `init`. Names passed are `prefix + entry.name`.
   void materialize(const ParamInitFn& init, const std::string& prefix);
-  bool needs_materialize() const { return needs_materialize_; }
 
   // Moves the sharded states to their tiers (before materialize(), so deferred init writes
   // straight into them). Called once, by the root's lazy init.
@@ -156,7 +155,6 @@ class FlatParam {
   // Waits for the reduction, all-reduces across replicas when hybrid, and adds the result to the
   // fp32 gradient shard. Frees the gradient buffer unless `keep_unsharded` (no-sync accumulation).
   void finalize_grads();
-  bool reduce_issued() const { return reduce_issued_; }
   // Drops this rank's gradient shard values to zero (keeps the buffer).
   void zero_grad();
 

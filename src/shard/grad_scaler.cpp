@@ -41,9 +41,10 @@ GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
   if (unit_of(*root_).steps_in_backward()) {
-    throw UsageError("fsdp: GradScaler: the optimizer steps in backward (step_in_backward), so scaled gradients "
-                     "would be applied before they could be unscaled or skipped; turn off loss scaling or "
-                     "step_in_backward");
+    throw UsageError(
+        "fsdp: GradScaler: the optimizer steps in backward (step_in_backward), so scaled gradients "
+        "would be applied before they could be unscaled or skipped; turn off loss scaling or "
+        "step_in_backward");
   }
   return loss * state_.scale;
 }
@@ -79,9 +80,10 @@ bool GradScaler::unscale_and_check(const at::Tensor& local_loss, bool gradients_
 
 bool GradScaler::step(ShardedOptimizer& optim, double grad_norm) {
   if (optim.steps_in_backward()) {
-    throw UsageError("fsdp: GradScaler::step: the optimizer steps in backward (step_in_backward), so the step "
-                     "was taken before a non-finite gradient could skip it; call optim.step() directly, or turn "
-                     "off step_in_backward");
+    throw UsageError(
+        "fsdp: GradScaler::step: the optimizer steps in backward (step_in_backward), so the step "
+        "was taken before a non-finite gradient could skip it; call optim.step() directly, or turn "
+        "off step_in_backward");
   }
   if (!checked_) unscale_and_check();
   checked_ = false;

@@ -46,7 +46,8 @@ void plan_flat(FlatParam& fp, int gathers, bool forward_kept, int state_tensors,
   const bool gathers_at_all =
       fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat || master != OffloadTier::kNone;
   if (!follows && gathers_at_all) {
-    if (master == OffloadTier::kDisk) io.disk_read += (gathers - (forward_kept && gathers == 2 ? 1 : 0)) * offload::whole_pages(shard);
+    if (master == OffloadTier::kDisk)
+      io.disk_read += (gathers - (forward_kept && gathers == 2 ? 1 : 0)) * offload::whole_pages(shard);
     if (master == OffloadTier::kHost || (master == OffloadTier::kDisk && !device_is_cpu))
       io.to_device += gathers * compute;
   }

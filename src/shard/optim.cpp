@@ -115,9 +115,7 @@ offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
     ++s.step;
     return grad;
   };
-  job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
-    step_shard(chunk, p, g, lr, wd);
-  };
+  job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) { step_shard(chunk, p, g, lr, wd); };
   job.after = flat.after_optimizer_update();
   return job;
 }
@@ -260,8 +258,9 @@ double WarmupCosine::lr_at(int64_t step) const {
 double clip_grad_norm(FSDPModule& root, double max_norm) {
   if (!(max_norm > 0)) throw ConfigError("fsdp: clip_grad_norm needs max_norm > 0, got " + std::to_string(max_norm));
   if (unit_of(root).steps_in_backward()) {
-    throw UsageError("fsdp: clip_grad_norm: the optimizer steps in backward (step_in_backward), so each gradient "
-                     "was applied before the global norm was known; turn off clipping or step_in_backward");
+    throw UsageError(
+        "fsdp: clip_grad_norm: the optimizer steps in backward (step_in_backward), so each gradient "
+        "was applied before the global norm was known; turn off clipping or step_in_backward");
   }
   // Sum of squares per shard group: elements are distinct within a shard group and identical
   // across replicas, so each group is reduced once and replicas are not counted twice. Groups are

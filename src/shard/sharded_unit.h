@@ -6,8 +6,9 @@
 //   backward:  pre_backward (unshard, wait, gradient views ready; the first one queues the
 //              root's end-of-backward callback) -> AccumulateGrad post-hooks count each flat
 //              param's gradients; when all have landed: reduce-scatter (async) and reshard ->
-//              finalize_backward on the root: reduce what was not reduced yet (unused params),
-//              wait for every reduction, reshard everything, reset.
+//              finalize_backward on the root: issue the reductions that did not start (unused
+//              params), check collective identities where the transport cannot, reshard
+//              everything, reset; it waits for no reduction (Note [Lazy gradient collection]).
 // Every transition is idempotent: a unit used twice in a forward, used by a recomputation
 // inside backward, or not used at all in a step goes through the same code.
 //
@@ -157,8 +158,6 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   const ResolvedOptions& options() const { return options_; }
   DeviceMesh& mesh() { return mesh_; }
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
-  bool requires_gradient_sync() const { return requires_gradient_sync_; }
-  TrainingState training_state() const { return state_; }
   std::weak_ptr<torch::nn::Module> module() const { return module_; }
 
  private:

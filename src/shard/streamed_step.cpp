@@ -182,9 +182,9 @@ class Pipeline {
     }
     std::map<std::string, const void*> expected;
     for (const auto& [name, t] : view.tensors) expected[name] = t.data_ptr();
-    at::Tensor p = job.param_values.defined() ? job.param_values.narrow(0, a, b - a)
-                   : is_disk_backed(job.param)  ? buffer_of("")
-                                                : job.param.narrow(0, a, b - a);
+    at::Tensor p = job.param_values.defined()  ? job.param_values.narrow(0, a, b - a)
+                   : is_disk_backed(job.param) ? buffer_of("")
+                                               : job.param.narrow(0, a, b - a);
     at::Tensor g;
     if (job.grad_on_disk && is_disk_backed(grad)) {
       IoTicket t = tier_.read_async(grad, a, b, "the gradient shard of " + job.state->tag, true);

@@ -33,7 +33,7 @@ using ShardStepFn = std::function<void(ShardState& chunk, at::Tensor& param, con
 // One flat param's part of an optimizer step.
 struct StepJob {
   ShardState* state = nullptr;
-  at::Tensor param;           // the fp32 master shard, in its tier
+  at::Tensor param;  // the fp32 master shard, in its tier
   // Optional: the master's current values already in host memory (the whole shard, page-aligned;
   // e.g. what the unit's backward all-gather read). The step then updates it in place and writes
   // it back instead of reading the master again.

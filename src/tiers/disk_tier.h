@@ -107,7 +107,6 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
   int64_t file_bytes() const;
   int64_t resident_bytes() const;  // mincore over every live mapping
   void set_audit(bool on) { audit_ = on; }
-  bool audit_on() const { return audit_; }
   void audit();  // records resident_bytes() into the peak when auditing
   int64_t peak_resident_bytes() const { return peak_resident_.load(); }
 
