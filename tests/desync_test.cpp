@@ -76,6 +76,23 @@ void expect_has(const std::string& text, const std::string& needle) {
   EXPECT_NE(text.find(needle), std::string::npos) << "missing '" << needle << "' in: " << text;
 }
 
+// Six training steps in which rank 1 skips step 2's backward; `steps_done` gets each finished step.
+void train_skipping_a_backward(const std::shared_ptr<Dist>& shared, int* steps_done) {
+  DeviceMesh mesh(shared);
+  testing::ShardedModelOptions o;
+  o.seed = 3;
+  auto m = testing::make_sharded_model(mesh, o);
+  for (int s = 0; s < 6; ++s) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + s);
+    auto x = at::randn({4, o.net.in}, gen), y = at::randn({4, o.net.out}, gen);
+    at::Tensor loss = at::mse_loss(fsdp::call(m.model, x), y);
+    if (!(shared->rank() == 1 && s == 2)) loss.backward();
+    m.optim->step();
+    m.optim->zero_grad();
+    if (steps_done != nullptr) *steps_done = s + 1;
+  }
+}
+
 class Desync : public ::testing::TestWithParam<std::string> {};
 
 // The case: an 80-byte reduce-scatter on rank 0 meets a 384-byte all-gather on rank 1.
@@ -177,20 +194,7 @@ TEST_P(Desync, AStalledPeerIsATimeoutError) {
 TEST_P(Desync, ARankThatSkipsABackwardStopsEveryRank) {
   std::vector<int> steps_done(2, 0);
   auto out = run_ranks(2, GetParam(), 20s, [&](const std::shared_ptr<Dist>& shared) {
-    Dist& dist = *shared;
-    DeviceMesh mesh(shared);
-    testing::ShardedModelOptions o;
-    o.seed = 3;
-    auto m = testing::make_sharded_model(mesh, o);
-    for (int s = 0; s < 6; ++s) {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + s);
-      auto x = at::randn({4, o.net.in}, gen), y = at::randn({4, o.net.out}, gen);
-      at::Tensor loss = at::mse_loss(fsdp::call(m.model, x), y);
-      if (!(dist.rank() == 1 && s == 2)) loss.backward();
-      m.optim->step();
-      m.optim->zero_grad();
-      steps_done[dist.rank()] = s + 1;
-    }
+    train_skipping_a_backward(shared, &steps_done[shared->rank()]);
   });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -331,21 +335,8 @@ TEST_F(QueueCheck, HealthyRunPassesAndTheWindowRunsByItself) {
 // A training run whose rank skips a backward, with identities checked in the queue: the end of the
 // next backward (verify_collectives) or the shared-memory slot sizes stop every rank.
 TEST_F(QueueCheck, ARankThatSkipsABackwardStopsEveryRank) {
-  auto out = run_ranks(2, "auto", 20s, [&](const std::shared_ptr<Dist>& shared) {
-    Dist& dist = *shared;
-    DeviceMesh mesh(shared);
-    testing::ShardedModelOptions o;
-    o.seed = 3;
-    auto m = testing::make_sharded_model(mesh, o);
-    for (int s = 0; s < 6; ++s) {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + s);
-      auto x = at::randn({4, o.net.in}, gen), y = at::randn({4, o.net.out}, gen);
-      at::Tensor loss = at::mse_loss(fsdp::call(m.model, x), y);
-      if (!(dist.rank() == 1 && s == 2)) loss.backward();
-      m.optim->step();
-      m.optim->zero_grad();
-    }
-  });
+  auto out = run_ranks(2, "auto", 20s,
+                       [&](const std::shared_ptr<Dist>& shared) { train_skipping_a_backward(shared, nullptr); });
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(out.errors[r].empty()) << "rank " << r << " trained on";
     EXPECT_NE(out.kinds[r], "") << out.errors[r];

@@ -20,6 +20,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "support/ranks.h"
+#include "support/usage_error.h"
 
 // A user type returned by a forward: fsdp::call reaches its tensors through ForwardOutput.
 struct TwoHeads {
@@ -48,18 +49,7 @@ torch::nn::Sequential make_seq(bool wrap) {
   return torch::nn::Sequential(Sharded(a), torch::nn::Tanh(), Sharded(b));
 }
 
-// Runs `f`, which must throw fsdp::UsageError; returns its message (empty, and a test failure, when
-// nothing was thrown).
-template <typename F>
-std::string usage_error_of(F&& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no UsageError";
-  return "";
-}
+using testing::usage_error_of;
 
 std::pair<at::Tensor, at::Tensor> batch(int rank, int world) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);

@@ -30,16 +30,17 @@ TrainConfig config(int64_t steps) {
   return c;
 }
 
-// train_state.json as fsdp-train saves it after `step` steps of `saved` on `world` ranks.
-json saved_state(const TrainConfig& saved, int64_t step, int world) {
+// The train state fsdp-train saves after `step` steps of `saved` on `world` ranks.
+fsdp::checkpoint::TrainState saved_state(const TrainConfig& saved, int64_t step, int world) {
   const int64_t global = saved.data.batch_size_per_rank * world * saved.train.grad_accum_steps;
-  return {{"step", step},
-          {"samples_seen", step * global},
-          {"world_size", world},
-          {"extra",
-           {{"config", saved.to_json()},
-            {"lr_schedule", train::ScheduleSpec::of(saved).to_json(step)},
-            {"global_batch", global}}}};
+  fsdp::checkpoint::TrainState state;
+  state.step = step;
+  state.samples_seen = step * global;
+  state.world_size = world;
+  state.extra = {{"config", saved.to_json()},
+                 {"lr_schedule", train::ScheduleSpec::of(saved).to_json(step)},
+                 {"global_batch", global}};
+  return state;
 }
 
 ResumeReview review(const TrainConfig& saved, int64_t step, int saved_world, const TrainConfig& now, int world) {
@@ -147,16 +148,16 @@ TEST(TrainResumeReview, AnotherGlobalBatchIsReportedWithWhatMadeIt) {
 
 TEST(TrainResumeReview, ACheckpointWithoutTheSavedScheduleResumesWithAWarning) {
   for (const char* key : {"lr_schedule", "global_batch", "config"}) {
-    json state = saved_state(config(60), 60, 2);
-    state["extra"].erase(key);
+    auto state = saved_state(config(60), 60, 2);
+    state.extra.erase(key);
     const auto r = train::review_resume(state, "old", config(120), 2);
     EXPECT_TRUE(r.lr_jump.empty()) << key;
     ASSERT_EQ(r.notes.size(), 1u) << key;
     EXPECT_TRUE(has(r.notes[0], "warning: old does not record its run's learning-rate schedule and global batch"))
         << r.notes[0];
   }
-  json state = saved_state(config(60), 60, 2);
-  state["extra"]["lr_schedule"]["total_steps"] = "60";  // a wrong type counts as missing
+  auto state = saved_state(config(60), 60, 2);
+  state.extra["lr_schedule"]["total_steps"] = "60";  // a wrong type counts as missing
   EXPECT_TRUE(has(train::review_resume(state, "odd", config(120), 2).notes.at(0), "warning: odd"));
 }
 

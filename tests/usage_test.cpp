@@ -17,6 +17,7 @@
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/usage_error.h"
 
 namespace fsdp {
 namespace {
@@ -57,17 +58,7 @@ at::Tensor masters(FSDPModule& root) {
   return at::cat(out);
 }
 
-// Runs `f`, which must throw UsageError; returns its message.
-template <typename F>
-std::string usage_error_of(F&& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no UsageError";
-  return "";
-}
+using testing::usage_error_of;
 
 using MakeOptim = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 

@@ -8,7 +8,6 @@
 #include <optional>
 #include <stdexcept>
 
-#include "base/file_io.h"
 #include "schedule.h"
 
 namespace train {
@@ -111,13 +110,12 @@ std::optional<int64_t> int_at(const json& j, std::initializer_list<const char*> 
   return at->get<int64_t>();
 }
 
-std::optional<BatchShape> saved_batch(const json& state) {
-  const auto world = int_at(state, {"world_size"});
-  const auto per_rank = int_at(state, {"extra", "config", "data", "batch_size_per_rank"});
-  const auto accum = int_at(state, {"extra", "config", "train", "grad_accum_steps"});
-  const auto global = int_at(state, {"extra", "global_batch"});
-  if (!world || !per_rank || !accum || !global) return std::nullopt;
-  return BatchShape{*world, *per_rank, *accum, *global};
+std::optional<BatchShape> saved_batch(const fsdp::checkpoint::TrainState& state) {
+  const auto per_rank = int_at(state.extra, {"config", "data", "batch_size_per_rank"});
+  const auto accum = int_at(state.extra, {"config", "train", "grad_accum_steps"});
+  const auto global = int_at(state.extra, {"global_batch"});
+  if (!per_rank || !accum || !global) return std::nullopt;
+  return BatchShape{state.world_size, *per_rank, *accum, *global};
 }
 
 // The global batch's part of the review: notes only.
@@ -148,14 +146,13 @@ void review_batch(const BatchShape& was, const BatchShape& now, int64_t samples_
 
 }  // namespace
 
-ResumeReview review_resume(const json& train_state, const std::string& checkpoint, const TrainConfig& config,
-                           int world_size) {
+ResumeReview review_resume(const fsdp::checkpoint::TrainState& saved, const std::string& checkpoint,
+                           const TrainConfig& config, int world_size) {
   ResumeReview out;
-  const json& extra = train_state.is_object() && train_state.contains("extra") ? train_state["extra"] : json();
+  const json& extra = saved.extra;
   const auto schedule = ScheduleSpec::from_json(extra.is_object() ? extra.value("lr_schedule", json()) : json());
-  const auto batch = saved_batch(train_state);
-  const auto step = int_at(train_state, {"step"});
-  if (!schedule || !batch || !step) {
+  const auto batch = saved_batch(saved);
+  if (!schedule || !batch) {
     out.notes.push_back(
         "warning: " + checkpoint +
         " does not record its run's learning-rate schedule and global batch (extra.lr_schedule, "
@@ -163,21 +160,11 @@ ResumeReview review_resume(const json& train_state, const std::string& checkpoin
         "compare train.steps, the schedule or the global batch with the saved run's; check them by hand");
     return out;
   }
-  review_schedule(*schedule, ScheduleSpec::of(config), *step, checkpoint, out);
+  review_schedule(*schedule, ScheduleSpec::of(config), saved.step, checkpoint, out);
   BatchShape now{world_size, config.data.batch_size_per_rank, config.train.grad_accum_steps, 0};
   now.global = now.world * now.per_rank * now.accum;
-  review_batch(*batch, now, int_at(train_state, {"samples_seen"}).value_or(0), out);
+  review_batch(*batch, now, saved.samples_seen, out);
   return out;
-}
-
-json read_train_state(const std::string& dir) {
-  try {
-    json j = json::parse(fsdp::io::read_small_file(fsdp::io::join(dir, "train_state.json")), nullptr,
-                         /*allow_exceptions=*/false);
-    return j.is_object() ? j : json();
-  } catch (const std::exception&) {
-    return json();  // the load that follows names what is wrong with it
-  }
 }
 
 }  // namespace train

@@ -14,6 +14,8 @@
 // checkpoint without those fields resumes with a warning that it cannot be compared.
 #pragma once
 
+#include "fsdp/checkpoint.h"
+
 #include <string>
 #include <vector>
 
@@ -30,13 +32,9 @@ struct ResumeReview {
   std::string lr_jump;
 };
 
-// train_state: the checkpoint's train_state.json (its "step", "world_size" and "extra"); checkpoint:
-// its directory, for the messages; config and world_size: this run's.
-ResumeReview review_resume(const nlohmann::json& train_state, const std::string& checkpoint, const TrainConfig& config,
-                           int world_size);
-
-// dir/train_state.json parsed; null when it cannot be read or is not a JSON object (the checkpoint
-// load then fails naming the problem).
-nlohmann::json read_train_state(const std::string& dir);
+// saved: the checkpoint's train state (fsdp::checkpoint::read_train_state: its step, world size and
+// "extra"); checkpoint: its directory, for the messages; config and world_size: this run's.
+ResumeReview review_resume(const fsdp::checkpoint::TrainState& saved, const std::string& checkpoint,
+                           const TrainConfig& config, int world_size);
 
 }  // namespace train

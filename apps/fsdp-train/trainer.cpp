@@ -216,9 +216,7 @@ class Job {
 
   // Note [Resume changes]: the same decision on every rank, from the same train_state.json.
   void review_changes(const std::string& dir) {
-    const nlohmann::json saved = read_train_state(dir);
-    if (saved.is_null()) return;  // unreadable: load_checkpoint says why
-    const ResumeReview review = review_resume(saved, dir, cfg_, world_);
+    const ResumeReview review = review_resume(fsdp::checkpoint::read_train_state(dir), dir, cfg_, world_);
     if (!review.lr_jump.empty() && !flags_.allow_schedule_change) throw std::invalid_argument(review.lr_jump);
     resume_notes_ = review.notes;
     if (!review.lr_jump.empty()) resume_notes_.push_back("the lr change is accepted (--allow-schedule-change)");

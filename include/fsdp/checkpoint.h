@@ -77,6 +77,10 @@ class AsyncSaver {
 // "latest" (or "") -> the directory root_dir/latest names; a path -> itself. Throws if that is not
 // a committed checkpoint.
 std::string resolve(const std::string& root_dir, const std::string& which);
+// Reads and validates dir/train_state.json alone: no tensor, no collective (what load() returns,
+// for a decision to take before loading). Throws CheckpointError naming the file and the field.
+TrainState read_train_state(const std::string& dir);
+
 // True when root_dir/latest names a committed checkpoint.
 bool has_latest(const std::string& root_dir);
 

@@ -96,6 +96,9 @@ class Communicator {
   // a small all-gather, run by the end of each backward before any optimizer step. Every rank must
   // call it at the same point.
   void verify_collectives(const std::string& tag);
+  // Whether verify_collectives has work: this group's transport cannot carry identities (NCCL),
+  // or FSDP_COLLECTIVE_IDS=queue.
+  bool checks_ids_in_queue() const;
 
   CommStats stats() const;
   void reset_stats();

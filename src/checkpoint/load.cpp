@@ -127,7 +127,7 @@ struct SavedTrainState {
   TrainState state;
 };
 
-SavedTrainState read_train_state(const std::string& dir) {
+SavedTrainState read_saved_state(const std::string& dir) {
   SavedTrainState saved;
   saved.path = join(dir, "train_state.json");
   const std::string& state_path = saved.path;
@@ -342,10 +342,12 @@ std::string resolve(const std::string& root_dir, const std::string& which) {
   return dir;
 }
 
+TrainState read_train_state(const std::string& dir) { return read_saved_state(dir).state; }
+
 TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* optimizer) {
   // Read and validate everything before changing anything: a bad field or file must not leave a
   // half-loaded model or silently dropped optimizer state.
-  const SavedTrainState saved = read_train_state(dir);
+  const SavedTrainState saved = read_saved_state(dir);
   const ModelView model = model_view(root);
   const CheckpointLayout layout = make_layout(model, optimizer);
   const bool restore_rng = check_rng_state(saved.state, *model.dist);

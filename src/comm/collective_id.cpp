@@ -100,13 +100,15 @@ std::string WireId::describe() const {
   return describe_parts(kind, std::string(tag, n), tag_len > sizeof(tag), bytes, dtype, seq);
 }
 
+const char* const kLikelyMismatchCause =
+    "The ranks no longer issue the same collectives in the same order: most likely one rank skipped or repeated a "
+    "forward or backward (or ran another number of micro-batches, steps or evaluations)";
+
 std::string mismatch_text(int rank, const WireId& mine, int peer, const WireId& theirs) {
   std::ostringstream s;
   s << "collective mismatch: this rank (rank " << rank << ") runs " << mine.describe() << " but rank " << peer
-    << " runs " << theirs.describe()
-    << ". The ranks no longer issue the same collectives in the same order: most likely one rank skipped or "
-       "repeated a forward or backward (or ran another number of micro-batches, steps or evaluations). Nothing "
-       "of the mismatched collective was used. FSDP_CHECK_COLLECTIVES=1 reports what every rank issued";
+    << " runs " << theirs.describe() << ". " << kLikelyMismatchCause
+    << ". Nothing of the mismatched collective was used. FSDP_CHECK_COLLECTIVES=1 reports what every rank issued";
   return s.str();
 }
 

@@ -512,6 +512,8 @@ CommHandle Communicator::broadcast(at::Tensor tensor, int root, const std::strin
   return CommHandle(impl_->enqueue(CollectiveKind::kBroadcast, tag, {tensor}, body));
 }
 
+bool Communicator::checks_ids_in_queue() const { return impl_->verifies(); }
+
 void Communicator::verify_collectives(const std::string& tag) {
   // Queued like a collective, so it lands at the same place in every rank's sequence; a
   // transport that carries identities has checked each collective already.

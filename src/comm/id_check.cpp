@@ -93,8 +93,7 @@ void QueueIdCheck::check(Transport& transport, uint64_t seq) {
       msg << "no collective there (it ran " << records[r].count << " since the last check)";
     }
   }
-  msg << ". The ranks no longer issue the same collectives in the same order: most likely one rank skipped or "
-         "repeated a forward or backward (or ran another number of micro-batches, steps or evaluations)";
+  msg << ". " << kLikelyMismatchCause;
   throw OrderMismatch(msg.str());
 }
 

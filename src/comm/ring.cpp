@@ -193,16 +193,19 @@ class RingTransport final : public Transport {
       body();
       settle_ids();
     } catch (const std::exception& e) {
-      id_recvs_.clear();
-      id_sends_.clear();
-      close_hops("rank " + std::to_string(rank_) + " failed: " + describe(e));
+      abandon("rank " + std::to_string(rank_) + " failed: " + describe(e));
       throw;
     } catch (...) {
-      id_recvs_.clear();
-      id_sends_.clear();
-      close_hops("");
+      abandon("");
       throw;
     }
+  }
+
+  // After a failure: the identity exchange in flight is dropped, the hops closed with `reason`.
+  void abandon(const std::string& reason) {
+    id_recvs_.clear();
+    id_sends_.clear();
+    close_hops(reason);
   }
 
   void close_hops(const std::string& reason) {

@@ -80,6 +80,8 @@ class CollectiveMismatch : public PeerError {
 
 // "this rank (rank R) runs X but rank P runs Y ...", with the likely cause.
 std::string mismatch_text(int rank, const WireId& mine, int peer, const WireId& theirs);
+// What ranks that issue different collectives most likely did, for every mismatch message.
+extern const char* const kLikelyMismatchCause;
 
 class Transport {
  public:

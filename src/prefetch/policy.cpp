@@ -29,22 +29,32 @@ void read_ahead(const std::vector<UnitIndex>& targets, UnitIndex self, Units& un
 
 }  // namespace
 
-void before_forward(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets,
-                    const Limits& limits, Units& units) {
+namespace {
+
+// The units after `self` in one direction, within `depth`.
+std::vector<UnitIndex> next(const ExecutionOrder& order, UnitIndex self, int depth, bool forward) {
+  return forward ? order.next_in_forward(self, depth) : order.next_in_backward(self, depth);
+}
+
+void before(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets, const Limits& limits,
+            Units& units, bool forward) {
   if (limits.prefetch_depth > 0) {
-    gather(explicit_targets ? *explicit_targets : order.next_in_forward(self, limits.prefetch_depth), self,
+    gather(explicit_targets ? *explicit_targets : next(order, self, limits.prefetch_depth, forward), self,
            limits.max_unsharded_units, units);
   }
-  if (limits.read_ahead) read_ahead(order.next_in_forward(self, limits.prefetch_depth + 1), self, units);
+  if (limits.read_ahead) read_ahead(next(order, self, limits.prefetch_depth + 1, forward), self, units);
+}
+
+}  // namespace
+
+void before_forward(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets,
+                    const Limits& limits, Units& units) {
+  before(order, self, explicit_targets, limits, units, /*forward=*/true);
 }
 
 void before_backward(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets,
                      const Limits& limits, Units& units) {
-  if (limits.prefetch_depth > 0) {
-    gather(explicit_targets ? *explicit_targets : order.next_in_backward(self, limits.prefetch_depth), self,
-           limits.max_unsharded_units, units);
-  }
-  if (limits.read_ahead) read_ahead(order.next_in_backward(self, limits.prefetch_depth + 1), self, units);
+  before(order, self, explicit_targets, limits, units, /*forward=*/false);
 }
 
 }  // namespace fsdp::prefetch

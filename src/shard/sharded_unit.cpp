@@ -341,15 +341,21 @@ void ShardedUnit::finalize_backward() {
 // carry a collective's identity, the ranks compare what they ran before any optimizer step; on
 // the CPU transports each collective was checked as it ran and this returns at once.
 void ShardedUnit::verify_collectives(RootState& rs) {
-  std::vector<Communicator*> groups;
-  for (ShardedUnit* unit : rs.units) {
-    for (auto& fp : unit->flat_params_) {
-      for (Communicator* g : {&fp->shard_group(), &fp->replicate_group()}) {
-        if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+  if (!rs.queue_checked_groups) {
+    // The units and their groups are fixed at lazy init: found once, in the same order on every rank.
+    std::vector<Communicator*> groups;
+    for (ShardedUnit* unit : rs.units) {
+      for (auto& fp : unit->flat_params_) {
+        for (Communicator* g : {&fp->shard_group(), &fp->replicate_group()}) {
+          if (g->checks_ids_in_queue() && std::find(groups.begin(), groups.end(), g) == groups.end()) {
+            groups.push_back(g);
+          }
+        }
       }
     }
+    rs.queue_checked_groups = std::move(groups);
   }
-  for (Communicator* g : groups) g->verify_collectives("end of backward");
+  for (Communicator* g : *rs.queue_checked_groups) g->verify_collectives("end of backward");
 }
 
 void ShardedUnit::collect_gradients() {

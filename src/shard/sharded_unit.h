@@ -62,8 +62,11 @@ struct RootState {
   bool callback_queued = false;
   bool in_backward = false;
   std::vector<FlatParam*> pending_reduces;  // reduce-scatters issued and not yet collected
-  prefetch::ExecutionOrder order;           // of indices into `units`
-  bool step_trains = false;                 // the root's forward of this step ran with gradients on
+  // The groups whose collective identities are checked in their queue (none on the CPU
+  // transports), found at the first end of backward: ShardedUnit::verify_collectives.
+  std::optional<std::vector<Communicator*>> queue_checked_groups;
+  prefetch::ExecutionOrder order;  // of indices into `units`
+  bool step_trains = false;        // the root's forward of this step ran with gradients on
   std::shared_ptr<Tracer> tracer;
   // Peak bytes of unsharded param and gradient buffers alive at once (see memory.h).
   int64_t peak_unsharded_bytes = 0;
