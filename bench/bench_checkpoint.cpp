@@ -28,7 +28,6 @@
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 
 namespace {

@@ -14,7 +14,6 @@
 #include "fsdp/fsdp.h"
 #include "base/file_io.h"
 #include "checkpoint/save_job.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

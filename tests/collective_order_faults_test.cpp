@@ -15,7 +15,6 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 
 #include "fsdp/fsdp.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

@@ -20,7 +20,6 @@
 #include "fsdp/fsdp.h"
 #include "tiers/device_stager.h"
 #include "tiers/disk_tier.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

@@ -25,7 +25,6 @@
 #include "safetensors/index.h"
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/ranks.h"
 

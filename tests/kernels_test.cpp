@@ -76,7 +76,7 @@ AdamWArgs args_for(const AdamWCase& c) {
   return a;
 }
 
-// The ATen sequence the runtime used before the fused kernel (src/shard/optim.cpp).
+// The ATen sequence the runtime used before the fused kernel (src/optim/optim.cpp).
 void reference_adamw(const AdamWArgs& a, at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v) {
   if (a.weight_decay != 0) p.mul_(1 - a.lr * a.weight_decay);
   m.lerp_(g, 1 - a.beta1);

@@ -6,7 +6,6 @@
 
 #include "fsdp/fsdp.h"
 #include "llama.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/ranks.h"
 

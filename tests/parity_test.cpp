@@ -10,7 +10,6 @@
 #include <mutex>
 
 #include "fsdp/fsdp.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/fsdp.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

@@ -13,7 +13,7 @@
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
-#include "shard/sharded_unit.h"
+#include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
 #include "support/sharded_model.h"

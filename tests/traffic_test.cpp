@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include "fsdp/fsdp.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

@@ -21,7 +21,8 @@
 
 namespace fsdp {
 
-class FlatParam;
+class GradShard;
+class GradShards;
 class Tracer;
 namespace offload {
 struct StepJob;
@@ -130,22 +131,21 @@ class ShardedOptimizer {
  private:
   void reserve_offloaded_state();
   double group_weight_decay(int group) const;
-  FlatParam& flat_of(const ShardState& state) const;
+  GradShard& shard_of(const ShardState& state) const;
   // One flat param's part of a step (its gradient collected when the step reaches it).
   offload::StepJob make_job(ShardState& state);
   // step_in_backward (step_in_backward.cpp): the backward hands each reduced flat param over.
   struct InBackward;
-  void hand_over(FlatParam& flat);
+  void hand_over(GradShard& shard);
   void finish_step_in_backward(Tracer* tracer);
   void wait_for_backward_steps();
   void stop_step_in_backward();
   std::shared_ptr<InBackward> in_backward_;  // shared: its type is complete only in the library
 
   std::shared_ptr<FSDPModule> root_;
-  // The root's flat params in ShardState::flat_index order, looked up once at construction (the
-  // per-step path reads them through it). Defined in the library.
-  struct Flats;
-  std::shared_ptr<Flats> flats_;
+  // The root's gradient shards in ShardState::flat_index order (shard/grad_shards.h), looked up
+  // once at construction. Defined in the library.
+  std::shared_ptr<GradShards> shards_;
   std::vector<ShardState> states_;
   std::map<int, GroupOptions> groups_;
   double lr_ = 0;

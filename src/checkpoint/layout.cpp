@@ -6,6 +6,21 @@
 #include "tiers/disk_tier.h"
 
 namespace fsdp::checkpoint {
+namespace {
+
+// The optimizer state of each of view.flats (same order), null where the optimizer holds none
+// (frozen flat params) or when `optimizer` is null. A ShardState carries its flat param's index in the root's order
+// (units pre-order, then each unit's flat params), the order the view's flats follow.
+std::vector<ShardState*> states_by_flat(const ModelView& view, ShardedOptimizer* optimizer) {
+  std::vector<ShardState*> states(view.flats.size(), nullptr);
+  if (optimizer == nullptr) return states;
+  for (auto& s : optimizer->states()) {
+    if (s.flat_index < states.size()) states[s.flat_index] = &s;
+  }
+  return states;
+}
+
+}  // namespace
 
 CheckpointLayout make_layout(const ModelView& model, ShardedOptimizer* optimizer) {
   CheckpointLayout layout;

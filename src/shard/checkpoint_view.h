@@ -15,7 +15,6 @@
 
 #include "fsdp/dist.h"
 #include "fsdp/fully_shard.h"
-#include "fsdp/optim.h"
 
 namespace fsdp {
 
@@ -61,9 +60,5 @@ struct ModelView {
 
 // The view of `root` (lazily initialising it first).
 ModelView model_view(FSDPModule& root);
-
-// The optimizer state of each of view.flats (same order), null where the optimizer holds none
-// (frozen flat params) or when `optimizer` is null.
-std::vector<ShardState*> states_by_flat(const ModelView& view, ShardedOptimizer* optimizer);
 
 }  // namespace fsdp

@@ -93,7 +93,7 @@ class FlatParam {
   bool master_follows_state() const { return master_follows_state_; }
   const at::Tensor& working_shard() const { return working_; }
 
-  // ---- the optimizer's side (src/shard/streamed_step.h)
+  // ---- the optimizer's side (through shard/grad_shards.h)
   at::Tensor& optimizer_master() { return sharded_param_; }
   // Collects the gradient and returns what the optimizer reads: the gradient shard, or its host
   // copy (through pinned staging on a device) when the master follows the state. Undefined when

@@ -1,4 +1,5 @@
-// memory_report: bytes per category and per offload tier, summed over every unit under a root.
+// model_memory: bytes per category and per offload tier, summed over every unit under a root (the
+// optimizer layer's memory_report adds the optimizer state).
 #include "fsdp/memory.h"
 
 #include <sstream>
@@ -6,8 +7,8 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/offload.h"
-#include "fsdp/optim.h"
 #include "tiers/disk_tier.h"
+#include "shard/grad_shards.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {
@@ -26,19 +27,20 @@ std::string MemoryReport::to_string() const {
   return s.str();
 }
 
-MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) {
+void count_in_tier(MemoryReport& r, const at::Tensor& t, OffloadTier tier) {
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (offload::is_disk_backed(t)) {
+    r.tier_disk += bytes;
+  } else if (tier == OffloadTier::kHost) {
+    r.tier_host += bytes;
+  } else {
+    r.tier_device += bytes;
+  }
+}
+
+MemoryReport model_memory(FSDPModule& root) {
   MemoryReport r;
-  // Adds a sharded state's bytes to the tier it lives in.
-  auto by_tier = [&r](const at::Tensor& t, OffloadTier tier) {
-    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    if (offload::is_disk_backed(t)) {
-      r.tier_disk += bytes;
-    } else if (tier == OffloadTier::kHost) {
-      r.tier_host += bytes;
-    } else {
-      r.tier_device += bytes;
-    }
-  };
+  auto by_tier = [&r](const at::Tensor& t, OffloadTier tier) { count_in_tier(r, t, tier); };
   const auto flats = flat_params_of(root);
   for (FlatParam* fp : flats) {
     r.sharded_params += fp->sharded_param().numel() * fp->sharded_param().element_size();
@@ -56,17 +58,9 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
     r.unsharded_alive += fp->unsharded_bytes() + fp->unsharded_grad_bytes();
     r.unsharded_grads_alive += fp->unsharded_grad_bytes();
   }
-  if (optimizer != nullptr) {
-    for (const auto& s : const_cast<ShardedOptimizer*>(optimizer)->states()) {
-      for (const auto& [name, t] : s.tensors) {
-        if (t.defined()) by_tier(t, flats.at(s.flat_index)->offload().optimizer_state);
-      }
-    }
-  }
   r.disk_resident = disk_tier_stats(root).resident_bytes;
   ShardedUnit& unit = unit_of(root);
   if (unit.root() != nullptr) r.peak_unsharded = std::max(unit.root_state().peak_unsharded_bytes, r.unsharded_alive);
-  if (optimizer != nullptr) r.optimizer_state = optimizer->state_bytes();
   return r;
 }
 

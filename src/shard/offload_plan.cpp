@@ -6,7 +6,7 @@
 
 #include "base/strings.h"
 #include "fsdp/offload.h"
-#include "fsdp/optim.h"
+#include "shard/grad_shards.h"
 #include "shard/sharded_unit.h"
 #include "tiers/device_stager.h"
 #include "tiers/disk_tier.h"
@@ -92,10 +92,9 @@ std::string OffloadPlan::to_string() const {
          "; moves per step: " + per_step.to_string();
 }
 
-OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
+OffloadPlan offload_plan_for(FSDPModule& root, int state_tensors, bool steps_in_backward) {
   OffloadPlan plan;
   const auto units = units_of(root);
-  const int state_tensors = static_cast<int>(optimizer.state_names().size());
   // The forward order the last step recorded; before the first step, registration order stands
   // for it. Gathers per step follow prefetch::keeps_params_after_forward, as the state machine does.
   const RootState& rs = unit_of(root).root_state();
@@ -108,7 +107,7 @@ OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
     const int gathers = unit.gathers_in_backward(!order.empty() && order.back() == u) ? 2 : 1;
     const bool forward_kept = std::find(kept.begin(), kept.end(), &unit) != kept.end();
     for (auto& fp : unit.flat_params()) {
-      plan_flat(*fp, gathers, forward_kept, state_tensors, device_is_cpu, optimizer.steps_in_backward(), plan);
+      plan_flat(*fp, gathers, forward_kept, state_tensors, device_is_cpu, steps_in_backward, plan);
     }
   }
   return plan;

@@ -11,6 +11,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
+#include "shard/grad_shards.h"
 #include "tiers/disk_tier.h"
 
 namespace fsdp {
@@ -284,7 +285,10 @@ void ShardedUnit::post_backward(size_t i) {
         continue;
       }
       fp->finalize_grads();
-      if (rs.on_gradient_reduced) rs.on_gradient_reduced(*fp);  // Note [The step in backward]
+      if (rs.post_reduce_hook != nullptr) {  // Note [The step in backward]
+        GradShard shard(fp);
+        rs.post_reduce_hook->gradient_reduced(shard);
+      }
     }
     rs.pending_reduces = std::move(own);
     flat_params_[i]->reduce_scatter_grads();

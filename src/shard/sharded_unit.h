@@ -43,6 +43,7 @@ struct Node;
 
 namespace fsdp {
 
+class PostReduceHook;
 class ShardedUnit;
 class Tracer;
 
@@ -77,9 +78,9 @@ struct RootState {
   // Persistent buffers of the whole tree (buffers.cpp) and how they are kept consistent.
   std::vector<BufferState> buffers;
   BufferSync buffer_sync = BufferSync::kBroadcast;
-  // Set by an optimizer that steps during backward (ShardedOptimizer::step_in_backward): called
-  // with each flat param whose reduced gradient the backward has just collected.
-  std::function<void(FlatParam&)> on_gradient_reduced;
+  // Installed by an optimizer that steps during backward (GradShards::install_hook): called with
+  // each flat param whose reduced gradient the backward has just collected.
+  PostReduceHook* post_reduce_hook = nullptr;
   bool recomputed = false;     // a forward ran inside this backward (activation checkpointing)
   bool buffers_dirty = false;  // a training forward ran since the buffers were last synchronised
 
@@ -148,10 +149,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // Explicit prefetch lists; when set they replace the recorded-order ones.
   void set_forward_prefetch(std::vector<ShardedUnit*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<ShardedUnit*> units) { backward_prefetch_ = std::move(units); }
-  // Whether an optimizer steps this unit's tree in backward (RootState::on_gradient_reduced).
-  bool steps_in_backward() const {
-    return root_ != nullptr && static_cast<bool>(root_->root_state_->on_gradient_reduced);
-  }
+  // Whether an optimizer steps this unit's tree in backward (RootState::post_reduce_hook).
+  bool steps_in_backward() const { return root_ != nullptr && root_->root_state_->post_reduce_hook != nullptr; }
   // Collects every gradient reduction still in flight (see Note [Lazy gradient collection]).
   void collect_gradients();
   Tracer* tracer() { return root_ ? root_state().tracer.get() : nullptr; }

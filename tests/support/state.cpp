@@ -10,7 +10,6 @@
 #include "base/file_io.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/optim.h"
-#include "shard/sharded_unit.h"
 #include "shard/testing.h"
 
 namespace fsdp::testing {

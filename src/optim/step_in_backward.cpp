@@ -1,6 +1,7 @@
 // ShardedOptimizer::step_in_backward: the backward hands each flat param over to the optimizer's
 // own thread as soon as its reduced gradient is collected (Note [The step in backward] in
-// sharded_unit.cpp); step() steps what is left and waits for the rest.
+// sharded_unit.cpp), through the post-reduce hook of shard/grad_shards.h; step() steps what is
+// left and waits for the rest.
 //
 // Note [Step in backward threads]
 // The training thread (the autograd engine's, which runs the gradient hooks) does everything
@@ -22,22 +23,27 @@
 #include "fsdp/errors.h"
 #include "fsdp/optim.h"
 #include "fsdp/trace.h"
-#include "shard/sharded_unit.h"
-#include "shard/streamed_step.h"
+#include "optim/streamed_step.h"
+#include "shard/grad_shards.h"
+#include "tiers/disk_tier.h"
 
 namespace fsdp {
 namespace {
 constexpr size_t kMaxQueued = 4;
 }
 
-struct ShardedOptimizer::InBackward {
+struct ShardedOptimizer::InBackward : PostReduceHook {
   struct Entry {
     offload::StepJob job;
     Tracer* tracer = nullptr;
   };
-  std::unordered_map<const FlatParam*, size_t> index;  // flat param -> its place in states_
-  std::vector<char> stepped;                           // per state: handed over since the last step()
-  bool reserved = false;                               // offloaded state reserved this step
+  explicit InBackward(ShardedOptimizer& o) : owner(o) {}
+  void gradient_reduced(GradShard& shard) override { owner.hand_over(shard); }
+
+  ShardedOptimizer& owner;
+  std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states_
+  std::vector<char> stepped;                      // per state: handed over since the last step()
+  bool reserved = false;                          // offloaded state reserved this step
 
   // The optimizer's thread: after the first job that fails the later ones are dropped unrun, and
   // the error waits for step() (take_error). Stopping runs what is queued.
@@ -56,7 +62,6 @@ struct ShardedOptimizer::InBackward {
 
 void ShardedOptimizer::step_in_backward(bool on) {
   if (on == (in_backward_ != nullptr)) return;
-  RootState& rs = unit_of(*root_).root_state();
   if (!on) {
     stop_step_in_backward();
     return;
@@ -66,20 +71,12 @@ void ShardedOptimizer::step_in_backward(bool on) {
                       " steps every shard at once, so it cannot step in backward (step_in_backward); use "
                       "fsdp::AdamW or fsdp::SGD, or step after backward");
   }
-  if (rs.on_gradient_reduced) {
-    throw ConfigError(
-        "fsdp: another optimizer already steps this model in backward (step_in_backward): one "
-        "optimizer per model can");
-  }
-  if (rs.in_backward) {
-    throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
-  }
-  auto ib = std::make_shared<InBackward>();
-  for (size_t i = 0; i < states_.size(); ++i) ib->index[&flat_of(states_[i])] = i;
+  auto ib = std::make_shared<InBackward>(*this);
+  shards_->install_hook(ib.get());  // refuses a second optimizer, or a backward under way
+  for (size_t i = 0; i < states_.size(); ++i) ib->index[shard_of(states_[i]).key()] = i;
   ib->stepped.assign(states_.size(), 0);
   ib->queue.start();
   in_backward_ = std::move(ib);
-  rs.on_gradient_reduced = [this](FlatParam& flat) { hand_over(flat); };
 }
 
 void ShardedOptimizer::stop_step_in_backward() {
@@ -89,20 +86,20 @@ void ShardedOptimizer::stop_step_in_backward() {
     if (s) throw UsageError("fsdp: step_in_backward turned off between a backward and its step(); call step() first");
   }
   ib.queue.stop(base::OnStop::kDrain);
-  unit_of(*root_).root_state().on_gradient_reduced = nullptr;
+  shards_->remove_hook(&ib);
   in_backward_.reset();
 }
 
 ShardedOptimizer::~ShardedOptimizer() {
   if (!in_backward_) return;
   in_backward_->queue.stop(base::OnStop::kDrain);
-  unit_of(*root_).root_state().on_gradient_reduced = nullptr;
+  shards_->remove_hook(in_backward_.get());
 }
 
 // On the training thread, from the backward's gradient hook: see Note [Step in backward threads].
-void ShardedOptimizer::hand_over(FlatParam& flat) {
+void ShardedOptimizer::hand_over(GradShard& shard) {
   InBackward& ib = *in_backward_;
-  auto it = ib.index.find(&flat);
+  auto it = ib.index.find(shard.key());
   if (it == ib.index.end()) return;  // frozen: no optimizer state
   const size_t i = it->second;
   ShardState& s = states_[i];
@@ -113,7 +110,7 @@ void ShardedOptimizer::hand_over(FlatParam& flat) {
   }
   if (ib.queue.error()) return;  // step() reports it; nothing more steps
   c10::NoGradGuard no_grad;
-  at::Tensor grad = flat.optimizer_grad();
+  at::Tensor grad = shard.grad_for_step();
   if (!grad.defined()) return;
   if (!ib.reserved) {
     reserve_offloaded_state();  // Note [Offloaded state is reserved before the first update]
@@ -124,14 +121,14 @@ void ShardedOptimizer::hand_over(FlatParam& flat) {
   InBackward::Entry e;
   e.job = make_job(s);
   e.job.prepare = [grad] { return grad; };
-  e.tracer = unit_of(*root_).tracer();
+  e.tracer = shards_->tracer();
   offload::prefetch_first_chunk(e.job);  // the disk reads on while the jobs ahead of it step
   ib.stepped[i] = 1;
   ib.queue.submit_bounded(std::move(e), kMaxQueued);
 }
 
 void ShardedOptimizer::wait_for_backward_steps() {
-  Tracer::Scope span(unit_of(*root_).tracer(), "fsdp::step_in_backward_wait", "compute", "<all>");
+  Tracer::Scope span(shards_->tracer(), "fsdp::step_in_backward_wait", "compute", "<all>");
   in_backward_->queue.wait_idle();
 }
 
@@ -153,7 +150,7 @@ void ShardedOptimizer::finish_step_in_backward(Tracer* tracer) {
   }
   offload::run_step(jobs, tracer);
   // The handed-over jobs' writes, and their masters changed: reads issued before are stale.
-  if (auto& tier = unit_of(*root_).root_state().disk_tier) {
+  if (offload::DiskTier* tier = shards_->disk_tier()) {
     tier->flush();
     tier->bump_generation();
   }

@@ -1,5 +1,5 @@
 // The streamed optimizer step over disk-tier tensors. See streamed_step.h.
-#include "shard/streamed_step.h"
+#include "optim/streamed_step.h"
 
 #include <ATen/ATen.h>
 

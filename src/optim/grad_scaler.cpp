@@ -11,7 +11,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/optim.h"
 #include "kernels/ops.h"
-#include "shard/sharded_unit.h"
+#include "shard/grad_shards.h"
 
 namespace fsdp {
 
@@ -40,7 +40,7 @@ GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
-  if (unit_of(*root_).steps_in_backward()) {
+  if (GradShards::hook_of(*root_) != nullptr) {
     throw UsageError(
         "fsdp: GradScaler: the optimizer steps in backward (step_in_backward), so scaled gradients "
         "would be applied before they could be unscaled or skipped; turn off loss scaling or "
@@ -51,23 +51,21 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const {
 
 bool GradScaler::unscale_and_check(const at::Tensor& local_loss, bool gradients_by_norm) {
   c10::NoGradGuard no_grad;
-  Dist& dist = unit_of(*root_).mesh().dist();
+  GradShards shards(*root_);
+  Dist& dist = shards.dist();
   at::Tensor bad = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(dist.compute_device()));
   const double inv = 1.0 / state_.scale;
   if (!(gradients_by_norm && inv == 1.0)) {
-    const auto units = units_of(*root_);
     // Collect in the order backward finished them (last units first), as clip_grad_norm does.
-    for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
+    shards.collect_all();
     // This rank's count of non-finite sums: a sum is inf or NaN when any element is, and costs no
     // buffer the size of the gradient. In double, a sum of finite fp32 values cannot overflow.
-    for (ShardedUnit* unit : units) {
-      for (auto& fp : unit->flat_params()) {
-        if (!fp->config().requires_grad) continue;
-        auto& g = fp->sharded_grad();
-        if (!g.defined()) continue;
-        if (inv != 1.0) kernels::scale_(g, inv);
-        bad.add_(at::isfinite(g.sum(at::kDouble)).logical_not().to(bad.device(), at::kDouble));
-      }
+    for (GradShard& shard : shards.all()) {
+      if (!shard.trainable()) continue;
+      at::Tensor g = shard.collect_grad();
+      if (!g.defined()) continue;
+      if (inv != 1.0) kernels::scale_(g, inv);
+      bad.add_(at::isfinite(g.sum(at::kDouble)).logical_not().to(bad.device(), at::kDouble));
     }
   }
   if (local_loss.defined() && !std::isfinite(local_loss.detach().to(at::kDouble).sum().item<double>())) bad.add_(1);

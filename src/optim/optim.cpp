@@ -1,7 +1,7 @@
-// Sharded optimizers (AdamW, SGD), the warmup-cosine schedule and global-norm clipping. Each
-// optimizer steps one flat fp32 master shard at a time with element-wise ops (AdamW and clipping
-// through the fused kernels of kernels/ops.h), so a shard's update is element for element the
-// update of the same elements of the unsharded parameter.
+// Sharded optimizers (AdamW, SGD) and the warmup-cosine schedule. Each optimizer steps one flat
+// fp32 master shard at a time with element-wise ops (AdamW through the fused kernel of
+// kernels/ops.h), so a shard's update is element for element the update of the same elements of
+// the unsharded parameter. Clipping is in clip.cpp.
 #include "fsdp/optim.h"
 
 #include <ATen/ATen.h>
@@ -14,26 +14,21 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
-#include "shard/streamed_step.h"
+#include "optim/streamed_step.h"
+#include "shard/grad_shards.h"
 #include "tiers/disk_tier.h"
-#include "shard/sharded_unit.h"
 
 namespace fsdp {
 
-struct ShardedOptimizer::Flats : std::vector<FlatParam*> {
-  using std::vector<FlatParam*>::vector;
-};
-
 ShardedOptimizer::ShardedOptimizer(const std::shared_ptr<FSDPModule>& root) : root_(root) {
   if (!root_) throw ConfigError("fsdp: optimizer got a null module; pass the FSDPModule fully_shard returned");
-  const auto all = flat_params_of(*root_);
-  flats_ = std::make_shared<Flats>(all.begin(), all.end());
-  const Flats& flats = *flats_;
-  for (size_t i = 0; i < flats.size(); ++i) {
-    if (!flats[i]->config().requires_grad) continue;  // frozen: no optimizer state
+  shards_ = std::make_shared<GradShards>(*root_);
+  const auto& all = shards_->all();
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (!all[i].trainable()) continue;  // frozen: no optimizer state
     ShardState s;
     s.flat_index = i;
-    s.tag = flats[i]->config().tag;
+    s.tag = all[i].tag();
     states_.push_back(std::move(s));
   }
 }
@@ -59,22 +54,16 @@ double ShardedOptimizer::group_weight_decay(int group) const {
   return group == 0 ? default_weight_decay_ : 0.0;
 }
 
-FlatParam& ShardedOptimizer::flat_of(const ShardState& s) const { return *flats_->at(s.flat_index); }
+GradShard& ShardedOptimizer::shard_of(const ShardState& s) const { return shards_->all().at(s.flat_index); }
 
-at::Tensor& ShardedOptimizer::master_shard(const ShardState& s) const {
-  return flats_->at(s.flat_index)->sharded_param();
-}
+at::Tensor& ShardedOptimizer::master_shard(const ShardState& s) const { return shard_of(s).master(); }
 
-at::Tensor ShardedOptimizer::collect_grad(const ShardState& s) const {
-  FlatParam& flat = *flats_->at(s.flat_index);
-  flat.finalize_grads();
-  return flat.sharded_grad();
-}
+at::Tensor ShardedOptimizer::collect_grad(const ShardState& s) const { return shard_of(s).collect_grad(); }
 
-int ShardedOptimizer::group_of(const ShardState& s) const { return flats_->at(s.flat_index)->config().group; }
+int ShardedOptimizer::group_of(const ShardState& s) const { return shard_of(s).group(); }
 
 bool ShardedOptimizer::state_offloaded(const ShardState& s) const {
-  return flats_->at(s.flat_index)->offload().optimizer_state != OffloadTier::kNone;
+  return shard_of(s).state_tier() != OffloadTier::kNone;
 }
 
 std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) const {
@@ -85,7 +74,7 @@ std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) c
 
 void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
-  Tracer* tracer = unit_of(*root_).tracer();
+  Tracer* tracer = shards_->tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
   if (in_backward_) {
     finish_step_in_backward(tracer);
@@ -100,23 +89,23 @@ void ShardedOptimizer::step() {
 }
 
 offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
-  FlatParam& flat = flat_of(s);
-  const int group = flat.config().group;
+  GradShard& shard = shard_of(s);
+  const int group = shard.group();
   const double lr = group_lr(group), wd = group_weight_decay(group);
   offload::StepJob job;
   job.state = &s;
-  job.param = flat.optimizer_master();
-  job.param_values = flat.take_master_for_step();
-  job.grad_on_disk = flat.offload().grads == OffloadTier::kDisk;
-  job.prepare = [this, &s, &flat] {
-    at::Tensor grad = flat.optimizer_grad();
+  job.param = shard.master();
+  job.param_values = shard.take_master_for_step();
+  job.grad_on_disk = shard.grads_tier() == OffloadTier::kDisk;
+  job.prepare = [this, &s, &shard] {
+    at::Tensor grad = shard.grad_for_step();
     if (!grad.defined()) return grad;
     if (s.tensors.empty()) init_state(s);
     ++s.step;
     return grad;
   };
   job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) { step_shard(chunk, p, g, lr, wd); };
-  job.after = flat.after_optimizer_update();
+  job.after = shard.after_update();
   return job;
 }
 
@@ -127,16 +116,15 @@ offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
 void ShardedOptimizer::reserve_offloaded_state() {
   int64_t disk_bytes = 0;
   offload::DiskTier* tier = nullptr;
-  const Flats& flats = *flats_;
   for (auto& s : states_) {
-    const FlatParam& flat = *flats.at(s.flat_index);
-    if (!s.tensors.empty() || flat.offload().optimizer_state != OffloadTier::kDisk) continue;
-    tier = flat.offload().disk.get();
-    disk_bytes += flat.shard_numel() * static_cast<int64_t>(sizeof(float) * state_names().size());
+    const GradShard& shard = shard_of(s);
+    if (!s.tensors.empty() || shard.state_tier() != OffloadTier::kDisk) continue;
+    tier = shard.disk_tier();
+    disk_bytes += shard.numel() * static_cast<int64_t>(sizeof(float) * state_names().size());
   }
   if (tier != nullptr) tier->check_free_space(disk_bytes, type_name() + " state");
   for (auto& s : states_) {
-    const bool offloaded = flats.at(s.flat_index)->offload().optimizer_state != OffloadTier::kNone;
+    const bool offloaded = state_offloaded(s);
     if (s.tensors.empty() && offloaded) init_state(s);
     for (const auto& [name, t] : s.tensors) {
       if (!t.defined() && offloaded) {
@@ -148,17 +136,12 @@ void ShardedOptimizer::reserve_offloaded_state() {
 }
 
 at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name) const {
-  return flats_->at(s.flat_index)->new_state_tensor(type_name() + " " + name);
+  return shard_of(s).new_state_tensor(type_name() + " " + name);
 }
 
 void ShardedOptimizer::zero_grad() {
   if (in_backward_) wait_for_backward_steps();  // they read the gradient shards
-  const Flats& flats = *flats_;
-  for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
-    FlatParam& flat = *flats.at(it->flat_index);
-    flat.finalize_grads();
-    flat.zero_grad();
-  }
+  for (auto it = states_.rbegin(); it != states_.rend(); ++it) shard_of(*it).zero_grad();
 }
 
 int64_t ShardedOptimizer::state_bytes() const {
@@ -253,59 +236,6 @@ double WarmupCosine::lr_at(int64_t step) const {
   const double progress =
       std::min(1.0, static_cast<double>(step - warmup_steps_) / static_cast<double>(total_steps_ - warmup_steps_));
   return min_lr_ + 0.5 * (base_lr_ - min_lr_) * (1.0 + std::cos(M_PI * progress));
-}
-
-double clip_grad_norm(FSDPModule& root, double max_norm) {
-  if (!(max_norm > 0)) throw ConfigError("fsdp: clip_grad_norm needs max_norm > 0, got " + std::to_string(max_norm));
-  if (unit_of(root).steps_in_backward()) {
-    throw UsageError(
-        "fsdp: clip_grad_norm: the optimizer steps in backward (step_in_backward), so each gradient "
-        "was applied before the global norm was known; turn off clipping or step_in_backward");
-  }
-  // Sum of squares per shard group: elements are distinct within a shard group and identical
-  // across replicas, so each group is reduced once and replicas are not counted twice. Groups are
-  // kept in unit order, which is the same on every rank, so the all-reduces are too; every rank
-  // reduces every group, with or without gradients of its own.
-  std::vector<std::pair<Communicator*, at::Tensor>> partial;
-  std::vector<at::Tensor> grads;
-  const auto units = units_of(root);
-  for (auto it = units.rbegin(); it != units.rend(); ++it) (*it)->collect_gradients();
-  for (ShardedUnit* unit : units) {
-    for (auto& fp : unit->flat_params()) {
-      if (!fp->config().requires_grad) continue;
-      Communicator* group = fp->shard_group().size() > 1 ? &fp->shard_group() : nullptr;
-      auto it = std::find_if(partial.begin(), partial.end(), [&](const auto& p) { return p.first == group; });
-      if (it == partial.end()) {
-        partial.emplace_back(group, at::Tensor());
-        it = partial.end() - 1;
-      }
-      auto& g = fp->sharded_grad();
-      if (!g.defined()) continue;
-      grads.push_back(g);
-      // The partial sum lives where the group's first gradient does: on a device, no host sync
-      // per flat param.
-      if (!it->second.defined()) it->second = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(g.device()));
-      if (g.device() == it->second.device()) {
-        kernels::sum_of_squares(g, it->second);  // accumulates in double
-      } else {
-        auto sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(g.device()));
-        kernels::sum_of_squares(g, sq);
-        it->second.add_(sq.to(it->second.device()));
-      }
-    }
-  }
-  double total_sq = 0;
-  for (auto& [group, sq] : partial) {
-    if (!sq.defined()) sq = at::zeros({1}, at::kDouble);  // no gradient here yet: still takes part
-    if (group != nullptr) group->all_reduce(sq, ReduceOp::kSum, "clip_grad_norm").wait();
-    total_sq += sq.item<double>();
-  }
-  const double norm = std::sqrt(total_sq);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    for (auto& g : grads) kernels::scale_(g, coef);
-  }
-  return norm;
 }
 
 }  // namespace fsdp
