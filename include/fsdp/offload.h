@@ -1,7 +1,7 @@
 // Offload: where sharded states live between uses, chosen per unit and per state with
 // FullyShardOptions::offload (an OffloadPolicy, fsdp/options.h). This header holds the per-rank
 // figures the disk tier reports (its error type, OffloadError, is in fsdp/errors.h); the
-// mechanisms are private (src/tiers/).
+// mechanisms are private (src/offload/).
 //
 //   auto policy = fsdp::OffloadPolicy().params(fsdp::OffloadTier::kDisk)
 //                     .optimizer_state(fsdp::OffloadTier::kDisk).dir("/nvme/offload")

@@ -22,7 +22,7 @@
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"
 #include "shard/checkpoint_view.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp::checkpoint {
 

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp::checkpoint {
 namespace {

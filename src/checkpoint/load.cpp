@@ -16,7 +16,7 @@
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 #include "shard/checkpoint_view.h"
 
 namespace fsdp::checkpoint {

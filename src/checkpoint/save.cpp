@@ -20,7 +20,7 @@
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp::checkpoint {
 

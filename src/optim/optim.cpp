@@ -16,7 +16,7 @@
 #include "kernels/ops.h"
 #include "optim/streamed_step.h"
 #include "shard/grad_shards.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 

@@ -2,7 +2,7 @@
 // host buffers that the disk tier's I/O threads fill ahead of use and write back behind it, so
 // the step never holds more than memory_budget_bytes of disk-tier state, the reads of the next
 // chunks (the next flat param's included) overlap the current chunk's arithmetic, and the writes
-// overlap the chunks after them (Note [Disk tier I/O threads] in tiers/disk_tier.h). Each chunk
+// overlap the chunks after them (Note [Disk tier I/O threads] in offload/disk_tier.h). Each chunk
 // runs the optimizer's own step_shard on views, so the arithmetic is the optimizer's, unchanged.
 //
 // Note [Bitwise-equal chunks]
@@ -20,7 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/optim.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 class Tracer;

@@ -1,6 +1,6 @@
 // The public view of the disk tier: its figures for the memory report and the residency audit.
 #include "fsdp/offload.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 #include "shard/sharded_unit.h"
 #include "shard/testing.h"
 

@@ -15,8 +15,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
-#include "tiers/device_stager.h"
-#include "tiers/disk_tier.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
 #include "shard/param_data.h"
 
 namespace fsdp {

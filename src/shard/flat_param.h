@@ -25,7 +25,7 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/options.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 
@@ -37,7 +37,7 @@ class DeviceStager;
 }  // namespace offload
 
 // Where a flat param's sharded states live (FullyShardOptions::offload, resolved by the root's
-// lazy init). See src/tiers/ and Note [Host tier schedule].
+// lazy init). See src/offload/ and Note [Host tier schedule].
 struct OffloadPlacement {
   OffloadTier params = OffloadTier::kNone;
   OffloadTier grads = OffloadTier::kNone;

@@ -3,7 +3,7 @@
 
 #include "fsdp/errors.h"
 #include "shard/sharded_unit.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 

@@ -7,7 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/offload.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 #include "shard/grad_shards.h"
 #include "shard/sharded_unit.h"
 

@@ -8,8 +8,8 @@
 #include "fsdp/offload.h"
 #include "shard/grad_shards.h"
 #include "shard/sharded_unit.h"
-#include "tiers/device_stager.h"
-#include "tiers/disk_tier.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 namespace {

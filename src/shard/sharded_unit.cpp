@@ -12,7 +12,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/grad_shards.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 

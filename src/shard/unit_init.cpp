@@ -16,8 +16,8 @@
 #include "comm/communicator_impl.h"
 #include "fsdp/errors.h"
 #include "shard/sharded_unit.h"
-#include "tiers/device_stager.h"
-#include "tiers/disk_tier.h"
+#include "offload/device_stager.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp {
 namespace {

@@ -15,7 +15,7 @@ missing=()
 for app in fsdp-train fsdp-ckpt fsdp-run; do
   [[ -x "$prefix/bin/$app" ]] || missing+=("bin/$app")
 done
-for layer in fsdp_base fsdp_safetensors fsdp_comm fsdp_tiers fsdp_kernels fsdp_shard fsdp_checkpoint; do
+for layer in fsdp_base fsdp_safetensors fsdp_comm fsdp_offload fsdp_kernels fsdp_shard fsdp_checkpoint; do
   [[ -n "$(find "$prefix" -name "lib$layer.a" -print -quit)" ]] || missing+=("lib$layer.a")
 done
 for file in include/fsdp/fsdp.h include/fsdp/checkpoint.h; do

@@ -1,5 +1,5 @@
 // The CPU stager and the choice of stager. See Note [Host tier schedule] in device_stager.h.
-#include "tiers/device_stager.h"
+#include "offload/device_stager.h"
 
 #include <ATen/ATen.h>
 

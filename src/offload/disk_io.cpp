@@ -16,7 +16,7 @@
 #include "base/strings.h"
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 namespace fsdp::offload {
 

@@ -1,6 +1,6 @@
 // CPU-only builds: the CUDA stager does not exist; asking for it is an error that says so.
 #include "fsdp/errors.h"
-#include "tiers/device_stager.h"
+#include "offload/device_stager.h"
 
 namespace fsdp::offload {
 

@@ -1,7 +1,7 @@
 // The disk tier's files and mappings: creation with reserved blocks, the residency controls the
 // streamed optimizer step uses, and the audit. See Note [Disk tier residency] in disk_tier.h.
 #include "base/strings.h"
-#include "tiers/disk_tier.h"
+#include "offload/disk_tier.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <utility>
 
-#include "tiers/device_stager.h"
+#include "offload/device_stager.h"
 
 namespace fsdp::offload {
 namespace {
