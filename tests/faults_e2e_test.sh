@@ -14,9 +14,10 @@
 set -u
 
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
-require_programs FSDP_RUN FSDP_TRAIN
+require_programs FSDP_RUN FSDP_TRAIN FSDP_TRAIN_TEST
 RUN=$FSDP_RUN
 TRAIN=$FSDP_TRAIN
+TRAIN_TEST=$FSDP_TRAIN_TEST  # fsdp-train with the FSDP_TRAIN_TEST_* hooks (tests only)
 scratch_dir faults-e2e  # TMP, also the marker in every command line started here
 TIMEOUT_S=3
 
@@ -172,7 +173,7 @@ bad() {
   shift
   local t0 rc
   t0=$(now_ms)
-  env "${envs[@]}" timeout -k 2 30 "$TRAIN" "${TINY[@]}" --steps 1 --set fsdp.timeout_s=$TIMEOUT_S \
+  env "${envs[@]}" timeout -k 2 30 "${PROGRAM:-$TRAIN}" "${TINY[@]}" --steps 1 --set fsdp.timeout_s=$TIMEOUT_S \
     --metrics "$TMP/bad.jsonl" "$@" >"$TMP/bad.out" 2>"$TMP/bad.err" </dev/null
   rc=$?
   local elapsed=$(( $(now_ms) - t0 )) ok=0
@@ -227,7 +228,10 @@ bad "resume from a missing checkpoint" "$TMP/none/step-00000005" X=1 -- --save-d
 mkdir -p "$TMP/dangling"
 echo step-00000007 >"$TMP/dangling/latest"
 bad "--resume latest naming a checkpoint that is gone" "step-00000007" X=1 -- --save-dir "$TMP/dangling" --resume latest
-bad "bad test hook value" "FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S" FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S=soon --
+PROGRAM=$TRAIN_TEST bad "bad test hook value" "FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S" FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S=soon --
+# The installed fsdp-train reads no test hook: its binary does not even name one.
+if grep -qa FSDP_TRAIN_TEST "$TRAIN"; then ok=0; else ok=1; fi
+record "fsdp-train reads no FSDP_TRAIN_TEST_* variable (the hooks live in fsdp-train-test)" $ok
 bad "FSDP_MASTER_LISTEN_FD not a number" "FSDP_MASTER_LISTEN_FD" RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
   MASTER_PORT=29999 FSDP_MASTER_LISTEN_FD=x --
 bad "FSDP_MASTER_LISTEN_FD not a socket on MASTER_PORT" "is not a TCP socket bound to MASTER_PORT=29999" RANK=0 \

@@ -8,9 +8,10 @@
 set -u
 
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
-require_programs FSDP_RUN FSDP_TRAIN
+require_programs FSDP_RUN FSDP_TRAIN FSDP_TRAIN_TEST
 RUN=$FSDP_RUN
 TRAIN=$FSDP_TRAIN
+TRAIN_TEST=$FSDP_TRAIN_TEST  # fsdp-train with the FSDP_TRAIN_TEST_* hooks (tests only)
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 export OMP_NUM_THREADS=1
@@ -25,10 +26,10 @@ DISK=(--set fsdp.offload.params=disk --set fsdp.offload.grads=disk --set fsdp.of
       --set "fsdp.offload.dir=$TMP/offload" --set fsdp.offload.memory_budget_bytes=1048576)
 HOST=(--set fsdp.offload.params=host --set fsdp.offload.grads=host --set fsdp.offload.optimizer_state=host)
 
-train() {  # train OUT ARGS...: 2 ranks; leaves RC and OUT.out / OUT.err
+train() {  # [PROGRAM=...] train OUT ARGS...: 2 ranks of $PROGRAM (default fsdp-train); leaves RC and OUT.out / OUT.err
   local out=$1
   shift
-  timeout -k 5 120 "$RUN" --nproc-per-node 2 --timeout-s 100 -- "$TRAIN" "${TINY[@]}" "$@" >"$out.out" 2>"$out.err" </dev/null
+  timeout -k 5 120 "$RUN" --nproc-per-node 2 --timeout-s 100 -- "${PROGRAM:-$TRAIN}" "${TINY[@]}" "$@" >"$out.out" 2>"$out.err" </dev/null
   RC=$?
 }
 losses() { grep -o '"loss": *[^,}]*' "$1" | grep -v '"eval"' ; }
@@ -85,7 +86,7 @@ fi
 
 # A non-finite gradient cannot be skipped when the step is taken in backward: every rank stops
 # before saving that step, and the last checkpoint stays the latest.
-FSDP_TRAIN_TEST_INF_GRAD=0:2 train "$TMP/inbwd-inf" --steps 4 --set optim.grad_clip=0 --set optim.step_in_backward=true \
+PROGRAM=$TRAIN_TEST FSDP_TRAIN_TEST_INF_GRAD=0:2 train "$TMP/inbwd-inf" --steps 4 --set optim.grad_clip=0 --set optim.step_in_backward=true \
   --set train.save_every=1 --save-dir "$TMP/inbwd-ckpt"
 if [ "$RC" != 0 ] && grep -q "non-finite loss or gradient at step 2 with optim.step_in_backward" "$TMP/inbwd-inf.err" &&
   [ -d "$TMP/inbwd-ckpt/step-00000001" ] && [ ! -e "$TMP/inbwd-ckpt/step-00000002" ] &&

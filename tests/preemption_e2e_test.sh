@@ -15,9 +15,10 @@ set -u
 
 HERE=$(dirname "${BASH_SOURCE[0]}")
 . "$HERE/support/record.sh"
-require_programs FSDP_RUN FSDP_TRAIN FSDP_CKPT
+require_programs FSDP_RUN FSDP_TRAIN FSDP_TRAIN_TEST FSDP_CKPT
 RUN=$FSDP_RUN
 TRAIN=$FSDP_TRAIN
+TRAIN_TEST=$FSDP_TRAIN_TEST  # fsdp-train with the FSDP_TRAIN_TEST_* hooks (tests only)
 CKPT=$FSDP_CKPT
 scratch_dir preempt-e2e  # TMP, also the marker in every command line started here
 
@@ -65,11 +66,11 @@ two_ranks() {
   local dir=$1
   shift
   RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
-    hold_port_and_exec "$dir/port" env --default-signal=INT "$TRAIN" "$@" >"$dir/r0.out" 2>"$dir/r0.err" </dev/null &
+    hold_port_and_exec "$dir/port" env --default-signal=INT "${PROGRAM:-$TRAIN}" "$@" >"$dir/r0.out" 2>"$dir/r0.err" </dev/null &
   P0=$!
   wait_for_file "$dir/port"
   RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$(cat "$dir/port") \
-    env --default-signal=INT "$TRAIN" "$@" >"$dir/r1.out" 2>"$dir/r1.err" </dev/null &
+    env --default-signal=INT "${PROGRAM:-$TRAIN}" "$@" >"$dir/r1.out" 2>"$dir/r1.err" </dev/null &
   P1=$!
 }
 
@@ -139,7 +140,7 @@ record "SIGINT to rank 1 only: rank 0 (no signal) agrees at the step boundary; b
 D=$TMP/second
 mkdir -p "$D"
 "$RUN" --nproc-per-node 2 -- "$TRAIN" "${TINY[@]}" --steps 2 --save-dir "$D/ckpt" >"$D/first.out" 2>&1 </dev/null
-FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S=60 two_ranks "$D" "${TINY[@]}" --steps 100000 --save-dir "$D/ckpt" \
+PROGRAM=$TRAIN_TEST FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S=60 two_ranks "$D" "${TINY[@]}" --steps 100000 --save-dir "$D/ckpt" \
   --resume latest --metrics "$D/m.jsonl"
 ok=0
 if wait_for_lines "$D/m.jsonl" 2 && [ "$(cat "$D/ckpt/latest")" = step-00000002 ]; then

@@ -171,7 +171,7 @@ TEST(TrainConfig, WrongTypesAndInvalidValuesAreRejectedNamingKeyAndValue) {
       {"fsdp.replicate=2", "fsdp.replicate=2: needs fsdp.strategy=\"HYBRID_SHARD\""},
       {"fsdp.offload.params=gpu", "fsdp.offload.params=\"gpu\""},
       {"fsdp.device=tpu", "fsdp.device=\"tpu\": must be one of"},
-      {"fsdp.offload.optimizer_state=disk", "fsdp.offload.dir=\"\": must name a directory"},
+      {"fsdp.offload.optimizer_state=disk", "fsdp.offload: fsdp: offload.dir is empty"},
       {"train.steps=-3", "train.steps=-3: must be >= 0"},
       {"train.seed=-1", "train.seed=-1: must be a non-negative integer"},
       {"train.log_every=0", "train.log_every=0: must be >= 1"},

@@ -18,9 +18,10 @@ set -u
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(dirname "$HERE")
 . "$HERE/support/record.sh"
-require_programs FSDP_RUN FSDP_TRAIN
+require_programs FSDP_RUN FSDP_TRAIN FSDP_TRAIN_TEST
 RUN=$FSDP_RUN
 TRAIN=$FSDP_TRAIN
+TRAIN_TEST=$FSDP_TRAIN_TEST  # fsdp-train with the FSDP_TRAIN_TEST_* hooks (tests only)
 PY="$ROOT/.venv/bin/python"
 [ -x "$PY" ] || PY=$(command -v python3)
 TMP=$(mktemp -d)
@@ -33,10 +34,10 @@ SMALL=(--set model.vocab_size=256 --set model.hidden_size=64 --set model.interme
        --set data.seq_len=64 --set data.batch_size_per_rank=8 --set train.eval_every=0
        --set optim.warmup_steps=2 --set train.log_every=1)
 
-train() {  # train NPROC OUT_PREFIX ARGS...: leaves RC, OUT_PREFIX.out/.err
+train() {  # [PROGRAM=...] train NPROC OUT_PREFIX ARGS...: $PROGRAM (default fsdp-train); leaves RC, OUT_PREFIX.out/.err
   local nproc=$1 out=$2
   shift 2
-  timeout -k 5 120 "$RUN" --nproc-per-node "$nproc" --timeout-s 100 -- "$TRAIN" "$@" >"$out.out" 2>"$out.err" </dev/null
+  timeout -k 5 120 "$RUN" --nproc-per-node "$nproc" --timeout-s 100 -- "${PROGRAM:-$TRAIN}" "$@" >"$out.out" 2>"$out.err" </dev/null
   RC=$?
 }
 
@@ -122,7 +123,7 @@ bad_data "a size that is not a multiple of the token width names data.token_dtyp
   --set data.source=file --set data.path="$TMP/odd32.bin" --set data.token_dtype=uint32
 
 # ---- safe precision ---------------------------------------------------------------------------------
-FSDP_TRAIN_TEST_INF_GRAD=1:3 train 2 "$TMP/fp16" "${SMALL[@]}" --steps 6 --set fsdp.param_dtype=float16 \
+PROGRAM=$TRAIN_TEST FSDP_TRAIN_TEST_INF_GRAD=1:3 train 2 "$TMP/fp16" "${SMALL[@]}" --steps 6 --set fsdp.param_dtype=float16 \
   --set fsdp.loss_scale_init=1024 --metrics "$TMP/fp16.jsonl"
 ok=0
 if [ "$RC" -eq 0 ] && check "$TMP/fp16.jsonl" <<'EOF'
@@ -137,7 +138,7 @@ then ok=1; fi
 record "fp16: an inf in rank 1's gradient skips step 3 on every rank, the loss scale halves, training goes on" \
   $ok "$TMP/fp16.out" "$TMP/fp16.err" "$TMP/py.log"
 
-FSDP_TRAIN_TEST_INF_GRAD=0:2,3,4 train 2 "$TMP/stop" "${SMALL[@]}" --steps 6 --set train.max_consecutive_skips=3 \
+PROGRAM=$TRAIN_TEST FSDP_TRAIN_TEST_INF_GRAD=0:2,3,4 train 2 "$TMP/stop" "${SMALL[@]}" --steps 6 --set train.max_consecutive_skips=3 \
   --set train.save_every=1 --save-dir "$TMP/stop-ckpt" --metrics "$TMP/stop.jsonl"
 ok=0
 if [ "$RC" -eq 1 ] && grep -qF "3 steps in a row had a non-finite loss or gradient" "$TMP/stop.err" &&

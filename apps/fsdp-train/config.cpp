@@ -211,15 +211,28 @@ void parse_optim(const json& doc, TrainConfig& c) {
   }
 }
 
-void parse_offload(const json& off, OffloadConfig& out) {
+// An offload tier by its library name ("none", "host", "disk").
+void offload_tier(SectionReader& o, const char* name, fsdp::OffloadTier& out) {
+  std::string tier = fsdp::offload_tier_name(out);
+  o.choice(name, tier, {"none", "host", "disk"});
+  out = fsdp::parse_offload_tier(tier);
+}
+
+// fsdp.offload, read into the library's OffloadPolicy, which validates it (a disk tier needs dir).
+void parse_offload(const json& off, fsdp::OffloadPolicy& out) {
   if (!off.is_object()) reject("fsdp.offload", off, "must be an object");
   SectionReader o(&off, "fsdp.offload");
-  o.choice("params", out.params, {"none", "host", "disk"});
-  o.choice("grads", out.grads, {"none", "host", "disk"});
-  o.choice("optimizer_state", out.optimizer_state, {"none", "host", "disk"});
-  o.string("dir", out.dir);
-  o.integer("memory_budget_bytes", out.memory_budget_bytes, 0);
+  offload_tier(o, "params", out.params());
+  offload_tier(o, "grads", out.grads());
+  offload_tier(o, "optimizer_state", out.optimizer_state());
+  o.string("dir", out.dir());
+  o.integer("memory_budget_bytes", out.memory_budget_bytes(), 0);
   o.finish();
+  try {
+    out.validate();
+  } catch (const fsdp::ConfigError& e) {
+    throw std::invalid_argument(std::string("config: fsdp.offload: ") + e.what());
+  }
 }
 
 void parse_debug(const json& dbg, FsdpConfig& out) {
@@ -253,9 +266,13 @@ void parse_fsdp(const json& doc, TrainConfig& c) {
   fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
   fs.integer("replicate", c.fsdp.replicate, 1);
   fs.choice("device", c.fsdp.device, {"cpu", "cuda"});
-  fs.choice("loss_scale", c.fsdp.loss_scale, {"auto", "dynamic", "none"});
-  fs.number("loss_scale_init", c.fsdp.loss_scale_init, 0, /*min_open=*/true);
-  fs.integer("loss_scale_growth_interval", c.fsdp.loss_scale_growth_interval, 1);
+  std::string loss_scale = loss_scale_name(c.fsdp.loss_scale);
+  fs.choice("loss_scale", loss_scale, {"auto", "dynamic", "none"});
+  for (LossScale mode : {LossScale::kAuto, LossScale::kDynamic, LossScale::kNone}) {
+    if (loss_scale == loss_scale_name(mode)) c.fsdp.loss_scale = mode;
+  }
+  fs.number("loss_scale_init", c.fsdp.scaler.init_scale(), 0, /*min_open=*/true);
+  fs.integer("loss_scale_growth_interval", c.fsdp.scaler.growth_interval(), 1);
   if (const json* off = fs.find("offload")) parse_offload(*off, c.fsdp.offload);
   if (const json* dbg = fs.find("debug")) parse_debug(*dbg, c.fsdp);
   fs.finish();
@@ -265,11 +282,6 @@ void parse_fsdp(const json& doc, TrainConfig& c) {
   }
   if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
     reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
-  }
-  const bool disk =
-      c.fsdp.offload.params == "disk" || c.fsdp.offload.grads == "disk" || c.fsdp.offload.optimizer_state == "disk";
-  if (disk && c.fsdp.offload.dir.empty()) {
-    reject("fsdp.offload.dir", json(c.fsdp.offload.dir), "must name a directory when offloading to \"disk\"");
   }
 }
 
@@ -302,7 +314,7 @@ void parse_train(const json& doc, TrainConfig& c) {
     if (!v->is_boolean()) reject(tr.key("async_save"), *v, "must be true or false");
     c.train.async_save = v->get<bool>();
   }
-  tr.integer("max_consecutive_skips", c.train.max_consecutive_skips, 0);
+  tr.integer("max_consecutive_skips", c.fsdp.scaler.max_consecutive_skips(), 0);
   tr.finish();
 }
 
@@ -325,6 +337,14 @@ llama::LlamaConfig default_model_config() {
 }
 
 TrainConfig::TrainConfig() : model(default_model_config()) {}
+
+const char* loss_scale_name(LossScale s) {
+  switch (s) {
+    case LossScale::kDynamic: return "dynamic";
+    case LossScale::kNone: return "none";
+    default: return "auto";
+  }
+}
 
 at::ScalarType parse_dtype(const std::string& key, const std::string& name) {
   if (name == "float32" || name == "fp32") return at::kFloat;
@@ -364,15 +384,15 @@ json TrainConfig::to_json() const {
                {"replicate", this->fsdp.replicate},
                {"device", this->fsdp.device},
                {"offload",
-                {{"params", this->fsdp.offload.params},
-                 {"grads", this->fsdp.offload.grads},
-                 {"optimizer_state", this->fsdp.offload.optimizer_state},
-                 {"dir", this->fsdp.offload.dir},
-                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes}}},
+                {{"params", fsdp::offload_tier_name(this->fsdp.offload.params())},
+                 {"grads", fsdp::offload_tier_name(this->fsdp.offload.grads())},
+                 {"optimizer_state", fsdp::offload_tier_name(this->fsdp.offload.optimizer_state())},
+                 {"dir", this->fsdp.offload.dir()},
+                 {"memory_budget_bytes", this->fsdp.offload.memory_budget_bytes()}}},
                {"debug", {{"check_collectives", this->fsdp.check_collectives}}},
-               {"loss_scale", this->fsdp.loss_scale},
-               {"loss_scale_init", this->fsdp.loss_scale_init},
-               {"loss_scale_growth_interval", this->fsdp.loss_scale_growth_interval}};
+               {"loss_scale", loss_scale_name(this->fsdp.loss_scale)},
+               {"loss_scale_init", this->fsdp.scaler.init_scale()},
+               {"loss_scale_growth_interval", this->fsdp.scaler.growth_interval()}};
   j["train"] = {
       {"seed", train.seed},
       {"steps", train.steps},
@@ -386,7 +406,7 @@ json TrainConfig::to_json() const {
                                    : train.activation_checkpointing == 1 ? json("every")
                                                                          : json(train.activation_checkpointing)},
       {"async_save", train.async_save},
-      {"max_consecutive_skips", train.max_consecutive_skips}};
+      {"max_consecutive_skips", this->fsdp.scaler.max_consecutive_skips()}};
   return j;
 }
 
@@ -407,6 +427,7 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   parse_optim(doc, c);
   parse_fsdp(doc, c);
   parse_train(doc, c);
+  c.fsdp.scaler.enabled(c.fsdp.loss_scaling());
   if (c.optim.step_in_backward && c.optim.grad_clip > 0) {
     reject("optim.step_in_backward", json(true),
            "needs optim.grad_clip 0 (got " + json(c.optim.grad_clip).dump() +
@@ -414,7 +435,8 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   }
   if (c.optim.step_in_backward && c.fsdp.loss_scaling()) {
     reject("optim.step_in_backward", json(true),
-           "needs fsdp.loss_scale \"none\" and no float16 params (got loss_scale \"" + c.fsdp.loss_scale +
+           "needs fsdp.loss_scale \"none\" and no float16 params (got loss_scale \"" +
+               std::string(loss_scale_name(c.fsdp.loss_scale)) +
                "\"): scaled gradients would be applied before they could be unscaled or skipped");
   }
   return c;

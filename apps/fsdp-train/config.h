@@ -14,9 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
+#include "fsdp/grad_scaler.h"
 #include "fsdp/options.h"
 #include "llama.h"
 
@@ -50,13 +52,10 @@ struct OptimConfig {
   bool step_in_backward = false;
 };
 
-struct OffloadConfig {
-  std::string params = "none";           // "none", "host" or "disk"
-  std::string grads = "none";            // "none", "host" or "disk"
-  std::string optimizer_state = "none";  // "none", "host" or "disk"
-  std::string dir;                       // where "disk" offload keeps its files
-  int64_t memory_budget_bytes = 0;       // disk-tier bytes mapped at once; 0: a default window
-};
+// fsdp.loss_scale: dynamic loss scaling (fsdp::GradScaler) on when param_dtype is float16
+// ("auto"), always ("dynamic") or never ("none"). Non-finite steps are skipped in every mode.
+enum class LossScale { kAuto, kDynamic, kNone };
+const char* loss_scale_name(LossScale s);
 
 struct FsdpConfig {
   fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard;
@@ -65,16 +64,19 @@ struct FsdpConfig {
   int64_t prefetch_depth = 1;                // units whose all-gather is issued ahead (0: off)
   double timeout_s = 60;                     // rendezvous and every collective
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
-  OffloadConfig offload;
+  // fsdp.offload, set on the root unit (the layers inherit it); validated by the library.
+  fsdp::OffloadPolicy offload;
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions
   // "cpu" (Gloo) or "cuda" (NCCL; rank r uses CUDA device LOCAL_RANK): see fsdp::InitOptions.
   std::string device = "cpu";
-  // Dynamic loss scaling (fsdp::GradScaler): "auto" (on when param_dtype is float16), "dynamic"
-  // or "none". Non-finite steps are skipped in every mode (train.max_consecutive_skips).
-  std::string loss_scale = "auto";
-  double loss_scale_init = 65536;
-  int64_t loss_scale_growth_interval = 2000;
-  bool loss_scaling() const { return loss_scale == "dynamic" || (loss_scale == "auto" && param_dtype == at::kHalf); }
+  bool on_cuda() const { return c10::Device(device).is_cuda(); }
+  LossScale loss_scale = LossScale::kAuto;
+  // fsdp.loss_scale_init, fsdp.loss_scale_growth_interval and train.max_consecutive_skips; enabled
+  // follows loss_scale and param_dtype (set by from_json, see scaler_options()).
+  fsdp::GradScalerOptions scaler = fsdp::GradScalerOptions().enabled(false).max_consecutive_skips(10);
+  bool loss_scaling() const {
+    return loss_scale == LossScale::kDynamic || (loss_scale == LossScale::kAuto && param_dtype == at::kHalf);
+  }
 };
 
 struct RunConfig {
@@ -91,9 +93,9 @@ struct RunConfig {
   // Activation checkpointing: 0 ("none"), 1 ("every": every layer) or n (layers 0, n, 2n, ...).
   int64_t activation_checkpointing = 0;
   bool async_save = false;  // write checkpoints in the background (one in flight)
-  // A step whose loss or gradient norm is not finite is skipped on every rank; this many in a row
-  // stop the run with an error instead (0: never).
-  int64_t max_consecutive_skips = 10;
+  // train.max_consecutive_skips (a step whose loss or gradient norm is not finite is skipped on
+  // every rank; this many in a row stop the run with an error instead, 0: never) is kept in
+  // FsdpConfig::scaler, the library's option.
 };
 
 struct TrainConfig {

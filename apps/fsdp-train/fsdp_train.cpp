@@ -2,71 +2,7 @@
 //
 //   fsdp-run --nproc-per-node 2 -- fsdp-train --steps 200 --metrics run.jsonl
 //
-// Exit status: 0 on success, 2 for a usage or config error (reported before joining the job when
-// it can be), 1 for any other failure, 128 + S after signal S, SIGTERM or SIGINT (preemption.h:
-// every rank stops after the step in flight and saves a checkpoint with --save-dir). Errors go to
-// stderr as "fsdp-train: error: <what>".
-#include <ATen/Parallel.h>
+// The program is run.cpp's main_with_hooks with no test hooks (hooks.h).
+#include "hooks.h"
 
-#include <cstdio>
-#include <cstdlib>
-#include <exception>
-#include <optional>
-#include <stdexcept>
-#include <string>
-#include <utility>
-
-#include "config.h"
-#include "data.h"
-#include "flags.h"
-#include "fsdp/dist.h"
-#include "fsdp/errors.h"
-#include "preemption.h"
-#include "trainer.h"
-
-int main(int argc, char** argv) {
-  train::Flags flags;
-  train::TrainConfig config;
-  std::optional<train::Dataset> data;
-  try {
-    flags = train::parse_flags(argc, argv);
-    if (flags.help) {
-      std::fputs(train::usage_text(), stdout);
-      return 0;
-    }
-    config = train::config_from_flags(flags);
-    train::check_supported(config);
-    // Opened and validated before joining the job: a bad data file fails at once, not after the
-    // rendezvous.
-    data.emplace(config.data, config.model.vocab_size, config.train.seed);
-  } catch (const std::exception& e) {
-    // Every rank reports: a launcher may stop rank 0 before it prints when another rank exits first.
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
-  }
-  int threads = 1;
-  if (const char* env = std::getenv("FSDP_THREADS")) {
-    threads = std::atoi(env);
-    if (threads < 1) {
-      std::fprintf(stderr, "fsdp-train: error: FSDP_THREADS=%s must be a positive integer\n", env);
-      return 2;
-    }
-  }
-  // One intra-op thread per rank by default: ranks on one machine would otherwise oversubscribe it.
-  at::set_num_threads(threads);
-  try {
-    // Before the job joins: a SIGTERM during start-up stops it after its first step.
-    train::install_stop_handlers();
-    train::stop_save_pause_s();  // a bad value fails now, not at the stop
-    return train::run_training(config, flags, std::move(*data));
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
-  } catch (const fsdp::ConfigError& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return train::main_with_hooks(argc, argv, train::TrainHooks{}); }

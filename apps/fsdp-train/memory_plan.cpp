@@ -47,12 +47,12 @@ int64_t root_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64_
 }
 
 MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
-                          const std::array<std::string, 3>& offload_tiers) {
+                          const fsdp::OffloadPolicy& offload) {
   PlanInputs in;
   in.model = m;
   in.param_dtype = param_dtype;
   in.shard_size = shard_size;
-  in.offload_tiers = offload_tiers;
+  in.offload = offload;
   return plan_memory(in);
 }
 
@@ -67,9 +67,12 @@ MemoryPlan plan_memory(const PlanInputs& in) {
   p.grads = 4 * per_rank;
   p.optimizer = 8 * per_rank;
   const int64_t by_state[3] = {p.params, p.grads, p.optimizer};
+  const fsdp::OffloadTier tiers[3] = {in.offload.params(), in.offload.grads(), in.offload.optimizer_state()};
   for (int k = 0; k < 3; ++k) {
-    const auto& t = in.offload_tiers[k];
-    int64_t& tier = t == "disk" ? p.tier_disk : t == "host" ? p.tier_host : p.tier_ram;
+    const fsdp::OffloadTier t = tiers[k];
+    int64_t& tier = t == fsdp::OffloadTier::kDisk   ? p.tier_disk
+                    : t == fsdp::OffloadTier::kHost ? p.tier_host
+                                                    : p.tier_ram;
     tier += by_state[k];
   }
   const bool root_largest = c.root >= c.per_layer;
@@ -148,11 +151,11 @@ std::string levers_summary(const TrainConfig& cfg, int64_t global_batch) {
        std::to_string(cfg.data.batch_size_per_rank) + " per rank per step (" + std::to_string(global_batch) +
        " samples per step)";
   s += std::string("; checkpoints ") + (t.async_save ? "saved in the background" : "saved synchronously");
-  s += cfg.fsdp.loss_scaling() ? "; dynamic loss scaling from " + nlohmann::json(cfg.fsdp.loss_scale_init).dump()
+  s += cfg.fsdp.loss_scaling() ? "; dynamic loss scaling from " + nlohmann::json(cfg.fsdp.scaler.init_scale()).dump()
                                : std::string("; no loss scaling");
-  s += "; non-finite steps skipped" + (t.max_consecutive_skips > 0
-                                           ? ", " + std::to_string(t.max_consecutive_skips) + " in a row stop the run"
-                                           : std::string(", never stopping"));
+  const int64_t max_skips = cfg.fsdp.scaler.max_consecutive_skips();
+  s += "; non-finite steps skipped" +
+       (max_skips > 0 ? ", " + std::to_string(max_skips) + " in a row stop the run" : std::string(", never stopping"));
   return s;
 }
 

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config.h"
+#include "fsdp/options.h"
 #include "llama.h"
 
 namespace train {
@@ -33,8 +34,8 @@ struct PlanInputs {
   llama::LlamaConfig model;
   at::ScalarType param_dtype = at::kFloat;
   int shard_size = 1;
-  // The "none" / "host" / "disk" settings of params, grads and optimizer state.
-  std::array<std::string, 3> offload_tiers{"none", "none", "none"};
+  // The tiers of params, grads and optimizer state (fsdp.offload).
+  fsdp::OffloadPolicy offload;
   int64_t micro_batch = 0;  // samples per rank per micro-batch (data.batch_size_per_rank); 0: no activations
   int64_t seq_len = 0;
   int64_t checkpoint_every = 0;  // train.activation_checkpointing: 0 none, n every n-th layer
@@ -64,7 +65,7 @@ MemoryPlan plan_memory(const PlanInputs& in);
 
 // The model-state part only (no activations or levers), as before the levers existed.
 MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size,
-                          const std::array<std::string, 3>& offload_tiers = {"none", "none", "none"});
+                          const fsdp::OffloadPolicy& offload = {});
 
 // Bytes kept for backward by one layer's forward over `tokens` tokens (B * T) in `dtype`, and by
 // the rest of the model (embedding output, final norm, logits and the loss's log-probabilities).

@@ -12,13 +12,12 @@
 #include <stdexcept>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
 namespace train {
 namespace {
-
-constexpr int kCountersPerRank = 6;
 
 using fsdp::base::mib;
 
@@ -48,24 +47,22 @@ std::string duration(double s) {
 
 }  // namespace
 
+std::vector<double> RankCounters::values() const {
+  return {loss, allgather_bytes, reduce_scatter_bytes, comm_wait_s, peak_rss_bytes};
+}
+
+RankCounters RankCounters::of(const std::vector<double>& v) { return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4)}; }
+
 std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine) {
   const int n = world.size();
-  at::Tensor in = at::empty({kCountersPerRank}, at::kDouble);
-  double* p = in.data_ptr<double>();
-  p[0] = mine.loss;
-  p[1] = mine.allgather_bytes;
-  p[2] = mine.reduce_scatter_bytes;
-  p[3] = mine.comm_wait_s;
-  p[4] = mine.peak_rss_bytes;
-  p[5] = mine.stop_signal;
-  at::Tensor out = at::empty({n * kCountersPerRank}, at::kDouble);
+  const std::vector<double> values = mine.values();
+  const int64_t per_rank = static_cast<int64_t>(values.size());
+  at::Tensor in = at::tensor(values, at::kDouble);
+  at::Tensor out = at::empty({n * per_rank}, at::kDouble);
   world.all_gather(out, in, "train/metrics").wait();
-  std::vector<RankCounters> all(n);
+  std::vector<RankCounters> all;
   const double* q = out.data_ptr<double>();
-  for (int r = 0; r < n; ++r) {
-    const double* c = q + r * kCountersPerRank;
-    all[r] = {c[0], c[1], c[2], c[3], c[4], c[5]};
-  }
+  for (int r = 0; r < n; ++r) all.push_back(RankCounters::of({q + r * per_rank, q + (r + 1) * per_rank}));
   return all;
 }
 

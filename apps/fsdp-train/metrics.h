@@ -31,7 +31,10 @@ struct RankCounters {
   double reduce_scatter_bytes = 0;
   double comm_wait_s = 0;
   double peak_rss_bytes = 0;
-  double stop_signal = 0;  // this rank's pending stop request (fsdp::StopRequest::signal()), 0 for none
+
+  // As a flat list and back, to travel in a collective (fsdp::agree_on_stop_with).
+  std::vector<double> values() const;
+  static RankCounters of(const std::vector<double>& values);
 };
 
 struct StepMetrics {

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -51,18 +50,6 @@ std::string stop_signal_name(int sig) {
   if (sig == SIGTERM) return "SIGTERM";
   if (sig == SIGINT) return "SIGINT";
   return "signal " + std::to_string(sig);
-}
-
-double stop_save_pause_s() {
-  const char* v = std::getenv("FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S");
-  if (v == nullptr || *v == '\0') return 0;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  if (end == v || *end != '\0' || !(s >= 0 && s <= 600)) {
-    throw std::invalid_argument(std::string("FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S=") + v +
-                                " must be a number of seconds in [0, 600]");
-  }
-  return s;
 }
 
 }  // namespace train

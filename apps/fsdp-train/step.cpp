@@ -3,11 +3,10 @@
 
 #include <malloc.h>
 
-#include <cstdlib>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "fsdp/errors.h"
 #include "fsdp/memory.h"
@@ -47,40 +46,17 @@ void restore_scaler(fsdp::GradScaler& scaler, const nlohmann::json& extra) {
 }
 
 Stepper::Stepper(const TrainConfig& cfg, const Dataset& data, llama::LlamaForCausalLM model,
-                 std::shared_ptr<fsdp::FSDPModule> root, fsdp::ShardedOptimizer& optim, c10::Device device, int rank)
+                 std::shared_ptr<fsdp::FSDPModule> root, fsdp::ShardedOptimizer& optim, c10::Device device, int rank,
+                 std::set<int64_t> inject_steps)
     : cfg_(cfg),
       data_(data),
       model_(std::move(model)),
       root_(std::move(root)),
       optim_(optim),
       device_(device),
-      rank_(rank) {
-  parse_injection();
-  const auto& f = cfg_.fsdp;
-  scaler_ = std::make_unique<fsdp::GradScaler>(root_, fsdp::GradScalerOptions()
-                                                          .enabled(f.loss_scaling())
-                                                          .init_scale(f.loss_scale_init)
-                                                          .growth_interval(f.loss_scale_growth_interval)
-                                                          .max_consecutive_skips(cfg_.train.max_consecutive_skips));
-}
-
-// Note [Injected non-finite gradients]
-// Tests only: FSDP_TRAIN_TEST_INF_GRAD="RANK:STEP[,STEP...]" puts an inf into the gradient of the
-// logits on rank RANK during optimizer steps STEP (1 = the first), so that rank's loss stays finite
-// while its gradients, and after the reduction every rank's shard of them, are not.
-void Stepper::parse_injection() {
-  const char* env = std::getenv("FSDP_TRAIN_TEST_INF_GRAD");
-  if (env == nullptr || *env == '\0') return;
-  const std::string spec = env;
-  const size_t colon = spec.find(':');
-  try {
-    if (colon == std::string::npos) throw std::invalid_argument("no ':'");
-    if (std::stoi(spec.substr(0, colon)) != rank_) return;
-    std::stringstream steps(spec.substr(colon + 1));
-    for (std::string item; std::getline(steps, item, ',');) inject_steps_.insert(std::stoll(item));
-  } catch (const std::exception&) {
-    throw std::invalid_argument("FSDP_TRAIN_TEST_INF_GRAD=" + spec + ": expected RANK:STEP[,STEP...]");
-  }
+      rank_(rank),
+      inject_steps_(std::move(inject_steps)) {
+  scaler_ = std::make_unique<fsdp::GradScaler>(root_, cfg_.fsdp.scaler);
 }
 
 // One micro-batch's forward and backward; returns its loss (already divided by the number of

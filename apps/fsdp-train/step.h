@@ -43,8 +43,11 @@ void restore_scaler(fsdp::GradScaler& scaler, const nlohmann::json& extra);
 
 class Stepper {
  public:
+  // inject_steps: the steps whose gradients get an inf on this rank (TrainHooks::inf_grad_steps;
+  // none outside tests).
   Stepper(const TrainConfig& cfg, const Dataset& data, llama::LlamaForCausalLM model,
-          std::shared_ptr<fsdp::FSDPModule> root, fsdp::ShardedOptimizer& optim, c10::Device device, int rank);
+          std::shared_ptr<fsdp::FSDPModule> root, fsdp::ShardedOptimizer& optim, c10::Device device, int rank,
+          std::set<int64_t> inject_steps = {});
 
   // Trains on the global batch that starts at global sample `first` (grad_accum_steps micro-batches
   // per rank). Collective. Throws fsdp::NonFiniteError after max_consecutive_skips skips in a row.
@@ -57,7 +60,6 @@ class Stepper {
  private:
   at::Tensor micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer);
   StepOutcome finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer);
-  void parse_injection();
 
   const TrainConfig& cfg_;
   const Dataset& data_;
@@ -69,7 +71,7 @@ class Stepper {
   std::unique_ptr<fsdp::GradScaler> scaler_;
   LeverMeasurements measured_;
   int64_t steps_run_ = 0;
-  std::set<int64_t> inject_steps_;  // Note [Injected non-finite gradients] (step.cpp)
+  std::set<int64_t> inject_steps_;  // TrainHooks::inf_grad_steps (hooks.h)
 };
 
 }  // namespace train

@@ -1,0 +1,175 @@
+// The loop of the fsdp-train job: step, evaluate, stop, save (loop.h).
+#include "loop.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <thread>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/tensor.h>
+
+#include "fsdp/stop.h"
+#include "preemption.h"
+#include "schedule.h"
+
+namespace train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace
+
+Loop::Loop(Session& session)
+    : s_(session),
+      cfg_(session.cfg),
+      metrics_(session.rank == 0 ? session.flags.metrics : "", /*append=*/!session.start.resumed_from.empty()),
+      samples_seen_(session.start.samples_seen) {
+  r_.step = session.start.step;
+  if (!session.start.resumed_from.empty()) r_.last_saved_step = session.start.step;
+}
+
+LoopResult Loop::run() {
+  const bool terminal = s_.rank == 0 && ::isatty(STDOUT_FILENO);
+  progress_ = std::make_unique<Progress>(r_.step, cfg_.train.steps, cfg_.train.log_every, terminal);
+  const int64_t first_step = r_.step;
+  const bool offloads = cfg_.fsdp.offload.any();
+  if (cfg_.train.eval_every > 0 && r_.step == 0 && cfg_.train.steps > 0) evaluate();
+  const auto start = Clock::now();
+  while (r_.step < cfg_.train.steps) {
+    train_step();
+    // Offload I/O is reported per step after the first (whose execution order is not known yet).
+    if (offloads && r_.step == first_step + 1) r_.offload_io_after_first = fsdp::offload_io(*s_.root);
+    if (r_.stop_signal != 0) {  // agreed with the step's metrics
+      stop_on_request();
+      return r_;
+    }
+    if (cfg_.train.eval_every > 0 && r_.step % cfg_.train.eval_every == 0) evaluate();
+    if (cfg_.train.save_every > 0 && r_.step % cfg_.train.save_every == 0) save();
+  }
+  if (cfg_.train.eval_every > 0 && r_.step > first_step && r_.last_eval_step != r_.step) evaluate();
+  if (r_.last_saved_step != r_.step) save();  // the end of the run; with --steps 0 the initial weights
+  s_.checkpointer->wait();                    // an async save in flight is committed before the report
+  progress_->finish();
+  r_.train_seconds = seconds_since(start);
+  r_.steps_trained = r_.step - first_step;
+  return r_;
+}
+
+void Loop::train_step() {
+  const auto t0 = Clock::now();
+  const double lr = s_.sched->lr_at(r_.step);
+  s_.sched->apply(*s_.optim, r_.step);
+  // Snapshots around the step's own work only: the metrics gather below is not step traffic.
+  const auto before = s_.comm->snapshot();
+  const StepOutcome outcome = s_.stepper->run(samples_seen_, r_.step + 1, s_.tracer.get());
+  const auto delta = s_.comm->snapshot() - before;
+  ++r_.step;
+  samples_seen_ += s_.global_batch;
+
+  fsdp::Tracer::Scope span(s_.tracer.get(), "train::metrics", "train", "");
+  RankCounters mine;
+  mine.loss = outcome.local_loss;
+  mine.allgather_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
+  mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
+  mine.comm_wait_s = delta.total_wait_s();
+  mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+  // Every rank's counters and its stop request (preemption.h) travel in one collective, so all
+  // learn the global loss and the same stop decision.
+  const auto agreed =
+      fsdp::agree_on_stop_with(s_.dist->world(), fsdp::StopRequest::signal(), mine.values(), "train/metrics");
+  r_.stop_signal = agreed.signal;
+  StepMetrics m;
+  for (const auto& v : agreed.values) m.ranks.push_back(RankCounters::of(v));
+  // The mean of equal-sized slices' means is the mean over the global batch.
+  for (const auto& r : m.ranks) m.loss += r.loss / static_cast<double>(m.ranks.size());
+  m.step = r_.step;
+  m.lr = lr;
+  m.step_time_s = seconds_since(t0);
+  m.tokens_per_s = static_cast<double>(s_.global_batch * cfg_.data.seq_len) / m.step_time_s;
+  m.skipped = !outcome.stepped;
+  m.skipped_steps = s_.stepper->scaler().state().skipped_steps;
+  m.loss_scale = s_.stepper->scaler().current_scale();
+  m.grad_norm = outcome.grad_norm;
+  r_.last_loss = m.loss;
+  if (s_.rank == 0) {
+    metrics_.step(m);
+    progress_->step(m);
+    if (m.skipped) progress_->note("step " + std::to_string(r_.step) + " skipped: non-finite loss or gradient");
+  }
+}
+
+// The mean loss over the same eval_batches global batches of the eval split every time, so
+// evaluations are comparable across steps, runs and world sizes.
+void Loop::evaluate() {
+  fsdp::Tracer::Scope span(s_.tracer.get(), "train::eval", "train", "");
+  c10::NoGradGuard no_grad;
+  double sum = 0;
+  for (int64_t b = 0; b < cfg_.train.eval_batches; ++b) {
+    Batch batch = rank_batch(s_.data, b * s_.eval_batch, cfg_.data.batch_size_per_rank, s_.rank, Split::kEval);
+    sum += llama::loss(fsdp::call(s_.model, batch.inputs.to(s_.device)), batch.targets.to(s_.device)).item<double>();
+  }
+  at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble);
+  s_.dist->world().all_reduce(t, fsdp::ReduceOp::kAvg, "train/eval_loss").wait();
+  r_.last_eval_loss = t.item<double>();
+  r_.last_eval_step = r_.step;
+  if (s_.rank == 0) {
+    metrics_.eval(r_.step, r_.last_eval_loss);
+    progress_->eval(r_.step, r_.last_eval_loss);
+  }
+}
+
+// After the step in flight, on every rank: save (with --save-dir), say so, and let the job
+// return 128 + signal.
+void Loop::stop_on_request() {
+  const auto t0 = Clock::now();
+  const std::string sig = stop_signal_name(r_.stop_signal);
+  progress_->finish();
+  if (s_.rank == 0) {
+    std::fprintf(stderr, "fsdp-train: %s: stopping after step %lld%s\n", sig.c_str(), static_cast<long long>(r_.step),
+                 s_.flags.save_dir.empty() ? " (no --save-dir: nothing is saved)" : ", saving a checkpoint first");
+  }
+  if (r_.last_saved_step != r_.step) save(s_.hooks.stop_save_pause_s());
+  s_.checkpointer->wait();  // an async save is committed before the job stops
+  if (s_.rank != 0) return;
+  std::printf("stopped by %s at step %lld", sig.c_str(), static_cast<long long>(r_.step));
+  if (!r_.last_checkpoint.empty()) {
+    std::printf(" (saving took %.2f s); resume from %s with --resume latest", seconds_since(t0),
+                r_.last_checkpoint.c_str());
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+// pause_s: TrainHooks::stop_save_pause_s (0 outside tests).
+void Loop::save(double pause_s) {
+  if (s_.flags.save_dir.empty()) return;
+  fsdp::Tracer::Scope span(s_.tracer.get(), "train::checkpoint_save", "train", "");
+  // What a resume checks (config_hash; Note [Resume changes]) and what fsdp-ckpt export reads.
+  nlohmann::json extra = {{"config", cfg_.to_json()},
+                          {"config_hash", cfg_.config_hash()},
+                          {"lr_schedule", ScheduleSpec::of(cfg_).to_json(r_.step)},
+                          {"global_batch", s_.global_batch},
+                          {"grad_scaler", scaler_json(s_.stepper->scaler())}};
+  if (!s_.start.init_from.is_null()) extra["init_from"] = s_.start.init_from;
+  std::function<void(const std::string&)> on_phase;
+  if (pause_s > 0) {
+    const int rank = s_.rank;
+    on_phase = [rank, pause_s](const std::string& phase) {
+      if (phase != "commit") return;
+      if (rank == 0) std::fprintf(stderr, "fsdp-train: test hook: pausing %g s before the commit\n", pause_s);
+      std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
+    };
+  }
+  r_.last_checkpoint = s_.checkpointer->save(r_.step, samples_seen_, *s_.root, *s_.optim, extra, on_phase);
+  r_.last_saved_step = r_.step;
+  if (s_.rank == 0) {
+    progress_->note((s_.checkpointer->async() ? "saving checkpoint in the background: " : "saved checkpoint ") +
+                    r_.last_checkpoint);
+  }
+}
+
+}  // namespace train

@@ -1,0 +1,156 @@
+// The session of the fsdp-train job: join, build, resume (session.h).
+#include "session.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/ops/full.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "base/file_io.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/init.h"
+#include "init_from.h"
+#include "resume_review.h"
+#include "schedule.h"
+
+namespace train {
+namespace {
+
+// fsdp.device=cuda: this rank computes on CUDA device LOCAL_RANK, made current before the process
+// group exists (NCCL binds to it).
+void use_local_gpu() {
+  const auto& hooks = at::detail::getCUDAHooks();
+  const int gpus = hooks.hasCUDA() ? hooks.getNumGPUs() : 0;
+  const int local = fsdp::parse_dist_env().local_rank;
+  if (local >= gpus) {
+    throw std::invalid_argument("config: fsdp.device=cuda: local rank " + std::to_string(local) +
+                                " needs CUDA device " + std::to_string(local) + " but this process sees " +
+                                std::to_string(gpus));
+  }
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local)));
+}
+
+}  // namespace
+
+Session::Session(const TrainConfig& config, const Flags& flags, Dataset data, const TrainHooks& hooks)
+    : cfg(config), flags(flags), data(std::move(data)), hooks(hooks) {}
+
+void Session::join() {
+  if (cfg.fsdp.on_cuda()) use_local_gpu();
+  dist = fsdp::init_from_env(fsdp::InitOptions()
+                                 .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg.fsdp.timeout_s * 1000)))
+                                 .device(cfg.fsdp.device)
+                                 .check_collectives(cfg.fsdp.check_collectives));
+  device = dist->compute_device();
+  rank = dist->rank();
+  world = dist->world_size();
+  if (cfg.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard) {
+    const int64_t r = cfg.fsdp.replicate;
+    if (r > world || world % r != 0) {
+      throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(r) + ": must divide the world size " +
+                                  std::to_string(world) + " (HYBRID_SHARD replicates over that many rows of ranks)");
+    }
+    mesh = std::make_unique<fsdp::DeviceMesh>(dist, static_cast<int>(r), world / static_cast<int>(r));
+  } else {
+    mesh = std::make_unique<fsdp::DeviceMesh>(dist);
+  }
+  eval_batch = cfg.data.batch_size_per_rank * world;
+  global_batch = eval_batch * cfg.train.grad_accum_steps;
+}
+
+// The layers' options; the root's add the output dtype and the offload policy (build()).
+fsdp::FullyShardOptions Session::shard_options(bool import) const {
+  auto opts = fsdp::FullyShardOptions()
+                  .strategy(cfg.fsdp.strategy)
+                  .prefetch_depth(static_cast<int>(cfg.fsdp.prefetch_depth))
+                  .init(import ? fsdp::init::constant(0.0) : llama::llama_init_fn(cfg.model, cfg.train.seed));
+  const bool mixed = cfg.fsdp.param_dtype != at::kFloat;
+  if (mixed) opts.mp_policy().param_dtype(cfg.fsdp.param_dtype);
+  if (mixed || cfg.fsdp.reduce_dtype != at::kFloat) opts.mp_policy().reduce_dtype(cfg.fsdp.reduce_dtype);
+  return opts;
+}
+
+void Session::build() {
+  // Built on the meta device: no rank ever holds the whole model; each materialises its shards
+  // on the first forward from llama_init_fn, which gives the same values whatever the world size.
+  model = llama::LlamaForCausalLM(cfg.model, at::kMeta);
+  // --init-from: the shards start at zero (cheap) and the import overwrites them, unless a
+  // checkpoint is resumed (--resume latest with none saved yet starts fresh: from the import).
+  start.started_fresh = flags.resume == "latest" && !any_checkpoint_saved();  // asked once: a collective
+  const bool resuming = !flags.resume.empty() && !start.started_fresh;
+  const bool import = !flags.init_from.empty() && !resuming;
+  const auto opts = shard_options(import);
+  for (auto& layer : model->model->layers) fsdp::fully_shard(layer, *mesh, opts);
+  auto root_opts = opts;
+  // The loss is computed in fp32 whatever the compute dtype.
+  if (cfg.fsdp.param_dtype != at::kFloat) root_opts.mp_policy().output_dtype(at::kFloat);
+  // Offload is set on the root; the layers inherit it (their own policy is unset).
+  root_opts.offload(cfg.fsdp.offload);
+  root = fsdp::fully_shard(model, *mesh, root_opts);
+  if (import) start.init_from = import_hf_weights(flags.init_from, *root, rank, cfg.model.vocab_size);
+  model->model->checkpoint_every = cfg.train.activation_checkpointing;
+
+  const auto& o = cfg.optim;
+  optim = std::make_unique<fsdp::AdamW>(
+      root, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
+  optim->step_in_backward(o.step_in_backward);
+  sched = make_schedule(ScheduleSpec::of(cfg));
+  stepper = std::make_unique<Stepper>(cfg, data, model, root, *optim, device, rank, hooks.inf_grad_steps(rank));
+  checkpointer = std::make_unique<Checkpointer>(flags.save_dir, cfg.train.async_save, cfg.train.keep_last);
+  comm = std::make_unique<CommCounter>(*mesh);
+  if (!flags.trace.empty()) {
+    // The library's own spans (gathers, reductions, waits, optimizer step) land in the same trace
+    // as the trainer's phases, which go on their own lane, "train".
+    tracer = std::make_shared<fsdp::Tracer>(rank);
+    root->set_tracer(tracer);
+  }
+}
+
+void Session::resume() {
+  if (flags.resume.empty()) return;
+  if (start.started_fresh) return;  // --resume latest with nothing saved yet (build() asked)
+  fsdp::Tracer::Scope span(tracer.get(), "train::checkpoint_load", "train", "");
+  const std::string dir = fsdp::checkpoint::resolve(flags.save_dir, flags.resume);
+  review_changes(dir);  // before loading: a refused resume reads and writes nothing more
+  const auto p = load_checkpoint(flags.save_dir, dir, *root, *optim, cfg.config_hash());
+  start.step = p.step;
+  start.samples_seen = p.samples_seen;
+  start.resumed_from = p.dir;
+  restore_scaler(stepper->scaler(), p.extra);
+  // The checkpoint's weights came from its own --init-from (recorded for fsdp-ckpt export).
+  if (p.extra.contains("init_from")) {
+    start.init_from = p.extra["init_from"];
+  } else if (!flags.init_from.empty()) {
+    start.init_from = init_from_record(flags.init_from, cfg.model.vocab_size);
+  }
+}
+
+// Note [Resume changes]: the same decision on every rank, from the same train_state.json.
+void Session::review_changes(const std::string& dir) {
+  const ResumeReview review = review_resume(fsdp::checkpoint::read_train_state(dir), dir, cfg, world);
+  if (!review.lr_jump.empty() && !flags.allow_schedule_change) throw std::invalid_argument(review.lr_jump);
+  start.notes = review.notes;
+  if (!review.lr_jump.empty()) start.notes.push_back("the lr change is accepted (--allow-schedule-change)");
+}
+
+// --resume latest before the first save (a restarted job that never got that far, or a job
+// script that always passes it) starts from step 0. Every rank must see the same answer. A
+// `latest` that names no committed checkpoint (fsdp::checkpoint::has_latest false) is not a fresh
+// start: resolve() then fails naming it, rather than training over a save root that lost its data.
+bool Session::any_checkpoint_saved() {
+  const bool mine = fsdp::io::exists(fsdp::io::join(flags.save_dir, "latest"));
+  at::Tensor seen = at::full({1}, mine ? 1.0 : 0.0, at::kDouble);
+  dist->world().all_reduce(seen, fsdp::ReduceOp::kSum, "train/resume_latest").wait();
+  const int n = static_cast<int>(seen.item<double>());
+  if (n != 0 && n != world) {
+    throw std::runtime_error("--resume latest: " + std::to_string(n) + " of " + std::to_string(world) + " ranks see " +
+                             flags.save_dir + "/latest; every rank needs the same --save-dir (a shared file system)");
+  }
+  return n == world;
+}
+
+}  // namespace train

@@ -1,0 +1,82 @@
+// The job's session: what a run has before its first step. join() makes the process group and
+// the mesh, build() the sharded model, its optimizer, schedule and stepper, resume() loads the
+// checkpoint --resume names (after reviewing what the run changes against it). The loop
+// (loop.h) and the reports (report.h) work on it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpointing.h"
+#include "config.h"
+#include "data.h"
+#include "flags.h"
+#include "fsdp/device_mesh.h"
+#include "fsdp/dist.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/optim.h"
+#include "fsdp/trace.h"
+#include "hooks.h"
+#include "llama.h"
+#include "metrics.h"
+#include "step.h"
+
+namespace train {
+
+// Where the run starts: step 0, or the checkpoint it resumed from.
+struct StartPoint {
+  int64_t step = 0;
+  int64_t samples_seen = 0;
+  std::string resumed_from;         // the checkpoint loaded; empty when starting at step 0
+  std::vector<std::string> notes;   // Note [Resume changes], printed with the header
+  bool started_fresh = false;       // --resume latest found no checkpoint
+  nlohmann::json init_from;         // TrainState.extra.init_from (init_from.h); null without one
+};
+
+class Session {
+ public:
+  Session(const TrainConfig& config, const Flags& flags, Dataset data, const TrainHooks& hooks);
+
+  // The process group and the mesh: everything a run has before its model. Collective.
+  void join();
+  // The model on the meta device, sharded; the optimizer, schedule, stepper, checkpointer and
+  // tracer. Collective (--resume latest asks every rank whether a checkpoint exists).
+  void build();
+  // With --resume: reviews the changes against the checkpoint, then loads it. Collective.
+  void resume();
+
+  const TrainConfig& cfg;
+  const Flags& flags;
+  Dataset data;
+  const TrainHooks& hooks;
+
+  std::shared_ptr<fsdp::Dist> dist;
+  c10::Device device = c10::Device(c10::kCPU);  // where batches go (dist->compute_device())
+  std::unique_ptr<fsdp::DeviceMesh> mesh;
+  int rank = 0, world = 1;
+  int64_t global_batch = 0;  // samples per optimizer step (all ranks, all micro-batches)
+  int64_t eval_batch = 0;    // samples per evaluation batch (all ranks)
+
+  llama::LlamaForCausalLM model{nullptr};
+  std::shared_ptr<fsdp::FSDPModule> root;
+  std::unique_ptr<fsdp::AdamW> optim;
+  std::unique_ptr<fsdp::LRScheduler> sched;
+  std::unique_ptr<Stepper> stepper;
+  std::unique_ptr<Checkpointer> checkpointer;
+  std::unique_ptr<CommCounter> comm;
+  std::shared_ptr<fsdp::Tracer> tracer;  // null without --trace
+
+  StartPoint start;
+
+ private:
+  fsdp::FullyShardOptions shard_options(bool import) const;
+  void review_changes(const std::string& dir);
+  bool any_checkpoint_saved();
+};
+
+}  // namespace train
