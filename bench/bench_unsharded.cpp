@@ -96,7 +96,7 @@ void dump_batches(const train::TrainConfig& cfg, const train::Dataset& data, con
 }
 
 double lr_at(const train::OptimConfig& o, int64_t step, int64_t total_steps) {
-  if (o.schedule == "constant") {
+  if (o.schedule == train::Schedule::kConstant) {
     if (step < o.warmup_steps) return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
     return o.lr;
   }

@@ -27,7 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const unsigned char* file = data + 1;
   const size_t bytes = size - 1;
   const bool bin = (mode & 1) != 0;
-  const std::string dtype = (mode & 2) != 0 ? "uint32" : "uint16";
+  const train::TokenDtype dtype = (mode & 2) != 0 ? train::TokenDtype::kUint32 : train::TokenDtype::kUint16;
   const int64_t vocab = int64_t{1} << std::min(33, 1 + (mode >> 2));
   train::TokenLayout layout;
   try {

@@ -6,6 +6,7 @@
 #include "comm/communicator_impl.h"
 #include "fsdp/device_mesh.h"
 #include "fsdp/errors.h"
+#include "fsdp/stop.h"
 #include "support/ranks.h"
 
 namespace fsdp {
@@ -188,6 +189,23 @@ TEST(DeviceMesh, RejectsShapeThatDoesNotFitTheWorld) {
     EXPECT_FALSE(flat.is_hybrid());
     EXPECT_EQ(flat.shard_size(), 2);
     EXPECT_EQ(flat.replicate_group().size(), 1);
+  });
+}
+
+// The stop agreement: every rank gets the lowest rank's signal (0 when none has one), and
+// agree_on_stop_with gathers each rank's values in the same collective.
+TEST(StopAgreement, EveryRankGetsTheLowestRanksSignalAndEveryRanksValues) {
+  run_threads(3, [](Dist& dist) {
+    const int r = dist.rank();
+    EXPECT_EQ(agree_on_stop(dist.world(), 0), 0);
+    EXPECT_EQ(agree_on_stop(dist.world(), r == 0 ? 0 : 10 + r), 11);
+    const StopAgreement a = agree_on_stop_with(dist.world(), r == 2 ? 15 : 0, {1.5 * r, -double(r)});
+    EXPECT_EQ(a.signal, 15);
+    ASSERT_EQ(a.values.size(), 3u);
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(a.values[k], (std::vector<double>{1.5 * k, -double(k)})) << "rank " << k;
+    const StopAgreement none = agree_on_stop_with(dist.world(), 0, {});
+    EXPECT_EQ(none.signal, 0);
+    EXPECT_EQ(none.values.size(), 3u);
   });
 }
 

@@ -64,12 +64,12 @@ TEST(TrainConfig, DefaultsAreTheSmallBuiltInJob) {
   EXPECT_EQ(c.model.vocab_size, 256);
   EXPECT_EQ(c.model.hidden_size, 128);
   EXPECT_EQ(c.model.num_hidden_layers, 4);
-  EXPECT_EQ(c.data.source, "synthetic");
+  EXPECT_EQ(c.data.source, train::DataSource::kSynthetic);
   EXPECT_EQ(c.data.seq_len, 64);
   EXPECT_EQ(c.data.batch_size_per_rank, 16);
   EXPECT_EQ(c.fsdp.strategy, fsdp::ShardingStrategy::kFullShard);
   EXPECT_EQ(c.fsdp.param_dtype, at::kFloat);
-  EXPECT_EQ(c.optim.schedule, "cosine");
+  EXPECT_EQ(c.optim.schedule, train::Schedule::kCosine);
   EXPECT_EQ(c.train.steps, 200);
   // An empty document and no flags at all are the defaults.
   EXPECT_EQ(TrainConfig::from_json(json::object()).to_json(), c.to_json());
@@ -109,7 +109,7 @@ TEST(TrainConfig, FileThenOverridesInCommandLineOrder) {
   EXPECT_DOUBLE_EQ(c.optim.betas[0], 0.8);
   EXPECT_DOUBLE_EQ(c.optim.betas[1], 0.9);
   EXPECT_EQ(c.fsdp.strategy, fsdp::ShardingStrategy::kShardGradOp);
-  EXPECT_EQ(c.data.source, "file");
+  EXPECT_EQ(c.data.source, train::DataSource::kFile);
   EXPECT_EQ(c.data.path, "corpus.txt");
   // The model section is laid over the trainer's defaults, not transformers' 7B ones.
   EXPECT_EQ(c.model.num_hidden_layers, 2);

@@ -29,7 +29,7 @@ DataConfig synthetic(int64_t seq_len) {
 
 DataConfig file(const std::string& path, int64_t seq_len) {
   DataConfig d;
-  d.source = "file";
+  d.source = train::DataSource::kFile;
   d.path = path;
   d.seq_len = seq_len;
   return d;

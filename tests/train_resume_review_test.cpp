@@ -95,7 +95,7 @@ TEST(TrainResumeReview, ChangesThatKeepTheLrAtTheResumedStepAreReportedNotRefuse
                 fmt(6e-3 * 6 / 10) + "; at step 120 it is " + fmt(later_now) + " instead of " + fmt(later_was));
   // A constant schedule does not depend on train.steps at all.
   auto constant60 = config(60), constant120 = config(120);
-  constant60.optim.schedule = constant120.optim.schedule = "constant";
+  constant60.optim.schedule = constant120.optim.schedule = train::Schedule::kConstant;
   r = review(constant60, 60, 2, constant120, 2);
   ASSERT_EQ(r.notes.size(), 1u);
   EXPECT_TRUE(r.lr_jump.empty());
@@ -111,7 +111,7 @@ TEST(TrainResumeReview, ANewPeakLrOrScheduleKindJumpsAndNamesTheFlagsThatRestore
   EXPECT_TRUE(has(r.notes[0], "optim.lr 0.006 -> 0.003: the schedule changes; lr at step 61 goes from ")) << r.notes[0];
   EXPECT_TRUE(has(r.lr_jump, "--set optim.lr=0.006")) << r.lr_jump;
   auto constant = config(120);
-  constant.optim.schedule = "constant";
+  constant.optim.schedule = train::Schedule::kConstant;
   r = review(config(120), 60, 2, constant, 2);
   EXPECT_TRUE(has(r.notes.at(0), "optim.schedule cosine -> constant")) << r.notes[0];
   EXPECT_TRUE(has(r.lr_jump, "--set optim.schedule=cosine")) << r.lr_jump;

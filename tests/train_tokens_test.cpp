@@ -21,6 +21,7 @@ namespace {
 using train::DataConfig;
 using train::Dataset;
 using train::Split;
+using train::TokenDtype;
 using Bytes = std::vector<unsigned char>;
 
 void put_le(Bytes& out, uint64_t v, int width) {
@@ -46,16 +47,16 @@ std::string write(const std::string& name, const Bytes& bytes) {
   return path;
 }
 
-DataConfig file(const std::string& path, int64_t seq_len, const std::string& dtype = "uint16") {
+DataConfig file(const std::string& path, int64_t seq_len, TokenDtype dtype = TokenDtype::kUint16) {
   DataConfig d;
-  d.source = "file";
+  d.source = train::DataSource::kFile;
   d.path = path;
   d.seq_len = seq_len;
   d.token_dtype = dtype;
   return d;
 }
 
-std::string layout_error(const Bytes& b, const std::string& dtype) {
+std::string layout_error(const Bytes& b, TokenDtype dtype) {
   try {
     train::parse_token_layout(b.data(), b.size(), "data file 'x.bin'", true, dtype, "data.token_dtype");
   } catch (const std::invalid_argument& e) {
@@ -79,7 +80,7 @@ TEST(TrainTokens, Uint32TokensAboveUint16Range) {
   // Ids around 100,000: a vocabulary that uint16 cannot hold (Qwen's is 151,646).
   const auto ids = counting(400, 99990, 151646);
   const auto path = write("big.bin", tokens(ids, 4));
-  Dataset data(file(path, 15, "uint32"), 151646, 3);
+  Dataset data(file(path, 15, TokenDtype::kUint32), 151646, 3);
   const at::Tensor s = data.samples(0, 8, Split::kTrain);
   const auto* p = s.data_ptr<int64_t>();
   for (int64_t k = 0; k < 8; ++k) {
@@ -90,10 +91,10 @@ TEST(TrainTokens, Uint32TokensAboveUint16Range) {
 }
 
 TEST(TrainTokens, LayoutFromBytes) {
-  auto l = train::parse_token_layout(nullptr, 0, "f", false, "uint16", "data.token_dtype");
+  auto l = train::parse_token_layout(nullptr, 0, "f", false, TokenDtype::kUint16, "data.token_dtype");
   EXPECT_EQ(l.width, 1);
   const Bytes u16 = tokens({1, 2, 3}, 2);
-  l = train::parse_token_layout(u16.data(), u16.size(), "f", true, "uint16", "data.token_dtype");
+  l = train::parse_token_layout(u16.data(), u16.size(), "f", true, TokenDtype::kUint16, "data.token_dtype");
   EXPECT_EQ(l.count, 3);
   EXPECT_EQ(train::token_at(u16.data(), l, 2), 3);
   // llm.c header, version 2: uint32 tokens after 1024 bytes.
@@ -104,30 +105,35 @@ TEST(TrainTokens, LayoutFromBytes) {
   h.resize(1024, 0);
   put_le(h, 70000, 4);
   put_le(h, 5, 4);
-  l = train::parse_token_layout(h.data(), h.size(), "f", true, "uint32", "data.token_dtype");
+  l = train::parse_token_layout(h.data(), h.size(), "f", true, TokenDtype::kUint32, "data.token_dtype");
   EXPECT_EQ(l.count, 2);
   EXPECT_EQ(train::token_at(h.data(), l, 0), 70000);
   // ... which is refused as uint16, naming the field and the fix.
-  const auto e = layout_error(h, "uint16");
+  const auto e = layout_error(h, TokenDtype::kUint16);
   EXPECT_HAS(e, "data file 'x.bin': has llm.c's header for uint32 tokens (version 2)");
   EXPECT_HAS(e, "set data.token_dtype=\"uint32\"");
 }
 
 TEST(TrainTokens, WrongTokenDtypeIsRefusedNamingFileAndField) {
   // uint32 tokens of a small vocabulary read as uint16: every second value is 0.
-  auto e = layout_error(tokens(counting(100, 1, 500), 4), "uint16");
+  auto e = layout_error(tokens(counting(100, 1, 500), 4), TokenDtype::kUint16);
   EXPECT_HAS(e, "data file 'x.bin': every second uint16 is 0: it holds uint32 tokens");
   EXPECT_HAS(e, "set data.token_dtype=\"uint32\"");
   // A size that is not a multiple of the token width.
-  e = layout_error(tokens(counting(101, 1, 500), 2), "uint32");
+  e = layout_error(tokens(counting(101, 1, 500), 2), TokenDtype::kUint32);
   EXPECT_HAS(e, "data file 'x.bin': has 202 bytes, not a multiple of 4 (data.token_dtype=\"uint32\")");
   EXPECT_HAS(e, "for uint16 tokens set data.token_dtype=\"uint16\"");
-  e = layout_error({1, 2, 3}, "uint16");
+  e = layout_error({1, 2, 3}, TokenDtype::kUint16);
   EXPECT_HAS(e, "has 3 bytes, not a multiple of 2");
-  EXPECT_HAS(layout_error({}, "int8"), "data.token_dtype=\"int8\": must be \"uint16\" or \"uint32\"");
+  try {
+    train::build_config(nullptr, {{"data.token_dtype", "int8"}});
+    ADD_FAILURE() << "data.token_dtype=int8 was accepted";
+  } catch (const std::invalid_argument& x) {
+    EXPECT_HAS(std::string(x.what()), "data.token_dtype=\"int8\": must be one of \"uint16\", \"uint32\"");
+  }
   // uint16 tokens read as uint32 pair into ids past the vocabulary: the fix names token_dtype too.
   const auto path = write("pairs.bin", tokens(counting(200, 1, 500), 2));
-  e = dataset_error(file(path, 8, "uint32"), 500);
+  e = dataset_error(file(path, 8, TokenDtype::kUint32), 500);
   EXPECT_HAS(e, "data file '" + path + "': token id ");
   EXPECT_HAS(e, "is >= model.vocab_size=500");
   EXPECT_HAS(e, "if the file holds uint16 tokens, set data.token_dtype=\"uint16\"");
@@ -137,7 +143,7 @@ TEST(TrainTokens, TokenPastTheVocabularyIsRefused) {
   auto ids = counting(300, 0, 100);
   ids[123] = 4242;
   const auto path = write("past.bin", tokens(ids, 4));
-  const auto e = dataset_error(file(path, 8, "uint32"), 4000);
+  const auto e = dataset_error(file(path, 8, TokenDtype::kUint32), 4000);
   EXPECT_HAS(e, "data file '" + path + "': token id 4242 at position 123 is >= model.vocab_size=4000");
   EXPECT_HAS(e, "set model.vocab_size to at least 4243");
 }
@@ -216,7 +222,7 @@ TEST(TrainTokens, ConfigKeysAreCheckedAgainstSourceAndFiles) {
             1);
   // token_dtype changes the sample stream, so the hash; the default leaves older hashes alone.
   auto d16 = c;
-  d16.data.token_dtype = "uint16";
+  d16.data.token_dtype = TokenDtype::kUint16;
   EXPECT_NE(c.config_hash(), d16.config_hash());
 }
 

@@ -90,6 +90,16 @@ class SectionReader {
     out = s;
   }
 
+  template <class E, size_t N>
+  void choice(const char* name, E& out, const Named<E> (&table)[N]) {
+    std::string s = name_of(table, out);
+    std::vector<std::string> allowed;
+    for (const auto& t : table) allowed.push_back(t.name);
+    choice(name, s, allowed);
+    for (const auto& t : table)
+      if (s == t.name) out = t.value;
+  }
+
   static void check_range(const std::string& key, const json& v, double x, double min, bool min_open, double max) {
     if (!std::isfinite(x)) reject(key, v, "must be finite");
     if (min_open ? !(x > min) : !(x >= min)) {
@@ -146,13 +156,13 @@ llama::LlamaConfig parse_model(const json& doc) {
 
 // data.eval_path and data.token_dtype against the source and the file names.
 void check_data_files(const DataConfig& d) {
-  if (!d.eval_path.empty() && d.source != "file") {
+  if (!d.eval_path.empty() && d.source != DataSource::kFile) {
     reject("data.eval_path", json(d.eval_path),
            "needs data.source=\"file\" (the synthetic task has its own eval split)");
   }
   auto is_bin = [](const std::string& p) { return p.size() >= 4 && p.compare(p.size() - 4, 4, ".bin") == 0; };
-  if (d.token_dtype != "uint16" && d.source == "file" && !is_bin(d.path)) {
-    reject("data.token_dtype", json(d.token_dtype),
+  if (d.token_dtype != TokenDtype::kUint16 && d.source == DataSource::kFile && !is_bin(d.path)) {
+    reject("data.token_dtype", json(name_of(kTokenDtypes, d.token_dtype)),
            "applies to .bin token files, but data.path=\"" + d.path + "\" is read as raw bytes");
   }
   if (!d.eval_path.empty() && is_bin(d.eval_path) != is_bin(d.path)) {
@@ -163,17 +173,17 @@ void check_data_files(const DataConfig& d) {
 
 void parse_data(const json& doc, TrainConfig& c) {
   SectionReader data(doc, "data");
-  data.choice("source", c.data.source, {"synthetic", "file"});
+  data.choice("source", c.data.source, kDataSources);
   data.string("path", c.data.path);
-  data.choice("token_dtype", c.data.token_dtype, {"uint16", "uint32"});
+  data.choice("token_dtype", c.data.token_dtype, kTokenDtypes);
   data.string("eval_path", c.data.eval_path);
   data.integer("seq_len", c.data.seq_len, 1);
   data.integer("batch_size_per_rank", c.data.batch_size_per_rank, 1);
   data.finish();
-  if (c.data.source == "file" && c.data.path.empty()) {
+  if (c.data.source == DataSource::kFile && c.data.path.empty()) {
     reject("data.path", json(c.data.path), "must name a file when data.source is \"file\" (or pass --data FILE)");
   }
-  if (c.data.source == "synthetic" && !c.data.path.empty()) {
+  if (c.data.source == DataSource::kSynthetic && !c.data.path.empty()) {
     reject("data.path", json(c.data.path), "is set but data.source is \"synthetic\"; set data.source to \"file\"");
   }
   check_data_files(c.data);
@@ -199,7 +209,7 @@ void parse_optim(const json& doc, TrainConfig& c) {
   optim.number("weight_decay", c.optim.weight_decay, 0);
   optim.integer("warmup_steps", c.optim.warmup_steps, 0);
   optim.number("grad_clip", c.optim.grad_clip, 0);
-  optim.choice("schedule", c.optim.schedule, {"cosine", "constant"});
+  optim.choice("schedule", c.optim.schedule, kSchedules);
   optim.number("min_lr", c.optim.min_lr, 0);
   if (const json* v = optim.find("step_in_backward")) {
     if (!v->is_boolean()) reject(optim.key("step_in_backward"), *v, "must be true or false");
@@ -266,11 +276,7 @@ void parse_fsdp(const json& doc, TrainConfig& c) {
   fs.number("timeout_s", c.fsdp.timeout_s, 0, /*min_open=*/true);
   fs.integer("replicate", c.fsdp.replicate, 1);
   fs.choice("device", c.fsdp.device, {"cpu", "cuda"});
-  std::string loss_scale = loss_scale_name(c.fsdp.loss_scale);
-  fs.choice("loss_scale", loss_scale, {"auto", "dynamic", "none"});
-  for (LossScale mode : {LossScale::kAuto, LossScale::kDynamic, LossScale::kNone}) {
-    if (loss_scale == loss_scale_name(mode)) c.fsdp.loss_scale = mode;
-  }
+  fs.choice("loss_scale", c.fsdp.loss_scale, kLossScales);
   fs.number("loss_scale_init", c.fsdp.scaler.init_scale(), 0, /*min_open=*/true);
   fs.integer("loss_scale_growth_interval", c.fsdp.scaler.growth_interval(), 1);
   if (const json* off = fs.find("offload")) parse_offload(*off, c.fsdp.offload);
@@ -338,14 +344,6 @@ llama::LlamaConfig default_model_config() {
 
 TrainConfig::TrainConfig() : model(default_model_config()) {}
 
-const char* loss_scale_name(LossScale s) {
-  switch (s) {
-    case LossScale::kDynamic: return "dynamic";
-    case LossScale::kNone: return "none";
-    default: return "auto";
-  }
-}
-
 at::ScalarType parse_dtype(const std::string& key, const std::string& name) {
   if (name == "float32" || name == "fp32") return at::kFloat;
   if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
@@ -364,16 +362,19 @@ const char* dtype_name(at::ScalarType t) {
 json TrainConfig::to_json() const {
   json j;
   j["model"] = model.to_json();
-  j["data"] = {{"source", data.source},           {"path", data.path},
-               {"token_dtype", data.token_dtype}, {"eval_path", data.eval_path},
-               {"seq_len", data.seq_len},         {"batch_size_per_rank", data.batch_size_per_rank}};
+  j["data"] = {{"source", name_of(kDataSources, data.source)},
+               {"path", data.path},
+               {"token_dtype", name_of(kTokenDtypes, data.token_dtype)},
+               {"eval_path", data.eval_path},
+               {"seq_len", data.seq_len},
+               {"batch_size_per_rank", data.batch_size_per_rank}};
   j["optim"] = {{"lr", optim.lr},
                 {"betas", {optim.betas[0], optim.betas[1]}},
                 {"eps", optim.eps},
                 {"weight_decay", optim.weight_decay},
                 {"warmup_steps", optim.warmup_steps},
                 {"grad_clip", optim.grad_clip},
-                {"schedule", optim.schedule},
+                {"schedule", name_of(kSchedules, optim.schedule)},
                 {"min_lr", optim.min_lr},
                 {"step_in_backward", optim.step_in_backward}};
   j["fsdp"] = {{"strategy", fsdp::strategy_name(this->fsdp.strategy)},
@@ -443,10 +444,12 @@ TrainConfig TrainConfig::from_json(const json& doc) {
 }
 
 std::string TrainConfig::config_hash() const {
-  json identity = {{"model", model.identity_json()},
-                   {"data", {{"source", data.source}, {"path", data.path}, {"seq_len", data.seq_len}}}};
+  json identity = {
+      {"model", model.identity_json()},
+      {"data", {{"source", name_of(kDataSources, data.source)}, {"path", data.path}, {"seq_len", data.seq_len}}}};
   // Only when not the default, so the hashes of configs older than the key stay as they were.
-  if (data.token_dtype != "uint16") identity["data"]["token_dtype"] = data.token_dtype;
+  if (data.token_dtype != TokenDtype::kUint16)
+    identity["data"]["token_dtype"] = name_of(kTokenDtypes, data.token_dtype);
   // nlohmann's json keeps object keys sorted, so dump() is canonical.
   const std::string s = identity.dump(-1, ' ', false, json::error_handler_t::replace);  // a path may not be UTF-8
   uint64_t h = 1469598103934665603ULL;                                                  // FNV-1a 64-bit offset basis

@@ -21,14 +21,14 @@
 #include "fsdp/grad_scaler.h"
 #include "fsdp/options.h"
 #include "llama.h"
+#include "named.h"
 
 namespace train {
 
 struct DataConfig {
-  std::string source = "synthetic";  // "synthetic" (built in) or "file" (see data.h)
-  std::string path;                  // the file, when source is "file"
-  // Tokens of a .bin file: "uint16" or "uint32" (vocabularies above 65,536); see token_file.h.
-  std::string token_dtype = "uint16";
+  DataSource source = DataSource::kSynthetic;
+  std::string path;  // the file, when source is kFile
+  TokenDtype token_dtype = TokenDtype::kUint16;
   // A held-out file for evaluation (same format): eval loss and perplexity come from it, and the
   // whole of `path` trains. Empty: the last 10% of `path` is held out (see data.h).
   std::string eval_path;
@@ -44,8 +44,8 @@ struct OptimConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   int64_t warmup_steps = 20;
-  double grad_clip = 1.0;           // max global gradient norm; 0 turns clipping off
-  std::string schedule = "cosine";  // "cosine" (to min_lr at train.steps) or "constant"
+  double grad_clip = 1.0;  // max global gradient norm; 0 turns clipping off
+  Schedule schedule = Schedule::kCosine;
   double min_lr = 6e-4;
   // Step each flat param during backward, as soon as its gradient is reduced
   // (ShardedOptimizer::step_in_backward): needs grad_clip 0 and no loss scaling.
@@ -55,7 +55,9 @@ struct OptimConfig {
 // fsdp.loss_scale: dynamic loss scaling (fsdp::GradScaler) on when param_dtype is float16
 // ("auto"), always ("dynamic") or never ("none"). Non-finite steps are skipped in every mode.
 enum class LossScale { kAuto, kDynamic, kNone };
-const char* loss_scale_name(LossScale s);
+inline constexpr Named<LossScale> kLossScales[] = {
+    {LossScale::kAuto, "auto"}, {LossScale::kDynamic, "dynamic"}, {LossScale::kNone, "none"}};
+inline const char* loss_scale_name(LossScale s) { return name_of(kLossScales, s); }
 
 struct FsdpConfig {
   fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard;

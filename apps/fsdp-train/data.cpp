@@ -218,17 +218,15 @@ class SplitSource : public TokenSource {
 Dataset::Dataset(const DataConfig& data, int64_t vocab_size, uint64_t seed) : seq_len_(data.seq_len) {
   if (data.seq_len < 1)
     throw std::invalid_argument("config: data.seq_len=" + std::to_string(data.seq_len) + ": must be >= 1");
-  if (data.source == "synthetic") {
+  if (data.source == DataSource::kSynthetic) {
     if (vocab_size < 8) {
       throw std::invalid_argument("config: model.vocab_size=" + std::to_string(vocab_size) +
                                   ": the synthetic task needs at least 8 tokens");
     }
     source_ = std::make_shared<SyntheticSource>(vocab_size, seed);
-  } else if (data.source == "file") {
+  } else {
     const bool eval_file = !data.eval_path.empty();
     source_ = std::make_shared<FileSource>(data.path, "data.path", data, vocab_size, seed, /*hold_out=*/!eval_file);
-  } else {
-    throw std::invalid_argument("config: data.source=\"" + data.source + "\": must be \"synthetic\" or \"file\"");
   }
   if (!data.eval_path.empty()) {
     auto eval = std::make_shared<FileSource>(data.eval_path, "data.eval_path", data, vocab_size, seed, false);

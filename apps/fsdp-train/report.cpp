@@ -42,8 +42,8 @@ void print_peak_rss(const std::vector<RankCounters>& all) {
 void print_run(const Session& s, const MemoryPlan& plan) {
   const TrainConfig& cfg = s.cfg;
   const auto& m = cfg.model;
-  std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n",
-              s.world, fsdp::strategy_name(cfg.fsdp.strategy), s.mesh->shard_size(), s.mesh->replicate_size(),
+  std::printf("fsdp-train: %d rank(s), %s (shard group %d x %d replica(s)), param_dtype %s, reduce_dtype %s\n", s.world,
+              fsdp::strategy_name(cfg.fsdp.strategy), s.mesh->shard_size(), s.mesh->replicate_size(),
               dtype_name(cfg.fsdp.param_dtype), dtype_name(cfg.fsdp.reduce_dtype));
   std::printf(
       "model: %s, %lld layers, hidden %lld, heads %lld (kv %lld), vocab %lld: %.3fM params, %s attention "
@@ -57,13 +57,14 @@ void print_run(const Session& s, const MemoryPlan& plan) {
               static_cast<long long>(s.global_batch), static_cast<long long>(cfg.data.batch_size_per_rank),
               static_cast<long long>(s.global_batch * cfg.data.seq_len));
   const auto& o = cfg.optim;
-  std::printf(
-      "optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s%s\n", o.lr,
-      o.betas[0], o.betas[1], o.eps, o.weight_decay, o.schedule.c_str(), static_cast<long long>(o.warmup_steps),
-      o.schedule == "cosine"
-          ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg.train.steps)).c_str()
-          : "",
-      o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off", o.step_in_backward ? "; steps in backward" : "");
+  std::printf("optim: AdamW lr %g betas [%g, %g] eps %g weight_decay %g; %s schedule, warmup %lld%s; grad_clip %s%s\n",
+              o.lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, name_of(kSchedules, o.schedule),
+              static_cast<long long>(o.warmup_steps),
+              o.schedule == Schedule::kCosine
+                  ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg.train.steps)).c_str()
+                  : "",
+              o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off",
+              o.step_in_backward ? "; steps in backward" : "");
 }
 
 // The lines on offload, checkpoints and where the run starts.

@@ -47,14 +47,15 @@ ScheduleDiff schedule_diff(const ScheduleSpec& was, const ScheduleSpec& now) {
         "--steps " + std::to_string(was.total_steps));
   }
   if (was.schedule != now.schedule) {
-    add("optim.schedule", was.schedule, now.schedule, "--set optim.schedule=" + was.schedule);
+    const std::string a = name_of(kSchedules, was.schedule), b = name_of(kSchedules, now.schedule);
+    add("optim.schedule", a, b, "--set optim.schedule=" + a);
   }
   if (was.lr != now.lr) add("optim.lr", num(was.lr), num(now.lr), "--set optim.lr=" + exact(was.lr));
   if (was.warmup_steps != now.warmup_steps) {
     add("optim.warmup_steps", std::to_string(was.warmup_steps), std::to_string(now.warmup_steps),
         "--set optim.warmup_steps=" + std::to_string(was.warmup_steps));
   }
-  if (was.min_lr != now.min_lr && (was.schedule == "cosine" || now.schedule == "cosine")) {
+  if (was.min_lr != now.min_lr && (was.schedule == Schedule::kCosine || now.schedule == Schedule::kCosine)) {
     add("optim.min_lr", num(was.min_lr), num(now.min_lr), "--set optim.min_lr=" + exact(was.min_lr));
   }
   return d;
@@ -67,7 +68,7 @@ void review_schedule(const ScheduleSpec& was, const ScheduleSpec& now, int64_t s
   if (d.changes.empty()) return;
   std::string effect = "the schedule changes";
   if (d.only_steps()) {
-    effect = now.schedule == "cosine"
+    effect = now.schedule == Schedule::kCosine
                  ? "the cosine schedule is re-stretched to reach min_lr at step " + std::to_string(now.total_steps)
                  : "the constant schedule does not depend on it";
   }

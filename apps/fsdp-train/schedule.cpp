@@ -1,6 +1,9 @@
 // See schedule.h.
 #include "schedule.h"
 
+#include <algorithm>
+#include <iterator>
+
 namespace train {
 namespace {
 
@@ -31,8 +34,12 @@ ScheduleSpec ScheduleSpec::of(const TrainConfig& config) {
 }
 
 nlohmann::json ScheduleSpec::to_json(int64_t step) const {
-  return {{"schedule", schedule},       {"lr", lr},         {"warmup_steps", warmup_steps},
-          {"total_steps", total_steps}, {"min_lr", min_lr}, {"next_lr", make_schedule(*this)->lr_at(step)}};
+  return {{"schedule", name_of(kSchedules, schedule)},
+          {"lr", lr},
+          {"warmup_steps", warmup_steps},
+          {"total_steps", total_steps},
+          {"min_lr", min_lr},
+          {"next_lr", make_schedule(*this)->lr_at(step)}};
 }
 
 std::optional<ScheduleSpec> ScheduleSpec::from_json(const nlohmann::json& j) {
@@ -44,8 +51,11 @@ std::optional<ScheduleSpec> ScheduleSpec::from_json(const nlohmann::json& j) {
     return std::nullopt;
   }
   ScheduleSpec s;
-  s.schedule = j["schedule"].get<std::string>();
-  if (s.schedule != "cosine" && s.schedule != "constant") return std::nullopt;
+  const auto name = j["schedule"].get<std::string>();
+  const auto known = std::find_if(std::begin(kSchedules), std::end(kSchedules),
+                                  [&](const Named<Schedule>& n) { return name == n.name; });
+  if (known == std::end(kSchedules)) return std::nullopt;
+  s.schedule = known->value;
   s.lr = j["lr"].get<double>();
   s.warmup_steps = j["warmup_steps"].get<int64_t>();
   s.total_steps = j["total_steps"].get<int64_t>();
@@ -54,7 +64,7 @@ std::optional<ScheduleSpec> ScheduleSpec::from_json(const nlohmann::json& j) {
 }
 
 std::unique_ptr<fsdp::LRScheduler> make_schedule(const ScheduleSpec& spec) {
-  if (spec.schedule == "constant") return std::make_unique<WarmupConstant>(spec.lr, spec.warmup_steps);
+  if (spec.schedule == Schedule::kConstant) return std::make_unique<WarmupConstant>(spec.lr, spec.warmup_steps);
   return std::make_unique<fsdp::WarmupCosine>(spec.lr, spec.warmup_steps, spec.total_steps, spec.min_lr);
 }
 

@@ -15,7 +15,7 @@
 namespace train {
 
 struct ScheduleSpec {
-  std::string schedule = "cosine";  // "cosine" (to min_lr at total_steps) or "constant"
+  Schedule schedule = Schedule::kCosine;  // cosine (to min_lr at total_steps) or constant
   double lr = 0;
   int64_t warmup_steps = 0;
   int64_t total_steps = 0;  // train.steps

@@ -32,10 +32,10 @@ namespace train {
 struct StartPoint {
   int64_t step = 0;
   int64_t samples_seen = 0;
-  std::string resumed_from;         // the checkpoint loaded; empty when starting at step 0
-  std::vector<std::string> notes;   // Note [Resume changes], printed with the header
-  bool started_fresh = false;       // --resume latest found no checkpoint
-  nlohmann::json init_from;         // TrainState.extra.init_from (init_from.h); null without one
+  std::string resumed_from;        // the checkpoint loaded; empty when starting at step 0
+  std::vector<std::string> notes;  // Note [Resume changes], printed with the header
+  bool started_fresh = false;      // --resume latest found no checkpoint
+  nlohmann::json init_from;        // TrainState.extra.init_from (init_from.h); null without one
 };
 
 class Session {

@@ -64,28 +64,25 @@ bool looks_like_uint32(const unsigned char* data, const TokenLayout& l) {
 
 }  // namespace
 
-int token_width(const std::string& token_dtype, const std::string& field) {
-  if (token_dtype == "uint16") return 2;
-  if (token_dtype == "uint32") return 4;
-  throw std::invalid_argument("config: " + field + "=\"" + token_dtype + "\": must be \"uint16\" or \"uint32\"");
-}
+int token_width(TokenDtype token_dtype) { return token_dtype == TokenDtype::kUint32 ? 4 : 2; }
 
 TokenLayout parse_token_layout(const unsigned char* data, size_t size, const std::string& label, bool bin,
-                               const std::string& token_dtype, const std::string& dtype_field) {
+                               TokenDtype token_dtype, const std::string& dtype_field) {
   TokenLayout l;
   if (!bin) {
     l.format = "raw bytes";
     l.count = static_cast<int64_t>(size);
     return l;
   }
-  const int width = token_width(token_dtype, dtype_field);
+  const int width = token_width(token_dtype);
+  const std::string dtype = name_of(kTokenDtypes, token_dtype);
   if (size >= kLlmcHeaderBytes && read_i32(data, 0) == kLlmcMagic)
     return llmc_layout(data, size, label, width, dtype_field);
   l.width = width;
-  l.format = token_dtype + " tokens";
+  l.format = dtype + " tokens";
   if (size % static_cast<size_t>(width) != 0) {
     fail(label, "has " + std::to_string(size) + " bytes, not a multiple of " + std::to_string(width) + " (" +
-                    dtype_field + "=\"" + token_dtype + "\"): a truncated file, or tokens of another width" +
+                    dtype_field + "=\"" + dtype + "\"): a truncated file, or tokens of another width" +
                     (width == 4 ? "; for uint16 tokens set " + dtype_field + "=\"uint16\"" : ""));
   }
   l.count = static_cast<int64_t>(size / static_cast<size_t>(width));

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <string>
 
+#include "named.h"
+
 namespace train {
 
 struct TokenLayout {
@@ -28,8 +30,8 @@ inline int64_t token_at(const unsigned char* data, const TokenLayout& layout, in
   return static_cast<int64_t>(v);
 }
 
-// "uint16" -> 2, "uint32" -> 4; anything else throws std::invalid_argument naming `field`.
-int token_width(const std::string& token_dtype, const std::string& field);
+// Bytes per token: 2 or 4.
+int token_width(TokenDtype token_dtype);
 
 // The layout of `size` bytes of the file `label` names in errors ("data file 'x.bin'"). `bin` selects the token
 // formats (else raw bytes). Throws std::invalid_argument naming the file and, where the fix is
@@ -37,7 +39,7 @@ int token_width(const std::string& token_dtype, const std::string& field);
 // an llm.c header that disagrees with token_dtype or with the file's size, or uint32 tokens read
 // as uint16 (every second uint16 zero).
 TokenLayout parse_token_layout(const unsigned char* data, size_t size, const std::string& label, bool bin,
-                               const std::string& token_dtype, const std::string& dtype_field);
+                               TokenDtype token_dtype, const std::string& dtype_field);
 
 // One pass over every token: throws std::invalid_argument naming the file, the first id >= vocab,
 // its position, the largest id and the fix (model.vocab_size, or `dtype_field` when the ids look

@@ -1,0 +1,34 @@
+// fsdp-train's options that take one of a few names, as enums with one table each (value, name)
+// that parsing, the dump and messages all read. Plain C++: token_file.cpp (and its fuzzer) use it
+// without LibTorch.
+#pragma once
+
+#include <cstddef>
+
+namespace train {
+
+// An option that takes one of a few names: its values and their names, in one table that parsing,
+// the dump and the messages all read.
+template <class E>
+struct Named {
+  E value;
+  const char* name;
+};
+template <class E, size_t N>
+const char* name_of(const Named<E> (&table)[N], E value) {
+  for (const auto& t : table)
+    if (t.value == value) return t.name;
+  return table[0].name;
+}
+
+// data.source: the built-in synthetic task, or a file (see data.h).
+enum class DataSource { kSynthetic, kFile };
+inline constexpr Named<DataSource> kDataSources[] = {{DataSource::kSynthetic, "synthetic"}, {DataSource::kFile, "file"}};
+// data.token_dtype: the tokens of a .bin file (uint32 for vocabularies above 65,536); token_file.h.
+enum class TokenDtype { kUint16, kUint32 };
+inline constexpr Named<TokenDtype> kTokenDtypes[] = {{TokenDtype::kUint16, "uint16"}, {TokenDtype::kUint32, "uint32"}};
+// optim.schedule: cosine decay to min_lr at train.steps, or constant (both after the warmup).
+enum class Schedule { kCosine, kConstant };
+inline constexpr Named<Schedule> kSchedules[] = {{Schedule::kCosine, "cosine"}, {Schedule::kConstant, "constant"}};
+
+}  // namespace train
