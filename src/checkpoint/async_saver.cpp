@@ -20,9 +20,9 @@ struct AsyncSaver::Impl {
 namespace {
 int64_t bytes_of(const ShardData& d) {
   int64_t n = 0;
-  for (const auto& t : d.params) n += t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  for (const auto& t : d.params) n += t.defined() ? t.numel() * static_cast<int64_t>(t.values().element_size()) : 0;
   for (const auto& m : d.states) {
-    for (const auto& [name, t] : m) n += t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+    for (const auto& [name, t] : m) n += t.defined() ? t.numel() * static_cast<int64_t>(t.values().element_size()) : 0;
   }
   return n;
 }

@@ -22,7 +22,6 @@
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"
 #include "shard/checkpoint_view.h"
-#include "offload/disk_tier.h"
 
 namespace fsdp::checkpoint {
 
@@ -153,7 +152,8 @@ std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorVi
 // Reads elements [begin, begin + count) of the tensor at `loc` into dst[shard_begin, ...),
 // converting to dst's dtype through `staging` (the source dtype) in chunks.
 uint64_t read_converted(File& file, const st::Header& header, const Located& loc, int64_t begin, int64_t count,
-                        at::Tensor& dst, int64_t shard_begin, at::Tensor& staging) {
+                        const ShardTensor& shard, int64_t shard_begin, at::Tensor& staging) {
+  const at::Tensor& dst = shard.values();
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
   const bool direct = loc.entry->dtype == st::DType::F32 && dst.is_cpu() && dst.scalar_type() == at::kFloat;
@@ -170,7 +170,7 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
     }
     done += n;
   }
-  if (dst.is_cpu()) offload::release(dst, shard_begin, shard_begin + count);  // disk tier: now on disk
+  shard.done(shard_begin, shard_begin + count);  // a disk tier: now on disk
   return static_cast<uint64_t>(count * item);
 }
 
@@ -191,7 +191,7 @@ uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::
     // A grown tensor's source rows are its first elements; the rest are filled by fill_grown.
     span->count = std::min(span->count, source_numel(located[i]) - span->tensor_begin);
     if (span->count <= 0) continue;
-    at::Tensor& dst = *layout.flats[t.flat].shard.master_shard;
+    const ShardTensor& dst = layout.flats[t.flat].shard.master;
     auto it = files.find(located[i].file);
     if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
     bytes += read_converted(it->second, src.headers.at(located[i].file), located[i], span->tensor_begin, span->count,
@@ -228,7 +228,8 @@ void add_column_sums(const at::Tensor& shard, const Span& span, int64_t row, at:
 }
 
 // Writes mean[col] to every element of the span.
-void fill_rows(at::Tensor& shard, const Span& span, int64_t row, const at::Tensor& mean) {
+void fill_rows(const ShardTensor& master, const Span& span, int64_t row, const at::Tensor& mean) {
+  const at::Tensor& shard = master.values();
   for_row_pieces(span.tensor_begin, span.count, row, [&](int64_t off, int64_t n, int64_t col) {
     at::Tensor out = shard.narrow(0, span.shard_begin + off, n);
     if (col + n <= row) {
@@ -237,7 +238,7 @@ void fill_rows(at::Tensor& shard, const Span& span, int64_t row, const at::Tenso
       out.view({n / row, row}).copy_(mean.unsqueeze(0).expand({n / row, row}));
     }
   });
-  if (shard.is_cpu()) offload::release(shard, span.shard_begin, span.shard_begin + span.count);
+  master.done(span.shard_begin, span.shard_begin + span.count);
 }
 
 // Note [Grown rows]: the added rows of tensor t, whose first src_rows rows are already read, are
@@ -252,7 +253,7 @@ void fill_grown(const CheckpointLayout& layout, const ShardedTensorView& t, int6
   if (span && layout.writer && span->tensor_begin < src_numel) {
     Span old = *span;
     old.count = std::min(old.count, src_numel - old.tensor_begin);
-    add_column_sums(*flat.master_shard, old, row, sums);
+    add_column_sums(flat.master.values(), old, row, sums);
   }
   dist.side_group("checkpoint").all_reduce(sums, ReduceOp::kSum, "checkpoint/import_grown_rows").wait();
   if (!span || span->tensor_begin + span->count <= src_numel) return;
@@ -261,8 +262,8 @@ void fill_grown(const CheckpointLayout& layout, const ShardedTensorView& t, int6
   added.tensor_begin += skip;
   added.shard_begin += skip;
   added.count -= skip;
-  const at::Tensor mean = (sums / static_cast<double>(src_rows)).to(flat.master_shard->device(), at::kFloat);
-  fill_rows(*flat.master_shard, added, row, mean);
+  const at::Tensor mean = (sums / static_cast<double>(src_rows)).to(flat.master.values().device(), at::kFloat);
+  fill_rows(flat.master, added, row, mean);
 }
 
 // Every rank learns whether any rank failed; the failing ranks rethrow their own error.
@@ -350,7 +351,7 @@ ImportReport import_unsharded(const std::string& dir, torch::nn::Module& module)
     if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(dir, located[i].file))).first;
     values.push_back(at::empty({tensors[i].numel}, at::kFloat));
     report.bytes_read += read_converted(it->second, src.headers.at(located[i].file), located[i], 0, tensors[i].numel,
-                                        values.back(), 0, staging);
+                                        ShardTensor(values.back()), 0, staging);
   }
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i].view(params[i].sizes()));

@@ -3,8 +3,6 @@
 
 #include <algorithm>
 
-#include "offload/disk_tier.h"
-
 namespace fsdp::checkpoint {
 namespace {
 
@@ -42,15 +40,15 @@ std::optional<Span> shard_span(const FlatShardView& flat, const ShardedTensorVie
 ShardData collect_shards(const CheckpointLayout& layout, bool copy) {
   ShardData data;
   for (const auto& slot : layout.flats) {
-    at::Tensor p = *slot.shard.master_shard;
+    const ShardTensor& p = slot.shard.master;
     // Snapshots stay in their tier: a disk-tier state is copied to a new disk-tier file.
-    data.params.push_back(copy ? offload::clone_in_tier(p) : p);
-    std::map<std::string, at::Tensor> states;
+    data.params.push_back(copy ? p.snapshot() : p);
+    std::map<std::string, ShardTensor> states;
     int64_t step = 0;
     if (slot.optim_state != nullptr) {
       step = slot.optim_state->step;
       for (const auto& [name, t] : slot.optim_state->tensors) {
-        if (t.defined()) states[name] = copy ? offload::clone_in_tier(t) : t;
+        if (t.defined()) states[name] = copy ? ShardTensor(t).snapshot() : ShardTensor(t);
       }
     }
     data.states.push_back(std::move(states));

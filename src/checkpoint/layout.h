@@ -43,8 +43,8 @@ std::optional<Span> shard_span(const FlatShardView& flat, const ShardedTensorVie
 
 // A snapshot of this rank's shards: the master params and each optimizer state, per flat slot.
 struct ShardData {
-  std::vector<at::Tensor> params;
-  std::vector<std::map<std::string, at::Tensor>> states;
+  std::vector<ShardTensor> params;
+  std::vector<std::map<std::string, ShardTensor>> states;
   std::vector<int64_t> steps;
   std::vector<at::Tensor> buffers;  // host copies in their saved dtype, contiguous (layout.buffers order)
 };

@@ -16,7 +16,6 @@
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "offload/disk_tier.h"
 #include "shard/checkpoint_view.h"
 
 namespace fsdp::checkpoint {
@@ -98,7 +97,8 @@ template <typename Target>
 void read_shards(const std::string& dir, const FileSet& set, const CheckpointLayout& layout, Target&& target) {
   std::map<std::string, File> files;
   for (const auto& t : layout.tensors) {
-    at::Tensor dst = target(t.flat);
+    const ShardTensor shard = target(t.flat);
+    const at::Tensor& dst = shard.values();
     if (!dst.defined()) continue;
     const auto span = shard_span(layout.flats[t.flat].shard, t);
     if (!span) continue;
@@ -115,7 +115,7 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
       continue;
     }
     it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
-    offload::release(dst, span->shard_begin, span->shard_begin + span->count);  // disk tier: read, now on disk
+    shard.done(span->shard_begin, span->shard_begin + span->count);  // a disk tier: read, now on disk
   }
 }
 
@@ -255,13 +255,12 @@ CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout,
 // master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
 // the copy lands in the existing storage, so an offloaded state stays offloaded.
 void copy_params(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
-  std::vector<at::Tensor> params;
-  for (const auto& slot : layout.flats)
-    params.push_back(offload::zeros_in_tier(*slot.shard.master_shard, "checkpoint load"));
+  std::vector<ShardTensor> params;
+  for (const auto& slot : layout.flats) params.push_back(slot.shard.master.zeros_like("checkpoint load"));
   read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
   for (size_t f = 0; f < layout.flats.size(); ++f) {
-    offload::copy_streamed(*layout.flats[f].shard.master_shard, params[f]);
-    params[f] = at::Tensor();
+    layout.flats[f].shard.master.copy_from(params[f]);
+    params[f] = ShardTensor();
     if (layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
   }
 }
@@ -287,11 +286,11 @@ void copy_optimizer_state(const std::string& dir, const std::vector<FileSet>& op
     const std::string name = optimizer.state_names()[k];
     read_shards(dir, optim_sets[k], layout, [&](size_t f) {
       auto* st = layout.flats[f].optim_state;
-      if (st == nullptr) return at::Tensor();
+      if (st == nullptr) return ShardTensor();
       optimizer.ensure_state(*st);
       auto& t = st->tensors[name];
-      if (!t.defined()) t = at::zeros_like(*layout.flats[f].shard.master_shard);
-      return t;
+      if (!t.defined()) t = at::zeros_like(layout.flats[f].shard.master.values());
+      return ShardTensor(t);
     });
   }
   for (const auto& t : layout.tensors) {
@@ -302,7 +301,7 @@ void copy_optimizer_state(const std::string& dir, const std::vector<FileSet>& op
   for (const auto& slot : layout.flats) {
     if (slot.optim_state != nullptr && slot.optim_state->step == 0) slot.optim_state->tensors.clear();
     if (slot.optim_state == nullptr) continue;
-    for (auto& [name, t] : slot.optim_state->tensors) offload::release(t);  // disk tier: read, now on disk
+    for (auto& [name, t] : slot.optim_state->tensors) ShardTensor(t).done();  // a disk tier: read, now on disk
   }
 }
 

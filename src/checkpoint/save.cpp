@@ -20,7 +20,6 @@
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "offload/disk_tier.h"
 
 namespace fsdp::checkpoint {
 
@@ -93,11 +92,11 @@ std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::st
 }
 
 // The shard tensor a file kind takes its bytes from, or undefined when this rank has none.
-at::Tensor source_for(const SaveJob& job, const std::string& kind, size_t flat) {
+ShardTensor source_for(const SaveJob& job, const std::string& kind, size_t flat) {
   if (kind == "model") return job.data.params[flat];
   const auto& states = job.data.states[flat];
   auto it = states.find(kind.substr(6));  // "optim." + name
-  return it == states.end() ? at::Tensor() : it->second;
+  return it == states.end() ? ShardTensor() : it->second;
 }
 
 void prepare(SaveJob& job, const std::string& tmp) {
@@ -137,11 +136,12 @@ void write_shards(SaveJob& job, const std::string& tmp) {
     for (const auto& t : job.layout.tensors) {
       const auto span = shard_span(job.layout.flats[t.flat].shard, t);
       if (!span) continue;
-      at::Tensor src = source_for(job, kind, t.flat);
-      if (!src.defined()) {
+      ShardTensor shard = source_for(job, kind, t.flat);
+      if (!shard.defined()) {
         if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;
-        src = at::zeros_like(job.data.params[t.flat]);  // state not created yet: zeros
+        shard = ShardTensor(at::zeros_like(job.data.params[t.flat].values()));  // state not created yet: zeros
       }
+      const at::Tensor& src = shard.values();
       const auto* entry = plan.header.find(t.name);
       const int64_t at_byte = plan.header.data_start() + entry->begin + span->tensor_begin * sizeof(float);
       if (!src.is_cpu()) {  // a device shard: one tensor's part at a time through host memory
@@ -150,7 +150,7 @@ void write_shards(SaveJob& job, const std::string& tmp) {
         continue;
       }
       f.pwrite_all(src.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
-      offload::release(src, span->shard_begin, span->shard_begin + span->count);  // disk tier: written, out of memory
+      shard.done(span->shard_begin, span->shard_begin + span->count);  // a disk tier: written, out of memory
     }
     f.sync();
     f.close();

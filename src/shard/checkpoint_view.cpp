@@ -4,10 +4,23 @@
 #include <unordered_map>
 #include <utility>
 
+#include "offload/disk_tier.h"
 #include "shard/flat_param.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {
+
+void ShardTensor::done(int64_t begin, int64_t end) const {
+  if (t_.defined() && t_.is_cpu()) offload::release(t_, begin, end);
+}
+
+ShardTensor ShardTensor::snapshot() const { return ShardTensor(offload::clone_in_tier(t_)); }
+
+ShardTensor ShardTensor::zeros_like(const std::string& what) const {
+  return ShardTensor(offload::zeros_in_tier(t_, what));
+}
+
+void ShardTensor::copy_from(const ShardTensor& src) const { offload::copy_streamed(t_, src.t_); }
 
 ModelView model_view(FSDPModule& root) {
   ModelView view;
@@ -23,8 +36,8 @@ ModelView model_view(FSDPModule& root) {
     for (auto& fp : unit->flat_params()) {
       const size_t index = view.flats.size();
       FlatParam* flat = fp.get();
-      view.flats.push_back({&fp->sharded_param(), fp->shard_offset(), fp->shard_numel(), fp->config().requires_grad,
-                            fp->config().tag, [flat] { flat->master_written(); }, index});
+      view.flats.push_back({ShardTensor(fp->sharded_param()), fp->shard_offset(), fp->shard_numel(),
+                            fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, index});
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
       if (fp->replicate_group().rank() != 0) view.writer = false;
     }

@@ -18,6 +18,36 @@
 
 namespace fsdp {
 
+// A sharded state of this rank (a master shard, an optimizer state tensor, or a snapshot of one)
+// wherever its offload tier keeps it: RAM, host memory, device memory or a disk-tier file. The
+// checkpoint reads and writes its elements through values() and tells it when a range is done
+// with, so the tier can let those pages go; it never needs to know which tier that is.
+class ShardTensor {
+ public:
+  ShardTensor() = default;
+  explicit ShardTensor(at::Tensor t) : t_(std::move(t)) {}
+  bool defined() const { return t_.defined(); }
+  int64_t numel() const { return t_.defined() ? t_.numel() : 0; }
+  // The 1-D fp32 elements. Writes land in the state itself (not a copy). Host-addressable
+  // (data_ptr) unless is_device().
+  const at::Tensor& values() const { return t_; }
+  bool is_device() const { return t_.defined() && !t_.is_cpu(); }
+  // Elements [begin, end) were read or written: a disk tier writes them back and drops their pages
+  // (the data stays).
+  void done(int64_t begin, int64_t end) const;
+  void done() const { done(0, numel()); }
+  // A copy in the same tier (a new disk-tier file for a disk-tier state: no RAM copy), on the
+  // host for a device state: a checkpoint's snapshot.
+  ShardTensor snapshot() const;
+  // Zeros shaped like it, in the same tier; `what` names it in errors.
+  ShardTensor zeros_like(const std::string& what) const;
+  // Copies `src` into it chunk by chunk, letting disk-tier pages go as it goes.
+  void copy_from(const ShardTensor& src) const;
+
+ private:
+  at::Tensor t_;
+};
+
 // One parameter, tied ones once: a full tensor of the checkpoint's files.
 struct ShardedTensorView {
   std::string name;                  // fully qualified, e.g. "model.layers.0.mlp.up_proj.weight"
@@ -30,14 +60,14 @@ struct ShardedTensorView {
 
 // This rank's shard of one flat param: flat elements [shard_offset, shard_offset + shard_numel).
 struct FlatShardView {
-  // The live fp32 master shard (FlatParam::sharded_param()). Copies into it land in the model; a
-  // view is short-lived (one save or load), so the pointer never outlives the model.
-  at::Tensor* master_shard = nullptr;
+  // The live fp32 master shard. Writes into it land in the model (call master_written after); a
+  // view is short-lived (one save or load).
+  ShardTensor master;
   int64_t shard_offset = 0;
   int64_t shard_numel = 0;
   bool requires_grad = true;
   std::string tag;  // "layers.0/0", as in collective errors
-  // To call after writing into master_shard (a load): refreshes what the model derives from it.
+  // To call after writing into `master` (a load): refreshes what the model derives from it.
   std::function<void()> master_written;
   size_t index = 0;  // position in the root's flat-param order (units pre-order, then each unit's)
 };
