@@ -6,6 +6,7 @@
 
 #include "offload/disk_tier.h"
 #include "shard/flat_param.h"
+#include "shard/residency.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

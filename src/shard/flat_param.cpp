@@ -15,9 +15,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
-#include "offload/device_stager.h"
-#include "offload/disk_tier.h"
 #include "shard/param_data.h"
+#include "shard/residency.h"
 
 namespace fsdp {
 namespace {
@@ -80,32 +79,19 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
                         " (InitOptions::device): move the module there first, or build it on the meta device");
     }
   }
-  const auto device = config_.device;
-  if (meta) {
-    // Left untouched (so not resident) until materialize() or set_offload() fills it: only the
-    // padding at the end of the flat buffer is zeroed here.
-    sharded_param_ = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
-    const int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
-    sharded_param_.narrow(0, pad, shard_numel_ - pad).zero_();
-  } else {
-    sharded_param_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
-  }
   needs_materialize_ = meta;
-  if (!meta) {
-    // Copy each parameter's overlap with this rank's shard; the full flat buffer is never built.
-    const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
-    c10::NoGradGuard no_grad;
-    for (const auto& e : entries_) {
-      const int64_t a = std::max(lo, e.offset), b = std::min(hi, e.offset + e.numel);
-      if (a >= b) continue;
-      sharded_param_.narrow(0, a - lo, b - a).copy_(e.param.detach().reshape({-1}).narrow(0, a - e.offset, b - a));
-    }
-  }
+  const at::Tensor master = build_master(meta);
+  Residency::Config where;
+  where.compute_dtype = config_.compute_dtype;
+  where.device = config_.device;
+  where.requires_grad = config_.requires_grad;
+  where.tag = config_.tag;
+  residency_ = std::make_unique<Residency>(master, std::move(where));
   aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat;
   if (aliases_master_) {
-    unsharded_ = sharded_param_;
+    unsharded_ = master;
   } else {
-    unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(device));
+    unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
   }
   use_unsharded_views();  // views are created while the storage has its bytes (bounds-checked)
   make_guards();
@@ -114,6 +100,32 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
     use_guards();
   }
   state_ = aliases_master_ ? ShardedState::kUnsharded : ShardedState::kSharded;
+}
+
+// This rank's fp32 master shard, from the parameters' current values (meta: left for materialize).
+at::Tensor FlatParam::build_master(bool meta) const {
+  const auto device = config_.device;
+  at::Tensor master;
+  if (meta) {
+    // Left untouched (so not resident) until materialize() or set_offload() fills it: only the
+    // padding at the end of the flat buffer is zeroed here.
+    master = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+    const int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
+    master.narrow(0, pad, shard_numel_ - pad).zero_();
+  } else {
+    master = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
+  if (!meta) {
+    // Copy each parameter's overlap with this rank's shard; the full flat buffer is never built.
+    const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
+    c10::NoGradGuard no_grad;
+    for (const auto& e : entries_) {
+      const int64_t a = std::max(lo, e.offset), b = std::min(hi, e.offset + e.numel);
+      if (a >= b) continue;
+      master.narrow(0, a - lo, b - a).copy_(e.param.detach().reshape({-1}).narrow(0, a - e.offset, b - a));
+    }
+  }
+  return master;
 }
 
 void FlatParam::use_unsharded_views() {
@@ -167,6 +179,7 @@ void FlatParam::use_guards() {
 
 void FlatParam::set_tag(std::string tag) {
   config_.tag = std::move(tag);
+  residency_->set_tag(config_.tag);
   guard_info_->unit = config_.tag.substr(0, config_.tag.rfind('/'));
 }
 
@@ -181,13 +194,15 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   for (const auto& e : entries_) {
     const int64_t a = std::max(lo, e.offset), b = std::min(hi, e.offset + e.numel);
     if (a >= b) continue;
-    at::Tensor out = sharded_param_.narrow(0, a - lo, b - a);
+    at::Tensor out = residency_->master().narrow(0, a - lo, b - a);
     init(prefix + e.name, e.shape, a - e.offset, out);
-    offload::release(out);  // disk tier: written, now out of memory (one parameter's part at a time)
+    residency_->part_written(out);  // a disk tier: now out of memory (one parameter's part at a time)
   }
   needs_materialize_ = false;
-  if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
+  residency_->materialized();
 }
+
+void FlatParam::unshard() { unshard(KeepMaster::kNo); }
 
 void FlatParam::unshard(KeepMaster keep) {
   if (needs_materialize_) {
@@ -197,33 +212,11 @@ void FlatParam::unshard(KeepMaster keep) {
   }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
   set_storage_alive(unsharded_, true);
-  if (master_follows_state_) {
-    gather_input_ = working_;  // already in param_dtype on the compute device
-  } else {
-    // The master's values: kept from an earlier gather of this step when there is one (it has not
-    // changed: every write of the master drops it), else read through the tier's I/O threads.
-    const bool reused = kept_master_.defined();
-    const at::Tensor master = reused ? kept_master_ : fetch_master();
-    kept_master_ = at::Tensor();
-    if (offload::is_disk_backed(sharded_param_)) {
-      if (keep == KeepMaster::kForBackward) {
-        kept_master_ = reused ? master : offload_.disk->count_in_budget(master);
-      } else if (keep == KeepMaster::kForStep && config_.requires_grad) {
-        kept_master_ = master;  // one shard's host buffer, kept until the unit's step
-      }
-    }
-    if (config_.compute_dtype == at::kFloat) {
-      gather_input_ = master;
-    } else {  // mixed-precision copy-in (kernels/ops.h)
-      gather_input_ = at::empty({master.numel()}, master.options().dtype(config_.compute_dtype));
-      kernels::copy_in(master, gather_input_);
-    }
-  }
-  stage_gather_input();
+  gather_input_ = residency_->gather_input(keep);
   if (shard_group_.size() == 1) {
     unsharded_.copy_(gather_input_);
     gather_input_ = at::Tensor();
-    after_gather();
+    residency_->gather_done();
     state_ = ShardedState::kUnsharded;
     use_unsharded_views();
     return;
@@ -238,7 +231,7 @@ void FlatParam::wait_for_unshard() {
   gather_handle_.wait();
   gather_handle_ = CommHandle();
   gather_input_ = at::Tensor();
-  after_gather();
+  residency_->gather_done();
   state_ = ShardedState::kUnsharded;
   use_unsharded_views();
 }
@@ -290,14 +283,14 @@ void FlatParam::finalize_grads() {
     replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, config_.tag).wait();
   }
   // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
-  stage_reduced_grad();
+  reduce_output_ = residency_->stage_reduced(reduce_output_);
   if (sharded_grad_.defined()) {
     kernels::copy_out(reduce_output_, sharded_grad_, {/*divide_by=*/1.0, /*accumulate=*/true});
   } else {
     sharded_grad_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
     kernels::copy_out(reduce_output_, sharded_grad_);
   }
-  place_grad_shard();
+  residency_->place_grad(sharded_grad_);
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
   set_storage_alive(unsharded_grad_, false);
@@ -307,182 +300,54 @@ void FlatParam::finalize_grads() {
 
 void FlatParam::zero_grad() {
   if (sharded_grad_.defined()) sharded_grad_.zero_();
-  offload::release(sharded_grad_);
+  residency_->grad_written(sharded_grad_);
 }
 
-// ---- offload -------------------------------------------------------------------------------------
+// ---- where the states live: forwarded to the residency ---------------------------------------------
 
-namespace {
+FlatParam::~FlatParam() = default;
 
-// A zero-filled fp32 tensor of `numel` elements in `tier`.
-at::Tensor zeros_in(const OffloadPlacement& p, OffloadTier tier, int64_t numel, const at::TensorOptions& options,
-                    const std::string& what) {
-  switch (tier) {
-    case OffloadTier::kDisk: return p.disk->zeros(numel, what);
-    case OffloadTier::kHost: return p.stager->host_zeros(numel);
-    case OffloadTier::kNone: break;
-  }
-  return at::zeros({numel}, options);
+at::Tensor& FlatParam::sharded_param() { return residency_->master(); }
+const OffloadPlacement& FlatParam::offload() const { return residency_->placement(); }
+bool FlatParam::master_follows_state() const { return residency_->master_follows_state(); }
+const at::Tensor& FlatParam::working_shard() const { return residency_->working(); }
+at::Tensor FlatParam::new_state_tensor(const std::string& what) { return residency_->new_state_tensor(what); }
+at::Tensor FlatParam::take_master_for_step() { return residency_->take_master_for_step(); }
+void FlatParam::master_written() { residency_->master_written(); }
+
+std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimizer_update() {
+  return residency_->after_update();
 }
-
-}  // namespace
-
-void FlatParam::set_offload(OffloadPlacement placement) {
-  offload_ = std::move(placement);
-  c10::NoGradGuard no_grad;
-  if (offload_.params != OffloadTier::kNone) {
-    at::Tensor placed = zeros_in(offload_, offload_.params, shard_numel_, sharded_param_.options(),
-                                 "the master shard of " + config_.tag);
-    // A new placement is all zeros, padding included: deferred init fills the rest.
-    if (!needs_materialize_) {
-      placed.copy_(sharded_param_);
-      offload::release(placed);
-    }
-    sharded_param_ = placed;
-    if (aliases_master_) {
-      // The gathered params must not be the offloaded master itself: give them their own buffer.
-      aliases_master_ = false;
-      unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
-      use_unsharded_views();
-      set_storage_alive(unsharded_, false);
-      use_guards();
-      state_ = ShardedState::kSharded;
-    }
-  }
-  if (offload_.grads != OffloadTier::kNone && sharded_grad_.defined()) place_grad_shard();
-  master_follows_state_ = offload_.params == OffloadTier::kNone && offload_.grads == OffloadTier::kNone &&
-                          offload_.optimizer_state != OffloadTier::kNone && config_.requires_grad;
-  if (master_follows_state_) move_master_to_state_tier();
-}
-
-// See Note [The master follows the optimizer state] in flat_param.h.
-void FlatParam::move_master_to_state_tier() {
-  at::Tensor placed = zeros_in(offload_, offload_.optimizer_state, shard_numel_,
-                               sharded_param_.options().device(at::kCPU), "the master shard of " + config_.tag);
-  if (!needs_materialize_) offload::copy_streamed(placed, sharded_param_.to(at::kCPU));
-  working_ = at::empty({shard_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
-  sharded_param_ = placed;
-  if (aliases_master_) {
-    // One rank, fp32: the parameters are views of the working copy.
-    unsharded_ = working_;
-    use_unsharded_views();
-  }
-  if (!needs_materialize_) refresh_working(0, shard_numel_, sharded_param_);
-}
-
-at::Tensor FlatParam::new_state_tensor(const std::string& what) {
-  return zeros_in(offload_, offload_.optimizer_state, shard_numel_,
-                  at::TensorOptions().dtype(at::kFloat).device(sharded_param_.device()), what + " of " + config_.tag);
-}
-
-bool FlatParam::crosses_to_device(OffloadTier tier) const {
-  // Host-tier copies run on CPU runs too (as clones) so that CPU tests follow the host tier's
-  // schedule; disk-tier data is already in host memory once read.
-  return tier == OffloadTier::kHost || (tier == OffloadTier::kDisk && !config_.device.is_cpu());
-}
-
-void FlatParam::stage_gather_input() {
-  if (crosses_to_device(offload_.params)) gather_input_ = offload_.stager->to_device(gather_input_);
-}
-
-// The collective reads its input whole: a disk-tier master is read into host memory by the
-// tier's I/O threads (ahead of use when read_ahead() ran for it), so a gather costs 1/N of a unit
-// in RAM, like mixed precision's cast, and none of the budget.
-at::Tensor FlatParam::fetch_master() {
-  if (!offload::is_disk_backed(sharded_param_)) return sharded_param_;
-  offload::DiskTier& tier = *offload_.disk;
-  start_master_read();
-  const auto t0 = std::chrono::steady_clock::now();
-  offload::IoTicket ticket = std::move(pending_read_);
-  pending_read_ = offload::IoTicket();
-  ticket.wait();
-  if (Tracer* t = tier.tracer())
-    t->span("fsdp::disk_read_wait", "disk wait", t0, std::chrono::steady_clock::now(), config_.tag);
-  return ticket.buffer();
-}
-
-void FlatParam::read_ahead() {
-  if (master_follows_state_ || !offload::is_disk_backed(sharded_param_) || kept_master_.defined()) return;
-  if (state_ == ShardedState::kUnsharded || gather_pending_) return;
-  start_master_read();
-}
-
-at::Tensor FlatParam::take_master_for_step() {
-  at::Tensor out = std::move(kept_master_);
-  kept_master_ = at::Tensor();
-  return out;
-}
-
-// Issues the read of the disk-tier master unless one of its current contents is already pending.
-void FlatParam::start_master_read() {
-  offload::DiskTier& tier = *offload_.disk;
-  if (pending_read_.valid() && pending_read_generation_ == tier.generation()) return;
-  pending_read_generation_ = tier.generation();
-  pending_read_ = tier.read_async(sharded_param_, 0, shard_numel_, "the master shard of " + config_.tag, false);
-}
-
-// ---- the master follows the optimizer state --------------------------------------------------------
 
 at::Tensor FlatParam::optimizer_grad() {
   finalize_grads();
-  if (!master_follows_state_ || !sharded_grad_.defined()) return sharded_grad_;
-  // Through pinned staging on a device; a clone on CPU runs (the same schedule, tested there).
-  return offload_.stager ? offload_.stager->to_host(sharded_grad_) : sharded_grad_;
+  return residency_->grad_for_step(sharded_grad_);
 }
 
-std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimizer_update() {
-  if (!master_follows_state_) return nullptr;
-  return [this](int64_t a, int64_t b, const at::Tensor& updated) { refresh_working(a, b, updated); };
-}
-
-void FlatParam::master_written() {
-  kept_master_ = at::Tensor();
-  if (offload::DiskTier* tier = offload::tier_of(sharded_param_)) tier->bump_generation();
-  if (master_follows_state_) refresh_working(0, shard_numel_, sharded_param_);
-}
-
-void FlatParam::refresh_working(int64_t a, int64_t b, const at::Tensor& master_part) {
+void FlatParam::set_offload(OffloadPlacement placement) {
   c10::NoGradGuard no_grad;
-  // A whole disk-tier master (after deferred init or a load) is read through the I/O threads.
-  const at::Tensor part = offload::is_disk_backed(master_part)
-                              ? offload::read_whole(master_part, "the master shard of " + config_.tag)
-                              : master_part;
-  at::Tensor cast = part;
-  if (config_.compute_dtype != at::kFloat) {  // the same copy-in as the gather's without offload
-    cast = at::empty({part.numel()}, part.options().dtype(config_.compute_dtype));
-    kernels::copy_in(part, cast);
+  residency_->place(std::move(placement), !needs_materialize_);
+  const OffloadPlacement& p = residency_->placement();
+  if (p.params != OffloadTier::kNone && aliases_master_) {
+    // The gathered params must not be the offloaded master itself: give them their own buffer.
+    aliases_master_ = false;
+    unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
+    use_unsharded_views();
+    set_storage_alive(unsharded_, false);
+    use_guards();
+    state_ = ShardedState::kSharded;
   }
-  at::Tensor dst = working_.narrow(0, a, b - a);
-  if (offload_.stager) {
-    offload_.stager->copy_to_device(dst, cast);
-  } else {
-    dst.copy_(cast);
+  if (p.grads != OffloadTier::kNone && sharded_grad_.defined()) residency_->place_grad(sharded_grad_);
+  if (residency_->master_follows_state() && aliases_master_) {
+    // One rank, fp32: the parameters are views of the working copy.
+    unsharded_ = residency_->working();
+    use_unsharded_views();
   }
 }
 
-void FlatParam::after_gather() {
-  if (offload_.params != OffloadTier::kDisk) return;
-  offload::release(sharded_param_);
-  offload_.disk->audit();
-}
-
-void FlatParam::stage_reduced_grad() {
-  if (crosses_to_device(offload_.grads)) reduce_output_ = offload_.stager->to_host(reduce_output_);
-}
-
-void FlatParam::place_grad_shard() {
-  if (offload_.grads == OffloadTier::kNone) return;
-  if (offload_.grads == OffloadTier::kDisk && !offload::is_disk_backed(sharded_grad_)) {
-    at::Tensor placed = offload_.disk->zeros(shard_numel_, "the gradient shard of " + config_.tag);
-    placed.copy_(sharded_grad_);
-    sharded_grad_ = placed;
-  } else if (offload_.grads == OffloadTier::kHost && std::string(offload_.stager->name()) != "cpu" &&
-             !sharded_grad_.is_pinned()) {
-    at::Tensor placed = offload_.stager->host_zeros(shard_numel_);
-    placed.copy_(sharded_grad_);
-    sharded_grad_ = placed;
-  }
-  offload::release(sharded_grad_);
+void FlatParam::read_ahead() {
+  if (state_ == ShardedState::kUnsharded || gather_pending_) return;
+  residency_->read_ahead();
 }
 
 int64_t FlatParam::unsharded_bytes() const {

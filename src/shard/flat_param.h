@@ -25,26 +25,13 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/options.h"
-#include "offload/disk_tier.h"
 
 namespace fsdp {
 
 struct ParamGuardInfo;
-
-namespace offload {
-class DiskTier;
-class DeviceStager;
-}  // namespace offload
-
-// Where a flat param's sharded states live (FullyShardOptions::offload, resolved by the root's
-// lazy init). See src/offload/ and Note [Host tier schedule].
-struct OffloadPlacement {
-  OffloadTier params = OffloadTier::kNone;
-  OffloadTier grads = OffloadTier::kNone;
-  OffloadTier optimizer_state = OffloadTier::kNone;
-  std::shared_ptr<offload::DiskTier> disk;        // set when a state is in the disk tier
-  std::shared_ptr<offload::DeviceStager> stager;  // host tier; disk tier on a device
-};
+struct OffloadPlacement;
+class Residency;
+enum class KeepMaster : int;
 
 // One parameter's place in a flat buffer. The layout that checkpoints use.
 struct FlatParamEntry {
@@ -84,17 +71,19 @@ class FlatParam {
   // Moves the sharded states to their tiers (before materialize(), so deferred init writes
   // straight into them). Called once, by the root's lazy init.
   void set_offload(OffloadPlacement placement);
-  const OffloadPlacement& offload() const { return offload_; }
+  // Where the sharded states live and how they move (shard/residency.h): the one owner of that.
+  const Residency& residency() const { return *residency_; }
+  const OffloadPlacement& offload() const;
   // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
   at::Tensor new_state_tensor(const std::string& what);
   // Note [The master follows the optimizer state]: optimizer state offloaded, params and grads
   // not. The fp32 master then lives with the state (host or disk tier) and the compute device
   // keeps a working copy of the shard in param_dtype, which the all-gather reads.
-  bool master_follows_state() const { return master_follows_state_; }
-  const at::Tensor& working_shard() const { return working_; }
+  bool master_follows_state() const;
+  const at::Tensor& working_shard() const;
 
   // ---- the optimizer's side (through shard/grad_shards.h)
-  at::Tensor& optimizer_master() { return sharded_param_; }
+  at::Tensor& optimizer_master() { return sharded_param(); }
   // Collects the gradient and returns what the optimizer reads: the gradient shard, or its host
   // copy (through pinned staging on a device) when the master follows the state. Undefined when
   // the flat param has no gradient yet.
@@ -125,18 +114,16 @@ class FlatParam {
 
   // ---- state
   ShardedState state() const { return state_; }
-  at::Tensor& sharded_param() { return sharded_param_; }  // fp32 master shard
-  at::Tensor& sharded_grad() { return sharded_grad_; }    // fp32, undefined until the first reduce
+  at::Tensor& sharded_param();                          // fp32 master shard
+  at::Tensor& sharded_grad() { return sharded_grad_; }  // fp32, undefined until the first reduce
 
   // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
-  // `keep`: what becomes of a disk-tier master read for this gather (Note [Kept master reads] in
-  // sharded_unit.cpp). A master kept earlier and not written since is used instead of a read.
-  enum class KeepMaster {
-    kNo,
-    kForBackward,  // forward: kept for the unit's backward gather, counted against the budget
-    kForStep,      // backward: kept for the step that follows (take_master_for_step)
-  };
-  void unshard(KeepMaster keep = KeepMaster::kNo);
+  // `keep` (shard/residency.h): what becomes of a disk-tier master read for this gather (Note
+  // [Kept master reads] in sharded_unit.cpp). A master kept earlier and not written since is
+  // used instead of a read.
+  void unshard(KeepMaster keep);
+  void unshard();
+  ~FlatParam();
   void wait_for_unshard();
   void reshard();
   bool gathering() const { return gather_pending_; }
@@ -163,21 +150,11 @@ class FlatParam {
   int64_t unsharded_grad_bytes() const;
 
  private:
+  at::Tensor build_master(bool meta) const;
   void use_unsharded_views();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
   void point_grads_at_buffer();
-  // Offload hooks in the gather / reduce cycle (no-ops without offload).
-  // Whether a state in `tier` is copied between host and device memory by the stager.
-  bool crosses_to_device(OffloadTier tier) const;
-  at::Tensor fetch_master();  // the master in memory: a disk-tier master through the I/O threads
-  void start_master_read();   // the disk-tier master's read, unless one of its current contents is pending
-  void refresh_working(int64_t a, int64_t b, const at::Tensor& master_part);
-  void move_master_to_state_tier();
-  void stage_gather_input();  // host tier: the all-gather reads a device copy of the shard
-  void after_gather();        // disk tier: the master shard's pages leave memory
-  void stage_reduced_grad();  // host tier: the reduced shard comes back to host memory
-  void place_grad_shard();    // the first gradient shard moves to its tier
 
   std::vector<FlatParamEntry> entries_;
   FlatParamConfig config_;
@@ -189,7 +166,7 @@ class FlatParam {
   bool aliases_master_ = false;
 
   ShardedState state_ = ShardedState::kSharded;
-  at::Tensor sharded_param_;
+  std::unique_ptr<Residency> residency_;  // the master shard and where every state lives
   at::Tensor sharded_grad_;
   at::Tensor unsharded_;     // [padded] compute dtype; storage freed while sharded
   at::Tensor gather_input_;  // the shard in compute dtype, kept alive during the all-gather
@@ -204,15 +181,9 @@ class FlatParam {
   bool grads_prepared_ = false;
   bool grads_guarded_ = false;  // the parameters' .grad are grad_guards_
 
-  OffloadPlacement offload_;
   std::shared_ptr<ParamGuardInfo> guard_info_;
   std::vector<at::Tensor> guards_;       // per entry
   std::vector<at::Tensor> grad_guards_;  // per entry of a trainable flat param
-  bool master_follows_state_ = false;
-  at::Tensor working_;              // [shard] param_dtype on the compute device when the master follows the state
-  offload::IoTicket pending_read_;  // read_ahead()'s read of the master
-  at::Tensor kept_master_;          // a disk-tier master's values read for a gather, kept (KeepMaster)
-  uint64_t pending_read_generation_ = 0;
 };
 
 }  // namespace fsdp

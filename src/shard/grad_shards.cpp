@@ -2,6 +2,7 @@
 #include "shard/grad_shards.h"
 
 #include "fsdp/errors.h"
+#include "shard/residency.h"
 #include "shard/sharded_unit.h"
 #include "offload/disk_tier.h"
 

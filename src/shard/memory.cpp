@@ -9,6 +9,7 @@
 #include "fsdp/offload.h"
 #include "offload/disk_tier.h"
 #include "shard/grad_shards.h"
+#include "shard/residency.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

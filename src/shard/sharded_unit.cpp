@@ -12,6 +12,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/grad_shards.h"
+#include "shard/residency.h"
 #include "offload/disk_tier.h"
 
 namespace fsdp {
@@ -32,7 +33,7 @@ std::string ShardedUnit::name() const {
 // Note [Kept master reads]
 // A disk-tier master is read for each all-gather of its unit: in forward and, unless the unit
 // keeps its params, again in backward. Two of those reads are kept in host memory rather than
-// read again (FlatParam::KeepMaster):
+// read again (KeepMaster, shard/residency.h):
 //  - forward: the units whose backward comes first (the last to run forward, among those that
 //    gather again in backward) keep their forward read for their backward gather, as many as fit
 //    in half of memory_budget_bytes, counted against the budget while kept; chosen at the start of
@@ -42,7 +43,7 @@ std::string ShardedUnit::name() const {
 //  - backward, with the step in backward: the gather's read is kept for the unit's step.
 // Every kept read is dropped when a step starts and by any write of the master (a checkpoint load).
 void ShardedUnit::unshard() {
-  using Keep = FlatParam::KeepMaster;
+  using Keep = KeepMaster;
   Keep keep = Keep::kNo;
   if (root_ != nullptr && root_state().in_backward) {
     if (steps_in_backward() && requires_gradient_sync_) keep = Keep::kForStep;

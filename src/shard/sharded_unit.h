@@ -41,6 +41,11 @@ namespace torch::autograd {
 struct Node;
 }
 
+namespace fsdp::offload {
+class DiskTier;
+class DeviceStager;
+}  // namespace fsdp::offload
+
 namespace fsdp {
 
 class PostReduceHook;

@@ -1,0 +1,204 @@
+// See residency.h.
+#include "shard/residency.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+
+#include "fsdp/trace.h"
+#include "kernels/ops.h"
+#include "offload/device_stager.h"
+
+namespace fsdp {
+namespace {
+
+// A zero-filled fp32 tensor of `numel` elements in `tier`.
+at::Tensor zeros_in(const OffloadPlacement& p, OffloadTier tier, int64_t numel, const at::TensorOptions& options,
+                    const std::string& what) {
+  switch (tier) {
+    case OffloadTier::kDisk: return p.disk->zeros(numel, what);
+    case OffloadTier::kHost: return p.stager->host_zeros(numel);
+    case OffloadTier::kNone: break;
+  }
+  return at::zeros({numel}, options);
+}
+
+}  // namespace
+
+Residency::Residency(at::Tensor master, Config config) : master_(std::move(master)), config_(std::move(config)) {}
+
+void Residency::place(OffloadPlacement placement, bool materialized) {
+  placement_ = std::move(placement);
+  c10::NoGradGuard no_grad;
+  if (placement_.params != OffloadTier::kNone) {
+    at::Tensor placed = zeros_in(placement_, placement_.params, master_.numel(), master_.options(),
+                                 "the master shard of " + config_.tag);
+    // A new placement is all zeros, padding included: deferred init fills the rest.
+    if (materialized) {
+      placed.copy_(master_);
+      offload::release(placed);
+    }
+    master_ = placed;
+  }
+  follows_ = placement_.params == OffloadTier::kNone && placement_.grads == OffloadTier::kNone &&
+             placement_.optimizer_state != OffloadTier::kNone && config_.requires_grad;
+  if (follows_) move_master_to_state_tier(materialized);
+}
+
+// See Note [The master follows the optimizer state] in flat_param.h.
+void Residency::move_master_to_state_tier(bool materialized) {
+  at::Tensor placed = zeros_in(placement_, placement_.optimizer_state, master_.numel(),
+                               master_.options().device(at::kCPU), "the master shard of " + config_.tag);
+  if (materialized) offload::copy_streamed(placed, master_.to(at::kCPU));
+  working_ = at::empty({master_.numel()}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
+  master_ = placed;
+  if (materialized) refresh_working(0, master_.numel(), master_);
+}
+
+at::Tensor Residency::new_state_tensor(const std::string& what) {
+  return zeros_in(placement_, placement_.optimizer_state, master_.numel(),
+                  at::TensorOptions().dtype(at::kFloat).device(master_.device()), what + " of " + config_.tag);
+}
+
+bool Residency::crosses_to_device(OffloadTier tier) const {
+  // Host-tier copies run on CPU runs too (as clones) so that CPU tests follow the host tier's
+  // schedule; disk-tier data is already in host memory once read.
+  return tier == OffloadTier::kHost || (tier == OffloadTier::kDisk && !config_.device.is_cpu());
+}
+
+// ---- the gather
+
+at::Tensor Residency::gather_input(KeepMaster keep) {
+  at::Tensor input;
+  if (follows_) {
+    input = working_;  // already in param_dtype on the compute device
+  } else {
+    // The master's values: kept from an earlier gather of this step when there is one (it has not
+    // changed: every write of the master drops it), else read through the tier's I/O threads.
+    const bool reused = kept_master_.defined();
+    const at::Tensor master = reused ? kept_master_ : fetch_master();
+    kept_master_ = at::Tensor();
+    if (offload::is_disk_backed(master_)) {
+      if (keep == KeepMaster::kForBackward) {
+        kept_master_ = reused ? master : placement_.disk->count_in_budget(master);
+      } else if (keep == KeepMaster::kForStep && config_.requires_grad) {
+        kept_master_ = master;  // one shard's host buffer, kept until the unit's step
+      }
+    }
+    if (config_.compute_dtype == at::kFloat) {
+      input = master;
+    } else {  // mixed-precision copy-in (kernels/ops.h)
+      input = at::empty({master.numel()}, master.options().dtype(config_.compute_dtype));
+      kernels::copy_in(master, input);
+    }
+  }
+  if (crosses_to_device(placement_.params)) input = placement_.stager->to_device(input);
+  return input;
+}
+
+void Residency::gather_done() {
+  if (placement_.params != OffloadTier::kDisk) return;
+  offload::release(master_);
+  placement_.disk->audit();
+}
+
+// The collective reads its input whole: a disk-tier master is read into host memory by the
+// tier's I/O threads (ahead of use when read_ahead() ran for it), so a gather costs 1/N of a unit
+// in RAM, like mixed precision's cast, and none of the budget.
+at::Tensor Residency::fetch_master() {
+  if (!offload::is_disk_backed(master_)) return master_;
+  offload::DiskTier& tier = *placement_.disk;
+  start_master_read();
+  const auto t0 = std::chrono::steady_clock::now();
+  offload::IoTicket ticket = std::move(pending_read_);
+  pending_read_ = offload::IoTicket();
+  ticket.wait();
+  if (Tracer* t = tier.tracer())
+    t->span("fsdp::disk_read_wait", "disk wait", t0, std::chrono::steady_clock::now(), config_.tag);
+  return ticket.buffer();
+}
+
+void Residency::read_ahead() {
+  if (follows_ || !offload::is_disk_backed(master_) || kept_master_.defined()) return;
+  start_master_read();
+}
+
+// Issues the read of the disk-tier master unless one of its current contents is already pending.
+void Residency::start_master_read() {
+  offload::DiskTier& tier = *placement_.disk;
+  if (pending_read_.valid() && pending_read_generation_ == tier.generation()) return;
+  pending_read_generation_ = tier.generation();
+  pending_read_ = tier.read_async(master_, 0, master_.numel(), "the master shard of " + config_.tag, false);
+}
+
+at::Tensor Residency::take_master_for_step() {
+  at::Tensor out = std::move(kept_master_);
+  kept_master_ = at::Tensor();
+  return out;
+}
+
+// ---- the master's writers
+
+void Residency::part_written(const at::Tensor& part) { offload::release(part); }
+
+void Residency::master_written() {
+  kept_master_ = at::Tensor();
+  if (offload::DiskTier* tier = offload::tier_of(master_)) tier->bump_generation();
+  if (follows_) refresh_working(0, master_.numel(), master_);
+}
+
+std::function<void(int64_t, int64_t, const at::Tensor&)> Residency::after_update() {
+  if (!follows_) return nullptr;
+  return [this](int64_t a, int64_t b, const at::Tensor& updated) { refresh_working(a, b, updated); };
+}
+
+void Residency::refresh_working(int64_t a, int64_t b, const at::Tensor& master_part) {
+  c10::NoGradGuard no_grad;
+  // A whole disk-tier master (after deferred init or a load) is read through the I/O threads.
+  const at::Tensor part = offload::is_disk_backed(master_part)
+                              ? offload::read_whole(master_part, "the master shard of " + config_.tag)
+                              : master_part;
+  at::Tensor cast = part;
+  if (config_.compute_dtype != at::kFloat) {  // the same copy-in as the gather's without offload
+    cast = at::empty({part.numel()}, part.options().dtype(config_.compute_dtype));
+    kernels::copy_in(part, cast);
+  }
+  at::Tensor dst = working_.narrow(0, a, b - a);
+  if (placement_.stager) {
+    placement_.stager->copy_to_device(dst, cast);
+  } else {
+    dst.copy_(cast);
+  }
+}
+
+// ---- the gradient shard
+
+at::Tensor Residency::stage_reduced(const at::Tensor& reduce_output) {
+  return crosses_to_device(placement_.grads) ? placement_.stager->to_host(reduce_output) : reduce_output;
+}
+
+void Residency::place_grad(at::Tensor& grad) {
+  if (placement_.grads == OffloadTier::kNone) return;
+  if (placement_.grads == OffloadTier::kDisk && !offload::is_disk_backed(grad)) {
+    at::Tensor placed = placement_.disk->zeros(master_.numel(), "the gradient shard of " + config_.tag);
+    placed.copy_(grad);
+    grad = placed;
+  } else if (placement_.grads == OffloadTier::kHost && std::string(placement_.stager->name()) != "cpu" &&
+             !grad.is_pinned()) {
+    at::Tensor placed = placement_.stager->host_zeros(master_.numel());
+    placed.copy_(grad);
+    grad = placed;
+  }
+  offload::release(grad);
+}
+
+void Residency::grad_written(const at::Tensor& grad) { offload::release(grad); }
+
+at::Tensor Residency::grad_for_step(const at::Tensor& grad) {
+  if (!follows_ || !grad.defined()) return grad;
+  // Through pinned staging on a device; a clone on CPU runs (the same schedule, tested there).
+  return placement_.stager ? placement_.stager->to_host(grad) : grad;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,121 @@
+// Residency: where one flat param's sharded states live and how they move between the tiers, the
+// single owner of that question. It holds the fp32 master shard (in its tier), the working copy
+// in param_dtype when the master follows an offloaded optimizer state, the disk-tier master's
+// read issued ahead of its gather, the reads kept for a later gather or the step (Note [Kept
+// master reads] in sharded_unit.cpp), and it places the gradient shard. FlatParam asks it what to
+// gather (gather_input) and tells it when the gather is done (gather_done); it never touches a
+// tier itself.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "fsdp/options.h"
+#include "offload/disk_tier.h"
+
+namespace fsdp {
+
+namespace offload {
+class DeviceStager;
+}
+
+// Where a flat param's sharded states live (FullyShardOptions::offload, resolved by the root's
+// lazy init). See src/offload/ and Note [Host tier schedule].
+struct OffloadPlacement {
+  OffloadTier params = OffloadTier::kNone;
+  OffloadTier grads = OffloadTier::kNone;
+  OffloadTier optimizer_state = OffloadTier::kNone;
+  std::shared_ptr<offload::DiskTier> disk;        // set when a state is in the disk tier
+  std::shared_ptr<offload::DeviceStager> stager;  // host tier; disk tier on a device
+};
+
+// What becomes of a disk-tier master read for a gather (Note [Kept master reads]).
+enum class KeepMaster : int {
+  kNo,
+  kForBackward,  // forward: kept for the unit's backward gather, counted against the budget
+  kForStep,      // backward: kept for the step that follows (take_master_for_step)
+};
+
+class Residency {
+ public:
+  struct Config {
+    at::ScalarType compute_dtype = at::kFloat;  // what the all-gather moves
+    c10::Device device = c10::Device(c10::kCPU);
+    bool requires_grad = true;
+    std::string tag;  // "layers.0/0": names the states in errors and traces
+  };
+  // Takes the master shard as built (fp32 on the compute device, not offloaded).
+  Residency(at::Tensor master, Config config);
+
+  void set_tag(std::string tag) { config_.tag = std::move(tag); }
+  // Moves the states to `placement`'s tiers, once (the root's lazy init). `materialized`: the
+  // master holds values (else deferred init fills it later, and nothing is copied).
+  void place(OffloadPlacement placement, bool materialized);
+  const OffloadPlacement& placement() const { return placement_; }
+
+  // The fp32 master shard, in its tier: what the optimizer steps and checkpoints save.
+  at::Tensor& master() { return master_; }
+  const at::Tensor& master() const { return master_; }
+  // Note [The master follows the optimizer state] (flat_param.h).
+  bool master_follows_state() const { return follows_; }
+  const at::Tensor& working() const { return working_; }
+  // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
+  at::Tensor new_state_tensor(const std::string& what);
+
+  // ---- the gather
+  // The all-gather's input: the shard in compute dtype on the compute device (a kept read, a read
+  // through the disk tier's I/O threads, the working copy, or the master itself).
+  at::Tensor gather_input(KeepMaster keep);
+  // The gather has read its input: a disk-tier master's pages leave memory.
+  void gather_done();
+  // Disk tier: starts reading the master for the next gather (no-op when nothing is to read).
+  void read_ahead();
+  // The master's values a backward gather kept for the step, handed over once.
+  at::Tensor take_master_for_step();
+
+  // ---- the master's writers
+  // Elements of the master were written (deferred init: one parameter's part): they leave memory.
+  void part_written(const at::Tensor& part);
+  // Deferred init filled the master: the working copy follows.
+  void materialized() {
+    if (follows_) refresh_working(0, master_.numel(), master_);
+  }
+  // The master was written outside the optimizer (a checkpoint load, deferred init): drops kept
+  // reads, marks pending ones stale, refreshes the working copy.
+  void master_written();
+  // Null, or what brings the working copy up to date after the optimizer updated elements [a, b).
+  std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after_update();
+
+  // ---- the gradient shard
+  // The reduce-scatter's output, brought to host memory when gradients live in the host tier.
+  at::Tensor stage_reduced(const at::Tensor& reduce_output);
+  // Moves the gradient shard to its tier (the first time) and lets its disk pages go.
+  void place_grad(at::Tensor& grad);
+  // The gradient shard was zeroed: its disk pages go.
+  void grad_written(const at::Tensor& grad);
+  // What the optimizer reads: the gradient shard, or its host copy when the master follows state.
+  at::Tensor grad_for_step(const at::Tensor& grad);
+
+ private:
+  bool crosses_to_device(OffloadTier tier) const;
+  at::Tensor fetch_master();
+  void start_master_read();
+  void refresh_working(int64_t a, int64_t b, const at::Tensor& master_part);
+  void move_master_to_state_tier(bool materialized);
+
+  at::Tensor master_;
+  Config config_;
+  OffloadPlacement placement_;
+  bool follows_ = false;
+  at::Tensor working_;              // [shard] param_dtype on the compute device when follows_
+  offload::IoTicket pending_read_;  // read_ahead()'s read of the master
+  uint64_t pending_read_generation_ = 0;
+  at::Tensor kept_master_;  // a disk-tier master's values read for a gather, kept (KeepMaster)
+};
+
+}  // namespace fsdp
