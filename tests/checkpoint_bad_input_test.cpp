@@ -278,16 +278,16 @@ TEST_F(CheckpointBadInput, MalformedTrainState) {
   const std::vector<std::pair<std::function<void(json&)>, std::string>> cases = {
       {[](json& j) { j["format_version"] = 99; }, "format_version 99"},
       {[](json& j) { j["format_version"] = "1"; }, "'format_version' is \"1\", not an integer"},
-      {[](json& j) { j.erase("step"); }, "has no 'step'"},
+      {[](json& j) { j.erase("step"); }, "field 'step' is missing"},
       {[](json& j) { j["step"] = "seven"; }, "'step' is \"seven\""},
       {[](json& j) { j["strategy"] = 1; }, "'strategy' is 1"},
       {[](json& j) { j["rng_states"] = 5; }, "'rng_states' is 5"},
       {[](json& j) { j["rng_states"] = {"not base64 !!"}; }, "RNG state"},
       {[](json& j) { j["rng_states"] = {"AAAA"}; }, "RNG state"},
       {[](json& j) { j["optimizer"] = 5; }, "'optimizer' is 5, not an object"},
-      {[](json& j) { j["optimizer"]["type"] = 5; }, "'optimizer' type is 5"},
+      {[](json& j) { j["optimizer"]["type"] = 5; }, "'optimizer.type' is 5"},
       {[](json& j) { j["optimizer"]["type"] = "SGD"; }, "holds SGD optimizer state but the optimizer is AdamW"},
-      {[](json& j) { j["optimizer"]["steps"] = "many"; }, "'optimizer' steps is \"many\""},
+      {[](json& j) { j["optimizer"]["steps"] = "many"; }, "'optimizer.steps' is \"many\""},
       {[](json& j) {
          for (auto& [k, v] : j["optimizer"]["steps"].items()) v = "x";
        },
