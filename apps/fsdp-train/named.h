@@ -23,7 +23,8 @@ const char* name_of(const Named<E> (&table)[N], E value) {
 
 // data.source: the built-in synthetic task, or a file (see data.h).
 enum class DataSource { kSynthetic, kFile };
-inline constexpr Named<DataSource> kDataSources[] = {{DataSource::kSynthetic, "synthetic"}, {DataSource::kFile, "file"}};
+inline constexpr Named<DataSource> kDataSources[] = {{DataSource::kSynthetic, "synthetic"},
+                                                     {DataSource::kFile, "file"}};
 // data.token_dtype: the tokens of a .bin file (uint32 for vocabularies above 65,536); token_file.h.
 enum class TokenDtype { kUint16, kUint32 };
 inline constexpr Named<TokenDtype> kTokenDtypes[] = {{TokenDtype::kUint16, "uint16"}, {TokenDtype::kUint32, "uint32"}};
