@@ -1,7 +1,9 @@
 // The session of the fsdp-train job: join, build, resume (session.h).
 #include "session.h"
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -39,7 +41,8 @@ void use_local_gpu() {
 // world (on every rank, before any group exists), and its error is given the config key.
 std::unique_ptr<fsdp::DeviceMesh> make_mesh(const std::shared_ptr<fsdp::Dist>& dist, const FsdpConfig& cfg) {
   if (cfg.strategy != fsdp::ShardingStrategy::kHybridShard) return std::make_unique<fsdp::DeviceMesh>(dist);
-  const int replicate = static_cast<int>(cfg.replicate);
+  // Above any world size (and int) it stays above: the library refuses it like any non-divisor.
+  const int replicate = static_cast<int>(std::min<int64_t>(cfg.replicate, std::numeric_limits<int>::max()));
   try {
     return std::make_unique<fsdp::DeviceMesh>(dist, replicate, dist->world_size() / replicate);
   } catch (const fsdp::ConfigError& e) {
@@ -47,7 +50,7 @@ std::unique_ptr<fsdp::DeviceMesh> make_mesh(const std::shared_ptr<fsdp::Dist>& d
     std::string why = e.what();
     const std::string prefix = "fsdp: DeviceMesh: replicate_size=" + std::to_string(replicate) + ": ";
     if (why.rfind(prefix, 0) == 0) why = why.substr(prefix.size());
-    throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(replicate) + ": " + why +
+    throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(cfg.replicate) + ": " + why +
                                 " (HYBRID_SHARD replicates over that many rows of ranks)");
   }
 }
