@@ -274,20 +274,46 @@ TEST_F(CheckpointBadInput, IndexPathTraversal) {
   }
 }
 
+// The schema reports every problem of a document (fsdp-ckpt verify prints them all), each naming
+// the field; a document save() writes has none.
+TEST(CheckpointTrainStateSchema, ListsEveryProblemNamingTheField) {
+  const json good = {{"format_version", checkpoint::kFormatVersion},
+                     {"step", 3},
+                     {"samples_seen", 96},
+                     {"world_size", 1},
+                     {"strategy", "FULL_SHARD"},
+                     {"rng_states", {"AAAA"}},
+                     {"extra", json::object()},
+                     {"optimizer", {{"type", "AdamW"}, {"state_names", {"exp_avg"}}, {"steps", {{"w", 3}}}}},
+                     {"files", {"model.safetensors"}}};
+  EXPECT_TRUE(checkpoint::check_train_state(good, "x: ").empty());
+  json bad = good;
+  bad.erase("step");
+  bad["world_size"] = 0;
+  bad["strategy"] = "ZERO3";
+  bad["optimizer"]["steps"]["w"] = -1;
+  const auto problems = checkpoint::check_train_state(bad, "x: ");
+  ASSERT_EQ(problems.size(), 4u);
+  EXPECT_EQ(problems[0], "x: field 'step' is missing");
+  EXPECT_NE(problems[1].find("field 'world_size' is 0, not a positive integer"), std::string::npos);
+  EXPECT_NE(problems[2].find("field 'strategy' is \"ZERO3\""), std::string::npos);
+  EXPECT_NE(problems[3].find("field 'optimizer.steps['w']' is -1"), std::string::npos);
+}
+
 TEST_F(CheckpointBadInput, MalformedTrainState) {
   const std::vector<std::pair<std::function<void(json&)>, std::string>> cases = {
       {[](json& j) { j["format_version"] = 99; }, "format_version 99"},
       {[](json& j) { j["format_version"] = "1"; }, "'format_version' is \"1\", not an integer"},
-      {[](json& j) { j.erase("step"); }, "has no 'step'"},
+      {[](json& j) { j.erase("step"); }, "field 'step' is missing"},
       {[](json& j) { j["step"] = "seven"; }, "'step' is \"seven\""},
       {[](json& j) { j["strategy"] = 1; }, "'strategy' is 1"},
       {[](json& j) { j["rng_states"] = 5; }, "'rng_states' is 5"},
       {[](json& j) { j["rng_states"] = {"not base64 !!"}; }, "RNG state"},
       {[](json& j) { j["rng_states"] = {"AAAA"}; }, "RNG state"},
       {[](json& j) { j["optimizer"] = 5; }, "'optimizer' is 5, not an object"},
-      {[](json& j) { j["optimizer"]["type"] = 5; }, "'optimizer' type is 5"},
+      {[](json& j) { j["optimizer"]["type"] = 5; }, "'optimizer.type' is 5"},
       {[](json& j) { j["optimizer"]["type"] = "SGD"; }, "holds SGD optimizer state but the optimizer is AdamW"},
-      {[](json& j) { j["optimizer"]["steps"] = "many"; }, "'optimizer' steps is \"many\""},
+      {[](json& j) { j["optimizer"]["steps"] = "many"; }, "'optimizer.steps' is \"many\""},
       {[](json& j) {
          for (auto& [k, v] : j["optimizer"]["steps"].items()) v = "x";
        },

@@ -258,6 +258,12 @@ TEST(StepInBackward, RefusesWhatItCannotHonour) {
     e = error_of<UsageError>([&] { scaler.scale(at::ones({}, at::kFloat)); });
     EXPECT_NE(e.find("loss scaling"), std::string::npos) << e;
     GradScaler off(j.root, GradScalerOptions().enabled(false));
+    // The same two refusals up front, before any step (check_step_options).
+    e = error_of<ConfigError>([&] { off.check_step_options(*j.optim, 1.0); });
+    EXPECT_NE(e.find("clipping is on"), std::string::npos) << e;
+    e = error_of<ConfigError>([&] { scaler.check_step_options(*j.optim, 0.0); });
+    EXPECT_NE(e.find("scales the loss"), std::string::npos) << e;
+    off.check_step_options(*j.optim, 0.0);  // neither: accepted
     e = error_of<UsageError>([&] { off.step(*j.optim); });
     EXPECT_NE(e.find("optim.step() directly"), std::string::npos) << e;
     // Two reducing backwards before step(): the second would step again on summed gradients.

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config.h"
+#include "config_fields.h"
 #include "flags.h"
 #include "support/ranks.h"
 
@@ -265,6 +266,34 @@ TEST(TrainConfig, HashIsStableAndCoversOnlyModelAndDataStream) {
     EXPECT_NE(from_args({"--set", set}).config_hash(), h) << set;
   }
   EXPECT_NE(from_args({"--data", "a.txt"}).config_hash(), from_args({"--data", "b.txt"}).config_hash());
+}
+
+}  // namespace
+
+namespace {
+
+// --help lists every key of the field table with its default, and the dump holds exactly the
+// table's keys (and the model section): the one table serves both.
+TEST(TrainFlags, HelpAndDumpListEveryKeyOfTheTable) {
+  const std::string help = train::help_text();
+  const json dump = TrainConfig().to_json();
+  size_t keys = 0;
+  for (const auto& f : train::config_fields()) {
+    std::string pointer = "/" + f.dotted();
+    for (char& ch : pointer)
+      if (ch == '.') ch = '/';
+    ASSERT_TRUE(dump.contains(json::json_pointer(pointer))) << f.dotted();
+    const std::string line = "  " + f.dotted() + " = " + dump[json::json_pointer(pointer)].dump() + "  (";
+    EXPECT_NE(help.find(line), std::string::npos) << line;
+    ++keys;
+  }
+  size_t dumped = 0;
+  for (const auto& [section, body] : dump.items()) {
+    if (section == "model") continue;
+    for (const auto& [k, v] : body.items()) dumped += v.is_object() ? v.size() : 1;
+  }
+  EXPECT_EQ(dumped, keys);
+  EXPECT_NE(help.find("    model.vocab_size = 256"), std::string::npos);
 }
 
 }  // namespace

@@ -3,10 +3,9 @@
 // Note [What verify checks]
 // verify runs every check fsdp::checkpoint::load would run and more, without a model or a process
 // group, and reports every problem it finds rather than the first:
-//   - train_state.json: valid JSON with every field save() writes, each of the right type
-//     (format_version == kFormatVersion, step and samples_seen >= 0, world_size >= 1, a known
-//     strategy, one base64 RNG state per rank, extra an object, optimizer {type, state_names,
-//     steps}, files);
+//   - train_state.json: valid JSON that holds the library's schema (fsdp::checkpoint::
+//     check_train_state, Note [train_state.json schema]: every field save() writes, each of the
+//     right type and range);
 //   - the file sets: model plus exactly one optim.<state> per optimizer state name, and the same
 //     files as train_state.json "files";
 //   - each file set: its index parses, every header parses (Note [Safetensors validation]), and
@@ -23,7 +22,6 @@
 
 #include "base/strings.h"
 #include "base/file_io.h"
-#include "base/base64.h"
 #include "ckpt_commands.h"
 #include "ckpt_view.h"
 #include "fsdp/checkpoint.h"
@@ -70,7 +68,6 @@ struct Problems {
 
 // The train_state.json fields that the file-set checks need, as far as they could be read.
 struct StateFields {
-  int64_t world_size = -1;
   bool has_optimizer = false;
   std::vector<std::string> state_names;
   std::set<std::string> trainable;  // keys of optimizer.steps
@@ -78,119 +75,25 @@ struct StateFields {
   std::set<std::string> files;
 };
 
-bool is_nonneg_int(const json& v) { return v.is_number_integer() && (v.is_number_unsigned() || v.get<int64_t>() >= 0); }
-
-// Reads train_state.json's fields one by one, naming the missing and the malformed ones.
-struct StateChecker {
-  const json& s;
-  std::string where;  // "DIR/train_state.json: "
-  Problems& problems;
-
-  const json* need(const char* key) const {
-    if (!s.contains(key)) {
-      problems.add(where + "field '" + key + "' is missing");
-      return nullptr;
-    }
-    return &s[key];
-  }
-  void bad(const std::string& key, const json& v, const std::string& want) const {
-    problems.add(where + "field '" + key + "' must be " + want + ", got " + v.dump().substr(0, 200));
-  }
-};
-
-void check_rng_states(const StateChecker& c, const json& v, int64_t world_size) {
-  if (!v.is_array()) {
-    c.bad("rng_states", v, "an array of base64 strings, one per rank");
-    return;
-  }
-  if (world_size > 0 && static_cast<int64_t>(v.size()) != world_size) {
-    c.problems.add(c.where + "rng_states holds " + std::to_string(v.size()) + " states for world_size " +
-                   std::to_string(world_size));
-  }
-  for (size_t r = 0; r < v.size(); ++r) {
-    const json& x = v[r];
-    if (!x.is_string() || x.get<std::string>().empty()) {
-      c.bad("rng_states[" + std::to_string(r) + "]", x, "a non-empty base64 string");
-      continue;
-    }
-    c.problems.check([&] {
-      try {
-        fsdp::base::base64_decode(x.get<std::string>());
-      } catch (const std::exception&) {
-        throw CheckpointError(c.where + "rng_states[" + std::to_string(r) + "] is not valid base64");
-      }
-    });
-  }
-}
-
-void check_optimizer(const StateChecker& c, const json& o, StateFields& out) {
-  if (!o.is_object()) {
-    c.bad("optimizer", o, "an object {type, state_names, steps}");
-    return;
-  }
-  out.has_optimizer = true;
-  if (!o.contains("type") || !o["type"].is_string()) c.bad("optimizer.type", o.value("type", json()), "a string");
-  if (!o.contains("state_names") || !o["state_names"].is_array()) {
-    c.bad("optimizer.state_names", o.value("state_names", json()), "an array of strings");
-  } else {
-    for (const auto& n : o["state_names"]) {
-      if (!n.is_string() || n.get<std::string>().empty()) {
-        c.bad("optimizer.state_names", o["state_names"], "an array of non-empty strings");
-        break;
-      }
-      out.state_names.push_back(n.get<std::string>());
-    }
-  }
-  if (!o.contains("steps") || !o["steps"].is_object()) {
-    c.bad("optimizer.steps", o.value("steps", json()), "an object {tensor: step}");
-  } else {
-    for (const auto& [name, step] : o["steps"].items()) {
-      if (!is_nonneg_int(step)) c.bad("optimizer.steps['" + name + "']", step, "a non-negative integer");
-      out.trainable.insert(name);
-    }
-  }
-}
-
+// Checks train_state.json against the library's schema (Note [train_state.json schema]), adding
+// every problem, and reads the fields the file-set checks need, as far as they are readable.
 StateFields check_train_state(const std::string& dir, const json& s, Problems& problems) {
+  for (const auto& p : fsdp::checkpoint::check_train_state(s, join(dir, "train_state.json") + ": ")) problems.add(p);
   StateFields out;
-  const StateChecker c{s, join(dir, "train_state.json") + ": ", problems};
-  if (const json* v = c.need("format_version")) {
-    if (!v->is_number_integer()) {
-      c.bad("format_version", *v, "an integer");
-    } else if (v->get<int64_t>() != fsdp::checkpoint::kFormatVersion) {
-      c.bad("format_version", *v, std::to_string(fsdp::checkpoint::kFormatVersion) + " (the version this build reads)");
-    }
+  const json& o = s.contains("optimizer") ? s["optimizer"] : json();
+  out.has_optimizer = o.is_object();
+  if (out.has_optimizer && o.contains("state_names") && o["state_names"].is_array()) {
+    for (const auto& n : o["state_names"])
+      if (n.is_string() && !n.get<std::string>().empty()) out.state_names.push_back(n.get<std::string>());
   }
-  for (const char* key : {"step", "samples_seen"}) {
-    if (const json* v = c.need(key); v && !is_nonneg_int(*v)) c.bad(key, *v, "a non-negative integer");
+  if (out.has_optimizer && o.contains("steps") && o["steps"].is_object()) {
+    for (const auto& [name, step] : o["steps"].items()) out.trainable.insert(name);
   }
-  if (const json* v = c.need("world_size")) {
-    if (!v->is_number_integer() || v->get<int64_t>() < 1) {
-      c.bad("world_size", *v, "a positive integer");
-    } else {
-      out.world_size = v->get<int64_t>();
-    }
-  }
-  if (const json* v = c.need("strategy")) {
-    if (!v->is_string()) {
-      c.bad("strategy", *v, "a string");
-    } else {
-      problems.check([&] { fsdp::parse_strategy(v->get<std::string>()); });
-    }
-  }
-  if (const json* v = c.need("rng_states")) check_rng_states(c, *v, out.world_size);
-  if (const json* v = c.need("extra"); v && !v->is_object()) c.bad("extra", *v, "an object");
-  if (const json* v = c.need("optimizer")) check_optimizer(c, *v, out);
-  if (const json* v = c.need("files")) {
-    bool ok = v->is_array();
-    for (size_t i = 0; ok && i < v->size(); ++i) ok = (*v)[i].is_string();
-    if (!ok) {
-      c.bad("files", *v, "an array of file names");
-    } else {
-      out.has_files = true;
-      for (const auto& f : *v) out.files.insert(f.get<std::string>());
-    }
-  }
+  const json& f = s.contains("files") ? s["files"] : json();
+  out.has_files = f.is_array();
+  for (const auto& name : f) out.has_files = out.has_files && name.is_string();
+  if (out.has_files)
+    for (const auto& name : f) out.files.insert(name.get<std::string>());
   return out;
 }
 

@@ -1,6 +1,7 @@
 // Command-line parsing for fsdp-train: every flag is recognised and its value checked in one place.
 #include "flags.h"
 
+#include "config_fields.h"
 #include "init_from.h"
 
 #include <cerrno>
@@ -111,6 +112,8 @@ const char* usage_text() {
          "128 + signal; a second signal exits at once, keeping the previous checkpoint.\n"
          "Environment: FSDP_THREADS (intra-op threads per rank, default 1).\n";
 }
+
+std::string help_text() { return std::string(usage_text()) + "\n" + config_help(); }
 
 Flags parse_flags(int argc, const char* const* argv) {
   Flags f;

@@ -43,5 +43,7 @@ Flags parse_flags(int argc, const char* const* argv);
 TrainConfig config_from_flags(const Flags& flags);
 
 const char* usage_text();
+// --help: usage_text(), then every config key with its default and help (config_fields.h).
+std::string help_text();
 
 }  // namespace train

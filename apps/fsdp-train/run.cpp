@@ -31,7 +31,7 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
   try {
     flags = parse_flags(argc, argv);
     if (flags.help) {
-      std::fputs(usage_text(), stdout);
+      std::fputs(help_text().c_str(), stdout);
       return 0;
     }
     config = config_from_flags(flags);

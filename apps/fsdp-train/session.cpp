@@ -1,7 +1,9 @@
 // The session of the fsdp-train job: join, build, resume (session.h).
 #include "session.h"
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -12,6 +14,7 @@
 
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
+#include "fsdp/errors.h"
 #include "fsdp/init.h"
 #include "init_from.h"
 #include "resume_review.h"
@@ -34,6 +37,37 @@ void use_local_gpu() {
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local)));
 }
 
+// The 1-D mesh, or HYBRID_SHARD's fsdp.replicate rows: the library checks that they divide the
+// world (on every rank, before any group exists), and its error is given the config key.
+std::unique_ptr<fsdp::DeviceMesh> make_mesh(const std::shared_ptr<fsdp::Dist>& dist, const FsdpConfig& cfg) {
+  if (cfg.strategy != fsdp::ShardingStrategy::kHybridShard) return std::make_unique<fsdp::DeviceMesh>(dist);
+  // Above any world size (and int) it stays above: the library refuses it like any non-divisor.
+  const int replicate = static_cast<int>(std::min<int64_t>(cfg.replicate, std::numeric_limits<int>::max()));
+  try {
+    return std::make_unique<fsdp::DeviceMesh>(dist, replicate, dist->world_size() / replicate);
+  } catch (const fsdp::ConfigError& e) {
+    // "fsdp: DeviceMesh: replicate_size=R: why" -> "config: fsdp.replicate=R: why".
+    std::string why = e.what();
+    const std::string prefix = "fsdp: DeviceMesh: replicate_size=" + std::to_string(replicate) + ": ";
+    if (why.rfind(prefix, 0) == 0) why = why.substr(prefix.size());
+    throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(cfg.replicate) + ": " + why +
+                                " (HYBRID_SHARD replicates over that many rows of ranks)");
+  }
+}
+
+// optim.step_in_backward against clipping and loss scaling: the library's check, asked once the
+// optimizer and the scaler exist, before the first step, and given the config keys.
+void check_step_options(const TrainConfig& cfg, const fsdp::GradScaler& scaler, const fsdp::ShardedOptimizer& optim) {
+  try {
+    scaler.check_step_options(optim, cfg.optim.grad_clip);
+  } catch (const fsdp::ConfigError& e) {
+    throw std::invalid_argument(
+        "config: optim.step_in_backward=true needs optim.grad_clip 0 and no loss scaling (got optim.grad_clip=" +
+        nlohmann::json(cfg.optim.grad_clip).dump() + ", fsdp.loss_scale=\"" + loss_scale_name(cfg.fsdp.loss_scale) +
+        "\", fsdp.param_dtype=" + dtype_name(cfg.fsdp.param_dtype) + "): " + e.what());
+  }
+}
+
 }  // namespace
 
 Session::Session(const TrainConfig& config, const Flags& flags, Dataset data, const TrainHooks& hooks)
@@ -48,16 +82,7 @@ void Session::join() {
   device = dist->compute_device();
   rank = dist->rank();
   world = dist->world_size();
-  if (cfg.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard) {
-    const int64_t r = cfg.fsdp.replicate;
-    if (r > world || world % r != 0) {
-      throw std::invalid_argument("config: fsdp.replicate=" + std::to_string(r) + ": must divide the world size " +
-                                  std::to_string(world) + " (HYBRID_SHARD replicates over that many rows of ranks)");
-    }
-    mesh = std::make_unique<fsdp::DeviceMesh>(dist, static_cast<int>(r), world / static_cast<int>(r));
-  } else {
-    mesh = std::make_unique<fsdp::DeviceMesh>(dist);
-  }
+  mesh = make_mesh(dist, cfg.fsdp);
   eval_batch = cfg.data.batch_size_per_rank * world;
   global_batch = eval_batch * cfg.train.grad_accum_steps;
 }
@@ -100,6 +125,7 @@ void Session::build() {
   optim->step_in_backward(o.step_in_backward);
   sched = make_schedule(ScheduleSpec::of(cfg));
   stepper = std::make_unique<Stepper>(cfg, data, model, root, *optim, device, rank, hooks.inf_grad_steps(rank));
+  check_step_options(cfg, stepper->scaler(), *optim);
   checkpointer = std::make_unique<Checkpointer>(flags.save_dir, cfg.train.async_save, cfg.train.keep_last);
   comm = std::make_unique<CommCounter>(*mesh);
   if (!flags.trace.empty()) {

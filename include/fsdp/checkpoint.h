@@ -78,8 +78,19 @@ class AsyncSaver {
 // a committed checkpoint.
 std::string resolve(const std::string& root_dir, const std::string& which);
 // Reads and validates dir/train_state.json alone: no tensor, no collective (what load() returns,
-// for a decision to take before loading). Throws CheckpointError naming the file and the field.
+// for a decision to take before loading). Throws CheckpointError naming the file and the field
+// (the first problem check_train_state finds).
 TrainState read_train_state(const std::string& dir);
+
+// Note [train_state.json schema]
+// The one schema of train_state.json, the file save() writes last: format_version (==
+// kFormatVersion), step and samples_seen (integers >= 0), world_size (>= 1), strategy (a
+// ShardingStrategy name), rng_states (one base64 RNG state per rank), extra (an object), optimizer
+// {type: a string, state_names: non-empty strings, steps: {tensor: integer >= 0}} and files (the
+// safetensors file names). check_train_state checks a parsed document against it and returns every
+// problem found (empty: it holds), each "<where>field 'KEY' is VALUE, not WHAT" or "<where>field
+// 'KEY' is missing". read_train_state and load() throw the first; fsdp-ckpt verify prints them all.
+std::vector<std::string> check_train_state(const nlohmann::json& doc, const std::string& where);
 
 // True when root_dir/latest names a committed checkpoint.
 bool has_latest(const std::string& root_dir);

@@ -69,6 +69,13 @@ class GradScaler {
   // first when the caller did not.
   bool step(ShardedOptimizer& optim, double grad_norm = 0.0);
 
+  // Refuses up front what a step would refuse when it runs: with `optim` stepping in backward
+  // (ShardedOptimizer::step_in_backward), clipping to `max_grad_norm` > 0 (clip_grad_norm) and
+  // this scaler enabled (scale()) both need the gradients before they are applied. Throws
+  // ConfigError naming the conflict; call it once the optimizer and the scaler are set up, before
+  // the first step.
+  void check_step_options(const ShardedOptimizer& optim, double max_grad_norm) const;
+
   double current_scale() const { return state_.scale; }
   bool enabled() const { return options_.enabled(); }
   const GradScalerState& state() const { return state_; }

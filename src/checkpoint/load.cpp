@@ -141,39 +141,15 @@ SavedTrainState read_saved_state(const std::string& dir) {
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError("fsdp: " + state_path + " is not valid JSON: " + e.what());
   }
-  if (!j.is_object()) throw CheckpointError("fsdp: " + state_path + " is not a JSON object");
-  // Names the field whose type is wrong (nlohmann's own message does not).
-  auto field = [&](const char* key) -> const nlohmann::json& {
-    if (!j.contains(key)) throw CheckpointError("fsdp: " + state_path + " has no '" + key + "'");
-    return j.at(key);
-  };
+  const std::vector<std::string> problems = check_train_state(j, "fsdp: " + state_path + ": ");
+  if (!problems.empty()) throw CheckpointError(problems.front());
   TrainState& state = saved.state;
-  try {
-    for (const char* key : {"format_version", "step", "samples_seen", "world_size"}) {
-      if (!field(key).is_number_integer()) {
-        throw CheckpointError("fsdp: " + state_path + ": '" + key + "' is " + field(key).dump() + ", not an integer");
-      }
-    }
-    if (!field("strategy").is_string()) {
-      throw CheckpointError("fsdp: " + state_path + ": 'strategy' is " + field("strategy").dump() + ", not a string");
-    }
-    if (!field("rng_states").is_array()) {
-      throw CheckpointError("fsdp: " + state_path + ": 'rng_states' is " + field("rng_states").dump() +
-                            ", not an array");
-    }
-    if (j.at("format_version").get<int>() != kFormatVersion) {
-      throw CheckpointError("fsdp: " + state_path + " has format_version " + j.at("format_version").dump() +
-                            "; this build reads version " + std::to_string(kFormatVersion));
-    }
-    state.step = j.at("step").get<int64_t>();
-    state.samples_seen = j.at("samples_seen").get<int64_t>();
-    state.world_size = j.at("world_size").get<int>();
-    state.strategy = j.at("strategy").get<std::string>();
-    state.rng_states = j.at("rng_states").get<std::vector<std::string>>();
-    state.extra = j.at("extra");
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError("fsdp: " + state_path + ": " + e.what());
-  }
+  state.step = j.at("step").get<int64_t>();
+  state.samples_seen = j.at("samples_seen").get<int64_t>();
+  state.world_size = j.at("world_size").get<int>();
+  state.strategy = j.at("strategy").get<std::string>();
+  state.rng_states = j.at("rng_states").get<std::vector<std::string>>();
+  state.extra = j.at("extra");
   return saved;
 }
 
@@ -197,24 +173,11 @@ struct SavedOptimizer {
 };
 
 SavedOptimizer read_optimizer_section(const SavedTrainState& saved_state) {
+  // The schema (check_train_state) has checked every field read here.
   SavedOptimizer out;
-  const nlohmann::json saved = saved_state.json.value("optimizer", nlohmann::json::object());
-  const auto bad = [&](const std::string& what) {
-    return CheckpointError("fsdp: " + saved_state.path + ": 'optimizer' " + what);
-  };
-  if (!saved.is_object()) throw bad("is " + saved.dump() + ", not an object");
-  if (saved.contains("type")) {
-    if (!saved["type"].is_string()) throw bad("type is " + saved["type"].dump() + ", not a string");
-    out.type = saved["type"].get<std::string>();
-  }
-  const nlohmann::json steps = saved.value("steps", nlohmann::json::object());
-  if (!steps.is_object()) throw bad("steps is " + steps.dump() + ", not an object");
-  for (const auto& [name, v] : steps.items()) {
-    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
-      throw bad("steps['" + name + "'] is " + v.dump() + ", not a non-negative integer");
-    }
-    out.steps[name] = v.get<int64_t>();
-  }
+  const nlohmann::json& saved = saved_state.json.at("optimizer");
+  out.type = saved.at("type").get<std::string>();
+  for (const auto& [name, v] : saved.at("steps").items()) out.steps[name] = v.get<int64_t>();
   return out;
 }
 

@@ -35,6 +35,10 @@ DeviceMesh::DeviceMesh(std::shared_ptr<Dist> dist, int replicate_size, int shard
     : dist_(std::move(dist)), replicate_size_(replicate_size), shard_size_(shard_size) {
   if (!dist_) throw ConfigError("fsdp: DeviceMesh needs a Dist (fsdp::init_from_env())");
   const int world = dist_->world_size();
+  if (replicate_size > world || (replicate_size >= 1 && world % replicate_size != 0)) {
+    throw ConfigError("fsdp: DeviceMesh: replicate_size=" + std::to_string(replicate_size) +
+                      ": must divide the world size " + std::to_string(world));
+  }
   if (replicate_size < 1 || shard_size < 1 || replicate_size * shard_size != world) {
     throw ConfigError("fsdp: DeviceMesh(replicate_size=" + std::to_string(replicate_size) + ", shard_size=" +
                       std::to_string(shard_size) + "): the product must equal the world size " + std::to_string(world));

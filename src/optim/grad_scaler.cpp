@@ -38,6 +38,22 @@ GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions
   state_.scale = o.enabled() ? o.init_scale() : 1.0;
 }
 
+void GradScaler::check_step_options(const ShardedOptimizer& optim, double max_grad_norm) const {
+  if (!optim.steps_in_backward()) return;
+  if (max_grad_norm > 0) {
+    throw ConfigError("fsdp: the optimizer steps in backward (step_in_backward) and clipping is on (max_grad_norm " +
+                      std::to_string(max_grad_norm) +
+                      "): each gradient is applied during backward, before the global norm is known; turn off "
+                      "clipping or step_in_backward");
+  }
+  if (options_.enabled()) {
+    throw ConfigError(
+        "fsdp: the optimizer steps in backward (step_in_backward) and the GradScaler scales the loss: scaled "
+        "gradients would be applied before they could be unscaled or skipped; turn off loss scaling or "
+        "step_in_backward");
+  }
+}
+
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
   if (GradShards::hook_of(*root_) != nullptr) {

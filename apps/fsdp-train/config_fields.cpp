@@ -1,0 +1,423 @@
+// The config's field table (config_fields.h): the kinds of value a key takes, the rows, and the
+// readers and writers they drive.
+#include "config_fields.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace train {
+
+using nlohmann::json;
+
+void reject(const std::string& key, const json& value, const std::string& why) {
+  // Strings are not checked for UTF-8 before this point: replace bad bytes rather than throw
+  // nlohmann's type_error from inside the error path (found by fuzz/fuzz_config.cpp).
+  throw std::invalid_argument("config: " + key + "=" + value.dump(-1, ' ', false, json::error_handler_t::replace) +
+                              ": " + why);
+}
+
+namespace {
+
+// ---- kinds of value: each returns a row reading and writing the member `ref(config)` names
+
+// "\"a\", \"b\"" or "\"a\" / \"b\"".
+std::string quoted_list(const std::vector<std::string>& names, const char* sep) {
+  std::string list;
+  for (const auto& n : names) list += (list.empty() ? "" : sep) + ("\"" + n + "\"");
+  return list;
+}
+
+template <class E, size_t N>
+std::vector<std::string> names_of(const Named<E> (&table)[N]) {
+  std::vector<std::string> out;
+  for (const auto& t : table) out.push_back(t.name);
+  return out;
+}
+
+template <class Ref>
+ConfigField integer(const char* section, const char* key, Ref ref, int64_t min, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  auto read = [ref, min, dotted](TrainConfig& c, const json& v) {
+    const bool too_big =
+        v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    if (!v.is_number_integer() || too_big) reject(dotted, v, "must be an integer");
+    if (v.get<int64_t>() < min) reject(dotted, v, "must be >= " + std::to_string(min));
+    ref(c) = v.get<int64_t>();
+  };
+  return {section, key,  "integer >= " + std::to_string(min),
+          help,    read, [ref](const TrainConfig& c) { return json(ref(c)); }};
+}
+
+template <class Ref>
+ConfigField unsigned_integer(const char* section, const char* key, Ref ref, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  auto read = [ref, dotted](TrainConfig& c, const json& v) {
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0)) {
+      reject(dotted, v, "must be a non-negative integer");
+    }
+    ref(c) = v.get<uint64_t>();
+  };
+  return {section, key, "integer >= 0", help, read, [ref](const TrainConfig& c) { return json(ref(c)); }};
+}
+
+// A finite number >= min (> min when min_open).
+template <class Ref>
+ConfigField number(const char* section, const char* key, Ref ref, double min, bool min_open, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  auto read = [ref, min, min_open, dotted](TrainConfig& c, const json& v) {
+    if (!v.is_number()) reject(dotted, v, "must be a number");
+    const double x = v.get<double>();
+    if (!std::isfinite(x)) reject(dotted, v, "must be finite");
+    if (min_open ? !(x > min) : !(x >= min)) {
+      reject(dotted, v, std::string("must be ") + (min_open ? "> " : ">= ") + json(min).dump());
+    }
+    ref(c) = x;
+  };
+  return {section, key,  std::string("number ") + (min_open ? "> " : ">= ") + json(min).dump(),
+          help,    read, [ref](const TrainConfig& c) { return json(ref(c)); }};
+}
+
+template <class Ref>
+ConfigField string(const char* section, const char* key, Ref ref, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  auto read = [ref, dotted](TrainConfig& c, const json& v) {
+    if (!v.is_string()) reject(dotted, v, "must be a string");
+    ref(c) = v.get<std::string>();
+  };
+  return {section, key, "string", help, read, [ref](const TrainConfig& c) { return json(ref(c)); }};
+}
+
+template <class Ref>
+ConfigField boolean(const char* section, const char* key, Ref ref, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  auto read = [ref, dotted](TrainConfig& c, const json& v) {
+    if (!v.is_boolean()) reject(dotted, v, "must be true or false");
+    ref(c) = v.get<bool>();
+  };
+  return {section, key, "true / false", help, read, [ref](const TrainConfig& c) { return json(ref(c)); }};
+}
+
+// One of `names`, stored through `from_name` (a name in the list) and written by `to_name`.
+template <class Ref, class FromName, class ToName>
+ConfigField choice(const char* section, const char* key, Ref ref, std::vector<std::string> names, FromName from_name,
+                   ToName to_name, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  const std::string why = "must be one of " + quoted_list(names, ", ");
+  auto read = [ref, names, from_name, dotted, why](TrainConfig& c, const json& v) {
+    if (!v.is_string()) reject(dotted, v, why);
+    const std::string s = v.get<std::string>();
+    bool ok = false;
+    for (const auto& n : names) ok = ok || s == n;
+    if (!ok) reject(dotted, v, why);
+    ref(c) = from_name(s);
+  };
+  return {section, key,  quoted_list(names, " / "),
+          help,    read, [ref, to_name](const TrainConfig& c) { return json(to_name(ref(c))); }};
+}
+
+// An enum with a Named table (named.h).
+template <class Ref, class E, size_t N>
+ConfigField named(const char* section, const char* key, Ref ref, const Named<E> (&table)[N], const char* help) {
+  auto from_name = [&table](const std::string& s) {
+    for (const auto& t : table)
+      if (s == t.name) return t.value;
+    return table[0].value;
+  };
+  return choice(
+      section, key, ref, names_of(table), from_name, [&table](E e) { return name_of(table, e); }, help);
+}
+
+template <class Ref>
+ConfigField offload_tier(const char* key, Ref ref, const char* help) {
+  return choice("fsdp.offload", key, ref, {"none", "host", "disk"}, fsdp::parse_offload_tier, fsdp::offload_tier_name,
+                help);
+}
+
+template <class Ref>
+ConfigField dtype(const char* key, Ref ref, const char* help) {
+  const std::string dotted = std::string("fsdp.") + key;
+  auto read = [ref, dotted](TrainConfig& c, const json& v) {
+    if (!v.is_string()) reject(dotted, v, "must be one of \"float32\", \"bfloat16\", \"float16\"");
+    ref(c) = parse_dtype(dotted, v.get<std::string>());
+  };
+  return {"fsdp", key,  "\"float32\" / \"bfloat16\" / \"float16\"",
+          help,   read, [ref](const TrainConfig& c) { return json(dtype_name(ref(c))); }};
+}
+
+ConfigField strategy() {
+  auto read = [](TrainConfig& c, const json& v) {
+    try {
+      if (!v.is_string()) throw std::invalid_argument("");
+      c.fsdp.strategy = fsdp::parse_strategy(v.get<std::string>());
+    } catch (const std::exception&) {
+      reject("fsdp.strategy", v, "must be one of \"FULL_SHARD\", \"SHARD_GRAD_OP\", \"NO_SHARD\", \"HYBRID_SHARD\"");
+    }
+  };
+  return {"fsdp",
+          "strategy",
+          "\"FULL_SHARD\" / \"SHARD_GRAD_OP\" / \"NO_SHARD\" / \"HYBRID_SHARD\"",
+          "how parameters, gradients and optimizer state are sharded",
+          read,
+          [](const TrainConfig& c) { return json(fsdp::strategy_name(c.fsdp.strategy)); }};
+}
+
+ConfigField betas() {
+  auto read = [](TrainConfig& c, const json& b) {
+    if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number()) {
+      reject("optim.betas", b, "must be a list of two numbers [beta1, beta2]");
+    }
+    for (int i = 0; i < 2; ++i) {
+      c.optim.betas[i] = b[i].get<double>();
+      if (!(c.optim.betas[i] >= 0 && c.optim.betas[i] < 1)) reject("optim.betas", b, "each beta must be in [0, 1)");
+    }
+  };
+  return {
+      "optim", "betas", "[beta1, beta2], each in [0, 1)", "AdamW's moment decay rates", read, [](const TrainConfig& c) {
+        return json{c.optim.betas[0], c.optim.betas[1]};
+      }};
+}
+
+// train.activation_checkpointing: "none" (0), "every" (1) or n >= 0 (every n-th layer).
+ConfigField activation_checkpointing() {
+  auto read = [](TrainConfig& c, const json& v) {
+    if (v.is_string() && (v == "none" || v == "every")) {
+      c.train.activation_checkpointing = v == "none" ? 0 : 1;
+    } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+      c.train.activation_checkpointing = v.get<int64_t>();
+    } else {
+      reject("train.activation_checkpointing", v,
+             "must be \"none\", \"every\" (every layer) or n >= 0 (layers 0, n, 2n, ...)");
+    }
+  };
+  auto write = [](const TrainConfig& c) {
+    const int64_t n = c.train.activation_checkpointing;
+    return n == 0 ? json("none") : n == 1 ? json("every") : json(n);
+  };
+  return {"train",
+          "activation_checkpointing",
+          "\"none\" / \"every\" / n >= 0",
+          "recompute layers 0, n, 2n, ... in backward instead of keeping their activations",
+          read,
+          write};
+}
+
+std::vector<ConfigField> data_fields() {
+  return {
+      named(
+          "data", "source", [](auto& c) -> auto& { return c.data.source; }, kDataSources,
+          "the built-in synthetic task, or data.path (--data FILE sets both)"),
+      string(
+          "data", "path", [](auto& c) -> auto& { return c.data.path; },
+          "the training file: .bin token ids (data.token_dtype), else raw bytes"),
+      named(
+          "data", "token_dtype", [](auto& c) -> auto& { return c.data.token_dtype; }, kTokenDtypes,
+          "the width of a .bin file's tokens (uint32 for vocabularies above 65,536)"),
+      string(
+          "data", "eval_path", [](auto& c) -> auto& { return c.data.eval_path; },
+          "a held-out file for evaluation (empty: the last 10% of data.path)"),
+      integer(
+          "data", "seq_len", [](auto& c) -> auto& { return c.data.seq_len; }, 1, "tokens per sample"),
+      integer(
+          "data", "batch_size_per_rank", [](auto& c) -> auto& { return c.data.batch_size_per_rank; }, 1,
+          "samples per rank per micro-batch"),
+  };
+}
+
+std::vector<ConfigField> optim_fields() {
+  return {
+      number(
+          "optim", "lr", [](auto& c) -> auto& { return c.optim.lr; }, 0, false, "peak learning rate"),
+      betas(),
+      number(
+          "optim", "eps", [](auto& c) -> auto& { return c.optim.eps; }, 0, true, "AdamW's epsilon"),
+      number(
+          "optim", "weight_decay", [](auto& c) -> auto& { return c.optim.weight_decay; }, 0, false,
+          "AdamW's decoupled weight decay"),
+      integer(
+          "optim", "warmup_steps", [](auto& c) -> auto& { return c.optim.warmup_steps; }, 0,
+          "steps of linear warmup to optim.lr"),
+      number(
+          "optim", "grad_clip", [](auto& c) -> auto& { return c.optim.grad_clip; }, 0, false,
+          "max global gradient norm (0: no clipping)"),
+      named(
+          "optim", "schedule", [](auto& c) -> auto& { return c.optim.schedule; }, kSchedules,
+          "after warmup: cosine decay to optim.min_lr at train.steps, or constant"),
+      number(
+          "optim", "min_lr", [](auto& c) -> auto& { return c.optim.min_lr; }, 0, false,
+          "the cosine schedule's final learning rate (<= optim.lr)"),
+      boolean(
+          "optim", "step_in_backward", [](auto& c) -> auto& { return c.optim.step_in_backward; },
+          "step each unit as soon as its gradient is reduced (needs grad_clip 0, no loss scaling)"),
+  };
+}
+
+std::vector<ConfigField> fsdp_fields() {
+  return {
+      strategy(),
+      dtype(
+          "param_dtype", [](auto& c) -> auto& { return c.fsdp.param_dtype; }, "compute dtype of gathered parameters"),
+      dtype(
+          "reduce_dtype", [](auto& c) -> auto& { return c.fsdp.reduce_dtype; }, "dtype gradients are reduced in"),
+      integer(
+          "fsdp", "prefetch_depth", [](auto& c) -> auto& { return c.fsdp.prefetch_depth; }, 0,
+          "units whose all-gather is issued ahead (0: off)"),
+      number(
+          "fsdp", "timeout_s", [](auto& c) -> auto& { return c.fsdp.timeout_s; }, 0, true,
+          "seconds for the rendezvous and every collective"),
+      integer(
+          "fsdp", "replicate", [](auto& c) -> auto& { return c.fsdp.replicate; }, 1,
+          "HYBRID_SHARD: replicas (rows of the mesh); must divide the world size"),
+      choice(
+          "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
+          [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
+          "\"cpu\": Gloo; \"cuda\": NCCL, rank r on CUDA device LOCAL_RANK"),
+      named(
+          "fsdp", "loss_scale", [](auto& c) -> auto& { return c.fsdp.loss_scale; }, kLossScales,
+          "dynamic loss scaling: when param_dtype is float16 (auto), always, or never"),
+      number(
+          "fsdp", "loss_scale_init", [](auto& c) -> auto& { return c.fsdp.scaler.init_scale(); }, 0, true,
+          "the first loss scale"),
+      integer(
+          "fsdp", "loss_scale_growth_interval", [](auto& c) -> auto& { return c.fsdp.scaler.growth_interval(); }, 1,
+          "good steps in a row before the scale doubles"),
+      offload_tier(
+          "params", [](auto& c) -> auto& { return c.fsdp.offload.params(); },
+          "where the fp32 master parameter shards live"),
+      offload_tier(
+          "grads", [](auto& c) -> auto& { return c.fsdp.offload.grads(); }, "where gradient shards live"),
+      offload_tier(
+          "optimizer_state", [](auto& c) -> auto& { return c.fsdp.offload.optimizer_state(); },
+          "where the optimizer state lives"),
+      string(
+          "fsdp.offload", "dir", [](auto& c) -> auto& { return c.fsdp.offload.dir(); },
+          "the directory of the disk tier's files (needed by \"disk\")"),
+      integer(
+          "fsdp.offload", "memory_budget_bytes", [](auto& c) -> auto& { return c.fsdp.offload.memory_budget_bytes(); },
+          0, "disk-tier bytes in memory during the optimizer step (0: 4 MiB chunks)"),
+      boolean(
+          "fsdp.debug", "check_collectives", [](auto& c) -> auto& { return c.fsdp.check_collectives; },
+          "check that every rank issues the same collectives in the same order"),
+  };
+}
+
+std::vector<ConfigField> train_fields() {
+  return {
+      unsigned_integer(
+          "train", "seed", [](auto& c) -> auto& { return c.train.seed; }, "parameter init and data order"),
+      integer(
+          "train", "steps", [](auto& c) -> auto& { return c.train.steps; }, 0, "optimizer steps to reach"),
+      integer(
+          "train", "eval_every", [](auto& c) -> auto& { return c.train.eval_every; }, 0,
+          "steps between evaluations (0: none)"),
+      integer(
+          "train", "eval_batches", [](auto& c) -> auto& { return c.train.eval_batches; }, 1,
+          "global batches per evaluation"),
+      integer(
+          "train", "save_every", [](auto& c) -> auto& { return c.train.save_every; }, 0,
+          "steps between checkpoints (0: at the end only; needs --save-dir)"),
+      integer(
+          "train", "keep_last", [](auto& c) -> auto& { return c.train.keep_last; }, 0,
+          "committed checkpoints to keep (0: all)"),
+      integer(
+          "train", "log_every", [](auto& c) -> auto& { return c.train.log_every; }, 1,
+          "steps between log lines when stdout is not a terminal"),
+      integer(
+          "train", "grad_accum_steps", [](auto& c) -> auto& { return c.train.grad_accum_steps; }, 1,
+          "micro-batches per optimizer step"),
+      activation_checkpointing(),
+      boolean(
+          "train", "async_save", [](auto& c) -> auto& { return c.train.async_save; },
+          "write checkpoints in the background (one in flight)"),
+      integer(
+          "train", "max_consecutive_skips", [](auto& c) -> auto& { return c.fsdp.scaler.max_consecutive_skips(); }, 0,
+          "non-finite steps in a row that stop the run (0: never)"),
+  };
+}
+
+// The nested section of `section` that `row_section` lies in ("fsdp.offload" in "fsdp": "offload"), or "".
+std::string nested_name(const std::string& section, const std::string& row_section) {
+  if (row_section.size() <= section.size() + 1 || row_section.compare(0, section.size() + 1, section + ".") != 0) {
+    return "";
+  }
+  const std::string rest = row_section.substr(section.size() + 1);
+  return rest.substr(0, rest.find('.'));
+}
+
+}  // namespace
+
+const std::vector<ConfigField>& config_fields() {
+  static const std::vector<ConfigField> rows = [] {
+    std::vector<ConfigField> all;
+    for (auto part : {data_fields(), optim_fields(), fsdp_fields(), train_fields()}) {
+      for (auto& f : part) all.push_back(std::move(f));
+    }
+    return all;
+  }();
+  return rows;
+}
+
+const json* section_object(const json& doc, const std::string& name) {
+  if (!doc.contains(name)) return nullptr;
+  const json& j = doc.at(name);
+  if (!j.is_object()) reject(name, j, "must be an object");
+  return &j;
+}
+
+void read_section(const json* obj, const std::string& section, TrainConfig& c,
+                  const std::function<void(const std::string& nested)>& nested_done) {
+  std::vector<std::string> known;
+  for (const auto& f : config_fields()) {
+    if (f.section == section) {
+      known.push_back(f.key);
+      if (obj != nullptr && obj->contains(f.key)) f.read(c, obj->at(f.key));
+      continue;
+    }
+    const std::string nested = nested_name(section, f.section);
+    if (nested.empty() || std::find(known.begin(), known.end(), nested) != known.end()) continue;
+    known.push_back(nested);
+    if (obj == nullptr || !obj->contains(nested)) continue;
+    const json& sub = obj->at(nested);
+    if (!sub.is_object()) reject(section + "." + nested, sub, "must be an object");
+    read_section(&sub, section + "." + nested, c, nested_done);
+    nested_done(section + "." + nested);
+  }
+  if (obj == nullptr) return;
+  for (const auto& [k, v] : obj->items()) {
+    if (std::find(known.begin(), known.end(), k) != known.end()) continue;
+    std::string list;
+    for (const auto& name : known) list += (list.empty() ? "" : ", ") + name;
+    reject(section + "." + k, v, "unknown key (known keys in " + section + ": " + list + ")");
+  }
+}
+
+json write_fields(const TrainConfig& c) {
+  json j = json::object();
+  for (const auto& f : config_fields()) {
+    std::string path = "/" + f.section + "/" + f.key;
+    for (char& ch : path)
+      if (ch == '.') ch = '/';
+    j[json::json_pointer(path)] = f.write(c);
+  }
+  return j;
+}
+
+std::string config_help() {
+  const TrainConfig defaults;
+  std::string out =
+      "Config keys (--config FILE, --set KEY=VALUE), with what each accepts and its default:\n"
+      "  model.*  transformers' config keys (models/llama/llama.h), plus attn_implementation (\"sdpa\" /\n"
+      "           \"eager\") and dtype; the defaults:\n";
+  const json model = defaults.model.to_json();
+  for (const auto& [k, v] : model.items()) {
+    out += "    model." + k + " = " + v.dump() + "\n";
+  }
+  for (const auto& f : config_fields()) {
+    out += "  " + f.dotted() + " = " + f.write(defaults).dump() + "  (" + f.accepts + ")\n";
+    out += "      " + f.help + "\n";
+  }
+  return out;
+}
+
+}  // namespace train
