@@ -63,23 +63,22 @@ double step(TrainRun& r, int rank, int i) {
 at::Tensor running_mean(TrainRun& r) { return r.net->named_buffers()["1.running_mean"].detach().clone(); }
 
 // Every rank's copy of `t`, gathered.
-at::Tensor gathered(Dist& dist, const at::Tensor& t) {
-  auto all = at::empty({dist.world_size() * t.numel()}, t.options());
-  dist.world().all_gather(all, t.reshape({-1}).contiguous(), "test").wait();
-  return all.reshape({dist.world_size(), -1});
+at::Tensor gathered(const std::shared_ptr<Dist>& dist, const at::Tensor& t) {
+  auto all = at::empty({dist->world_size() * t.numel()}, t.options());
+  dist->world().all_gather(all, t.reshape({-1}).contiguous(), "test").wait();
+  return all.reshape({dist->world_size(), -1});
 }
 
 TEST(Buffers, BroadcastKeepsRanksEqualAverageIsTheMeanLocalDiffers) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     for (auto sync : {BufferSync::kBroadcast, BufferSync::kAverage, BufferSync::kLocal}) {
       TrainRun r = make_run(mesh, BufferPolicy().sync(sync));
       // The reference: the same model unsharded on this rank's data alone, one forward.
       auto ref = make_mlp();
-      auto [x, y] = data(dist.rank(), 0);
+      auto [x, y] = data(dist->rank(), 0);
       ref->forward(x);
-      step(r, dist.rank(), 0);
+      step(r, dist->rank(), 0);
       auto mine = running_mean(r);
       auto all = gathered(dist, mine);
       auto local = ref->named_buffers()["1.running_mean"].detach();
@@ -104,11 +103,10 @@ TEST(Buffers, BroadcastKeepsRanksEqualAverageIsTheMeanLocalDiffers) {
 
 TEST(Buffers, NonPersistentIsLeftAlone) {
   const std::string dir = testing::temp_path("buffers_np");
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     TrainRun r = make_run(mesh, BufferPolicy().non_persistent({"1.running_var"}));
-    step(r, dist.rank(), 0);
+    step(r, dist->rank(), 0);
     auto bufs = r.net->named_buffers();
     auto var = gathered(dist, bufs["1.running_var"].detach().clone());
     EXPECT_FALSE(at::allclose(var[0], var[1]));  // nor synchronised
@@ -118,7 +116,7 @@ TEST(Buffers, NonPersistentIsLeftAlone) {
     for (auto& block : sharded_children(*bad)) fully_shard(block, mesh);
     auto bad_root = fully_shard(bad, mesh, FullyShardOptions().buffers(BufferPolicy().non_persistent({"1.nope"})));
     try {
-      fsdp::call(bad, data(dist.rank(), 0).first);
+      fsdp::call(bad, data(dist->rank(), 0).first);
       ADD_FAILURE() << "no error";
     } catch (const ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("1.nope"), std::string::npos) << e.what();
@@ -140,10 +138,9 @@ TEST(Buffers, SaveAndResumeGiveTheUninterruptedRun) {
   const std::string dir = testing::temp_path("buffers_resume");
   std::vector<std::vector<double>> straight(2), resumed(2);
   std::vector<at::Tensor> straight_mean(2), resumed_mean(2);
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
-    const int rank = dist.rank();
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    const int rank = dist->rank();
     {
       TrainRun r = make_run(mesh, {});
       for (int i = 0; i < 4; ++i) {
@@ -171,9 +168,8 @@ TEST(Buffers, SaveAndResumeGiveTheUninterruptedRun) {
     EXPECT_TRUE(at::equal(resumed_mean[rank], straight_mean[rank]));
   }
   // One rank reads the 2-rank checkpoint: the buffers are the saved ones.
-  testing::run_threads(1, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(1, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     TrainRun r = make_run(mesh, {});
     checkpoint::load(checkpoint::resolve(dir, "latest"), *r.root, r.optim.get());
     auto unsharded = make_mlp();
@@ -197,13 +193,12 @@ TORCH_MODULE(Odd);
 // MixedPrecisionPolicy::buffer_dtype casts persistent buffers; checkpoints keep the original dtype.
 TEST(Buffers, BufferDtypeCastsAndSavesTheOriginalDtype) {
   const std::string dir = testing::temp_path("buffers_dtype");
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     Odd net(3);
     {
       c10::NoGradGuard ng;
-      net->named_buffers()["stat"].fill_(0.5 + dist.rank());  // rank 0's value wins
+      net->named_buffers()["stat"].fill_(0.5 + dist->rank());  // rank 0's value wins
     }
     auto root = fully_shard(net, mesh, FullyShardOptions().mp_policy(MixedPrecisionPolicy().buffer_dtype(at::kDouble)));
     fsdp::call(net, at::ones({2, 3})).sum().backward();
@@ -218,14 +213,13 @@ TEST(Buffers, BufferDtypeCastsAndSavesTheOriginalDtype) {
 }
 
 TEST(Buffers, ShapesThatDifferAcrossRanksAreAnErrorOnEveryRank) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
-    Odd net(3 + dist.rank());
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Odd net(3 + dist->rank());
     auto root = fully_shard(net, mesh);
     try {
       fsdp::call(net, at::ones({2, 3}));
-      ADD_FAILURE() << "rank " << dist.rank() << ": no error";
+      ADD_FAILURE() << "rank " << dist->rank() << ": no error";
     } catch (const ConfigError& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("'stat'"), std::string::npos) << what;

@@ -63,11 +63,10 @@ void train_step(Trained& t, int s, int rank) {
 std::string dir_with_one_checkpoint(const std::string& stem) {
   const std::string dir = testing::temp_path(stem);
   io::make_dirs(dir);
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make(mesh);
-    train_step(t, 0, dist.rank());
+    train_step(t, 0, dist->rank());
     checkpoint::TrainState st;
     st.step = 1;
     checkpoint::save(dir, "step-00000001", *t.root, t.optim.get(), st);

@@ -89,9 +89,8 @@ void expect_shards_match(FSDPModule& root, const std::map<std::string, at::Tenso
 
 void save_on(int world, const std::string& root_dir, const std::string& name, int steps,
              ShardingStrategy strategy = ShardingStrategy::kFullShard) {
-  testing::run_threads(world, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(world, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make_trained(mesh, steps, strategy);
     checkpoint::TrainState st;
     st.step = steps;
@@ -103,9 +102,8 @@ void save_on(int world, const std::string& root_dir, const std::string& name, in
 
 TEST(Checkpoint, RoundTripSameWorldSizeIsBitExact) {
   const std::string dir = tmp_dir("ckpt-rt");
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto a = make_trained(mesh, 3);
     checkpoint::TrainState st;
     st.step = 3;
@@ -140,9 +138,8 @@ TEST_P(CrossSize, LoadsOnAnotherWorldSize) {
   const std::string dir = tmp_dir("ckpt-x");
   save_on(from, dir, "step-00000002", 2);
   const auto full = full_params(join(dir, "step-00000002"));
-  testing::run_threads(to, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(to, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make_trained(mesh, 0);
     auto st = checkpoint::load(checkpoint::resolve(dir, "latest"), *t.root, t.optim.get());
     EXPECT_EQ(st.world_size, from);
@@ -165,9 +162,8 @@ TEST(Checkpoint, SavedFullShardLoadsAsShardGradOpAndNoShard) {
   save_on(2, dir, "s", 2, ShardingStrategy::kFullShard);
   const auto full = full_params(join(dir, "s"));
   for (auto strategy : {ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
-    testing::run_threads(2, [&](Dist& dist) {
-      std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-      DeviceMesh mesh(d);
+    testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
       auto t = make_trained(mesh, 0, strategy);
       checkpoint::load(join(dir, "s"), *t.root, t.optim.get());
       expect_shards_match(*t.root, full);
@@ -212,9 +208,8 @@ TEST(Checkpoint, UncommittedDirectoryIsNeverLoaded) {
 
 TEST(Checkpoint, KeepLastRetention) {
   const std::string dir = tmp_dir("ckpt-keep");
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make_trained(mesh, 1);
     for (int s = 1; s <= 4; ++s) {
       checkpoint::TrainState st;
@@ -230,9 +225,8 @@ TEST(Checkpoint, KeepLastRetention) {
 
 TEST(Checkpoint, AsyncSaveKeepsTheValuesAtTheCall) {
   const std::string dir = tmp_dir("ckpt-async");
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make_trained(mesh, 2);
     std::vector<at::Tensor> at_call;
     for (const auto& unit : fsdp::testing::units(*t.root)) {
@@ -271,9 +265,8 @@ TEST(Checkpoint, FailureOnOneRankFailsEveryRankAndCommitsNothing) {
   }
   std::mutex mu;
   std::vector<std::string> errors;
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make_trained(mesh, 1);
     try {
       checkpoint::save(target, "step-00000002", *t.root, t.optim.get(), {});
@@ -298,9 +291,8 @@ TEST(Checkpoint, WriteFailureOnRank1FailsEveryRankNamingIt) {
   });
   std::mutex mu;
   std::vector<std::string> errors;
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto t = make_trained(mesh, 1);
     try {
       checkpoint::save(dir, "step-00000002", *t.root, t.optim.get(), {});

@@ -34,7 +34,7 @@ struct Outcome {
   std::vector<double> seconds;
 };
 
-Outcome run_checked(int world, const std::function<void(Dist&)>& fn) {
+Outcome run_checked(int world, const std::function<void(const std::shared_ptr<Dist>&)>& fn) {
   const std::string path = testing::temp_path("order-store");
   Outcome out;
   out.errors.resize(world);
@@ -46,7 +46,7 @@ Outcome run_checked(int world, const std::function<void(Dist&)>& fn) {
       try {
         auto store = c10::make_intrusive<c10d::FileStore>(path, world);
         auto dist = Dist::from_store(store, r, world, InitOptions().timeout(kTimeout).check_collectives(true));
-        fn(*dist);
+        fn(dist);
       } catch (const std::exception& e) {
         out.errors[r] = e.what();
       }
@@ -63,10 +63,10 @@ void expect_has(const std::string& text, const std::string& needle) {
 }
 
 TEST(CollectiveOrder, HealthyCollectivesPassTheCheck) {
-  auto out = run_checked(3, [](Dist& dist) {
-    auto& g = dist.world();
+  auto out = run_checked(3, [](const std::shared_ptr<Dist>& dist) {
+    auto& g = dist->world();
     auto full = at::empty({3 * 5});
-    g.all_gather(full, at::full({5}, static_cast<float>(dist.rank())), "a").wait();
+    g.all_gather(full, at::full({5}, static_cast<float>(dist->rank())), "a").wait();
     for (int r = 0; r < 3; ++r) EXPECT_EQ(full[5 * r].item<float>(), r);
     auto t = at::ones({4});
     g.all_reduce(t, ReduceOp::kSum, "sum").wait();
@@ -82,10 +82,10 @@ TEST(CollectiveOrder, HealthyCollectivesPassTheCheck) {
 }
 
 TEST(CollectiveOrder, ReorderedCollectivesAreAMismatchNamingRankAndTag) {
-  auto out = run_checked(2, [](Dist& dist) {
-    auto& g = dist.world();
+  auto out = run_checked(2, [](const std::shared_ptr<Dist>& dist) {
+    auto& g = dist->world();
     auto a = at::empty({2 * 8}), b = at::empty({2 * 8});
-    if (dist.rank() == 1) {
+    if (dist->rank() == 1) {
       auto hb = g.all_gather(b, at::ones({8}), "layers.1");
       auto ha = g.all_gather(a, at::ones({8}), "layers.0");
       hb.wait();
@@ -107,11 +107,11 @@ TEST(CollectiveOrder, ReorderedCollectivesAreAMismatchNamingRankAndTag) {
 
 TEST(CollectiveOrder, SkippedCollectiveIsAMismatch) {
   // Rank 2 skips the all-gather of 'blocks.0' and goes on with the reduce-scatter of 'blocks.1'.
-  auto out = run_checked(3, [](Dist& dist) {
-    auto& g = dist.world();
+  auto out = run_checked(3, [](const std::shared_ptr<Dist>& dist) {
+    auto& g = dist->world();
     auto full = at::empty({3 * 4});
     g.all_gather(full, at::ones({4}), "warm-up").wait();
-    if (dist.rank() != 2) g.all_gather(full, at::ones({4}), "blocks.0").wait();
+    if (dist->rank() != 2) g.all_gather(full, at::ones({4}), "blocks.0").wait();
     auto shard = at::empty({4});
     g.reduce_scatter(shard, at::ones({12}), ReduceOp::kAvg, "blocks.1").wait();
   });
@@ -125,11 +125,11 @@ TEST(CollectiveOrder, SkippedLastCollectiveNamesTheRankThatNeverReachedIt) {
   // Rank 1 skips the last collective and stays alive: rank 0 waits in the fingerprint exchange
   // until the timeout, and its error says where rank 1 is.
   std::atomic<bool> rank0_done{false};
-  auto out = run_checked(2, [&](Dist& dist) {
-    auto& g = dist.world();
+  auto out = run_checked(2, [&](const std::shared_ptr<Dist>& dist) {
+    auto& g = dist->world();
     auto full = at::empty({2 * 4});
     g.all_gather(full, at::ones({4}), "embed").wait();
-    if (dist.rank() == 1) {
+    if (dist->rank() == 1) {
       while (!rank0_done) std::this_thread::sleep_for(10ms);
       return;
     }

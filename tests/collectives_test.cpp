@@ -36,14 +36,14 @@ class CollectiveSweep : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CollectiveSweep, AllGatherMatchesReference) {
   const auto c = GetParam();
-  run_threads(c.world, [&](Dist& dist) {
-    auto& comm = dist.world();
-    auto input = rank_input(dist.rank(), c.shard, c.dtype);
+  run_threads(c.world, [&](const std::shared_ptr<Dist>& dist) {
+    auto& comm = dist->world();
+    auto input = rank_input(dist->rank(), c.shard, c.dtype);
     auto output = at::full({c.shard * c.world}, -7.0, input.options());
     comm.all_gather(output, input, "ag").wait();
     std::vector<at::Tensor> parts;
     for (int r = 0; r < c.world; ++r) parts.push_back(rank_input(r, c.shard, c.dtype));
-    EXPECT_TRUE(at::equal(output, at::cat(parts))) << "rank " << dist.rank();
+    EXPECT_TRUE(at::equal(output, at::cat(parts))) << "rank " << dist->rank();
     const auto s = comm.stats().of(CollectiveKind::kAllGather);
     const uint64_t shard_bytes = c.shard * input.element_size();
     EXPECT_EQ(s.calls, 1u);
@@ -55,17 +55,17 @@ TEST_P(CollectiveSweep, AllGatherMatchesReference) {
 TEST_P(CollectiveSweep, ReduceScatterMatchesReference) {
   const auto c = GetParam();
   for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-    run_threads(c.world, [&](Dist& dist) {
-      auto& comm = dist.world();
-      auto input = rank_input(dist.rank(), c.shard * c.world, c.dtype, 1);
+    run_threads(c.world, [&](const std::shared_ptr<Dist>& dist) {
+      auto& comm = dist->world();
+      auto input = rank_input(dist->rank(), c.shard * c.world, c.dtype, 1);
       auto output = at::empty({c.shard}, input.options());
       comm.reduce_scatter(output, input, op, "rs").wait();
       auto ref = at::zeros({c.shard * c.world}, at::kFloat);
       for (int r = 0; r < c.world; ++r) ref += rank_input(r, c.shard * c.world, c.dtype, 1).to(at::kFloat);
       if (op == ReduceOp::kAvg) ref /= c.world;
-      auto mine = ref.narrow(0, dist.rank() * c.shard, c.shard);
+      auto mine = ref.narrow(0, dist->rank() * c.shard, c.shard);
       const double err = (output.to(at::kFloat) - mine).abs().max().item<double>();
-      EXPECT_LE(err, tolerance(c.dtype, c.world)) << "rank " << dist.rank();
+      EXPECT_LE(err, tolerance(c.dtype, c.world)) << "rank " << dist->rank();
       const auto s = comm.stats().of(CollectiveKind::kReduceScatter);
       const uint64_t buffer_bytes = c.shard * c.world * output.element_size();
       // Bandwidth-optimal: exactly (N-1)/N of the buffer leaves each rank.
@@ -77,16 +77,16 @@ TEST_P(CollectiveSweep, ReduceScatterMatchesReference) {
 
 TEST_P(CollectiveSweep, AllReduceAndBroadcastMatchReference) {
   const auto c = GetParam();
-  run_threads(c.world, [&](Dist& dist) {
-    auto& comm = dist.world();
-    auto t = rank_input(dist.rank(), c.shard, c.dtype, 2);
+  run_threads(c.world, [&](const std::shared_ptr<Dist>& dist) {
+    auto& comm = dist->world();
+    auto t = rank_input(dist->rank(), c.shard, c.dtype, 2);
     comm.all_reduce(t, ReduceOp::kSum, "ar").wait();
     auto ref = at::zeros({c.shard}, at::kFloat);
     for (int r = 0; r < c.world; ++r) ref += rank_input(r, c.shard, c.dtype, 2).to(at::kFloat);
     EXPECT_LE((t.to(at::kFloat) - ref).abs().max().item<double>(), tolerance(c.dtype, c.world));
 
     const int root = c.world - 1;
-    auto b = rank_input(dist.rank(), c.shard, c.dtype, 3);
+    auto b = rank_input(dist->rank(), c.shard, c.dtype, 3);
     comm.broadcast(b, root, "bc").wait();
     EXPECT_TRUE(at::equal(b, rank_input(root, c.shard, c.dtype, 3)));
     comm.barrier("end");
@@ -106,12 +106,12 @@ INSTANTIATE_TEST_SUITE_P(Collectives, CollectiveSweep,
                          case_name);
 
 TEST(Collectives, ManyOutstandingOpsCompleteInIssueOrder) {
-  run_threads(3, [](Dist& dist) {
-    auto& comm = dist.world();
+  run_threads(3, [](const std::shared_ptr<Dist>& dist) {
+    auto& comm = dist->world();
     std::vector<at::Tensor> outs;
     std::vector<CommHandle> handles;
     for (int i = 0; i < 20; ++i) {
-      auto in = at::full({4}, dist.rank() * 100 + i, at::kFloat);
+      auto in = at::full({4}, dist->rank() * 100 + i, at::kFloat);
       outs.push_back(at::empty({12}, at::kFloat));
       handles.push_back(comm.all_gather(outs.back(), in, "op" + std::to_string(i)));
     }
@@ -124,12 +124,12 @@ TEST(Collectives, ManyOutstandingOpsCompleteInIssueOrder) {
 }
 
 TEST(Collectives, ShapeMismatchIsRejectedBeforeCommunicating) {
-  run_threads(2, [](Dist& dist) {
+  run_threads(2, [](const std::shared_ptr<Dist>& dist) {
     auto in = at::zeros({4});
     auto out = at::zeros({7});
-    EXPECT_THROW(dist.world().all_gather(out, in, "bad"), ConfigError);
-    EXPECT_THROW(dist.world().reduce_scatter(in, out, ReduceOp::kSum, "bad"), ConfigError);
-    EXPECT_THROW(dist.world().broadcast(in, 5, "bad"), ConfigError);
+    EXPECT_THROW(dist->world().all_gather(out, in, "bad"), ConfigError);
+    EXPECT_THROW(dist->world().reduce_scatter(in, out, ReduceOp::kSum, "bad"), ConfigError);
+    EXPECT_THROW(dist->world().broadcast(in, 5, "bad"), ConfigError);
   });
 }
 
@@ -160,21 +160,20 @@ TEST(Collectives, CommunicatorNeedsOneGlobalRankPerRank) {
 }
 
 TEST(DeviceMesh, TwoDimensionalGroups) {
-  run_threads(4, [](Dist& dist) {
-    std::shared_ptr<Dist> borrowed(&dist, [](Dist*) {});
-    DeviceMesh mesh(borrowed, /*replicate_size=*/2, /*shard_size=*/2);
+  run_threads(4, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist, /*replicate_size=*/2, /*shard_size=*/2);
     EXPECT_TRUE(mesh.is_hybrid());
-    EXPECT_EQ(mesh.replicate_rank(), dist.rank() / 2);
-    EXPECT_EQ(mesh.shard_rank(), dist.rank() % 2);
+    EXPECT_EQ(mesh.replicate_rank(), dist->rank() / 2);
+    EXPECT_EQ(mesh.shard_rank(), dist->rank() % 2);
     // Shard groups are rows {0,1} and {2,3}.
-    auto in = at::full({3}, dist.rank(), at::kFloat);
+    auto in = at::full({3}, dist->rank(), at::kFloat);
     auto out = at::empty({6}, at::kFloat);
     mesh.shard_group().all_gather(out, in, "row").wait();
     const int row = mesh.replicate_rank();
     EXPECT_EQ(out[0].item<float>(), row * 2);
     EXPECT_EQ(out[3].item<float>(), row * 2 + 1);
     // Replicate groups are columns {0,2} and {1,3}.
-    auto t = at::full({2}, dist.rank(), at::kFloat);
+    auto t = at::full({2}, dist->rank(), at::kFloat);
     mesh.replicate_group().all_reduce(t, ReduceOp::kSum, "col").wait();
     EXPECT_EQ(t[0].item<float>(), mesh.shard_rank() * 2 + 2);
     EXPECT_EQ(mesh.replicate_group().global_rank(1), 2 + mesh.shard_rank());
@@ -182,10 +181,9 @@ TEST(DeviceMesh, TwoDimensionalGroups) {
 }
 
 TEST(DeviceMesh, RejectsShapeThatDoesNotFitTheWorld) {
-  run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> borrowed(&dist, [](Dist*) {});
-    EXPECT_THROW(DeviceMesh(borrowed, 3, 1), ConfigError);
-    DeviceMesh flat(borrowed);
+  run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    EXPECT_THROW(DeviceMesh(dist, 3, 1), ConfigError);
+    DeviceMesh flat(dist);
     EXPECT_FALSE(flat.is_hybrid());
     EXPECT_EQ(flat.shard_size(), 2);
     EXPECT_EQ(flat.replicate_group().size(), 1);
@@ -195,15 +193,15 @@ TEST(DeviceMesh, RejectsShapeThatDoesNotFitTheWorld) {
 // The stop agreement: every rank gets the lowest rank's signal (0 when none has one), and
 // agree_on_stop_with gathers each rank's values in the same collective.
 TEST(StopAgreement, EveryRankGetsTheLowestRanksSignalAndEveryRanksValues) {
-  run_threads(3, [](Dist& dist) {
-    const int r = dist.rank();
-    EXPECT_EQ(agree_on_stop(dist.world(), 0), 0);
-    EXPECT_EQ(agree_on_stop(dist.world(), r == 0 ? 0 : 10 + r), 11);
-    const StopAgreement a = agree_on_stop_with(dist.world(), r == 2 ? 15 : 0, {1.5 * r, -double(r)});
+  run_threads(3, [](const std::shared_ptr<Dist>& dist) {
+    const int r = dist->rank();
+    EXPECT_EQ(agree_on_stop(dist->world(), 0), 0);
+    EXPECT_EQ(agree_on_stop(dist->world(), r == 0 ? 0 : 10 + r), 11);
+    const StopAgreement a = agree_on_stop_with(dist->world(), r == 2 ? 15 : 0, {1.5 * r, -double(r)});
     EXPECT_EQ(a.signal, 15);
     ASSERT_EQ(a.values.size(), 3u);
     for (int k = 0; k < 3; ++k) EXPECT_EQ(a.values[k], (std::vector<double>{1.5 * k, -double(k)})) << "rank " << k;
-    const StopAgreement none = agree_on_stop_with(dist.world(), 0, {});
+    const StopAgreement none = agree_on_stop_with(dist->world(), 0, {});
     EXPECT_EQ(none.signal, 0);
     EXPECT_EQ(none.values.size(), 3u);
   });

@@ -256,7 +256,7 @@ TEST(Rendezvous, AgentStoreIsJoinedByEveryRankPerRestart) {
 // using it for nothing, must not fail a peer that is still connecting. Many small worlds, so a
 // slow rank among quick ones is all but certain on a loaded machine.
 TEST(Rendezvous, WorldsMadeAndDroppedAtOnceFailNoPeer) {
-  for (int i = 0; i < 60; ++i) testing::run_threads(4, [](Dist&) {});
+  for (int i = 0; i < 60; ++i) testing::run_threads(4, [](const std::shared_ptr<Dist>&) {});
 }
 
 TEST(Rendezvous, RankThatNeverJoinsIsNamedWithinTheTimeout) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <utility>
 
 #include "fsdp/fsdp.h"
 #include "shard/testing.h"
@@ -27,7 +28,7 @@ struct Rig {
   std::unique_ptr<AdamW> optim;
   at::Tensor x, y;
 
-  explicit Rig(Dist& d, FullyShardOptions opts = {}) : dist(&d, [](Dist*) {}) {
+  explicit Rig(std::shared_ptr<Dist> d, FullyShardOptions opts = {}) : dist(std::move(d)) {
     mesh = std::make_unique<DeviceMesh>(dist);
     {
       std::lock_guard<std::mutex> lock(g_seed_mutex);
@@ -67,14 +68,14 @@ struct Rig {
 };
 
 TEST(GradScaler, InfOnOneRankSkipsTheStepOnEveryRank) {
-  testing::run_threads(2, [](Dist& d) {
-    Rig rig(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    Rig rig(dist);
     GradScaler scaler(rig.root, GradScalerOptions().init_scale(1024).growth_interval(2));
     EXPECT_TRUE(rig.step(scaler));
     const auto before = rig.shards();
     // Rank 1's shard holds the inf; rank 0's gradients are all finite, and it skips too.
     EXPECT_FALSE(rig.step(scaler, /*inject_rank=*/1));
-    EXPECT_TRUE(at::equal(rig.shards(), before)) << "a skipped step changed rank " << d.rank() << "'s params";
+    EXPECT_TRUE(at::equal(rig.shards(), before)) << "a skipped step changed rank " << dist->rank() << "'s params";
     EXPECT_EQ(scaler.current_scale(), 512);
     EXPECT_EQ(scaler.state().skipped_steps, 1);
     EXPECT_EQ(scaler.state().consecutive_skips, 1);
@@ -89,13 +90,13 @@ TEST(GradScaler, InfOnOneRankSkipsTheStepOnEveryRank) {
 }
 
 TEST(GradScaler, NanLossOnOneRankSkipsEverywhereWithScalingOff) {
-  testing::run_threads(2, [](Dist& d) {
-    Rig rig(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    Rig rig(dist);
     GradScaler scaler(rig.root, GradScalerOptions().enabled(false));
     EXPECT_EQ(scaler.current_scale(), 1);
     const auto before = rig.shards();
     auto l = rig.loss();
-    if (d.rank() == 0) l = l * std::numeric_limits<double>::quiet_NaN();
+    if (dist->rank() == 0) l = l * std::numeric_limits<double>::quiet_NaN();
     scaler.scale(l).backward();
     EXPECT_TRUE(scaler.unscale_and_check(l));
     EXPECT_FALSE(scaler.step(*rig.optim));
@@ -109,26 +110,26 @@ TEST(GradScaler, NanLossOnOneRankSkipsEverywhereWithScalingOff) {
 // Scaling off and clipping on: the gradient pass is left to the clipping norm, which is inf on
 // every rank when one rank's shard holds an inf, so every rank still skips the same step.
 TEST(GradScaler, GradientsJudgedByTheClippingNormSkipEverywhere) {
-  testing::run_threads(2, [](Dist& d) {
-    Rig rig(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    Rig rig(dist);
     GradScaler scaler(rig.root, GradScalerOptions().enabled(false));
     const auto before = rig.shards();
     const auto l = rig.loss();
     scaler.scale(l).backward();
-    if (d.rank() == 1) rig.inject(std::numeric_limits<double>::infinity());
+    if (dist->rank() == 1) rig.inject(std::numeric_limits<double>::infinity());
     EXPECT_FALSE(scaler.unscale_and_check(l, /*gradients_by_norm=*/true));  // the loss is finite
     const double norm = clip_grad_norm(*rig.root, 1.0);
-    EXPECT_FALSE(std::isfinite(norm)) << "rank " << d.rank();
+    EXPECT_FALSE(std::isfinite(norm)) << "rank " << dist->rank();
     EXPECT_FALSE(scaler.step(*rig.optim, norm));
     rig.optim->zero_grad();
-    EXPECT_TRUE(at::equal(rig.shards(), before)) << "a skipped step changed rank " << d.rank() << "'s params";
+    EXPECT_TRUE(at::equal(rig.shards(), before)) << "a skipped step changed rank " << dist->rank() << "'s params";
     EXPECT_EQ(scaler.state().skipped_steps, 1);
   });
 }
 
 TEST(GradScaler, PowerOfTwoScalingLeavesFp32TrainingBitForBit) {
-  testing::run_threads(2, [](Dist& d) {
-    Rig scaled(d), plain(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    Rig scaled(dist), plain(dist);
     GradScaler on(scaled.root, GradScalerOptions().init_scale(65536).growth_interval(1));
     GradScaler off(plain.root, GradScalerOptions().enabled(false));
     for (int i = 0; i < 3; ++i) {
@@ -141,8 +142,9 @@ TEST(GradScaler, PowerOfTwoScalingLeavesFp32TrainingBitForBit) {
 }
 
 TEST(GradScaler, Fp16OverflowBacksOffUntilStepsSucceed) {
-  testing::run_threads(2, [](Dist& d) {
-    Rig rig(d, FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(at::kHalf).reduce_dtype(at::kFloat)));
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    Rig rig(dist,
+            FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(at::kHalf).reduce_dtype(at::kFloat)));
     // 2^40 overflows fp16 (max 65504) in the first backward: the scale halves until it fits.
     GradScaler scaler(rig.root, GradScalerOptions().init_scale(std::ldexp(1.0, 40)).max_consecutive_skips(40));
     int skipped = 0, stepped = 0;
@@ -156,8 +158,8 @@ TEST(GradScaler, Fp16OverflowBacksOffUntilStepsSucceed) {
 }
 
 TEST(GradScaler, KSkipsInARowStopTrainingOnEveryRank) {
-  testing::run_threads(2, [](Dist& d) {
-    Rig rig(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    Rig rig(dist);
     GradScaler scaler(rig.root, GradScalerOptions().max_consecutive_skips(3));
     EXPECT_FALSE(rig.step(scaler, 0));
     EXPECT_TRUE(rig.step(scaler));  // a good step resets the run of skips
@@ -165,7 +167,7 @@ TEST(GradScaler, KSkipsInARowStopTrainingOnEveryRank) {
     EXPECT_FALSE(rig.step(scaler, 0));
     try {
       rig.step(scaler, 1);
-      ADD_FAILURE() << "rank " << d.rank() << ": no NonFiniteError after 3 skips in a row";
+      ADD_FAILURE() << "rank " << dist->rank() << ": no NonFiniteError after 3 skips in a row";
     } catch (const NonFiniteError& e) {
       EXPECT_NE(std::string(e.what()).find("3 steps in a row"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("max_consecutive_skips=3"), std::string::npos) << e.what();

@@ -123,17 +123,16 @@ TEST(Import, ShardedBf16FilesOnTwoRanksEachReadingOnlyItsShards) {
     const std::string dir = write_dir("import-bf16", ref, 3);
     std::vector<uint64_t> read(2);
     uint64_t total = 0;
-    testing::run_threads(2, [&](Dist& dist) {
-      std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-      DeviceMesh mesh(d);
+    testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
       auto m = sharded(c, mesh);
       const auto report = checkpoint::import_weights(dir, *m.root);
       EXPECT_EQ(report.files.size(), 3u);
       EXPECT_EQ(report.dtypes, "BF16");
       EXPECT_EQ(report.tensors, static_cast<int64_t>(ref.size()));
-      read[dist.rank()] = report.bytes_read;
+      read[dist->rank()] = report.bytes_read;
       total = report.total_bytes;
-      expect_shards_equal(*m.root, ref, dist.rank());
+      expect_shards_equal(*m.root, ref, dist->rank());
     });
     // Each element is read by exactly one rank: no rank reads the whole model.
     EXPECT_EQ(read[0] + read[1], total) << "tied=" << tied;
@@ -160,15 +159,14 @@ TEST(Import, SingleFileF16AndF32AndATiedLmHeadStoredToo) {
 // The message import_weights throws for `dir` (on each of two ranks, which must agree).
 std::string import_error(const llama::LlamaConfig& c, const std::string& dir) {
   std::vector<std::string> messages(2);
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto m = sharded(c, mesh);
     try {
       checkpoint::import_weights(dir, *m.root);
-      messages[dist.rank()] = "(accepted)";
+      messages[dist->rank()] = "(accepted)";
     } catch (const CheckpointError& e) {
-      messages[dist.rank()] = e.what();
+      messages[dist->rank()] = e.what();
     }
   });
   EXPECT_EQ(messages[0], messages[1]);
@@ -266,9 +264,8 @@ TEST(Import, GrownRowsKeepTheSourceRowsAndTakeTheirMeanOnAnyWorldSizeAndStrategy
     // 3 ranks split rows mid-way; NO_SHARD's replicas must not count the source rows twice.
     for (const Case k : {Case{1, ShardingStrategy::kFullShard}, Case{2, ShardingStrategy::kFullShard},
                          Case{3, ShardingStrategy::kFullShard}, Case{2, ShardingStrategy::kNoShard}}) {
-      testing::run_threads(k.ranks, [&](Dist& dist) {
-        std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-        DeviceMesh mesh(d);
+      testing::run_threads(k.ranks, [&](const std::shared_ptr<Dist>& dist) {
+        DeviceMesh mesh(dist);
         llama::LlamaForCausalLM model(model_config, at::kMeta);
         auto opts = FullyShardOptions().strategy(k.strategy).init(init::constant(0.0));
         for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
@@ -278,7 +275,7 @@ TEST(Import, GrownRowsKeepTheSourceRowsAndTakeTheirMeanOnAnyWorldSizeAndStrategy
         std::vector<std::string> expect = {"model.embed_tokens.weight: 50 -> 64 rows"};
         if (!tied) expect.push_back("lm_head.weight: 50 -> 64 rows");
         EXPECT_EQ(report.grown, expect);
-        expect_shards_equal(*root, want, dist.rank());
+        expect_shards_equal(*root, want, dist->rank());
       });
     }
   }

@@ -27,9 +27,8 @@ llama::LlamaConfig tiny_config(bool tied, const std::string& family = "llama") {
 void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::string& family = "llama") {
   const auto cfg = tiny_config(tied, family);
   constexpr int64_t kBatch = 12, kSeq = 9;  // global batch: 12 sequences, divisible by 1-4
-  testing::run_threads(world, [&](Dist& dist) {
-    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
-    DeviceMesh mesh(dist_ptr);
+  testing::run_threads(world, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto init = llama::llama_init_fn(cfg, 99);
     // Reference: a full model built on meta and materialised with the same initialiser.
     llama::LlamaForCausalLM ref(cfg, at::kMeta);
@@ -47,15 +46,15 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
       auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + step);
       auto tokens = at::randint(cfg.vocab_size, {kBatch, kSeq + 1}, gen);
       auto in = tokens.narrow(1, 0, kSeq), tgt = tokens.narrow(1, 1, kSeq);
-      auto loss = llama::loss(fsdp::call(model, in.narrow(0, dist.rank() * local, local)),
-                              tgt.narrow(0, dist.rank() * local, local));
+      auto loss = llama::loss(fsdp::call(model, in.narrow(0, dist->rank() * local, local)),
+                              tgt.narrow(0, dist->rank() * local, local));
       loss.backward();
       auto ref_loss = llama::loss(ref->forward(in), tgt);
       ref_loss.backward();
       auto l = at::full({1}, loss.item<double>(), at::kDouble);
-      dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      dist->world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
       EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5 * ref_loss.item<double>())
-          << "step " << step << " rank " << dist.rank();
+          << "step " << step << " rank " << dist->rank();
       optim.step();
       optim.zero_grad();
       // Reference AdamW, no decay for 1-D params (norm weights), as the default grouping.
@@ -81,7 +80,7 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
         auto full = at::constant_pad_nd(at::cat(flat), {0, fp->padded_numel() - fp->numel()});
         const double err =
             (fp->sharded_param() - full.narrow(0, fp->shard_offset(), fp->shard_numel())).abs().max().item<double>();
-        EXPECT_LE(err, 2e-5) << fp->config().tag << " rank " << dist.rank();
+        EXPECT_LE(err, 2e-5) << fp->config().tag << " rank " << dist->rank();
       }
     }
   });

@@ -61,9 +61,8 @@ std::pair<at::Tensor, at::Tensor> batch(int rank, int world) {
 // The same Sequential sharded one unit per Linear on 2 ranks and unsharded on the whole batch:
 // equal losses and parameters, and the unsharded model's names.
 TEST(Containers, ShardedSequentialMatchesUnsharded) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto ref = make_seq(false);
     auto net = make_seq(true);
     std::vector<std::string> ref_names, names;
@@ -76,7 +75,7 @@ TEST(Containers, ShardedSequentialMatchesUnsharded) {
     auto root = fully_shard(net, mesh);
     auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.1));
     torch::optim::SGD ref_optim(ref->parameters(), torch::optim::SGDOptions(0.1));
-    auto [x, y] = batch(dist.rank(), 2);
+    auto [x, y] = batch(dist->rank(), 2);
     auto [gx, gy] = batch(0, 1);
     for (int step = 0; step < 3; ++step) {
       auto loss = at::mse_loss(fsdp::call(net, x), y);
@@ -84,7 +83,7 @@ TEST(Containers, ShardedSequentialMatchesUnsharded) {
       optim->step();
       optim->zero_grad();
       auto l = loss.detach().to(at::kDouble).reshape({1});
-      dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      dist->world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
       auto ref_loss = at::mse_loss(ref->forward(gx), gy);
       ref_loss.backward();
       ref_optim.step();
@@ -119,9 +118,8 @@ torch::nn::Sequential make_cnn() {
 TEST(Containers, ShardedSequentialCnnBlocksMatchUnsharded) {
   const std::string dir = testing::temp_path("cnn-ckpt");
   io::make_dirs(dir);
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto ref = make_cnn();
     auto net = make_cnn();
     const std::vector<std::string> expect_names = {"0.0.weight", "0.0.bias",   "0.1.weight", "0.1.bias", "1.0.weight",
@@ -178,9 +176,8 @@ class StackImpl : public torch::nn::ModuleListImpl {
 TORCH_MODULE(Stack);
 
 TEST(Containers, ShardedModuleListWithItsOwnForward) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     Stack ref, inner;
     {
       c10::NoGradGuard ng;
@@ -212,15 +209,14 @@ TEST(Containers, ShardedModuleListWithItsOwnForward) {
 
 // wrap_children rebuilds a Sequential (names kept); AnyModule and ModuleList blocks run as units.
 TEST(Containers, WrapChildrenAnyModuleAndModuleList) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto net = wrap_children<torch::nn::LinearImpl>(make_seq(false));
     EXPECT_EQ(sharded_children(*net).size(), 2u);
     EXPECT_TRUE(net->named_parameters().contains("2.bias"));
     for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
     auto root = fully_shard(net, mesh);
-    auto [x, y] = batch(dist.rank(), 2);
+    auto [x, y] = batch(dist->rank(), 2);
     at::mse_loss(fsdp::call(net, x), y).backward();
 
     // AnyModule holding a sharded block: its forward runs the unit.
@@ -242,15 +238,14 @@ TEST(Containers, WrapChildrenAnyModuleAndModuleList) {
 // Forgotten fsdp::call at the root: every rank gets a UsageError naming the module, before any
 // kernel reads the freed parameter; the next, correct step trains normally.
 TEST(Misuse, ForgottenCallAtTheRootIsAUsageErrorOnEveryRank) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto net = make_seq(true);
     for (auto& block : sharded_children(*net)) fully_shard(block, mesh);
     auto root = fully_shard(net, mesh);
-    auto [x, y] = batch(dist.rank(), 2);
+    auto [x, y] = batch(dist->rank(), 2);
     const std::string what = usage_error_of([&] { net->forward(x); });
-    EXPECT_NE(what.find("fsdp::call"), std::string::npos) << "rank " << dist.rank() << ": " << what;
+    EXPECT_NE(what.find("fsdp::call"), std::string::npos) << "rank " << dist->rank() << ": " << what;
     EXPECT_NE(what.find("Linear"), std::string::npos) << what;
     auto loss = at::mse_loss(fsdp::call(net, x), y);
     loss.backward();
@@ -277,23 +272,21 @@ std::shared_ptr<FSDPModule> shard_parent(Parent& net, DeviceMesh& mesh) {
 }
 
 TEST(Misuse, ChildForwardCalledDirectlyNamesTheChild) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     Parent net;
     auto root = shard_parent(net, mesh);
-    auto [x, y] = batch(dist.rank(), 2);
+    auto [x, y] = batch(dist->rank(), 2);
     const std::string what = usage_error_of([&] { fsdp::call(net, x); });
-    EXPECT_NE(what.find("'tail'"), std::string::npos) << "rank " << dist.rank() << ": " << what;
+    EXPECT_NE(what.find("'tail'"), std::string::npos) << "rank " << dist->rank() << ": " << what;
   });
 }
 
 // One rank in fp32: nothing is freed, so nothing is guarded, but the gradient of a child run past
 // fsdp::call arrives without the unit's pre-backward: a UsageError, not a silently lost gradient.
 TEST(Misuse, OneRankLostGradientIsAUsageError) {
-  testing::run_threads(1, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(1, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     Parent net;
     auto root = shard_parent(net, mesh);
     auto out = fsdp::call(net, at::ones({2, 6}));
@@ -304,14 +297,13 @@ TEST(Misuse, OneRankLostGradientIsAUsageError) {
 
 // A stock Sequential holding raw (unwrapped) sharded children: refused before its forward runs.
 TEST(Misuse, SequentialWithRawShardedChildren) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto net = make_seq(false);
     fully_shard(net->ptr(0), mesh);
     fully_shard(net->ptr(2), mesh);
     auto root = fully_shard(net, mesh);
-    auto [x, y] = batch(dist.rank(), 2);
+    auto [x, y] = batch(dist->rank(), 2);
     const std::string refused = usage_error_of([&] { fsdp::call(net, x); });
     EXPECT_NE(refused.find("fsdp::Sharded"), std::string::npos) << refused;
     // Inside a model's own forward the guard catches it the same way.
@@ -342,9 +334,8 @@ at::Tensor total(std::tuple<std::pair<at::Tensor, std::optional<at::Tensor>>, st
 }
 
 TEST(CallOutputs, EveryNestingGetsTheBackwardHook) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     Multi ref, net;
     {
       c10::NoGradGuard ng;
@@ -373,9 +364,8 @@ TEST(CallOutputs, EveryNestingGetsTheBackwardHook) {
 
 // Bad input to fully_shard: each a ConfigError naming the module.
 TEST(BadInput, NoParametersShardedTwiceChildAfterParent) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     torch::nn::ReLU relu;
     try {
       fully_shard(relu, mesh);

@@ -100,18 +100,18 @@ std::vector<std::string> train(const std::optional<OffloadPolicy>& offload, int 
   std::vector<std::string> prints(kWorld);
   testing::run_threads(
       kWorld,
-      [&](Dist& dist) {
+      [&](const std::shared_ptr<Dist>& dist) {
         at::set_num_threads(1);
-        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        DeviceMesh mesh(dist);
         Job j = build(mesh, offload, meta);
         if (offload) set_disk_tier_audit(*j.root, true);
         std::vector<double> losses;
         for (int s = 0; s < steps; ++s) {
-          const double loss = train_step(j, s, dist.rank());
+          const double loss = train_step(j, s, dist->rank());
           if (s >= skip_losses) losses.push_back(loss);
         }
-        if (check) check(j, dist.rank());
-        prints[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
+        if (check) check(j, dist->rank());
+        prints[dist->rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
       },
       std::chrono::seconds(60));
   return prints;
@@ -168,9 +168,9 @@ TEST(Offload, HostTierEqualsNoOffloadBitwise) {
 
 TEST(Offload, PerUnitPolicyOverridesTheRoots) {
   const std::string dir = testing::temp_path("offload-per-unit");
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    DeviceMesh mesh(dist);
     auto model = testing::Net(net_options(true));
     auto opts = FullyShardOptions().init(init::normal(0.2, 11));
     // Block 0 keeps everything in memory; the others inherit the root's disk policy.
@@ -190,11 +190,11 @@ TEST(Offload, PerUnitPolicyOverridesTheRoots) {
 
 TEST(Offload, MemoryReportCountsEachTier) {
   const std::string dir = testing::temp_path("offload-report");
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    DeviceMesh mesh(dist);
     Job j = build(mesh, disk_policy(dir));
-    train_step(j, 0, dist.rank());
+    train_step(j, 0, dist->rank());
     const auto r = memory_report(*j.root, j.optim.get());
     EXPECT_EQ(r.tier_disk, r.sharded_params + r.optimizer_state);
     EXPECT_EQ(r.tier_device, r.sharded_grads);
@@ -202,7 +202,7 @@ TEST(Offload, MemoryReportCountsEachTier) {
     EXPECT_EQ(r.model_state(), r.tier_device + r.tier_host + r.tier_disk);
     EXPECT_NE(r.to_string().find("disk"), std::string::npos) << r.to_string();
     Job h = build(mesh, host_policy());
-    train_step(h, 0, dist.rank());
+    train_step(h, 0, dist->rank());
     const auto rh = memory_report(*h.root, h.optim.get());
     EXPECT_EQ(rh.tier_host, rh.model_state());
     EXPECT_EQ(rh.tier_disk, 0);
@@ -219,27 +219,27 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
   // and runs 3 more.
   testing::run_threads(
       kWorld,
-      [&](Dist& dist) {
+      [&](const std::shared_ptr<Dist>& dist) {
         at::set_num_threads(1);
-        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        DeviceMesh mesh(dist);
         Job j = build(mesh, disk_policy(io::join(dir, "offload-a")));
-        for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
+        for (int s = 0; s < 3; ++s) train_step(j, s, dist->rank());
         checkpoint::TrainState st;
         st.step = 3;
         // A background save: its snapshot of the disk-tier state (disk-tier files too) must not see
         // the step that runs while it writes.
         checkpoint::AsyncSaver saver;
         saver.save(ckpt, "step-3", *j.root, j.optim.get(), st);
-        train_step(j, 3, dist.rank());
+        train_step(j, 3, dist->rank());
         saver.wait();
       },
       std::chrono::seconds(60));
   std::vector<std::string> resumed(kWorld);
   testing::run_threads(
       kWorld,
-      [&](Dist& dist) {
+      [&](const std::shared_ptr<Dist>& dist) {
         at::set_num_threads(1);
-        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        DeviceMesh mesh(dist);
         Job j = build(mesh, disk_policy(io::join(dir, "offload-b")));
         set_disk_tier_audit(*j.root, true);
         const auto st = checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
@@ -253,8 +253,8 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
         }
         EXPECT_LE(disk_tier_stats(*j.root).resident_bytes, kBudget);
         std::vector<double> losses;
-        for (int s = 3; s < 6; ++s) losses.push_back(train_step(j, s, dist.rank()));
-        resumed[dist.rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
+        for (int s = 3; s < 6; ++s) losses.push_back(train_step(j, s, dist->rank()));
+        resumed[dist->rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
       },
       std::chrono::seconds(60));
   const auto straight_tail = train(std::nullopt, 6, true, nullptr, /*skip_losses=*/3);
@@ -389,8 +389,8 @@ TEST(Offload, UnwritableDirFailsBeforeTraining) {
     dirs.push_back(ro);
   }
   for (const auto& dir : dirs) {
-    testing::run_threads(kWorld, [&](Dist& dist) {
-      DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
       try {
         Job j = build(mesh, disk_policy(dir));  // AdamW's constructor runs the root's lazy init
         ADD_FAILURE() << "no error for offload.dir " << dir;
@@ -410,12 +410,12 @@ TEST(Offload, UnwritableDirFailsBeforeTraining) {
 
 TEST(Offload, BudgetTooSmallToStreamIsRefused) {
   const std::string dir = testing::temp_path("offload-small");
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     Job j = build(mesh, disk_policy(dir).memory_budget_bytes(4096));
     const std::string before = testing::state_bytes({}, *j.root);
     try {
-      train_step(j, 0, dist.rank());
+      train_step(j, 0, dist->rank());
       ADD_FAILURE() << "a 4096-byte budget cannot stream three tensors";
     } catch (const ConfigError& e) {
       const std::string what = e.what();
@@ -439,8 +439,8 @@ TEST(Offload, RealFullDiskOnATinyTmpfs) {
     io::remove_tree(dir);
     GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
   }
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     try {
       Job j = build(mesh, disk_policy(dir));
       ADD_FAILURE() << "a 64 KiB file system took the model's master shards";
@@ -457,8 +457,8 @@ TEST(Offload, RealFullDiskOnATinyTmpfs) {
 
 TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
   const std::string dir = testing::temp_path("offload-sgd");
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto model = testing::Net(net_options(true));
     auto opts = FullyShardOptions().init(init::normal(0.2, 11));
     for (auto& b : model->blocks) fully_shard(b, mesh, opts);
@@ -481,20 +481,20 @@ TEST(Offload, OptimizerWithLazyStateIsRefusedBeforeAnyUpdate) {
 TEST(Offload, TierDirectoryRemovedWhileTrainingIsAClearError) {
   const std::string dir = testing::temp_path("offload-removed");
   const std::string ckpt = testing::temp_path("offload-removed-ckpt");
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    DeviceMesh mesh(dist);
     Job j = build(mesh, disk_policy(dir));
-    train_step(j, 0, dist.rank());
+    train_step(j, 0, dist->rank());
     checkpoint::TrainState st;
     st.step = 1;
     checkpoint::save(ckpt, "step-1", *j.root, j.optim.get(), st);
     const std::string saved = testing::state_bytes({}, *j.root, j.optim.get());
-    dist.world().barrier("saved");
-    if (dist.rank() == 0) io::remove_tree(dir);
-    dist.world().barrier("removed");
+    dist->world().barrier("saved");
+    if (dist->rank() == 0) io::remove_tree(dir);
+    dist->world().barrier("removed");
     try {
-      train_step(j, 1, dist.rank());
+      train_step(j, 1, dist->rank());
       ADD_FAILURE() << "training went on without its offload.dir";
     } catch (const OffloadError& e) {
       const std::string what = e.what();
@@ -502,7 +502,7 @@ TEST(Offload, TierDirectoryRemovedWhileTrainingIsAClearError) {
     }
     // Refused before the step changed anything, and the checkpoint loads.
     EXPECT_TRUE(testing::state_bytes({}, *j.root, j.optim.get()) == saved);
-    dist.world().barrier("checked");
+    dist->world().barrier("checked");
     Job k = build(mesh, std::nullopt);
     EXPECT_EQ(checkpoint::load(checkpoint::resolve(ckpt, "latest"), *k.root, k.optim.get()).step, 1);
     EXPECT_TRUE(testing::state_bytes({}, *k.root, k.optim.get()) == saved);
@@ -515,8 +515,8 @@ TEST(Offload, FileSystemWithoutMmapIsRefused) {
   // No such file system is at hand: the tier's mmap is made to fail as one would (ENODEV).
   const std::string dir = testing::temp_path("offload-nommap");
   offload::testing::fail_mmap(true);
-  testing::run_threads(kWorld, [&](Dist& dist) {
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     try {
       Job j = build(mesh, disk_policy(dir));
       ADD_FAILURE() << "a file system without mmap was accepted";
@@ -569,15 +569,15 @@ TEST(Offload, PlanAgreesWithMeasuredIoWithinTenPercent) {
        OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget)},
   };
   for (const auto& [name, policy] : setups) {
-    testing::run_threads(kWorld, [&, name = name, policy = policy](Dist& dist) {
+    testing::run_threads(kWorld, [&, name = name, policy = policy](const std::shared_ptr<Dist>& dist) {
       at::set_num_threads(1);
-      DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+      DeviceMesh mesh(dist);
       Job j = build(mesh, policy);
       const auto plan = offload_plan(*j.root, *j.optim);
-      train_step(j, 0, dist.rank());
+      train_step(j, 0, dist->rank());
       const auto before = offload_io(*j.root);
       constexpr int kSteps = 3;
-      for (int s = 1; s <= kSteps; ++s) train_step(j, s, dist.rank());
+      for (int s = 1; s <= kSteps; ++s) train_step(j, s, dist->rank());
       const auto got = (offload_io(*j.root) - before).per_step(kSteps);
       auto near = [&](int64_t planned, int64_t measured, const char* what) {
         EXPECT_LE(std::abs(static_cast<double>(measured - planned)), 0.1 * static_cast<double>(planned))
@@ -607,9 +607,9 @@ TEST(Offload, PlanAgreesWithMeasuredIoWithinTenPercent) {
 // recorded, so its extra read matches what the tier measures.
 TEST(Offload, PlanAgreesWithRuntimeWhenTheLastBlockIsCheckpointed) {
   const std::string dir = testing::temp_path("offload-plan-ckpt");
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    DeviceMesh mesh(dist);
     struct Seen {
       OffloadPlan plan;
       OffloadIo measured;
@@ -619,7 +619,7 @@ TEST(Offload, PlanAgreesWithRuntimeWhenTheLastBlockIsCheckpointed) {
     auto run = [&](int checkpoint_block) {
       Job j =
           build(mesh, disk_policy(dir + (checkpoint_block < 0 ? "/plain" : "/checkpointed")), true, checkpoint_block);
-      train_step(j, 0, dist.rank());  // records the forward order and each unit's gradient mode
+      train_step(j, 0, dist->rank());  // records the forward order and each unit's gradient mode
       Seen seen;
       seen.plan = offload_plan(*j.root, *j.optim);
       ShardedUnit& last = *fsdp::testing::units(*j.root).back();
@@ -627,7 +627,7 @@ TEST(Offload, PlanAgreesWithRuntimeWhenTheLastBlockIsCheckpointed) {
       seen.last_gathers_in_backward = last.gathers_in_backward(/*ran_last=*/true);
       const auto before = offload_io(*j.root);
       constexpr int kSteps = 3;
-      for (int s = 1; s <= kSteps; ++s) train_step(j, s, dist.rank());
+      for (int s = 1; s <= kSteps; ++s) train_step(j, s, dist->rank());
       seen.measured = (offload_io(*j.root) - before).per_step(kSteps);
       return seen;
     };
@@ -649,14 +649,14 @@ TEST(Offload, PlanAgreesWithRuntimeWhenTheLastBlockIsCheckpointed) {
 TEST(Offload, DiskTierTransfersRunOnTheirOwnTraceLanes) {
   const std::string dir = testing::temp_path("offload-trace");
   const std::string trace = testing::temp_path("offload-trace.json");
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    DeviceMesh mesh(dist);
     Job j = build(mesh, disk_policy(dir));
-    auto tracer = std::make_shared<Tracer>(dist.rank());
+    auto tracer = std::make_shared<Tracer>(dist->rank());
     j.root->set_tracer(tracer);
-    for (int s = 0; s < 3; ++s) train_step(j, s, dist.rank());
-    if (dist.rank() == 0) tracer->write(trace);
+    for (int s = 0; s < 3; ++s) train_step(j, s, dist->rank());
+    if (dist->rank() == 0) tracer->write(trace);
   });
   const std::string text = io::read_small_file(trace);
   for (const char* needle :

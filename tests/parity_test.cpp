@@ -81,11 +81,9 @@ struct ReferenceOptimizer {
 };
 
 // One rank's side of a parity run; the reference runs in every rank, on the whole global batch.
-void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
+void parity_on_rank(const std::shared_ptr<Dist>& dist, const ParityConfig& cfg) {
   {
-    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
-    auto mesh =
-        cfg.replicate > 1 ? DeviceMesh(dist_ptr, cfg.replicate, cfg.world / cfg.replicate) : DeviceMesh(dist_ptr);
+    auto mesh = cfg.replicate > 1 ? DeviceMesh(dist, cfg.replicate, cfg.world / cfg.replicate) : DeviceMesh(dist);
 
     Net ref = make_net(cfg.net, 42);
     NetOptions sharded_opts = cfg.net;
@@ -123,7 +121,7 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
     // Mixed precision reference: a low-precision copy that computes, fp32 masters that step.
     Net ref_lowp = cfg.param_dtype ? make_net(cfg.net, 42) : Net(nullptr);
 
-    const int64_t local = kGlobalBatch / dist.world_size();
+    const int64_t local = kGlobalBatch / dist->world_size();
     for (int step = 0; step < cfg.steps; ++step) {
       double ref_loss_total = 0, loss_total = 0;
       for (int micro = 0; micro < cfg.microbatches; ++micro) {
@@ -131,7 +129,7 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
         auto x = at::randn({kGlobalBatch, cfg.net.in}, gen);
         auto y = at::randn({kGlobalBatch, cfg.net.out}, gen);
         root->set_requires_gradient_sync(micro == cfg.microbatches - 1);
-        auto xs = x.narrow(0, dist.rank() * local, local), ys = y.narrow(0, dist.rank() * local, local);
+        auto xs = x.narrow(0, dist->rank() * local, local), ys = y.narrow(0, dist->rank() * local, local);
         auto loss = at::mse_loss(fsdp::call(model, xs), ys) / cfg.microbatches;
         loss.backward();
         loss_total += loss.item<double>();
@@ -164,9 +162,9 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
       }
       // The sharded global loss is the mean of the ranks' local means.
       auto l = at::full({1}, loss_total, at::kDouble);
-      dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      dist->world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
       EXPECT_NEAR(l.item<double>(), ref_loss_total, cfg.loss_rtol * std::abs(ref_loss_total) + 1e-12)
-          << "step " << step << " rank " << dist.rank();
+          << "step " << step << " rank " << dist->rank();
       if (cfg.clip > 0) {
         const double norm = clip_grad_norm(*root, cfg.clip);
         double sq = 0;
@@ -197,7 +195,8 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
         full = at::constant_pad_nd(full, {0, fp->padded_numel() - fp->numel()});
         auto expect = full.narrow(0, fp->shard_offset(), fp->shard_numel());
         const double err = (fp->sharded_param() - expect).abs().max().item<double>();
-        EXPECT_LE(err, cfg.param_atol) << unit->name() << " flat param " << fp->config().tag << " rank " << dist.rank();
+        EXPECT_LE(err, cfg.param_atol) << unit->name() << " flat param " << fp->config().tag << " rank "
+                                       << dist->rank();
         if (!fp->config().requires_grad) EXPECT_FALSE(fp->sharded_grad().defined());
       }
     }
@@ -208,7 +207,7 @@ void parity_on_rank(Dist& dist, const ParityConfig& cfg) {
 }
 
 void run_parity(const ParityConfig& cfg) {
-  testing::run_threads(cfg.world, [&](Dist& dist) { parity_on_rank(dist, cfg); });
+  testing::run_threads(cfg.world, [&](const std::shared_ptr<Dist>& dist) { parity_on_rank(dist, cfg); });
 }
 
 struct NamedConfig {
@@ -249,7 +248,7 @@ TEST(ParityProcesses, FullShardThreeRanks) {
     auto dist = init_from_env(InitOptions().timeout(std::chrono::seconds(20)));
     ParityConfig c;
     c.world = 3;
-    parity_on_rank(*dist, c);
+    parity_on_rank(dist, c);
   });
   testing::expect_all_ok(results);
 }
@@ -319,14 +318,13 @@ TEST(ParityFeatures, DeferredInitEqualsEagerInit) {
 // shard within rows and replicate across them, which is HYBRID_SHARD, so fully_shard refuses them
 // on every rank, naming the strategy, the mesh's shape and the way out.
 TEST(StrategyMesh, FullShardAndShardGradOpRefuseA2DMesh) {
-  testing::run_threads(4, [&](Dist& dist) {
-    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
-    DeviceMesh mesh(dist_ptr, /*replicate_size=*/2, /*shard_size=*/2);
+  testing::run_threads(4, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist, /*replicate_size=*/2, /*shard_size=*/2);
     for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
       Net model = make_net(NetOptions(), 42);
       try {
         fully_shard(model, mesh, FullyShardOptions().strategy(s));
-        ADD_FAILURE() << strategy_name(s) << " on a 2x2 mesh did not throw on rank " << dist.rank();
+        ADD_FAILURE() << strategy_name(s) << " on a 2x2 mesh did not throw on rank " << dist->rank();
       } catch (const ConfigError& e) {
         const std::string what = e.what();
         EXPECT_NE(what.find(strategy_name(s)), std::string::npos) << what;
@@ -343,9 +341,8 @@ TEST(StrategyMesh, FullShardAndShardGradOpRefuseA2DMesh) {
 // training matches the unsharded reference where the tie is kept too.
 TEST(ParityFeatures, TiedWeights) {
   constexpr int64_t kVocab = 11, kDim = 15, kTokens = 12;
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
-    DeviceMesh mesh(dist_ptr);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto make = [&] {
       std::lock_guard<std::mutex> lock(g_seed_mutex);
       at::manual_seed(5);
@@ -386,16 +383,16 @@ TEST(ParityFeatures, TiedWeights) {
       auto ce = [&](const at::Tensor& logits, const at::Tensor& t) {
         return at::cross_entropy_loss(logits.reshape({-1, kVocab}), t.reshape({-1}));
       };
-      const auto before = dist.world().stats();
-      auto loss = ce(fsdp::call(model, tokens.narrow(0, dist.rank() * local, local)),
-                     targets.narrow(0, dist.rank() * local, local));
+      const auto before = dist->world().stats();
+      auto loss = ce(fsdp::call(model, tokens.narrow(0, dist->rank() * local, local)),
+                     targets.narrow(0, dist->rank() * local, local));
       loss.backward();
       optim.step();  // collects the last reductions (they finish behind backward)
-      const auto d = dist.world().stats() - before;
+      const auto d = dist->world().stats() - before;
       auto ref_loss = ce(ref->forward(tokens), targets);
       ref_loss.backward();
       auto l = at::full({1}, loss.item<double>(), at::kDouble);
-      dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      dist->world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
       EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 1e-5 * ref_loss.item<double>()) << "step " << step;
       int64_t padded = 0, root_padded = 0, last_padded = 0;
       for (const auto& unit : fsdp::testing::units(*root)) {

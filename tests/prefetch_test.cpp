@@ -34,9 +34,8 @@ struct Outcome {
   int peak_units = 0;
 };
 
-Outcome train(Dist& dist, const PrefetchRun& setup) {
-  std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-  DeviceMesh mesh(d);
+Outcome train(const std::shared_ptr<Dist>& dist, const PrefetchRun& setup) {
+  DeviceMesh mesh(dist);
   testing::NetOptions o;
   o.blocks = 5;
   o.skip_block = setup.skip_block;
@@ -59,7 +58,7 @@ Outcome train(Dist& dist, const PrefetchRun& setup) {
     model->opts.reverse_blocks = setup.flip_order_on_odd_steps && step % 2 == 1;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(step + 1);
     auto x = at::randn({8, o.in}, gen), y = at::randn({8, o.out}, gen);
-    auto loss = at::mse_loss(fsdp::call(model, x.narrow(0, dist.rank() * 4, 4)), y.narrow(0, dist.rank() * 4, 4));
+    auto loss = at::mse_loss(fsdp::call(model, x.narrow(0, dist->rank() * 4, 4)), y.narrow(0, dist->rank() * 4, 4));
     loss.backward();
     optim.step();
     optim.zero_grad();
@@ -79,7 +78,7 @@ void expect_same(const Outcome& a, const Outcome& b) {
 }
 
 void compare_with_off(const PrefetchRun& on) {
-  testing::run_threads(2, [&](Dist& dist) {
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
     PrefetchRun off = on;
     off.depth = 0;
     off.explicit_lists = false;
@@ -103,7 +102,7 @@ TEST(Prefetch, SkippedUnitStaysCorrect) {
 }
 
 TEST(Prefetch, CapOnGatheredUnitsHolds) {
-  testing::run_threads(2, [&](Dist& dist) {
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
     PrefetchRun uncapped{3};
     PrefetchRun capped{3, 3};
     const auto free_run = train(dist, uncapped);
@@ -118,10 +117,9 @@ TEST(Prefetch, CapOnGatheredUnitsHolds) {
 // not resharded after forward (one all-gather fewer per step), only while gradients are on, and
 // not when reshard_after_forward is set explicitly; the results do not change.
 TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
-  testing::run_threads(2, [&](Dist& dist) {
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
     auto run = [&](std::optional<bool> reshard) {
-      std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-      DeviceMesh mesh(d);
+      DeviceMesh mesh(dist);
       testing::NetOptions o;
       o.blocks = 3;
       o.device = at::kMeta;
@@ -137,7 +135,7 @@ TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
       for (int step = 0; step < 3; ++step) {
         auto gen = at::make_generator<at::CPUGeneratorImpl>(step + 1);
         auto x = at::randn({4, o.in}, gen), y = at::randn({4, o.out}, gen);
-        const auto before = dist.world().stats();
+        const auto before = dist->world().stats();
         auto loss = at::mse_loss(fsdp::call(model, x), y);
         const bool kept = last.flat_params()[0]->state() == ShardedState::kUnsharded;
         EXPECT_EQ(kept, !reshard.has_value() && step > 0) << "step " << step;
@@ -146,7 +144,7 @@ TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
         EXPECT_EQ(last.flat_params()[0]->state(), ShardedState::kSharded) << "freed by the end of backward";
         optim.step();
         optim.zero_grad();
-        gathered.push_back((dist.world().stats() - before).of(CollectiveKind::kAllGather).bytes_sent);
+        gathered.push_back((dist->world().stats() - before).of(CollectiveKind::kAllGather).bytes_sent);
         losses.push_back(loss.item<double>());
       }
       {
@@ -169,9 +167,8 @@ TEST(Prefetch, LastUnitKeepsItsParamsForBackward) {
 }
 
 TEST(Prefetch, ExplicitUnshardHandle) {
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     testing::Net model(testing::NetOptions{});
     auto block = fully_shard(model->blocks[0], mesh);
     auto root = fully_shard(model, mesh);
@@ -188,12 +185,12 @@ TEST(Prefetch, ExplicitUnshardHandle) {
 
 TEST(Prefetch, TraceHasEverySpanWithTheUnit) {
   const std::string path = testing::temp_path("trace") + ".json";
-  testing::run_threads(2, [&](Dist& dist) {
-    auto tracer = std::make_shared<Tracer>(dist.rank());
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    auto tracer = std::make_shared<Tracer>(dist->rank());
     PrefetchRun s{1};
     s.tracer = tracer;
     train(dist, s);
-    if (dist.rank() == 0) tracer->write(path);
+    if (dist->rank() == 0) tracer->write(path);
   });
   std::ifstream in(path);
   auto j = nlohmann::json::parse(in);

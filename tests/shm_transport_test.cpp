@@ -43,15 +43,15 @@ void PrintTo(const Layout& l, std::ostream* os) {
   for (const auto& h : l.hosts) *os << ' ' << h;
 }
 
-std::unique_ptr<Transport> transport(Dist& dist, const std::string& group, const std::string& mode,
-                                     const std::string& host_id) {
+std::unique_ptr<Transport> transport(const std::shared_ptr<Dist>& dist, const std::string& group,
+                                     const std::string& mode, const std::string& host_id) {
   CpuTransportOptions options;
   options.timeout = 20s;
   options.hostname = "127.0.0.1";
   options.mode = mode;
   options.host_id = host_id;
-  auto store = c10::make_intrusive<c10d::PrefixStore>("test/" + group, dist.store());
-  return make_cpu_transport(store, dist.rank(), dist.world_size(), options);
+  auto store = c10::make_intrusive<c10d::PrefixStore>("test/" + group, dist->store());
+  return make_cpu_transport(store, dist->rank(), dist->world_size(), options);
 }
 
 at::Tensor rank_input(int rank, int64_t n, at::ScalarType dtype, int seed) {
@@ -96,8 +96,8 @@ TEST_P(ShmTransport, BitwiseEqualToTheGlooRing) {
   const std::vector<at::ScalarType> dtypes{at::kFloat, at::kBFloat16, at::kHalf, at::kDouble, at::kLong};
   testing::run_threads(
       layout.world,
-      [&](Dist& dist) {
-        const std::string host = layout.hosts.empty() ? "" : layout.hosts[dist.rank()];
+      [&](const std::shared_ptr<Dist>& dist) {
+        const std::string host = layout.hosts.empty() ? "" : layout.hosts[dist->rank()];
         auto gloo = transport(dist, "gloo", "gloo", host);
         auto shm = transport(dist, "shm", "auto", host);
         EXPECT_STREQ(gloo->backend_name(), "gloo");
@@ -110,7 +110,7 @@ TEST_P(ShmTransport, BitwiseEqualToTheGlooRing) {
             ASSERT_EQ(a.size(), b.size());
             for (size_t i = 0; i < a.size(); ++i) {
               EXPECT_TRUE(at::equal(a[i], b[i]))
-                  << "result " << i << ", " << dtype << ", " << n << " elements, rank " << dist.rank();
+                  << "result " << i << ", " << dtype << ", " << n << " elements, rank " << dist->rank();
             }
             EXPECT_EQ(cs.sent, cg.sent) << dtype << " " << n;
             EXPECT_EQ(cs.received, cg.received) << dtype << " " << n;
@@ -118,7 +118,7 @@ TEST_P(ShmTransport, BitwiseEqualToTheGlooRing) {
         }
         // And against arithmetic done here: the sum of every rank's input.
         TransferCount c;
-        auto x = rank_input(dist.rank(), 1000, at::kLong, 9);
+        auto x = rank_input(dist->rank(), 1000, at::kLong, 9);
         shm->all_reduce(x, ReduceOp::kSum, c);
         auto expected = at::zeros({1000}, at::kLong);
         for (int r = 0; r < layout.world; ++r) expected += rank_input(r, 1000, at::kLong, 9);
@@ -133,7 +133,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ShmTransport,
                                            Layout{3, {"a", "a", "b"}, "shm+gloo"}, Layout{3, {"a", "b", "c"}, "gloo"}));
 
 TEST(ShmTransportConfig, UnknownModeIsAConfigError) {
-  testing::run_threads(1, [](Dist& dist) {
+  testing::run_threads(1, [](const std::shared_ptr<Dist>& dist) {
     try {
       transport(dist, "bad", "infiniband", "");
       ADD_FAILURE() << "expected a ConfigError";
@@ -145,12 +145,12 @@ TEST(ShmTransportConfig, UnknownModeIsAConfigError) {
 }
 
 TEST(ShmTransportConfig, WorldGroupUsesSharedMemoryByDefault) {
-  testing::run_threads(2, [](Dist& dist) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
     // The world group of ranks on one host runs its collectives over shared memory.
     auto out = at::empty({4});
-    dist.world().all_gather(out, at::full({2}, static_cast<float>(dist.rank())), "ag").wait();
+    dist->world().all_gather(out, at::full({2}, static_cast<float>(dist->rank())), "ag").wait();
     EXPECT_TRUE(at::equal(out, at::tensor({0.f, 0.f, 1.f, 1.f})));
-    EXPECT_EQ(std::string(dist.world().backend_name()), "shm");
+    EXPECT_EQ(std::string(dist->world().backend_name()), "shm");
   });
 }
 

@@ -108,19 +108,19 @@ std::vector<std::string> train(const Case& setup, bool in_backward, int steps,
   std::vector<std::string> prints(kWorld);
   testing::run_threads(
       kWorld,
-      [&](Dist& dist) {
+      [&](const std::shared_ptr<Dist>& dist) {
         at::set_num_threads(1);
-        DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+        DeviceMesh mesh(dist);
         Job j = build(mesh, setup.offload);
         auto optim = make_optimizer(j, setup);
         optim->step_in_backward(in_backward);
         std::vector<double> losses;
         for (int s = 0; s < steps; ++s) {
-          losses.push_back(train_step(j, *optim, setup, s, dist.rank(), [&] {
+          losses.push_back(train_step(j, *optim, setup, s, dist->rank(), [&] {
             if (between) between(j, *optim, s);
           }));
         }
-        prints[dist.rank()] = testing::state_bytes(losses, *j.root, optim.get());
+        prints[dist->rank()] = testing::state_bytes(losses, *j.root, optim.get());
       },
       std::chrono::seconds(60));
   return prints;
@@ -186,20 +186,20 @@ TEST(StepInBackward, DiskTierReadsTheMasterOnceLessAsPlanned) {
                             .optimizer_state(OffloadTier::kDisk)
                             .dir(dir)
                             .memory_budget_bytes(run.budget);
-    testing::run_threads(kWorld, [&](Dist& dist) {
+    testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
       at::set_num_threads(1);
-      DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+      DeviceMesh mesh(dist);
       Job j = build(mesh, policy);
       j.optim->step_in_backward(run.in_backward);
-      auto tracer = std::make_shared<Tracer>(dist.rank());
+      auto tracer = std::make_shared<Tracer>(dist->rank());
       j.root->set_tracer(tracer);
       set_disk_tier_audit(*j.root, true);
       const auto plan = offload_plan(*j.root, *j.optim);
       const Case c{"disk", policy};
-      train_step(j, *j.optim, c, 0, dist.rank());
+      train_step(j, *j.optim, c, 0, dist->rank());
       const auto before = offload_io(*j.root);
       constexpr int kSteps = 3;
-      for (int s = 1; s <= kSteps; ++s) train_step(j, *j.optim, c, s, dist.rank());
+      for (int s = 1; s <= kSteps; ++s) train_step(j, *j.optim, c, s, dist->rank());
       const auto got = (offload_io(*j.root) - before).per_step(kSteps);
       const std::string what =
           std::string(run.in_backward ? "in backward" : "after backward") + ", budget " + std::to_string(run.budget);
@@ -209,7 +209,7 @@ TEST(StepInBackward, DiskTierReadsTheMasterOnceLessAsPlanned) {
       const auto stats = disk_tier_stats(*j.root);
       EXPECT_GT(stats.peak_resident_bytes, 0) << what;
       EXPECT_LE(stats.peak_resident_bytes, run.budget) << what;
-      if (dist.rank() == 0) {
+      if (dist->rank() == 0) {
         run.read = got.disk_read;
         run.written = got.disk_write;
         if (run.in_backward && run.budget == kBudget) tracer->write(trace);
@@ -239,13 +239,13 @@ std::string error_of(F&& f) {
 }
 
 TEST(StepInBackward, RefusesWhatItCannotHonour) {
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
+    DeviceMesh mesh(dist);
     Job j = build(mesh, std::nullopt);
     j.optim->step_in_backward(true);
     const Case setup{"plain", std::nullopt};
-    const int rank = dist.rank();
+    const int rank = dist->rank();
     // Clipping needs every gradient before any is applied.
     std::string e =
         error_of<UsageError>([&] { train_step(j, *j.optim, setup, 0, rank, [&] { clip_grad_norm(*j.root, 1.0); }); });
@@ -280,10 +280,10 @@ TEST(StepInBackward, RefusesWhatItCannotHonour) {
 // the caller of step() on the rank where it happened, naming the directory.
 TEST(StepInBackward, TierFailureOnTheOptimizerThreadReachesStep) {
   const std::string dir = testing::temp_path("step-in-backward-gone");
-  testing::run_threads(kWorld, [&](Dist& dist) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
     at::set_num_threads(1);
-    DeviceMesh mesh(std::shared_ptr<Dist>(&dist, [](Dist*) {}));
-    const std::string mine = dir + "/rank" + std::to_string(dist.rank());
+    DeviceMesh mesh(dist);
+    const std::string mine = dir + "/rank" + std::to_string(dist->rank());
     Job j = build(mesh, OffloadPolicy()
                             .params(OffloadTier::kDisk)
                             .optimizer_state(OffloadTier::kDisk)
@@ -291,9 +291,9 @@ TEST(StepInBackward, TierFailureOnTheOptimizerThreadReachesStep) {
                             .memory_budget_bytes(kBudget));
     j.optim->step_in_backward(true);
     const Case setup{"disk", std::nullopt};
-    train_step(j, *j.optim, setup, 0, dist.rank());
+    train_step(j, *j.optim, setup, 0, dist->rank());
     io::remove_tree(mine);
-    const std::string e = error_of<OffloadError>([&] { train_step(j, *j.optim, setup, 1, dist.rank()); });
+    const std::string e = error_of<OffloadError>([&] { train_step(j, *j.optim, setup, 1, dist->rank()); });
     EXPECT_NE(e.find(mine), std::string::npos) << e;
     EXPECT_NE(e.find("is gone"), std::string::npos) << e;
   });

@@ -48,15 +48,15 @@ Net shard(DeviceMesh& mesh, std::shared_ptr<FSDPModule>& root) {
   return net;
 }
 
-double sharded_step(Dist& dist, Net& net, TorchOptimizer& optim, int step) {
+double sharded_step(const std::shared_ptr<Dist>& dist, Net& net, TorchOptimizer& optim, int step) {
   auto [x, y] = global_batch(step);
-  const int64_t n = 8 / dist.world_size();
-  auto loss = at::mse_loss(fsdp::call(net, x.narrow(0, dist.rank() * n, n)), y.narrow(0, dist.rank() * n, n));
+  const int64_t n = 8 / dist->world_size();
+  auto loss = at::mse_loss(fsdp::call(net, x.narrow(0, dist->rank() * n, n)), y.narrow(0, dist->rank() * n, n));
   loss.backward();
   optim.step();
   optim.zero_grad();
   auto l = loss.detach().to(at::kDouble).reshape({1});
-  dist.world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+  dist->world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
   return l.item<double>();
 }
 
@@ -71,9 +71,8 @@ TEST(TorchOptim, ParityWithTheUnshardedModel) {
                       torch::optim::AdagradOptions(0.05).lr_decay(0.01).initial_accumulator_value(0.1))},
   };
   for (const auto& [name, makers] : cases) {
-    testing::run_threads(2, [&, name = name, makers = makers](Dist& dist) {
-      std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-      DeviceMesh mesh(d);
+    testing::run_threads(2, [&, name = name, makers = makers](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
       std::shared_ptr<FSDPModule> root;
       Net net = shard(mesh, root);
       auto optim = makers.first(root);
@@ -102,9 +101,8 @@ TEST(TorchOptim, ParityWithTheUnshardedModel) {
 TEST(TorchOptim, CheckpointResumesExactly) {
   const std::string dir = testing::temp_path("torch_optim_ckpt");
   std::vector<double> straight, resumed;
-  testing::run_threads(2, [&](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     const auto opts = torch::optim::RMSpropOptions(1e-2).momentum(0.5).centered(true);
     {
       std::shared_ptr<FSDPModule> root;
@@ -112,7 +110,7 @@ TEST(TorchOptim, CheckpointResumesExactly) {
       auto optim = TorchOptimizer::make<torch::optim::RMSprop>(root, opts);
       for (int step = 0; step < 4; ++step) {
         const double l = sharded_step(dist, net, *optim, step);
-        if (dist.rank() == 0) straight.push_back(l);
+        if (dist->rank() == 0) straight.push_back(l);
         if (step == 1) checkpoint::save(dir, "step-2", *root, optim.get(), {});
       }
     }
@@ -122,7 +120,7 @@ TEST(TorchOptim, CheckpointResumesExactly) {
     checkpoint::load(dir + "/step-2", *root, optim.get());
     for (int step = 2; step < 4; ++step) {
       const double l = sharded_step(dist, net, *optim, step);
-      if (dist.rank() == 0) resumed.push_back(l);
+      if (dist->rank() == 0) resumed.push_back(l);
     }
     // A checkpoint of another optimizer type is refused.
     auto adam = TorchOptimizer::make<torch::optim::Adam>(root, torch::optim::AdamOptions());
@@ -135,9 +133,8 @@ TEST(TorchOptim, CheckpointResumesExactly) {
 
 // LBFGS needs whole parameters: refused on every rank with a clear error; so is state offload.
 TEST(TorchOptim, UnsupportedOptimizersAreRefused) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     std::shared_ptr<FSDPModule> root;
     Net net = shard(mesh, root);
     try {

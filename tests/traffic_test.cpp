@@ -13,9 +13,8 @@ namespace fsdp {
 namespace {
 
 void check_traffic_and_memory(int world) {
-  testing::run_threads(world, [&](Dist& dist) {
-    std::shared_ptr<Dist> dist_ptr(&dist, [](Dist*) {});
-    DeviceMesh mesh(dist_ptr);
+  testing::run_threads(world, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     testing::NetOptions o;
     o.in = 33, o.dim = 64, o.hidden = 95, o.out = 17, o.blocks = 4;
     testing::Net model(o);
@@ -38,7 +37,7 @@ void check_traffic_and_memory(int world) {
       else largest_unit = std::max(largest_unit, unit_bytes);
     }
     auto x = at::randn({4, o.in}), y = at::randn({4, o.out});
-    auto& comm = dist.world();
+    auto& comm = dist->world();
     for (int step = 0; step < 2; ++step) {
       const auto before = comm.stats();
       at::mse_loss(fsdp::call(model, x), y).backward();

@@ -33,12 +33,12 @@ Net make_net() {
   return Net(NetOptions());
 }
 
-std::pair<at::Tensor, at::Tensor> batch(Dist& dist, int step) {
+std::pair<at::Tensor, at::Tensor> batch(const std::shared_ptr<Dist>& dist, int step) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + step);
   NetOptions o;
   auto x = at::randn({8, o.in}, gen), y = at::randn({8, o.out}, gen);
-  const int64_t n = 8 / dist.world_size();
-  return {x.narrow(0, dist.rank() * n, n), y.narrow(0, dist.rank() * n, n)};
+  const int64_t n = 8 / dist->world_size();
+  return {x.narrow(0, dist->rank() * n, n), y.narrow(0, dist->rank() * n, n)};
 }
 
 Net shard(DeviceMesh& mesh, std::shared_ptr<FSDPModule>& root, ShardingStrategy strategy) {
@@ -87,12 +87,11 @@ std::vector<OptimCase> optim_cases() {
 // fsdp::TorchOptimizer::make, at its construction (Adagrad reads the guarded parameters) or its
 // first step, on 2 ranks with FULL_SHARD and NO_SHARD; the masters are untouched (but by AdamW's
 // decay where the parameters are the masters), and the model then trains with TorchOptimizer.
-void check_optimizers_refused(Dist& dist, ShardingStrategy strategy) {
-  std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-  DeviceMesh mesh(d);
+void check_optimizers_refused(const std::shared_ptr<Dist>& dist, ShardingStrategy strategy) {
+  DeviceMesh mesh(dist);
   std::shared_ptr<FSDPModule> root;
   Net net = shard(mesh, root, strategy);
-  const bool params_are_masters = strategy == ShardingStrategy::kNoShard || dist.world_size() == 1;
+  const bool params_are_masters = strategy == ShardingStrategy::kNoShard || dist->world_size() == 1;
   for (const auto& c : optim_cases()) {
     auto [x, y] = batch(dist, 0);
     at::mse_loss(fsdp::call(net, x), y).backward();
@@ -120,23 +119,25 @@ void check_optimizers_refused(Dist& dist, ShardingStrategy strategy) {
 }
 
 TEST(TorchOptimOnParameters, EveryOptimizerRefusedFullShard) {
-  testing::run_threads(2, [](Dist& dist) { check_optimizers_refused(dist, ShardingStrategy::kFullShard); });
+  testing::run_threads(
+      2, [](const std::shared_ptr<Dist>& dist) { check_optimizers_refused(dist, ShardingStrategy::kFullShard); });
 }
 
 TEST(TorchOptimOnParameters, EveryOptimizerRefusedNoShard) {
-  testing::run_threads(2, [](Dist& dist) { check_optimizers_refused(dist, ShardingStrategy::kNoShard); });
+  testing::run_threads(
+      2, [](const std::shared_ptr<Dist>& dist) { check_optimizers_refused(dist, ShardingStrategy::kNoShard); });
 }
 
 // One rank in fp32: the parameters are views of the masters, never guarded; the gradient is.
 TEST(TorchOptimOnParameters, OneRankFp32Refused) {
-  testing::run_threads(1, [](Dist& dist) { check_optimizers_refused(dist, ShardingStrategy::kFullShard); });
+  testing::run_threads(
+      1, [](const std::shared_ptr<Dist>& dist) { check_optimizers_refused(dist, ShardingStrategy::kFullShard); });
 }
 
 // LBFGS: its closure runs the sharded forward and backward, then it reads the gradients.
 TEST(TorchOptimOnParameters, LbfgsRefused) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     std::shared_ptr<FSDPModule> root;
     Net net = shard(mesh, root, ShardingStrategy::kFullShard);
     torch::optim::LBFGS lbfgs(net->parameters(), torch::optim::LBFGSOptions(0.1));
@@ -155,9 +156,8 @@ TEST(TorchOptimOnParameters, LbfgsRefused) {
 
 // torch::nn::utils::clip_grad_norm_ over the parameters points to fsdp::clip_grad_norm.
 TEST(TorchOptimOnParameters, ClipGradNormRefused) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
       std::shared_ptr<FSDPModule> root;
       Net net = shard(mesh, root, strategy);
@@ -175,9 +175,8 @@ TEST(TorchOptimOnParameters, ClipGradNormRefused) {
 // clears the parameters' gradients through Module::zero_grad and a torch::optim optimizer's
 // zero_grad (set_to_none true and false: harmless) and tries a torch::optim step after every
 // backward (refused): the result is bit for bit that of the plain run.
-at::Tensor accumulate(Dist& dist, bool meddle) {
-  std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-  DeviceMesh mesh(d);
+at::Tensor accumulate(const std::shared_ptr<Dist>& dist, bool meddle) {
+  DeviceMesh mesh(dist);
   std::shared_ptr<FSDPModule> root;
   Net net = shard(mesh, root, ShardingStrategy::kFullShard);
   auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -200,7 +199,7 @@ at::Tensor accumulate(Dist& dist, bool meddle) {
 }
 
 TEST(TorchOptimOnParameters, ZeroGradHarmlessAndAccumulationBitwiseUnchanged) {
-  testing::run_threads(2, [](Dist& dist) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
     const at::Tensor plain = accumulate(dist, false);
     const at::Tensor meddled = accumulate(dist, true);
     EXPECT_TRUE(at::equal(plain, meddled));
@@ -238,9 +237,8 @@ std::string config_error_of(const std::function<void()>& f) {
 }
 
 TEST(ErrorPaths, ParameterTiedAcrossUnitsNamesBothPathsAndTheParent) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     auto x = at::ones({2, 6});
     {  // each user of the tied weight its own unit: refused at the root's first call
       TiedNet net;
@@ -279,9 +277,8 @@ TEST(ErrorPaths, ParameterTiedAcrossUnitsNamesBothPathsAndTheParent) {
 }
 
 TEST(ErrorPaths, UnitRunBeforeItsRootAndShardedTwiceByPath) {
-  testing::run_threads(2, [](Dist& dist) {
-    std::shared_ptr<Dist> d(&dist, [](Dist*) {});
-    DeviceMesh mesh(d);
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
     TiedNet net;
     fully_shard(net->trunk, mesh);
     fully_shard(net->heads, mesh);
