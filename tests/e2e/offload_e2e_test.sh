@@ -3,7 +3,7 @@
 # (params, grads and optimizer state in files under fsdp.offload.dir) and with the host tier gives
 # bit-identical losses to no offload; a checkpoint saved with the disk tier resumes bitwise; the
 # start-of-run memory plan shows the tiers; an unwritable offload.dir fails before the first step.
-# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/offload_e2e_test.sh
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/offload_e2e_test.sh
 #        (ctest sets both; about 20 s on 2 cores)
 set -u
 

@@ -10,7 +10,7 @@
 #  - OpenMPI's mpirun when it is installed, else the environment it sets up; Slurm's environment
 #    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), as srun sets it without a running cluster.
 # Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... FSDP_TORCHRUN=.venv/bin/torchrun \
-#        FSDP_PYTHON=.venv/bin/python tests/launchers_e2e_test.sh        (ctest sets them)
+#        FSDP_PYTHON=.venv/bin/python tests/e2e/launchers_e2e_test.sh        (ctest sets them)
 set -u
 
 HERE=$(dirname "${BASH_SOURCE[0]}")
@@ -139,7 +139,7 @@ same_as "$TMP/restart-ref.jsonl" "$TMP/restart.jsonl" "torchrun restart: every s
 
 # ---- OpenMPI and Slurm ---------------------------------------------------------------------------------
 # Both leave the rendezvous to MASTER_ADDR/MASTER_PORT, with rank 0 hosting the store. Each rank
-# runs through tests/support/rank_by_env.sh: rank 0 holds a port the kernel chose and hosts the
+# runs through tests/e2e/support/rank_by_env.sh: rank 0 holds a port the kernel chose and hosts the
 # store on it (FSDP_MASTER_LISTEN_FD), the others read the port from a file, so no port is picked
 # in advance.
 RANK_SH=$HERE/support/rank_by_env.sh

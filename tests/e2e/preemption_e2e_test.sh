@@ -10,7 +10,7 @@
 #    checkpoint intact (same bytes, still `latest`, verifies), nothing new committed;
 #  - one process without --save-dir: exit 143 after the step, saying nothing was saved.
 # Prints "time: ..." lines (signal to exit, signal to the first resumed step) for docs/NOTES.md.
-# Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... tests/preemption_e2e_test.sh   (ctest sets them)
+# Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... tests/e2e/preemption_e2e_test.sh   (ctest sets them)
 set -u
 
 HERE=$(dirname "${BASH_SOURCE[0]}")

@@ -1,5 +1,5 @@
 // checkpoint_interop_tool: a small command line over fsdp::checkpoint, so that
-// tests/checkpoint_interop_test.py can check whole sharded checkpoints against the Python
+// tests/interop/checkpoint_interop_test.py can check whole sharded checkpoints against the Python
 // `safetensors` package in both directions.
 //   checkpoint_interop_tool write DIR   trains a sharded testing::Net on 2 ranks (threads of this
 //                                       process) for 2 AdamW steps and saves DIR/step-00000002;

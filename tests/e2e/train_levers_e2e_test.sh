@@ -11,12 +11,12 @@
 #    once per step; activation checkpointing (every layer, every 2nd) leaves the losses unchanged;
 #    async saves commit every checkpoint before exit and resume like synchronous ones; the memory
 #    plan's figure for each lever is within 10% of the measured one.
-# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/train_levers_e2e_test.sh
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/train_levers_e2e_test.sh
 #        (ctest sets both; about 40 s on 2 cores; "N passed, M failed")
 set -u
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-ROOT=$(dirname "$HERE")
+ROOT=$(cd "$HERE/../.." && pwd)
 . "$HERE/support/record.sh"
 require_programs FSDP_RUN FSDP_TRAIN FSDP_TRAIN_TEST
 RUN=$FSDP_RUN
@@ -59,7 +59,7 @@ tok.save(sys.argv[2])
 EOF
 for f in "$ROOT"/scripts/tokenize "$ROOT"/README.md "$ROOT"/docs/*.md; do cat "$f"; done >"$TMP/corpus.txt"
 "$PY" -c 'import json,sys; [print(json.dumps({"text": l})) for l in open(sys.argv[1]).read().split("\n\n")[:40]]' \
-  "$HERE/../docs/ARCHITECTURE.md" >"$TMP/held.jsonl"
+  "$ROOT/docs/ARCHITECTURE.md" >"$TMP/held.jsonl"
 "$PY" "$TMP/bpe.py" "$TMP/corpus.txt" "$TMP/tok.json" 400 >"$TMP/bpe.log" 2>&1
 "$ROOT/scripts/tokenize" --tokenizer "$TMP/tok.json" --out "$TMP/train.bin" "$TMP/corpus.txt" >"$TMP/tok.out" 2>&1
 rc1=$?

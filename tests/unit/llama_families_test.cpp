@@ -2,7 +2,7 @@
 // parameter names and counts, the attention kinds (sdpa against eager), sliding-window locality,
 // llama3 frequencies against the formula, and Hugging Face config.json parsing (models/llama/hf.h):
 // each family read, written back and read again, and every unsupported option refused by name.
-// Logits against transformers itself are checked by tests/hf_families_test.py (interop tier).
+// Logits against transformers itself are checked by tests/interop/hf_families_test.py (interop tier).
 #include <cmath>
 #include <string>
 #include <vector>

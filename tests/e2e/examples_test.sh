@@ -3,7 +3,7 @@
 # batch must print the same loss at every step (relative 1e-5); the Sequential example saved at
 # step 3 and resumed to step 6 must print the uninterrupted run's losses and eval loss (which reads
 # BatchNorm's running statistics, so a resume that lost the buffers shows here).
-# Usage: FSDP_RUN=... FSDP_EXAMPLE_SEQUENTIAL=... FSDP_EXAMPLE_TWO_HEADS=... tests/examples_test.sh
+# Usage: FSDP_RUN=... FSDP_EXAMPLE_SEQUENTIAL=... FSDP_EXAMPLE_TWO_HEADS=... tests/e2e/examples_test.sh
 set -u
 
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"

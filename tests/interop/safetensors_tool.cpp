@@ -1,5 +1,5 @@
 // safetensors_tool: a small command line over src/checkpoint/safetensors, so that
-// tests/safetensors_interop_test.py can check our files against the Python `safetensors` package
+// tests/interop/safetensors_interop_test.py can check our files against the Python `safetensors` package
 // in both directions.
 //   safetensors_tool write OUT   writes a fixed set of tensors (values below) the way ranks do:
 //                                plan_file, then the header and each tensor at its offset

@@ -9,7 +9,7 @@
 #    status 1 or 2 and never a signal;
 #  - fsdp.debug.check_collectives=true trains exactly as without it.
 # Prints "time-to-exit: ..." lines for docs/NOTES.md.
-# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/faults_e2e_test.sh
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/faults_e2e_test.sh
 #        (ctest sets both; about 60 s on 2 cores; "N passed, M failed")
 set -u
 

@@ -1,6 +1,6 @@
-"""What the Hugging Face interop tests (tests/hf_interop_test.py, tests/hf_families_test.py) share:
-PASS/FAIL records with a final count, running a program, and loading a model with transformers while
-keeping every warning it logs."""
+"""What the Hugging Face interop tests (tests/interop/hf_interop_test.py, hf_families_test.py,
+hf_finetune_extras_test.py) share: PASS/FAIL records with a final count, running a program, and
+loading a model with transformers while keeping every warning it logs."""
 import io
 import logging
 import subprocess

@@ -3,7 +3,7 @@
 # and 4 ranks with the same global batch must give the same loss at every step (relative 1e-4), for
 # each sharding strategy; bad flags and bad configs must fail with status 2 and a message naming
 # the culprit; checkpoint/resume across world sizes is checked once checkpoints are real.
-# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/train_e2e_test.sh
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/train_e2e_test.sh
 #        (ctest sets both; about 40 s on 2 cores; "N passed, M failed")
 set -u
 

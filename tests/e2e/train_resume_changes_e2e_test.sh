@@ -8,7 +8,7 @@
 #    the metrics log at step 9 is the new one it printed;
 #  - a resume of step 4 on 1 rank (global batch 4 -> 2) prints the change and trains on;
 #  - a checkpoint without the saved schedule (an older fsdp-train's) resumes with a warning.
-# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/train_resume_changes_e2e_test.sh
+# Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/train_resume_changes_e2e_test.sh
 #        (ctest sets both; about 15 s on 2 cores; "N passed, M failed")
 set -u
 

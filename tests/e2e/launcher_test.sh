@@ -3,7 +3,7 @@
 # "[rank K] " output forwarding, first-failure teardown, the SIGTERM grace period, usage errors,
 # exec failures, --timeout-s and signal forwarding. Every case that can leave processes behind
 # checks that none survive, using sleep durations that embed this script's pid as a marker.
-# Usage: tests/launcher_test.sh path/to/fsdp-run        (about 6 s; prints "N passed, M failed")
+# Usage: tests/e2e/launcher_test.sh path/to/fsdp-run        (about 6 s; prints "N passed, M failed")
 set -u
 
 BIN=${1:?usage: $0 path/to/fsdp-run}

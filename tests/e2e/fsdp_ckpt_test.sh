@@ -4,7 +4,7 @@
 # train_state field removed, optimizer tensor dropped), diff (itself, another step, one flipped data
 # byte, --ignore), export (files, refusals) and usage errors are checked.
 # Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train FSDP_CKPT=build/bin/fsdp-ckpt \
-#          tests/fsdp_ckpt_test.sh     (ctest sets all three; a few seconds; "N passed, M failed")
+#          tests/e2e/fsdp_ckpt_test.sh     (ctest sets all three; a few seconds; "N passed, M failed")
 set -u
 
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
