@@ -1,7 +1,7 @@
 // The element-wise operations of the sharded step, one contract for two implementations: CUDA
 // kernels (kernels/cuda/) for tensors on a GPU and CPU twins (kernels/cpu/) for everything else.
 // Each function below checks its arguments, then dispatches on the device of its tensors; the
-// twin and the kernel must agree with the contract stated here, and tests/kernels_test.cpp holds
+// twin and the kernel must agree with the contract stated here, and tests/unit/kernels_test.cpp holds
 // both to it (twin against plain ATen, kernel against twin).
 //
 // Common rules for every operation:

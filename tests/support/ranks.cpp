@@ -90,7 +90,8 @@ void warm_up_blas() {
   });
 }
 
-void run_threads(int world, const std::function<void(Dist&)>& fn, std::chrono::milliseconds timeout) {
+void run_threads(int world, const std::function<void(const std::shared_ptr<Dist>&)>& fn,
+                 std::chrono::milliseconds timeout) {
   warm_up_blas();
   const std::string path = temp_path("filestore");
   std::vector<std::thread> threads;
@@ -101,7 +102,7 @@ void run_threads(int world, const std::function<void(Dist&)>& fn, std::chrono::m
       try {
         auto store = c10::make_intrusive<c10d::FileStore>(path, world);
         auto dist = Dist::from_store(store, r, world, InitOptions().timeout(timeout));
-        fn(*dist);
+        fn(dist);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mu);
         errors.push_back("rank " + std::to_string(r) + ": " + e.what());

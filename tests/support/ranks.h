@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,8 +18,11 @@ namespace fsdp::testing {
 
 using namespace std::chrono_literals;
 
-// Runs fn(dist) on `world` threads. Exceptions from any rank become test failures naming the rank.
-void run_threads(int world, const std::function<void(Dist&)>& fn, std::chrono::milliseconds timeout = 20s);
+// Runs fn(dist) on `world` threads, each with its own Dist, which the rank owns: it ends when fn
+// returns (or throws), and fn passes it on wherever a std::shared_ptr<Dist> is taken (DeviceMesh).
+// Exceptions from any rank become test failures naming the rank.
+void run_threads(int world, const std::function<void(const std::shared_ptr<Dist>&)>& fn,
+                 std::chrono::milliseconds timeout = 20s);
 
 struct RankResult {
   int rank = -1;

@@ -1,7 +1,7 @@
 // fsdp-train-test: fsdp-train with test hooks (apps/fsdp-train/hooks.h) read from the environment.
 // Built in the tests tree and never installed; the e2e tests run it where they need a hook:
 //   FSDP_TRAIN_TEST_STOP_SAVE_PAUSE_S=S        a stop's checkpoint save pauses S seconds (0..600)
-//                                              before its commit (tests/preemption_e2e_test.sh)
+//                                              before its commit (tests/e2e/preemption_e2e_test.sh)
 //   FSDP_TRAIN_TEST_INF_GRAD=RANK:STEP[,STEP...]  an inf in the gradient of the logits on rank RANK
 //                                              during optimizer steps STEP (1 = the first)
 #include <chrono>
