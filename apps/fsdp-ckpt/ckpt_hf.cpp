@@ -1,6 +1,6 @@
 // fsdp-ckpt export and logits: a checkpoint of fsdp-train's model as a Hugging Face directory of
 // its family (LlamaForCausalLM, Qwen2ForCausalLM, ...) in bfloat16, float16 or float32, and the logits of the same
-// weights run unsharded in LibTorch (the reference the export is checked against, tests/hf_interop_test.py),
+// weights run unsharded in LibTorch (the reference the export is checked against, tests/interop/hf_interop_test.py),
 // or of a Hugging Face model directory read as fsdp-train --init-from reads it.
 //
 // Note [Hugging Face config]

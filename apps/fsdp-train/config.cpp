@@ -194,7 +194,7 @@ std::string TrainConfig::config_hash() const {
 // Note [Config nesting limit]
 // nlohmann::json parses deep nesting iteratively but dumps and compares it recursively, and the
 // errors here quote the offending value: a config value nested 100,000 levels deep overflowed the
-// stack (found by tests/faults_e2e_test.sh). No config key nests deeper than 3, so text nested
+// stack (found by tests/e2e/faults_e2e_test.sh). No config key nests deeper than 3, so text nested
 // deeper than kMaxConfigDepth is refused before it is parsed.
 namespace {
 constexpr int kMaxConfigDepth = 64;
