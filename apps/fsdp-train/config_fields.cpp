@@ -120,11 +120,8 @@ ConfigField choice(const char* section, const char* key, Ref ref, std::vector<st
 // An enum with a Named table (named.h).
 template <class Ref, class E, size_t N>
 ConfigField named(const char* section, const char* key, Ref ref, const Named<E> (&table)[N], const char* help) {
-  auto from_name = [&table](const std::string& s) {
-    for (const auto& t : table)
-      if (s == t.name) return t.value;
-    return table[0].value;
-  };
+  // choice() has checked the name against the table already.
+  auto from_name = [&table](const std::string& s) { return value_of(table, s).value_or(table[0].value); };
   return choice(
       section, key, ref, names_of(table), from_name, [&table](E e) { return name_of(table, e); }, help);
 }

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
+#include <string>
 
 namespace train {
 
@@ -19,6 +21,13 @@ const char* name_of(const Named<E> (&table)[N], E value) {
   for (const auto& t : table)
     if (t.value == value) return t.name;
   return table[0].name;
+}
+// The value named `name`, or nullopt when the table has none.
+template <class E, size_t N>
+std::optional<E> value_of(const Named<E> (&table)[N], const std::string& name) {
+  for (const auto& t : table)
+    if (name == t.name) return t.value;
+  return std::nullopt;
 }
 
 // data.source: the built-in synthetic task, or a file (see data.h).

@@ -1,9 +1,6 @@
 // See schedule.h.
 #include "schedule.h"
 
-#include <algorithm>
-#include <iterator>
-
 namespace train {
 namespace {
 
@@ -52,10 +49,9 @@ std::optional<ScheduleSpec> ScheduleSpec::from_json(const nlohmann::json& j) {
   }
   ScheduleSpec s;
   const auto name = j["schedule"].get<std::string>();
-  const auto known = std::find_if(std::begin(kSchedules), std::end(kSchedules),
-                                  [&](const Named<Schedule>& n) { return name == n.name; });
-  if (known == std::end(kSchedules)) return std::nullopt;
-  s.schedule = known->value;
+  const std::optional<Schedule> known = value_of(kSchedules, name);
+  if (!known) return std::nullopt;
+  s.schedule = *known;
   s.lr = j["lr"].get<double>();
   s.warmup_steps = j["warmup_steps"].get<int64_t>();
   s.total_steps = j["total_steps"].get<int64_t>();

@@ -36,7 +36,7 @@ double clip_grad_norm(FSDPModule& root, double max_norm) {
       partial.emplace_back(group, at::Tensor());
       it = partial.end() - 1;
     }
-    at::Tensor g = shard.collect_grad();
+    at::Tensor& g = shard.grad();  // collected above
     if (!g.defined()) continue;
     grads.push_back(g);
     // The partial sum lives where the group's first gradient does: on a device, no host sync

@@ -78,7 +78,7 @@ bool GradScaler::unscale_and_check(const at::Tensor& local_loss, bool gradients_
     // buffer the size of the gradient. In double, a sum of finite fp32 values cannot overflow.
     for (GradShard& shard : shards.all()) {
       if (!shard.trainable()) continue;
-      at::Tensor g = shard.collect_grad();
+      at::Tensor& g = shard.grad();  // collected above
       if (!g.defined()) continue;
       if (inv != 1.0) kernels::scale_(g, inv);
       bad.add_(at::isfinite(g.sum(at::kDouble)).logical_not().to(bad.device(), at::kDouble));

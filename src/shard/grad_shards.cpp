@@ -31,6 +31,8 @@ at::Tensor GradShard::collect_grad() {
   return flat_->sharded_grad();
 }
 
+at::Tensor& GradShard::grad() { return flat_->sharded_grad(); }
+
 at::Tensor GradShard::grad_for_step() { return flat_->optimizer_grad(); }
 
 void GradShard::zero_grad() {

@@ -66,6 +66,8 @@ class GradShard {
   // Collects the gradient's reduction (if still in flight) and returns the fp32 gradient shard,
   // undefined when the flat param has no gradient yet.
   at::Tensor collect_grad();
+  // The gradient shard as it is (after GradShards::collect_all), undefined before its first reduction.
+  at::Tensor& grad();
   // Collects it and returns what the optimizer reads: the gradient shard, or its host copy when
   // the master follows an offloaded optimizer state.
   at::Tensor grad_for_step();

@@ -24,11 +24,17 @@ struct Job {
   std::shared_ptr<int> token = std::make_shared<int>(0);
 };
 
-// Opens once; jobs wait on it to hold their lane's thread.
+// Job 0 holds its lane's thread: it says it has started, then waits until the gate opens (once).
 struct Gate {
-  std::promise<void> promise;
-  std::shared_future<void> opened = promise.get_future().share();
-  void open() { promise.set_value(); }
+  std::promise<void> opening, starting;
+  std::shared_future<void> opened = opening.get_future().share();
+  std::shared_future<void> started = starting.get_future().share();
+  void open() { opening.set_value(); }
+  void hold(const Job& j) {
+    if (j.n != 0) return;
+    starting.set_value();
+    opened.wait();
+  }
 };
 
 TEST(WorkerQueue, RunsJobsInSubmissionOrderOnItsThread) {
@@ -105,17 +111,13 @@ TEST(WorkerQueue, DropPolicyDestroysJobsUnrunUntilTheErrorIsTaken) {
 
 TEST(WorkerQueue, StopDrainRunsThePendingJobsThenJoins) {
   Gate gate;
-  std::promise<void> started;
   std::vector<std::pair<int, bool>> ran;  // job, whether it was told the queue is stopping
   WorkerQueue<Job> q([&](Job& j, const Turn& turn) {
-    if (j.n == 0) {
-      started.set_value();
-      gate.opened.wait();
-    }
+    gate.hold(j);
     ran.emplace_back(j.n, turn.stopping);
   });
   for (int i = 0; i < 4; ++i) q.submit(Job{i});
-  started.get_future().wait();  // job 0 is running, 1..3 are queued
+  gate.started.wait();  // job 0 is running, 1..3 are queued
   std::thread stopper([&] { q.stop(OnStop::kDrain); });
   while (!q.stopping()) std::this_thread::sleep_for(1ms);
   gate.open();
@@ -129,13 +131,9 @@ TEST(WorkerQueue, StopDrainRunsThePendingJobsThenJoins) {
 
 TEST(WorkerQueue, StopDropDestroysThePendingJobsUnrun) {
   Gate gate;
-  std::promise<void> started;
   std::vector<int> ran;
   WorkerQueue<Job> q([&](Job& j, const Turn&) {
-    if (j.n == 0) {
-      started.set_value();
-      gate.opened.wait();
-    }
+    gate.hold(j);
     ran.push_back(j.n);
   });
   std::vector<std::weak_ptr<int>> tokens;
@@ -144,7 +142,7 @@ TEST(WorkerQueue, StopDropDestroysThePendingJobsUnrun) {
     tokens.push_back(j.token);
     q.submit(std::move(j));
   }
-  started.get_future().wait();  // job 0 is running, 1..3 are queued
+  gate.started.wait();  // job 0 is running, 1..3 are queued
   std::thread stopper([&] { q.stop(OnStop::kDrop); });
   while (!q.stopping()) std::this_thread::sleep_for(1ms);
   gate.open();
@@ -221,17 +219,13 @@ TEST(WorkerQueue, OwnerStateUnderTheLockIsWaitedForAfterEachJob) {
 
 TEST(WorkerQueue, BoundedSubmitWaitsForRoom) {
   Gate gate;
-  std::promise<void> started;
   std::vector<int> ran;
   WorkerQueue<Job> q([&](Job& j, const Turn&) {
-    if (j.n == 0) {
-      started.set_value();
-      gate.opened.wait();
-    }
+    gate.hold(j);
     ran.push_back(j.n);
   });
   q.submit(Job{0});
-  started.get_future().wait();  // job 0 is running, nothing waits
+  gate.started.wait();          // job 0 is running, nothing waits
   q.submit_bounded(Job{1}, 1);  // room for one
   auto third = std::async(std::launch::async, [&] { q.submit_bounded(Job{2}, 1); });
   EXPECT_EQ(third.wait_for(50ms), std::future_status::timeout);  // full: job 1 waits
