@@ -1,6 +1,7 @@
 // fsdp-train's step: micro-batches, loss scaling, the skip decision, clipping. See step.h.
 #include "step.h"
 
+#include <c10/core/CachingDeviceAllocator.h>
 #include <malloc.h>
 
 #include <limits>
@@ -20,6 +21,12 @@ int64_t heap_in_use_bytes() {
 #else
   return 0;
 #endif
+}
+
+int64_t bytes_in_use(const c10::Device& device) {
+  if (device.is_cpu()) return heap_in_use_bytes();
+  const auto stats = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index());
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
 }
 
 nlohmann::json scaler_json(const fsdp::GradScaler& scaler) {
@@ -68,7 +75,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
     fsdp::Tracer::Scope s(tracer, "train::data", "train", "");
     batch = micro_batch(data_, first, cfg_.data.batch_size_per_rank, rank_, Split::kTrain, micro, accum);
   }
-  const int64_t heap0 = measure ? heap_in_use_bytes() : 0;
+  const int64_t used0 = measure ? bytes_in_use(device_) : 0;
   const int64_t gathered0 = measure ? fsdp::memory_report(*root_).unsharded_alive : 0;
   at::Tensor loss;
   {
@@ -86,7 +93,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   }
   if (measure) {
     // What the forward keeps for backward, less the gathered parameters still alive.
-    measured_.activations = (heap_in_use_bytes() - heap0) - (fsdp::memory_report(*root_).unsharded_alive - gathered0);
+    measured_.activations = (bytes_in_use(device_) - used0) - (fsdp::memory_report(*root_).unsharded_alive - gathered0);
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::backward", "train", "");

@@ -29,12 +29,17 @@ struct StepOutcome {
 // Bytes measured on this rank during the second step it trains (the first materialises shards and
 // optimizer state); -1 until then.
 struct LeverMeasurements {
-  int64_t activations = -1;  // heap growth over one micro-batch's forward, gathered params excluded
+  int64_t activations = -1;  // growth of the compute device's memory in use over one micro-batch's
+                             // forward, gathered params excluded
   int64_t accum_grads = -1;  // unreduced gradient buffers alive between micro-batches
 };
 
 // This process's heap in use now (malloc'd arena bytes plus mmapped blocks).
 int64_t heap_in_use_bytes();
+
+// Bytes in use on `device` now: the heap for the CPU, the caching allocator's allocated bytes for
+// a CUDA device (where the activations live).
+int64_t bytes_in_use(const c10::Device& device);
 
 // The scaler's state for TrainState.extra["grad_scaler"], and back (a checkpoint without it, from
 // before loss scaling existed, leaves the scaler as constructed).

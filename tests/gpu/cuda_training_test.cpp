@@ -112,11 +112,35 @@ Result train_single(const c10::Device& device, const Config& config, int steps,
   return res;
 }
 
-void expect_close(const Result& a, const Result& b, double rtol, double atol, const std::string& what) {
+void expect_losses_close(const Result& a, const Result& b, double rtol, double atol, const std::string& what) {
   ASSERT_EQ(a.losses.size(), b.losses.size()) << what;
   for (size_t i = 0; i < a.losses.size(); ++i) {
     EXPECT_NEAR(a.losses[i], b.losses[i], atol + rtol * std::abs(b.losses[i])) << what << ": loss of step " << i;
   }
+}
+
+// Params after AdamW on two devices. AdamW divides each gradient element by its own running
+// magnitude, so an element whose gradient is at rounding level (another summation order flips its
+// sign) moves by up to lr per step either way, however close the rest of the arithmetic is. So
+// all but `max_fraction` of the elements agree within `atol`, and every one within `bound` (two lr
+// per step: the two directions).
+void expect_params_close(const at::Tensor& a, const at::Tensor& b, double atol, double max_fraction, double bound,
+                         const std::string& what) {
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  const at::Tensor diff = (a - b).abs();
+  const double worst = diff.max().item<double>();
+  const double off = diff.gt(atol).to(at::kDouble).mean().item<double>();
+  const std::string stats = ": " + std::to_string(100 * off) + "% of " + std::to_string(diff.numel()) +
+                            " elements differ by more than " + std::to_string(atol) + ", the most by " +
+                            std::to_string(worst) + ", mean " + std::to_string(diff.mean().item<double>());
+  EXPECT_LE(off, max_fraction) << what << stats;
+  EXPECT_LE(worst, bound) << what << stats;
+}
+
+// Tight agreement, for runs whose arithmetic differs only in rounding of the optimizer step
+// (the same gradients): every element within `atol` + `rtol` of its value.
+void expect_close(const Result& a, const Result& b, double rtol, double atol, const std::string& what) {
+  expect_losses_close(a, b, rtol, atol, what);
   ASSERT_EQ(a.params.sizes(), b.params.sizes()) << what;
   const double diff = (a.params - b.params).abs().max().item<double>();
   EXPECT_TRUE(at::allclose(a.params, b.params, rtol, atol)) << what << ": params differ by up to " << diff;
@@ -146,7 +170,11 @@ TEST(CudaTraining, OneGpuMatchesTheCpu) {
   // fp32: the same arithmetic up to summation order.
   const Result cpu = train_single(kCpu, {}, kSteps);
   const Result gpu = train_single(kGpu0, {}, kSteps);
-  expect_close(gpu, cpu, 1e-4, 1e-5, "fp32, cuda vs cpu");
+  // The gradients come from other kernels (summation order), so the params are compared as
+  // expect_params_close explains: lr 1e-2 (build), 5 steps.
+  constexpr double kLr = 1e-2, kBound = 2 * kLr * kSteps;
+  expect_losses_close(gpu, cpu, 1e-4, 1e-5, "fp32, cuda vs cpu");
+  expect_params_close(gpu.params, cpu.params, 1e-5, 1e-3, kBound, "fp32, cuda vs cpu");
   expect_trained(gpu, train_single(kCpu, {}, 0), 1e-5);
 
   // bf16 compute: the gathered buffers are separate from the master, freed after each use and
@@ -166,12 +194,15 @@ TEST(CudaTraining, OneGpuMatchesTheCpu) {
       for (const auto& [name, t] : st.tensors) EXPECT_TRUE(t.is_cuda()) << name;
     }
   });
-  expect_close(gpu16, cpu16, 2e-2, 2e-2, "bf16, cuda vs cpu");
+  expect_losses_close(gpu16, cpu16, 2e-2, 2e-2, "bf16, cuda vs cpu");
+  expect_params_close(gpu16.params, cpu16.params, 2e-3, 2e-2, kBound, "bf16, cuda vs cpu");
 }
 
 OffloadPolicy all_in(OffloadTier tier, const std::string& dir = "") {
   auto p = OffloadPolicy().params(tier).grads(tier).optimizer_state(tier);
-  if (tier == OffloadTier::kDisk) p.dir(dir).memory_budget_bytes(3 * 3 * 1024 * 4);
+  // The smallest budget the optimizer step streams in: three 4 KiB pages (read-ahead, current,
+  // write-behind) of each of the four tensors it streams (master, grad, exp_avg, exp_avg_sq).
+  if (tier == OffloadTier::kDisk) p.dir(dir).memory_budget_bytes(3 * 4 * 4096);
   return p;
 }
 
@@ -285,13 +316,14 @@ TEST(CudaTraining, FullShardOnTwoGpusMatchesOneGpu) {
     EXPECT_NEAR((results[0].losses[s] + results[1].losses[s]) / 2, one.losses[s], 1e-5 + 1e-4 * one.losses[s]) << s;
   }
   ASSERT_EQ(results[0].flats.size(), one.flats.size());
+  std::vector<at::Tensor> two, ones;
   for (size_t i = 0; i < one.flats.size(); ++i) {
     const int64_t n = one.numels[i];
-    const at::Tensor two = at::cat({results[0].flats[i], results[1].flats[i]}).narrow(0, 0, n);
-    EXPECT_TRUE(at::allclose(two, one.flats[i].narrow(0, 0, n), 1e-4, 1e-5))
-        << "flat param " << i << " differs by up to "
-        << (two - one.flats[i].narrow(0, 0, n)).abs().max().item<double>();
+    two.push_back(at::cat({results[0].flats[i], results[1].flats[i]}).narrow(0, 0, n));
+    ones.push_back(one.flats[i].narrow(0, 0, n));
   }
+  // The reduce-scatter sums the two halves' gradients in another order than one GPU's backward.
+  expect_params_close(at::cat(two), at::cat(ones), 1e-5, 1e-3, 2 * 1e-2 * kSteps, "two GPUs vs one");
 }
 
 }  // namespace

@@ -301,7 +301,7 @@ TEST(KernelCuda, AdamWMatchesTwin) {
         if (aligned) in = AdamWInputs{in.p.clone(), in.g.clone(), in.m.clone(), in.v.clone()};
         // On the GPU at offset 1 (vector body with a head) or at the inputs' mixed offsets (scalar).
         auto to_gpu = [&](const at::Tensor& t) {
-          auto buf = at::empty({t.numel() + 1}, t.options().device(at::kCUDA));
+          auto buf = at::empty({t.numel() + 3}, t.options().device(at::kCUDA));  // room for offsets up to 3
           auto view = aligned ? buf.narrow(0, 1, t.numel()) : buf.narrow(0, t.storage_offset() % 4, t.numel());
           view.copy_(t);
           return view;
