@@ -18,7 +18,9 @@
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
+#include "fsdp/dist.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "llama.h"
 #include "named.h"
@@ -50,6 +52,10 @@ struct OptimConfig {
   // Step each flat param during backward, as soon as its gradient is reduced
   // (ShardedOptimizer::step_in_backward): needs grad_clip 0 and no loss scaling.
   bool step_in_backward = false;
+  // The library's options for lr, betas, eps and weight_decay (fsdp::check_options validates them).
+  fsdp::AdamWOptions adamw() const {
+    return fsdp::AdamWOptions(lr).beta1(betas[0]).beta2(betas[1]).eps(eps).weight_decay(weight_decay);
+  }
 };
 
 // fsdp.loss_scale: dynamic loss scaling (fsdp::GradScaler) on when param_dtype is float16
@@ -72,6 +78,13 @@ struct FsdpConfig {
   // "cpu" (Gloo) or "cuda" (NCCL; rank r uses CUDA device LOCAL_RANK): see fsdp::InitOptions.
   std::string device = "cpu";
   bool on_cuda() const { return c10::Device(device).is_cuda(); }
+  // The library's options for timeout_s, device and check_collectives (fsdp::check_options).
+  fsdp::InitOptions init_options() const {
+    return fsdp::InitOptions()
+        .timeout(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)))
+        .device(device)
+        .check_collectives(check_collectives);
+  }
   LossScale loss_scale = LossScale::kAuto;
   // fsdp.loss_scale_init, fsdp.loss_scale_growth_interval and train.max_consecutive_skips; enabled
   // follows loss_scale and param_dtype (set by from_json, see scaler_options()).

@@ -2,6 +2,9 @@
 // readers and writers they drive.
 #include "config_fields.h"
 
+#include "fsdp/errors.h"
+#include "fsdp/optim.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -78,6 +81,32 @@ ConfigField number(const char* section, const char* key, Ref ref, double min, bo
   return {section, key,  std::string("number ") + (min_open ? "> " : ">= ") + json(min).dump(),
           help,    read, [ref](const TrainConfig& c) { return json(ref(c)); }};
 }
+
+// `field` with its range left to the library: after reading, `check` builds the library's options
+// from the config and validates them (fsdp::check_options), and a ConfigError becomes this key's
+// error. `accepts` describes the range for --help.
+template <class Check>
+ConfigField checked_by(ConfigField field, std::string accepts, Check check) {
+  auto read = [read = field.read, check, dotted = field.dotted()](TrainConfig& c, const json& v) {
+    read(c, v);
+    try {
+      check(c);
+    } catch (const fsdp::ConfigError& e) {
+      std::string why = e.what();
+      if (why.rfind("fsdp: ", 0) == 0) why.erase(0, 6);
+      reject(dotted, v, why);
+    }
+  };
+  field.read = read;
+  field.accepts = std::move(accepts);
+  return field;
+}
+
+constexpr double kAnyNumber = -std::numeric_limits<double>::infinity();
+constexpr int64_t kAnyInteger = std::numeric_limits<int64_t>::min();
+
+void check_adamw(const TrainConfig& c) { fsdp::check_options(c.optim.adamw()); }
+void check_scaler(const TrainConfig& c) { fsdp::check_options(c.fsdp.scaler); }
 
 template <class Ref>
 ConfigField string(const char* section, const char* key, Ref ref, const char* help) {
@@ -165,15 +194,13 @@ ConfigField betas() {
     if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number()) {
       reject("optim.betas", b, "must be a list of two numbers [beta1, beta2]");
     }
-    for (int i = 0; i < 2; ++i) {
-      c.optim.betas[i] = b[i].get<double>();
-      if (!(c.optim.betas[i] >= 0 && c.optim.betas[i] < 1)) reject("optim.betas", b, "each beta must be in [0, 1)");
-    }
+    for (int i = 0; i < 2; ++i) c.optim.betas[i] = b[i].get<double>();
   };
-  return {
-      "optim", "betas", "[beta1, beta2], each in [0, 1)", "AdamW's moment decay rates", read, [](const TrainConfig& c) {
-        return json{c.optim.betas[0], c.optim.betas[1]};
-      }};
+  return checked_by({"optim", "betas", "", "AdamW's moment decay rates", read,
+                     [](const TrainConfig& c) {
+                       return json{c.optim.betas[0], c.optim.betas[1]};
+                     }},
+                    "[beta1, beta2], each in [0, 1)", check_adamw);
 }
 
 // train.activation_checkpointing: "none" (0), "every" (1) or n >= 0 (every n-th layer).
@@ -224,17 +251,27 @@ std::vector<ConfigField> data_fields() {
 
 std::vector<ConfigField> optim_fields() {
   return {
-      number(
-          "optim", "lr", [](auto& c) -> auto& { return c.optim.lr; }, 0, false, "peak learning rate"),
+      checked_by(
+          number(
+              "optim", "lr", [](auto& c) -> auto& { return c.optim.lr; }, kAnyNumber, false, "peak learning rate"),
+          "number >= 0", check_adamw),
       betas(),
-      number(
-          "optim", "eps", [](auto& c) -> auto& { return c.optim.eps; }, 0, true, "AdamW's epsilon"),
-      number(
-          "optim", "weight_decay", [](auto& c) -> auto& { return c.optim.weight_decay; }, 0, false,
-          "AdamW's decoupled weight decay"),
-      integer(
-          "optim", "warmup_steps", [](auto& c) -> auto& { return c.optim.warmup_steps; }, 0,
-          "steps of linear warmup to optim.lr"),
+      checked_by(
+          number(
+              "optim", "eps", [](auto& c) -> auto& { return c.optim.eps; }, kAnyNumber, false, "AdamW's epsilon"),
+          "number >= 0", check_adamw),
+      checked_by(number(
+                     "optim", "weight_decay", [](auto& c) -> auto& { return c.optim.weight_decay; }, kAnyNumber, false,
+                     "AdamW's decoupled weight decay"),
+                 "number >= 0", check_adamw),
+      checked_by(integer(
+                     "optim", "warmup_steps", [](auto& c) -> auto& { return c.optim.warmup_steps; }, kAnyInteger,
+                     "steps of linear warmup to optim.lr"),
+                 "integer >= 0",
+                 [](const TrainConfig& c) {
+                   fsdp::WarmupCosine(c.optim.lr, c.optim.warmup_steps, std::max<int64_t>(c.train.steps, 0),
+                                      c.optim.min_lr);
+                 }),
       number(
           "optim", "grad_clip", [](auto& c) -> auto& { return c.optim.grad_clip; }, 0, false,
           "max global gradient norm (0: no clipping)"),
@@ -260,9 +297,10 @@ std::vector<ConfigField> fsdp_fields() {
       integer(
           "fsdp", "prefetch_depth", [](auto& c) -> auto& { return c.fsdp.prefetch_depth; }, 0,
           "units whose all-gather is issued ahead (0: off)"),
-      number(
-          "fsdp", "timeout_s", [](auto& c) -> auto& { return c.fsdp.timeout_s; }, 0, true,
-          "seconds for the rendezvous and every collective"),
+      checked_by(number(
+                     "fsdp", "timeout_s", [](auto& c) -> auto& { return c.fsdp.timeout_s; }, kAnyNumber, false,
+                     "seconds for the rendezvous and every collective"),
+                 "number >= 0.001", [](const TrainConfig& c) { fsdp::check_options(c.fsdp.init_options()); }),
       integer(
           "fsdp", "replicate", [](auto& c) -> auto& { return c.fsdp.replicate; }, 1,
           "HYBRID_SHARD: replicas (rows of the mesh); must divide the world size"),
@@ -273,12 +311,15 @@ std::vector<ConfigField> fsdp_fields() {
       named(
           "fsdp", "loss_scale", [](auto& c) -> auto& { return c.fsdp.loss_scale; }, kLossScales,
           "dynamic loss scaling: when param_dtype is float16 (auto), always, or never"),
-      number(
-          "fsdp", "loss_scale_init", [](auto& c) -> auto& { return c.fsdp.scaler.init_scale(); }, 0, true,
-          "the first loss scale"),
-      integer(
-          "fsdp", "loss_scale_growth_interval", [](auto& c) -> auto& { return c.fsdp.scaler.growth_interval(); }, 1,
-          "good steps in a row before the scale doubles"),
+      checked_by(number(
+                     "fsdp", "loss_scale_init", [](auto& c) -> auto& { return c.fsdp.scaler.init_scale(); }, kAnyNumber,
+                     false, "the first loss scale"),
+                 "number > 0", check_scaler),
+      checked_by(
+          integer(
+              "fsdp", "loss_scale_growth_interval", [](auto& c) -> auto& { return c.fsdp.scaler.growth_interval(); },
+              kAnyInteger, "good steps in a row before the scale doubles"),
+          "integer >= 1", check_scaler),
       offload_tier(
           "params", [](auto& c) -> auto& { return c.fsdp.offload.params(); },
           "where the fp32 master parameter shards live"),
@@ -290,9 +331,15 @@ std::vector<ConfigField> fsdp_fields() {
       string(
           "fsdp.offload", "dir", [](auto& c) -> auto& { return c.fsdp.offload.dir(); },
           "the directory of the disk tier's files (needed by \"disk\")"),
-      integer(
-          "fsdp.offload", "memory_budget_bytes", [](auto& c) -> auto& { return c.fsdp.offload.memory_budget_bytes(); },
-          0, "disk-tier bytes in memory during the optimizer step (0: 4 MiB chunks)"),
+      checked_by(integer(
+                     "fsdp.offload", "memory_budget_bytes",
+                     [](auto& c) -> auto& { return c.fsdp.offload.memory_budget_bytes(); }, kAnyInteger,
+                     "disk-tier bytes in memory during the optimizer step (0: 4 MiB chunks)"),
+                 "integer >= 0",
+                 [](const TrainConfig& c) {
+                   // The budget alone: the tiers and dir are checked once the whole section is read.
+                   fsdp::OffloadPolicy().memory_budget_bytes(c.fsdp.offload.memory_budget_bytes()).validate();
+                 }),
       boolean(
           "fsdp.debug", "check_collectives", [](auto& c) -> auto& { return c.fsdp.check_collectives; },
           "check that every rank issues the same collectives in the same order"),
@@ -327,9 +374,11 @@ std::vector<ConfigField> train_fields() {
       boolean(
           "train", "async_save", [](auto& c) -> auto& { return c.train.async_save; },
           "write checkpoints in the background (one in flight)"),
-      integer(
-          "train", "max_consecutive_skips", [](auto& c) -> auto& { return c.fsdp.scaler.max_consecutive_skips(); }, 0,
-          "non-finite steps in a row that stop the run (0: never)"),
+      checked_by(
+          integer(
+              "train", "max_consecutive_skips", [](auto& c) -> auto& { return c.fsdp.scaler.max_consecutive_skips(); },
+              kAnyInteger, "non-finite steps in a row that stop the run (0: never)"),
+          "integer >= 0", check_scaler),
   };
 }
 

@@ -75,10 +75,7 @@ Session::Session(const TrainConfig& config, const Flags& flags, Dataset data, co
 
 void Session::join() {
   if (cfg.fsdp.on_cuda()) use_local_gpu();
-  dist = fsdp::init_from_env(fsdp::InitOptions()
-                                 .timeout(std::chrono::milliseconds(static_cast<int64_t>(cfg.fsdp.timeout_s * 1000)))
-                                 .device(cfg.fsdp.device)
-                                 .check_collectives(cfg.fsdp.check_collectives));
+  dist = fsdp::init_from_env(cfg.fsdp.init_options());
   device = dist->compute_device();
   rank = dist->rank();
   world = dist->world_size();
@@ -120,8 +117,7 @@ void Session::build() {
   model->model->checkpoint_every = cfg.train.activation_checkpointing;
 
   const auto& o = cfg.optim;
-  optim = std::make_unique<fsdp::AdamW>(
-      root, fsdp::AdamWOptions(o.lr).beta1(o.betas[0]).beta2(o.betas[1]).eps(o.eps).weight_decay(o.weight_decay));
+  optim = std::make_unique<fsdp::AdamW>(root, o.adamw());
   optim->step_in_backward(o.step_in_backward);
   sched = make_schedule(ScheduleSpec::of(cfg));
   stepper = std::make_unique<Stepper>(cfg, data, model, root, *optim, device, rank, hooks.inf_grad_steps(rank));

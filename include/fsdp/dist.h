@@ -52,6 +52,11 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 DistEnv parse_dist_env(const EnvLookup& lookup);
 DistEnv parse_dist_env();  // from the process environment
 
+struct InitOptions;
+// Throws ConfigError naming the first invalid option (timeout > 0 ms). init_process_group and
+// init_from_env call it; a config parser calls it to check early.
+void check_options(const InitOptions& options);
+
 struct InitOptions {
   // Bound on the rendezvous and on every collective; errors name what timed out.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(60);

@@ -13,6 +13,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/offload.h"
+#include "fsdp/offload_policy.h"
 #include "fsdp/optim.h"
 #include "fsdp/torch_optim.h"
 #include "fsdp/options.h"

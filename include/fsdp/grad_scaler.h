@@ -37,6 +37,10 @@ struct GradScalerOptions {
   // Throw NonFiniteError once this many steps in a row were skipped (0: never).
   TORCH_ARG(int64_t, max_consecutive_skips) = 0;
 };
+// Throws ConfigError naming the first invalid option (init_scale finite and > 0, growth_factor > 1,
+// backoff_factor in (0, 1), growth_interval >= 1, max_consecutive_skips >= 0). The scaler's
+// constructor calls it; a config parser calls it to check early.
+void check_options(const GradScalerOptions& options);
 
 // What a checkpoint needs to resume the scaler exactly.
 struct GradScalerState {

@@ -43,6 +43,9 @@ struct AdamWOptions {
   TORCH_ARG(double, eps) = 1e-8;
   TORCH_ARG(double, weight_decay) = 1e-2;
 };
+// Throws ConfigError naming the first invalid option (lr >= 0, betas in [0, 1), eps >= 0,
+// weight_decay >= 0). AdamW's constructor calls it; a config parser calls it to check early.
+void check_options(const AdamWOptions& options);
 
 struct SGDOptions {
   explicit SGDOptions(double lr) : lr_(lr) {}

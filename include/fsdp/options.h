@@ -12,6 +12,7 @@
 #include <torch/arg.h>
 
 #include "fsdp/mixed_precision.h"
+#include "fsdp/offload_policy.h"
 
 namespace fsdp {
 
@@ -39,35 +40,6 @@ int default_param_group(const std::string& name, const at::Tensor& param);
 // range, so that every rank can materialise only its shard. See fsdp/init.h for ready-made ones.
 using ParamInitFn =
     std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset, at::Tensor& out)>;
-
-// Where a sharded state lives between uses (see fsdp/offload.h and docs/NOTES.md, "Offload").
-enum class OffloadTier {
-  kNone,  // with the compute device (RAM on CPU runs)
-  kHost,  // host memory (pinned in CUDA builds); copied to the device before the all-gather
-  kDisk,  // a file under OffloadPolicy::dir, memory-mapped; streamed through the optimizer step
-};
-
-const char* offload_tier_name(OffloadTier t);             // "none", "host", "disk"
-OffloadTier parse_offload_tier(const std::string& name);  // throws ConfigError naming it
-
-// Per-state offload choices for one unit. Unset on a unit: the root's policy. dir and
-// memory_budget_bytes are per rank and taken from the root (one disk tier per rank).
-struct OffloadPolicy {
-  TORCH_ARG(OffloadTier, params) = OffloadTier::kNone;           // fp32 master shards
-  TORCH_ARG(OffloadTier, grads) = OffloadTier::kNone;            // fp32 gradient shards
-  TORCH_ARG(OffloadTier, optimizer_state) = OffloadTier::kNone;  // e.g. AdamW exp_avg, exp_avg_sq
-  // Directory for the disk tier's files (created if missing; must be writable).
-  TORCH_ARG(std::string, dir) = "";
-  // The most bytes of disk-tier state mapped in memory at once while the optimizer streams
-  // through it; 0: a default window of 4 MiB per state tensor.
-  TORCH_ARG(int64_t, memory_budget_bytes) = 0;
-
- public:  // TORCH_ARG leaves the access private
-  bool uses(OffloadTier t) const { return params_ == t || grads_ == t || optimizer_state_ == t; }
-  bool any() const { return uses(OffloadTier::kHost) || uses(OffloadTier::kDisk); }
-  // Throws ConfigError naming the field ("offload.dir", ...) when the policy is inconsistent.
-  void validate() const;
-};
 
 // How persistent buffers (BatchNorm's running statistics and the like) are kept consistent across
 // the ranks of the job, as DDP's broadcast_buffers does: once at the root's lazy init, then at the

@@ -298,11 +298,15 @@ Communicator& Dist::side_group(const std::string& name) {
   return *group;
 }
 
-std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
+void check_options(const InitOptions& options) {
   if (options.timeout().count() <= 0) {
     throw ConfigError("fsdp: InitOptions::timeout must be positive, got " + std::to_string(options.timeout().count()) +
                       " ms");
   }
+}
+
+std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
+  check_options(options);
   if (env.world_size == 1) {
     auto dist = Dist::single(options);
     dist->env_ = env;

@@ -83,17 +83,11 @@ void IoTicket::wait() {
   if (!job_->error.empty()) throw OffloadError(job_->error);
 }
 
-bool IoTicket::done() const {
-  if (!job_) return true;
-  std::lock_guard<std::mutex> lock(job_->mu);
-  return job_->done;
-}
-
 const at::Tensor& IoTicket::buffer() const { return job_->buffer; }
 
 // ---- buffers
 
-at::Tensor DiskTier::host_buffer(int64_t numel, bool budgeted) {
+at::Tensor FileTier::host_buffer(int64_t numel, bool budgeted) {
   const int64_t bytes = whole_pages(std::max<int64_t>(numel, 1) * static_cast<int64_t>(sizeof(float)));
   const int64_t elems = bytes / static_cast<int64_t>(sizeof(float));
   std::shared_ptr<std::atomic<int64_t>> counter;
@@ -121,7 +115,7 @@ at::Tensor DiskTier::host_buffer(int64_t numel, bool budgeted) {
   return out.narrow(0, 0, numel);
 }
 
-at::Tensor DiskTier::count_in_budget(const at::Tensor& host) {
+at::Tensor FileTier::count_in_budget(const at::Tensor& host) {
   // A tensor over the same whole pages (so direct transfers from it stay direct) whose deleter
   // gives the bytes back and keeps `host` alive until then.
   const int64_t bytes = static_cast<int64_t>(host.storage().nbytes());
@@ -134,11 +128,11 @@ at::Tensor DiskTier::count_in_budget(const at::Tensor& host) {
   return base.narrow(0, offset, host.numel());
 }
 
-void DiskTier::set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc) { host_alloc_ = std::move(alloc); }
+void FileTier::set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc) { host_alloc_ = std::move(alloc); }
 
 // ---- submitting
 
-IoTicket DiskTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted) {
+IoTicket FileTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted) {
   Mapping* m = mapping_of(t);
   if (m == nullptr) throw ConfigError("fsdp: disk tier: read of a tensor that is not disk-backed (" + what + ")");
   auto job = std::make_shared<IoJob>();
@@ -152,7 +146,7 @@ IoTicket DiskTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, c
   return submit(std::move(job));
 }
 
-IoTicket DiskTier::write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) {
+IoTicket FileTier::write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) {
   Mapping* m = mapping_of(t);
   if (m == nullptr) throw ConfigError("fsdp: disk tier: write to a tensor that is not disk-backed (" + what + ")");
   auto job = std::make_shared<IoJob>();
@@ -169,7 +163,7 @@ IoTicket DiskTier::write_async(const at::Tensor& t, int64_t begin, const at::Ten
   return submit(std::move(job));
 }
 
-IoTicket DiskTier::submit(std::shared_ptr<IoJob> job) {
+IoTicket FileTier::submit(std::shared_ptr<IoJob> job) {
   auto lock = io_.lock();
   if (std::exception_ptr e = io_.error_locked()) std::rethrow_exception(e);
   job->seq = ++seq_;
@@ -182,7 +176,7 @@ IoTicket DiskTier::submit(std::shared_ptr<IoJob> job) {
 
 // ---- the threads
 
-void DiskTier::wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock) {
+void FileTier::wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock) {
   io_.wait(lock, [&] {
     for (const IoJob* w : writes_pending_) {
       if (w->m == job.m && w->seq < job.seq && w->offset < job.offset + job.bytes &&
@@ -195,12 +189,12 @@ void DiskTier::wait_for_overlapping_writes(const IoJob& job, std::unique_lock<st
 }
 
 // Under the lock, as a job is taken: a read first waits for the queued writes it overlaps.
-void DiskTier::take_io(const std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock) {
+void FileTier::take_io(const std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock) {
   job->tracer = tracer_;
   if (lane == kReadLane) wait_for_overlapping_writes(*job, lock);
 }
 
-void DiskTier::run_io(const std::shared_ptr<IoJob>& job, int lane) {
+void FileTier::run_io(const std::shared_ptr<IoJob>& job, int lane) {
   const bool writes = lane == kWriteLane;
   const auto begin = std::chrono::steady_clock::now();
   transfer(*job);
@@ -229,7 +223,7 @@ void DiskTier::run_io(const std::shared_ptr<IoJob>& job, int lane) {
   // The queue notifies its waiters (flush, wait_for_buffers, wait_for_transfers) after the job.
 }
 
-void DiskTier::transfer(IoJob& job) {
+void FileTier::transfer(IoJob& job) {
   char* data = static_cast<char*>(job.buffer.data_ptr());
   const int64_t direct = direct_length(job);
   int err = direct > 0 ? move_all(job.write, job.m->direct_fd, data, direct, job.offset) : EINVAL;
@@ -253,41 +247,41 @@ void DiskTier::transfer(IoJob& job) {
                          : "; check the disk under offload.dir, then resume from the last checkpoint");
 }
 
-void DiskTier::flush() {
+void FileTier::flush() {
   auto lock = io_.lock();
   io_.wait(lock, [&] { return writes_pending_.empty(); });
   if (std::exception_ptr e = io_.error_locked()) std::rethrow_exception(e);
 }
 
-void DiskTier::wait_for_buffers(int64_t bytes) {
+void FileTier::wait_for_buffers(int64_t bytes) {
   if (budget_bytes_ <= 0) return;
   auto lock = io_.lock();
   io_.wait(lock, [&] { return buffered_->load() + bytes <= budget_bytes_ || writes_pending_.empty(); });
 }
 
-void DiskTier::wait_for_transfers(Mapping* m) {
+void FileTier::wait_for_transfers(Mapping* m) {
   auto lock = io_.lock();
   io_.wait(lock, [&] { return active_.count(m) == 0; });
 }
 
-void DiskTier::stop_io() { io_.stop(base::OnStop::kDrain); }
+void FileTier::stop_io() { io_.stop(base::OnStop::kDrain); }
 
-IoCounters DiskTier::io_counters() const {
+IoCounters FileTier::io_counters() const {
   auto lock = io_.lock();
   return counters_;
 }
 
-void DiskTier::set_tracer(std::shared_ptr<Tracer> tracer) {
+void FileTier::set_tracer(std::shared_ptr<Tracer> tracer) {
   auto lock = io_.lock();
   tracer_ = std::move(tracer);
 }
 
-Tracer* DiskTier::tracer() const {
+Tracer* FileTier::tracer() const {
   auto lock = io_.lock();
   return tracer_.get();
 }
 
-void DiskTier::drop_page_cache() {
+void FileTier::drop_page_cache() {
   flush();
   std::lock_guard<std::mutex> lock(mu_);
   for (Mapping* m : mappings_) {
@@ -297,7 +291,7 @@ void DiskTier::drop_page_cache() {
   }
 }
 
-void DiskTier::check_dir() const {
+void FileTier::check_dir() const {
   struct stat st {};
   if (::stat(dir_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return;
   const int err = errno;

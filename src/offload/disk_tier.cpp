@@ -2,6 +2,7 @@
 // streamed optimizer step uses, and the audit. See Note [Disk tier residency] in disk_tier.h.
 #include "base/strings.h"
 #include "offload/disk_tier.h"
+#include "offload/testing.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -104,12 +105,12 @@ std::shared_ptr<DiskTier> DiskTier::open(const std::string& dir, int64_t budget_
                        "); choose an offload.dir on a local file system (ext4, xfs, tmpfs)");
   }
   ::munmap(probe_map, kPage);
-  return std::shared_ptr<DiskTier>(new DiskTier(dir, budget_bytes));
+  return std::make_shared<FileTier>(dir, budget_bytes);
 }
 
-DiskTier::~DiskTier() { stop_io(); }
+FileTier::~FileTier() { stop_io(); }
 
-void DiskTier::check_free_space(int64_t bytes, const std::string& what) const {
+void FileTier::check_free_space(int64_t bytes, const std::string& what) const {
   struct statvfs st {};
   if (::statvfs(dir_.c_str(), &st) != 0) return;  // the reservation still guards
   const int64_t avail = static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
@@ -119,7 +120,7 @@ void DiskTier::check_free_space(int64_t bytes, const std::string& what) const {
   }
 }
 
-at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
+at::Tensor FileTier::zeros(int64_t numel, const std::string& what) {
   if (numel == 0) return at::zeros({0}, at::kFloat);
   const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
   std::string path;
@@ -168,7 +169,7 @@ at::Tensor DiskTier::zeros(int64_t numel, const std::string& what) {
       .make_tensor();
 }
 
-int64_t DiskTier::chunk_elements(int tensors, const std::string& unit) const {
+int64_t FileTier::chunk_elements(int tensors, const std::string& unit) const {
   if (budget_bytes_ <= 0) return kDefaultChunkElements;
   const int64_t per = budget_bytes_ / (3 * std::max(tensors, 1) * static_cast<int64_t>(sizeof(float)));
   const int64_t elems = per / 1024 * 1024;
@@ -183,25 +184,25 @@ int64_t DiskTier::chunk_elements(int tensors, const std::string& unit) const {
   return elems;
 }
 
-void DiskTier::add(Mapping* m) {
+void FileTier::add(Mapping* m) {
   std::lock_guard<std::mutex> lock(mu_);
   mappings_.insert(m);
 }
 
-void DiskTier::remove(Mapping* m) {
+void FileTier::remove(Mapping* m) {
   wait_for_transfers(m);
   std::lock_guard<std::mutex> lock(mu_);
   mappings_.erase(m);
 }
 
-int64_t DiskTier::file_bytes() const {
+int64_t FileTier::file_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;
   for (const Mapping* m : mappings_) total += static_cast<int64_t>(m->bytes);
   return total;
 }
 
-int64_t DiskTier::resident_bytes() const {
+int64_t FileTier::resident_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;
   std::vector<unsigned char> pages;
@@ -213,7 +214,7 @@ int64_t DiskTier::resident_bytes() const {
   return total;
 }
 
-void DiskTier::audit() {
+void FileTier::audit() {
   if (!audit_) return;
   const int64_t r = resident_bytes() + buffered_bytes();
   int64_t seen = peak_resident_.load();
@@ -223,17 +224,12 @@ void DiskTier::audit() {
 
 bool is_disk_backed(const at::Tensor& t) { return mapping_of(t) != nullptr; }
 
-DiskTier* tier_of(const at::Tensor& t) {
+FileTier* file_tier_of(const at::Tensor& t) {
   Mapping* m = mapping_of(t);
   return m ? m->tier.get() : nullptr;
 }
 
-void will_need(const at::Tensor& t, int64_t begin, int64_t end) {
-  Mapping* m;
-  int64_t lo, hi;
-  if (!byte_range(t, begin, end, m, lo, hi)) return;
-  ::madvise(static_cast<char*>(m->base) + lo, static_cast<size_t>(hi - lo), MADV_WILLNEED);
-}
+DiskTier* tier_of(const at::Tensor& t) { return file_tier_of(t); }
 
 void write_behind(const at::Tensor& t, int64_t begin, int64_t end) {
   Mapping* m;
@@ -243,6 +239,7 @@ void write_behind(const at::Tensor& t, int64_t begin, int64_t end) {
 }
 
 void release(const at::Tensor& t, int64_t begin, int64_t end) {
+  if (end < 0) end = t.defined() ? t.numel() : 0;
   Mapping* m;
   int64_t lo, hi;
   if (!byte_range(t, begin, end, m, lo, hi)) return;
@@ -255,18 +252,18 @@ void release(const at::Tensor& t, int64_t begin, int64_t end) {
 }
 
 at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what) {
-  if (DiskTier* tier = tier_of(t)) return tier->zeros(t.numel(), what).view(t.sizes());
+  if (FileTier* tier = file_tier_of(t)) return tier->zeros(t.numel(), what).view(t.sizes());
   return at::zeros_like(t);
 }
 
 void copy_streamed(const at::Tensor& dst_in, const at::Tensor& src_in) {
-  DiskTier* tier = tier_of(dst_in) ? tier_of(dst_in) : tier_of(src_in);
+  FileTier* tier = file_tier_of(dst_in) ? file_tier_of(dst_in) : file_tier_of(src_in);
   c10::NoGradGuard no_grad;
   if (tier == nullptr) {
     dst_in.copy_(src_in);
     return;
   }
-  if (DiskTier* into = tier_of(dst_in)) into->bump_generation();  // reads issued before are stale
+  if (FileTier* into = file_tier_of(dst_in)) into->bump_generation();  // reads issued before are stale
   at::Tensor dst = dst_in.view({-1}), src = src_in.reshape({-1});
   const int64_t chunk = tier->chunk_elements(2);
   for (int64_t a = 0; a < src.numel(); a += chunk) {
@@ -284,7 +281,7 @@ void copy_streamed(const at::Tensor& dst_in, const at::Tensor& src_in) {
 
 at::Tensor clone_in_tier(const at::Tensor& t) {
   if (!t.is_cpu()) return t.to(at::kCPU);  // a snapshot of a device shard waits in host memory
-  DiskTier* tier = tier_of(t);
+  FileTier* tier = file_tier_of(t);
   if (tier == nullptr) return t.clone();
   at::Tensor out = tier->zeros(t.numel(), "a checkpoint snapshot");
   copy_streamed(out, t);
@@ -293,6 +290,8 @@ at::Tensor clone_in_tier(const at::Tensor& t) {
 
 namespace testing {
 void fail_mmap(bool on) { g_fail_mmap = on; }
+void set_audit(DiskTier& tier, bool on) { static_cast<FileTier&>(tier).set_audit(on); }
+void drop_page_cache(DiskTier& tier) { static_cast<FileTier&>(tier).drop_page_cache(); }
 }  // namespace testing
 
 }  // namespace fsdp::offload

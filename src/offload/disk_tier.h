@@ -39,20 +39,16 @@
 #include <ATen/core/Tensor.h>
 
 #include "base/worker_queue.h"
-
-namespace fsdp {
-class Tracer;
-}
+#include "offload/tier.h"
 
 namespace fsdp::offload {
 
-class DiskTier;
-struct IoJob;
+class FileTier;
 
 // One disk-tier file: its mapping (the tensor's storage) and descriptors. Owned by the storage's
 // deleter, which waits for the file's queued transfers before unmapping.
 struct Mapping {
-  std::shared_ptr<DiskTier> tier;  // the tier outlives its mappings
+  std::shared_ptr<FileTier> tier;  // the tier outlives its mappings
   void* base = nullptr;
   size_t bytes = 0;    // mapped bytes (the tensor's)
   int fd = -1;         // buffered descriptor
@@ -61,99 +57,77 @@ struct Mapping {
 // The mapping under t's storage, or null when t is not disk-backed.
 Mapping* mapping_of(const at::Tensor& t);
 
-// A transfer on the tier's I/O threads. wait() blocks until it is done and throws OffloadError
-// (naming offload.dir, what was moved and the bytes) if it failed; waiting twice is a no-op.
-class IoTicket {
+// The disk tier (DiskTier in tier.h). DiskTier::open creates `dir` if missing and proves it
+// writable by creating, reserving and removing a probe file; it throws OffloadError naming dir and
+// the system's reason otherwise.
+class FileTier final : public DiskTier, public std::enable_shared_from_this<FileTier> {
  public:
-  IoTicket() = default;
-  explicit IoTicket(std::shared_ptr<IoJob> job) : job_(std::move(job)) {}
-  void wait();
-  bool valid() const { return job_ != nullptr; }
-  bool done() const;
-  // A read's host buffer (numel elements of the range read), valid once wait() returned.
-  const at::Tensor& buffer() const;
-
- private:
-  std::shared_ptr<IoJob> job_;
-};
-
-// Bytes the tier's threads moved since it opened (rounded to whole pages, as transferred).
-struct IoCounters {
-  int64_t bytes_read = 0, bytes_written = 0;
-  int64_t reads = 0, writes = 0;
-};
-
-class DiskTier : public std::enable_shared_from_this<DiskTier> {
- public:
-  // Creates `dir` if missing and proves it writable by creating, reserving and removing a probe
-  // file; throws OffloadError naming dir and the system's reason otherwise.
-  static std::shared_ptr<DiskTier> open(const std::string& dir, int64_t budget_bytes);
-  ~DiskTier();
+  FileTier(std::string dir, int64_t budget_bytes) : dir_(std::move(dir)), budget_bytes_(budget_bytes) {}
+  ~FileTier() override;
 
   // A zero-filled fp32 tensor of `numel` elements in a new file; `what` names it in errors.
-  at::Tensor zeros(int64_t numel, const std::string& what);
+  at::Tensor zeros(int64_t numel, const std::string& what) override;
   // Throws OffloadError when the file system has fewer than `bytes` available (statvfs), naming
   // `what` needs them. A cheap early check; the reservation itself is what guarantees the space.
-  void check_free_space(int64_t bytes, const std::string& what) const;
+  void check_free_space(int64_t bytes, const std::string& what) const override;
 
-  const std::string& dir() const { return dir_; }
-  int64_t budget_bytes() const { return budget_bytes_; }
+  const std::string& dir() const override { return dir_; }
+  int64_t budget_bytes() const override { return budget_bytes_; }
   // Elements per chunk when `tensors` disk-tier tensors are streamed together: three chunks each
   // (read-ahead, current, write-behind) fit in the budget. A multiple of 1024 (one 4 KiB page of
   // floats, and of ATen's 64-element vector blocks: see Note [Bitwise-equal chunks]).
   // Throws ConfigError naming `unit` and the bytes needed when the budget is below three pages each.
-  int64_t chunk_elements(int tensors, const std::string& unit = "") const;
+  int64_t chunk_elements(int tensors, const std::string& unit = "") const override;
 
-  int64_t file_bytes() const;
-  int64_t resident_bytes() const;  // mincore over every live mapping
+  int64_t file_bytes() const override;
+  int64_t resident_bytes() const override;  // mincore over every live mapping
   void set_audit(bool on) { audit_ = on; }
-  void audit();  // records resident_bytes() into the peak when auditing
-  int64_t peak_resident_bytes() const { return peak_resident_.load(); }
+  void audit() override;  // records resident_bytes() into the peak when auditing
+  int64_t peak_resident_bytes() const override { return peak_resident_.load(); }
 
   // ---- the I/O threads (Note [Disk tier I/O threads], disk_io.cpp)
   // Starts reading elements [begin, end) of the disk-backed 1-D tensor `t` into a new host
   // buffer. `budgeted`: the buffer counts against the budget while it lives. `unit` names the
   // span in the trace.
-  IoTicket read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted);
+  IoTicket read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted) override;
   // Starts writing the host tensor `src` (contiguous fp32) into elements [begin, begin +
   // src.numel()) of `t`. Nobody waits for it until flush() or a read of the same range.
-  IoTicket write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what);
+  IoTicket write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) override;
   // A host buffer of `numel` floats that counts against the budget while it lives (page-aligned,
   // pinned when a host allocator for a device is set).
   at::Tensor host_buffer(int64_t numel, bool budgeted);
   // `host` (a buffer this tier's reads returned), counted against the budget for as long as the
   // returned tensor or a view of it lives. For read buffers kept beyond their use.
-  at::Tensor count_in_budget(const at::Tensor& host);
+  at::Tensor count_in_budget(const at::Tensor& host) override;
   // Waits for every write queued so far; throws the first failed transfer's error.
-  void flush();
+  void flush() override;
   // Waits until `bytes` more of budgeted buffers fit in the budget, or no write is pending.
-  void wait_for_buffers(int64_t bytes);
+  void wait_for_buffers(int64_t bytes) override;
   // Bytes of budgeted host buffers alive now.
-  int64_t buffered_bytes() const { return buffered_->load(); }
+  int64_t buffered_bytes() const override { return buffered_->load(); }
   // Held by whoever checks buffered_bytes() for room and then issues reads into it, so that two
   // threads (the optimizer's and the training thread's prefetch) do not take the same room.
-  std::mutex& budget_mutex() { return budget_mu_; }
-  IoCounters io_counters() const;
-  void set_tracer(std::shared_ptr<Tracer> tracer);
-  Tracer* tracer() const;
+  std::mutex& budget_mutex() override { return budget_mu_; }
+  IoCounters io_counters() const override;
+  void set_tracer(std::shared_ptr<Tracer> tracer) override;
+  Tracer* tracer() const override;
   // Host buffers come from `alloc` (e.g. pinned memory for a device's copies); it must return
   // page-aligned memory for direct I/O to be used.
-  void set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc);
+  void set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc) override;
   // Bumped whenever a master shard may have changed (the optimizer step, a checkpoint load): a
   // read issued before it is stale.
-  uint64_t generation() const { return generation_.load(); }
-  void bump_generation() { ++generation_; }
+  uint64_t generation() const override { return generation_.load(); }
+  void bump_generation() override { ++generation_; }
   // Drops the page cache of every file of the tier (benchmarks: the next reads come from the disk).
   void drop_page_cache();
   // Throws OffloadError when dir() is gone (removed while training), naming it.
-  void check_dir() const;
+  void check_dir() const override;
 
   // Internal: mappings register and unregister themselves (remove waits for their transfers).
   void add(Mapping* m);
   void remove(Mapping* m);
 
  private:
-  DiskTier(std::string dir, int64_t budget_bytes) : dir_(std::move(dir)), budget_bytes_(budget_bytes) {}
   IoTicket submit(std::shared_ptr<IoJob> job);
   void wait_for_transfers(Mapping* m);  // until no transfer of m's file is queued or running
   void stop_io();
@@ -191,32 +165,8 @@ class DiskTier : public std::enable_shared_from_this<DiskTier> {
       [this](std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock) { take_io(job, lane, lock); }};
 };
 
-// `bytes` rounded up to whole 4 KiB pages: what a host buffer of the tier and a direct transfer take.
-inline int64_t whole_pages(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
-// Whether `t`'s storage is a disk-tier mapping (views included).
-bool is_disk_backed(const at::Tensor& t);
-// The tier that owns `t`'s mapping, or null.
-DiskTier* tier_of(const at::Tensor& t);
+// The file tier that owns `t`'s mapping, or null (tier_of, for the layers above).
+FileTier* file_tier_of(const at::Tensor& t);
 // On the pages under elements [begin, end) of a disk-backed 1-D tensor (no-ops otherwise):
-void will_need(const at::Tensor& t, int64_t begin, int64_t end);     // start reading them in
 void write_behind(const at::Tensor& t, int64_t begin, int64_t end);  // start writing them back
-void release(const at::Tensor& t, int64_t begin, int64_t end);       // unmap them (data kept)
-// t's values in host memory: a read through the tier's I/O threads for a disk-backed tensor
-// (waited for), t itself otherwise.
-at::Tensor read_whole(const at::Tensor& t, const std::string& what);
-inline void release(const at::Tensor& t) { release(t, 0, t.defined() ? t.numel() : 0); }
-// A tensor of t's shape with t's values, in t's tier: a new disk-tier file when t is disk-backed,
-// a RAM clone otherwise, a host copy of a device tensor (checkpoint snapshots; no RAM copy of
-// disk-tier state, no second copy in device memory).
-at::Tensor clone_in_tier(const at::Tensor& t);
-// dst.copy_(src) in chunks, releasing disk-tier pages as it goes (either may be disk-backed).
-void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
-// Zeros shaped like `t` in t's tier.
-at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what);
-
-namespace testing {
-// Makes the tier's mmap calls fail with ENODEV, as on a file system without mmap support.
-void fail_mmap(bool on);
-}  // namespace testing
-
 }  // namespace fsdp::offload

@@ -15,10 +15,7 @@
 
 namespace fsdp {
 
-GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions& options)
-    : root_(std::move(root)), options_(options) {
-  if (!root_) throw ConfigError("fsdp: GradScaler got a null module; pass the FSDPModule fully_shard returned");
-  const auto& o = options_;
+void check_options(const GradScalerOptions& o) {
   if (!(o.init_scale() > 0) || !std::isfinite(o.init_scale())) {
     throw ConfigError("fsdp: GradScaler init_scale must be finite and > 0, got " + std::to_string(o.init_scale()));
   }
@@ -35,7 +32,13 @@ GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions
     throw ConfigError("fsdp: GradScaler max_consecutive_skips must be >= 0, got " +
                       std::to_string(o.max_consecutive_skips()));
   }
-  state_.scale = o.enabled() ? o.init_scale() : 1.0;
+}
+
+GradScaler::GradScaler(std::shared_ptr<FSDPModule> root, const GradScalerOptions& options)
+    : root_(std::move(root)), options_(options) {
+  if (!root_) throw ConfigError("fsdp: GradScaler got a null module; pass the FSDPModule fully_shard returned");
+  check_options(options_);
+  state_.scale = options_.enabled() ? options_.init_scale() : 1.0;
 }
 
 void GradScaler::check_step_options(const ShardedOptimizer& optim, double max_grad_norm) const {

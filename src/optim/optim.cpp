@@ -16,7 +16,7 @@
 #include "kernels/ops.h"
 #include "optim/streamed_step.h"
 #include "shard/grad_shards.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 
@@ -152,17 +152,22 @@ int64_t ShardedOptimizer::state_bytes() const {
   return total;
 }
 
-AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options)
-    : ShardedOptimizer(root), options_(options) {
-  set_lr(options.lr());
+void check_options(const AdamWOptions& options) {
+  if (!(options.lr() >= 0)) throw ConfigError("fsdp: invalid learning rate: " + std::to_string(options.lr()));
   if (!(options.beta1() >= 0 && options.beta1() < 1))
-    throw ConfigError("fsdp: invalid beta1: " + std::to_string(options.beta1()));
+    throw ConfigError("fsdp: invalid beta1: " + std::to_string(options.beta1()) + " (must be in [0, 1))");
   if (!(options.beta2() >= 0 && options.beta2() < 1))
-    throw ConfigError("fsdp: invalid beta2: " + std::to_string(options.beta2()));
+    throw ConfigError("fsdp: invalid beta2: " + std::to_string(options.beta2()) + " (must be in [0, 1))");
   if (!(options.eps() >= 0)) throw ConfigError("fsdp: invalid eps: " + std::to_string(options.eps()));
   if (!(options.weight_decay() >= 0)) {
     throw ConfigError("fsdp: invalid weight_decay: " + std::to_string(options.weight_decay()));
   }
+}
+
+AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options)
+    : ShardedOptimizer(root), options_(options) {
+  check_options(options);
+  set_lr(options.lr());
   default_weight_decay_ = options.weight_decay();
 }
 

@@ -25,7 +25,7 @@
 #include "fsdp/trace.h"
 #include "optim/streamed_step.h"
 #include "shard/grad_shards.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 namespace {

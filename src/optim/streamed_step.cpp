@@ -11,7 +11,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp::offload {
 namespace {

@@ -20,7 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/optim.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 class Tracer;

@@ -4,9 +4,9 @@
 #include <unordered_map>
 #include <utility>
 
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 #include "shard/flat_param.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

@@ -1,6 +1,7 @@
 // The public view of the disk tier: its figures for the memory report and the residency audit.
 #include "fsdp/offload.h"
-#include "offload/disk_tier.h"
+#include "offload/testing.h"
+#include "offload/tier.h"
 #include "shard/sharded_unit.h"
 #include "shard/testing.h"
 
@@ -33,11 +34,11 @@ DiskTierStats disk_tier_stats(FSDPModule& root) {
 }
 
 void drop_disk_tier_page_cache(FSDPModule& root) {
-  if (offload::DiskTier* tier = disk_tier_of(root)) tier->drop_page_cache();
+  if (offload::DiskTier* tier = disk_tier_of(root)) offload::testing::drop_page_cache(*tier);
 }
 
 void set_disk_tier_audit(FSDPModule& root, bool on) {
-  if (offload::DiskTier* tier = disk_tier_of(root)) tier->set_audit(on);
+  if (offload::DiskTier* tier = disk_tier_of(root)) offload::testing::set_audit(*tier, on);
 }
 
 }  // namespace fsdp

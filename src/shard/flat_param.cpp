@@ -16,7 +16,7 @@
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
 #include "shard/param_data.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 
 namespace fsdp {
 namespace {

@@ -29,9 +29,14 @@
 namespace fsdp {
 
 struct ParamGuardInfo;
+namespace offload {
 struct OffloadPlacement;
 class Residency;
 enum class KeepMaster : int;
+}  // namespace offload
+using offload::KeepMaster;
+using offload::OffloadPlacement;
+using offload::Residency;
 
 // One parameter's place in a flat buffer. The layout that checkpoints use.
 struct FlatParamEntry {
@@ -71,7 +76,7 @@ class FlatParam {
   // Moves the sharded states to their tiers (before materialize(), so deferred init writes
   // straight into them). Called once, by the root's lazy init.
   void set_offload(OffloadPlacement placement);
-  // Where the sharded states live and how they move (shard/residency.h): the one owner of that.
+  // Where the sharded states live and how they move (offload/residency.h): the one owner of that.
   const Residency& residency() const { return *residency_; }
   const OffloadPlacement& offload() const;
   // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
@@ -118,7 +123,7 @@ class FlatParam {
   at::Tensor& sharded_grad() { return sharded_grad_; }  // fp32, undefined until the first reduce
 
   // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
-  // `keep` (shard/residency.h): what becomes of a disk-tier master read for this gather (Note
+  // `keep` (offload/residency.h): what becomes of a disk-tier master read for this gather (Note
   // [Kept master reads] in sharded_unit.cpp). A master kept earlier and not written since is
   // used instead of a read.
   void unshard(KeepMaster keep);

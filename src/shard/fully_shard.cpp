@@ -7,7 +7,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/sharded_unit.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 

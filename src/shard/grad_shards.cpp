@@ -2,9 +2,9 @@
 #include "shard/grad_shards.h"
 
 #include "fsdp/errors.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 #include "shard/sharded_unit.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 

@@ -7,9 +7,9 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/offload.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 #include "shard/grad_shards.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

@@ -7,10 +7,10 @@
 #include "base/strings.h"
 #include "fsdp/offload.h"
 #include "shard/grad_shards.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 #include "shard/sharded_unit.h"
 #include "offload/device_stager.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 namespace {

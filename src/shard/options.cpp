@@ -29,22 +29,6 @@ ShardingStrategy parse_strategy(const std::string& name) {
                     "' (expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)");
 }
 
-const char* offload_tier_name(OffloadTier t) {
-  switch (t) {
-    case OffloadTier::kNone: return "none";
-    case OffloadTier::kHost: return "host";
-    case OffloadTier::kDisk: return "disk";
-  }
-  return "unknown";
-}
-
-OffloadTier parse_offload_tier(const std::string& name) {
-  for (auto t : {OffloadTier::kNone, OffloadTier::kHost, OffloadTier::kDisk}) {
-    if (name == offload_tier_name(t)) return t;
-  }
-  throw ConfigError("fsdp: unknown offload tier '" + name + "' (expected none, host or disk)");
-}
-
 const char* buffer_sync_name(BufferSync s) {
   switch (s) {
     case BufferSync::kBroadcast: return "broadcast";
@@ -59,17 +43,6 @@ BufferSync parse_buffer_sync(const std::string& name) {
     if (name == buffer_sync_name(s)) return s;
   }
   throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected broadcast, average or local)");
-}
-
-void OffloadPolicy::validate() const {
-  if (uses(OffloadTier::kDisk) && dir_.empty()) {
-    throw ConfigError("fsdp: offload.dir is empty but a state is offloaded to \"disk\" (params=" +
-                      std::string(offload_tier_name(params_)) + ", grads=" + offload_tier_name(grads_) +
-                      ", optimizer_state=" + offload_tier_name(optimizer_state_) + "); name a directory");
-  }
-  if (memory_budget_bytes_ < 0) {
-    throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(memory_budget_bytes_) + " must be >= 0");
-  }
 }
 
 int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }

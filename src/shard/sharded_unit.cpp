@@ -12,8 +12,8 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/grad_shards.h"
-#include "shard/residency.h"
-#include "offload/disk_tier.h"
+#include "offload/residency.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 
@@ -33,7 +33,7 @@ std::string ShardedUnit::name() const {
 // Note [Kept master reads]
 // A disk-tier master is read for each all-gather of its unit: in forward and, unless the unit
 // keeps its params, again in backward. Two of those reads are kept in host memory rather than
-// read again (KeepMaster, shard/residency.h):
+// read again (KeepMaster, offload/residency.h):
 //  - forward: the units whose backward comes first (the last to run forward, among those that
 //    gather again in backward) keep their forward read for their backward gather, as many as fit
 //    in half of memory_budget_bytes, counted against the budget while kept; chosen at the start of

@@ -6,7 +6,7 @@
 
 #include "fsdp/fully_shard.h"
 #include "shard/flat_param.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp::testing {

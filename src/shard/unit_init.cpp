@@ -15,10 +15,10 @@
 
 #include "comm/communicator_impl.h"
 #include "fsdp/errors.h"
-#include "shard/residency.h"
+#include "offload/residency.h"
 #include "shard/sharded_unit.h"
 #include "offload/device_stager.h"
-#include "offload/disk_tier.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 namespace {

@@ -1,5 +1,5 @@
 // See residency.h.
-#include "shard/residency.h"
+#include "offload/residency.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -10,7 +10,7 @@
 #include "kernels/ops.h"
 #include "offload/device_stager.h"
 
-namespace fsdp {
+namespace fsdp::offload {
 namespace {
 
 // A zero-filled fp32 tensor of `numel` elements in `tier`.
@@ -201,4 +201,4 @@ at::Tensor Residency::grad_for_step(const at::Tensor& grad) {
   return placement_.stager ? placement_.stager->to_host(grad) : grad;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::offload

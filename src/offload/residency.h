@@ -15,14 +15,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "fsdp/options.h"
-#include "offload/disk_tier.h"
+#include "fsdp/offload_policy.h"
+#include "offload/tier.h"
 
-namespace fsdp {
+namespace fsdp::offload {
 
-namespace offload {
 class DeviceStager;
-}
 
 // Where a flat param's sharded states live (FullyShardOptions::offload, resolved by the root's
 // lazy init). See src/offload/ and Note [Host tier schedule].
@@ -118,4 +116,4 @@ class Residency {
   at::Tensor kept_master_;  // a disk-tier master's values read for a gather, kept (KeepMaster)
 };
 
-}  // namespace fsdp
+}  // namespace fsdp::offload
