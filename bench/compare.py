@@ -3,9 +3,12 @@
 For each config (communication-bound and compute-bound Llama, fp32) it prepares, once: fsdp-train's
 step-0 checkpoint, its Hugging Face export (config.json + weights for FSDP2) and the training
 batches for each world size (bench_unsharded --dump-data). Then, in interleaved repeats, it runs
-  fsdp      fsdp-train, FULL_SHARD, on 1, 2 and 4 ranks
+  fsdp      fsdp-train, FULL_SHARD, on 1, 2 and 4 ranks, collectives over its shared-memory
+            transport (the default between the ranks of one host)
+  fsdp_gloo the same fsdp-train with FSDP_CPU_TRANSPORT=gloo: its collectives over Gloo, the
+            transport FSDP2 uses, on 2 and 4 ranks (on 1 rank there is nothing to send)
   fsdp2     bench/compare_fsdp2.py (transformers' LlamaForCausalLM + FSDP2, fused AdamW) on 1, 2 and
-            4 ranks
+            4 ranks, collectives through torch.distributed's Gloo backend (ProcessGroupGloo)
   libtorch  bench_unsharded (plain LibTorch, fsdp's fused AdamW kernel on unsharded parameters) on
             1 rank, once per distinct thread count of the world sizes
 with the same intra-op threads per rank for all (cores / ranks, at least 1), the same optimizer
@@ -55,8 +58,14 @@ CONFIGS = {
     },
 }
 COMMON = ["--set", "train.eval_every=0", "--set", "optim.warmup_steps=2", "--set", "train.log_every=1000"]
-SYSTEMS = ("fsdp", "fsdp2", "libtorch")
-NAMES = {"fsdp": "fsdp (FULL_SHARD)", "fsdp2": "PyTorch FSDP2", "libtorch": "unsharded LibTorch"}
+SYSTEMS = ("fsdp", "fsdp_gloo", "fsdp2", "libtorch")
+NAMES = {"fsdp": "fsdp (FULL_SHARD, shared memory)", "fsdp_gloo": "fsdp (FULL_SHARD, Gloo)",
+         "fsdp2": "PyTorch FSDP2 (Gloo)", "libtorch": "unsharded LibTorch"}
+# The transport each system's collectives use, named in compare.md's header.
+TRANSPORTS = {"fsdp": "fsdp's shared-memory ring (FSDP_CPU_TRANSPORT unset: the default within a host)",
+              "fsdp_gloo": "Gloo through fsdp's communicator (FSDP_CPU_TRANSPORT=gloo)",
+              "fsdp2": "torch.distributed's Gloo backend (ProcessGroupGloo)",
+              "libtorch": "none (one rank)"}
 LOSS_STEPS = 5     # the first steps whose losses must agree
 LOSS_TOL = 1e-4    # absolute
 
@@ -156,12 +165,19 @@ def main():
             run([f"{b}/bench_unsharded"] + cargs + ["--dump-data", f"{d}/data-w{w}.bin", "--world", str(w)])
         prep[cfg] = {"args": cargs, "ckpt": ckpt, "hf": f"{d}/hf", "dir": d, "steps": n}
 
-    def env_for(threads):
-        return dict(os.environ, FSDP_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    def env_for(threads, system):
+        env = dict(os.environ, FSDP_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        env.pop("FSDP_CPU_TRANSPORT", None)
+        if system == "fsdp_gloo":
+            env["FSDP_CPU_TRANSPORT"] = "gloo"
+        return env
+
+    def runs_at(system, w):
+        return not (system == "fsdp_gloo" and w == 1)  # one rank sends nothing: the transport is unused
 
     def command(system, p, w, threads, metrics, init_only):
         extra = ["--init-only"] if init_only else []
-        if system == "fsdp":
+        if system in ("fsdp", "fsdp_gloo"):
             return [f"{b}/fsdp-run", "--nproc-per-node", str(w), "--timeout-s", "600", "--", f"{b}/fsdp-train"] + p["args"] + \
                    ["--metrics", metrics] + extra
         if system == "fsdp2":
@@ -178,10 +194,10 @@ def main():
         for w in worlds:
             for system in SYSTEMS:
                 key = (cfg, system, 1 if system == "libtorch" else w, threads_of[w])
-                if key in baselines:
+                if key in baselines or not runs_at(system, w):
                     continue
                 path = f"{p['dir']}/{system}-w{key[2]}-t{key[3]}-baseline.jsonl"
-                run(command(system, p, key[2], key[3], path, init_only=True), env=env_for(key[3]))
+                run(command(system, p, key[2], key[3], path, init_only=True), env=env_for(key[3], system))
                 baselines[key] = read_baseline(path)
                 print(f"compare: {cfg} {system} {key[2]} rank(s), {key[3]} thread(s): baseline peak RSS "
                       f"{max(baselines[key]) / 2**20:.0f} MiB", flush=True)
@@ -194,6 +210,8 @@ def main():
                 threads = threads_of[w]
                 recs = {}
                 for system in SYSTEMS:
+                    if not runs_at(system, w):
+                        continue
                     ranks = 1 if system == "libtorch" else w
                     rec = {"config": cfg, "system": system, "world": w, "ranks": ranks, "repeat": repeat,
                            "threads_per_rank": threads, "oversubscribed": ranks * threads > cores}
@@ -205,7 +223,7 @@ def main():
                     else:
                         metrics = f"{p['dir']}/{system}-w{w}-r{repeat}.jsonl"
                         rec["wall_s"] = run(command(system, p, w, threads, metrics, init_only=False),
-                                            env=env_for(threads))
+                                            env=env_for(threads, system))
                         rec.update(summarize(read_metrics(metrics), args.warmup,
                                              baselines[(cfg, system, ranks, threads)]))
                     recs[system] = rec
@@ -256,7 +274,7 @@ def main():
                 continue
             e = {"threads_per_rank": lt["threads_per_rank"], "unsharded_step_time_s": lt["step_time_s"],
                  "oversubscribed": w * lt["threads_per_rank"] > cores}
-            for system in ("fsdp", "fsdp2"):
+            for system in ("fsdp", "fsdp_gloo", "fsdp2"):
                 r = find(cfg, system, w)
                 if r:
                     r["scaling_efficiency"] = lt["step_time_s"] / r["step_time_s"]
@@ -272,22 +290,29 @@ def main():
                 ratios[f"{cfg}/w{w}/peak_rss_fsdp_over_fsdp2"] = a["peak_rss_bytes"] / f2["peak_rss_bytes"]
                 ratios[f"{cfg}/w{w}/peak_rss_above_baseline_fsdp_over_fsdp2"] = \
                     a["peak_rss_above_baseline_bytes"] / f2["peak_rss_above_baseline_bytes"]
+            g = find(cfg, "fsdp_gloo", w)
+            if g and f2:
+                ratios[f"{cfg}/w{w}/step_time_fsdp_gloo_over_fsdp2"] = g["step_time_s"] / f2["step_time_s"]
+            if a and g:
+                ratios[f"{cfg}/w{w}/step_time_fsdp_over_fsdp_gloo"] = a["step_time_s"] / g["step_time_s"]
             if a and "scaling_efficiency" in a:
                 ratios[f"{cfg}/w{w}/scaling_efficiency_fsdp"] = a["scaling_efficiency"]
+            if g and "scaling_efficiency" in g:
+                ratios[f"{cfg}/w{w}/scaling_efficiency_fsdp_gloo"] = g["scaling_efficiency"]
         # The first steps' losses of every system against fsdp's, at each world size (all checked
         # above to be within LOSS_TOL).
         for w in worlds:
             a = find(cfg, "fsdp", w)
             if not a:
                 continue
-            others = ["fsdp2"] + (["libtorch"] if w == 1 else [])
+            others = ["fsdp_gloo", "fsdp2"] + (["libtorch"] if w == 1 else [])
             diffs = [abs(x - y) for s in others if find(cfg, s, w) for x, y in zip(find(cfg, s, w)["losses"], a["losses"])]
             if diffs:
                 ratios[f"{cfg}/w{w}/max_abs_loss_diff_first_steps"] = max(diffs)
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump({"cores": cores, "warmup_steps": args.warmup, "steps": steps, "repeats": args.repeats,
+        json.dump({"cores": cores, "transports": TRANSPORTS, "warmup_steps": args.warmup, "steps": steps, "repeats": args.repeats,
                    "loss_check": {"steps": LOSS_STEPS, "abs_tol": LOSS_TOL}, "table": table,
                    "scaling_efficiency": efficiency, "ratios": ratios, "runs": runs}, f, indent=2)
     md = markdown(table, efficiency, ratios, configs, worlds, cores, args)
@@ -310,8 +335,11 @@ def _arg(args, key):
 def markdown(table, efficiency, ratios, configs, worlds, cores, args):
     mib = lambda x: f"{x / 2**20:.0f} MiB"
     out = [
-        f"fsdp vs PyTorch FSDP2 vs unsharded LibTorch on this machine ({cores} cores), fp32, CPU over Gloo; "
-        "the same model, initial weights, batches, AdamW (fused in all three; weight decay on >= 2-D "
+        f"fsdp vs PyTorch FSDP2 vs unsharded LibTorch on this machine ({cores} cores), fp32, on the CPU. "
+        "Transports: " + "; ".join(f"{NAMES[s]}: {TRANSPORTS[s]}" for s in SYSTEMS) + ". "
+        "The two fsdp rows differ only in the transport, so fsdp (Gloo) against FSDP2 is the runtimes "
+        "compared on one transport, and fsdp (shared memory) against fsdp (Gloo) is the transport's share. "
+        "The same model, initial weights, batches, AdamW (fused in all three; weight decay on >= 2-D "
         "parameters only), LR schedule, clipping and attention kind (fsdp-train's model.attn_implementation).",
         f"Median step time after {args.warmup} warm-up steps: median over {args.repeats} interleaved repeats "
         "(spread = min..max of the repeats' medians). Threads per rank = cores / ranks (at least 1); "
@@ -353,13 +381,14 @@ def markdown(table, efficiency, ratios, configs, worlds, cores, args):
     out += ["### Scaling efficiency", "",
             "One unsharded LibTorch rank on the same per-rank batch with the same threads, divided by the step "
             "time on N ranks.", "",
-            "| config | N | threads / rank | unsharded 1 rank | fsdp | FSDP2 |", "|---|---|---|---|---|---|"]
+            "| config | N | threads / rank | unsharded 1 rank | fsdp (shared memory) | fsdp (Gloo) | FSDP2 |",
+            "|---|---|---|---|---|---|---|"]
     for cfg in configs:
         for w, e in efficiency[cfg].items():
             n = w + (" (oversubscribed)" if e["oversubscribed"] else "")
             cell = lambda s: f"{e[s]:.3f}" if s in e else "-"
             out.append(f"| {cfg} | {n} | {e['threads_per_rank']} | {e['unsharded_step_time_s'] * 1e3:.1f} ms | "
-                       f"{cell('fsdp')} | {cell('fsdp2')} |")
+                       f"{cell('fsdp')} | {cell('fsdp_gloo')} | {cell('fsdp2')} |")
     out += ["", "### Ratios", "", "| ratio | value |", "|---|---|"]
     out += [f"| {k} | {v:.3g} |" for k, v in ratios.items()]
     return "\n".join(out) + "\n"
@@ -371,7 +400,7 @@ def plot(table, configs, worlds, cores, path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(3, len(configs), figsize=(6 * len(configs), 11), squeeze=False)
     for j, cfg in enumerate(configs):
-        for system, marker in (("fsdp", "o"), ("fsdp2", "s"), ("libtorch", "^")):
+        for system, marker in (("fsdp", "o"), ("fsdp_gloo", "D"), ("fsdp2", "s"), ("libtorch", "^")):
             rows = sorted((r for r in table if r["config"] == cfg and r["system"] == system), key=lambda r: r["world"])
             if not rows:
                 continue

@@ -244,11 +244,32 @@ void FlatParam::reshard() {
   state_ = ShardedState::kSharded;
 }
 
+// Note [One-rank gradients]
+// With one rank per shard, fp32 compute and reduction, and the gradient shard in no offload tier,
+// the reduce-scatter is the identity and the gradient shard covers the whole flat gradient. The
+// backward then accumulates straight into the gradient shard: no buffer to zero before each
+// backward, no copy out after it, no second buffer. zero_grad zeroes the shard, as always. The
+// sums are the same bits: the copy-out added the buffer's (0 + g) into a zeroed shard.
+bool FlatParam::grads_can_alias_shard() const {
+  const OffloadPlacement& p = residency_->placement();
+  return aliases_master_ && shard_group_.size() == 1 && replicate_group_.size() == 1 &&
+         config_.reduce_dtype == at::kFloat && unsharded_.scalar_type() == at::kFloat &&
+         p.grads == OffloadTier::kNone && !residency_->master_follows_state();
+}
+
 void FlatParam::prepare_gradients() {
   finalize_grads();  // the buffer may still belong to the last step's reduce-scatter
   if (!config_.requires_grad) return;
+  if (grad_aliases_shard_ && !grads_can_alias_shard()) {  // the placement changed: a buffer of its own
+    unsharded_grad_ = at::Tensor();
+    grad_aliases_shard_ = false;
+  }
   if (!grads_prepared_) {
-    if (!unsharded_grad_.defined()) {
+    if (grads_can_alias_shard()) {
+      if (!sharded_grad_.defined()) sharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
+      unsharded_grad_ = sharded_grad_;
+      grad_aliases_shard_ = true;
+    } else if (!unsharded_grad_.defined()) {
       unsharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
     } else {
       set_storage_alive(unsharded_grad_, true);
@@ -284,7 +305,9 @@ void FlatParam::finalize_grads() {
   }
   // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
   reduce_output_ = residency_->stage_reduced(reduce_output_);
-  if (sharded_grad_.defined()) {
+  if (grad_aliases_shard_) {
+    // Already in place (Note [One-rank gradients]).
+  } else if (sharded_grad_.defined()) {
     kernels::copy_out(reduce_output_, sharded_grad_, {/*divide_by=*/1.0, /*accumulate=*/true});
   } else {
     sharded_grad_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
@@ -293,7 +316,7 @@ void FlatParam::finalize_grads() {
   residency_->place_grad(sharded_grad_);
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
-  set_storage_alive(unsharded_grad_, false);
+  if (!grad_aliases_shard_) set_storage_alive(unsharded_grad_, false);
   reduce_issued_ = false;
   grads_prepared_ = false;
 }
@@ -355,6 +378,7 @@ int64_t FlatParam::unsharded_bytes() const {
 }
 
 int64_t FlatParam::unsharded_grad_bytes() const {
+  if (grad_aliases_shard_) return 0;  // the gradient shard's bytes
   return unsharded_grad_.defined() ? static_cast<int64_t>(unsharded_grad_.storage().nbytes()) : 0;
 }
 

@@ -160,6 +160,7 @@ class FlatParam {
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
   void point_grads_at_buffer();
+  bool grads_can_alias_shard() const;
 
   std::vector<FlatParamEntry> entries_;
   FlatParamConfig config_;
@@ -179,8 +180,10 @@ class FlatParam {
   bool gather_pending_ = false;
 
   at::Tensor unsharded_grad_;  // [padded] compute dtype; storage freed between backwards
-  at::Tensor reduce_input_;    // unsharded_grad_ or its cast to reduce dtype
-  at::Tensor reduce_output_;   // [shard] reduce dtype
+  // The unsharded gradient is the sharded one itself (Note [One-rank gradients] in flat_param.cpp).
+  bool grad_aliases_shard_ = false;
+  at::Tensor reduce_input_;   // unsharded_grad_ or its cast to reduce dtype
+  at::Tensor reduce_output_;  // [shard] reduce dtype
   CommHandle reduce_handle_;
   bool reduce_issued_ = false;
   bool grads_prepared_ = false;

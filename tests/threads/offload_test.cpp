@@ -167,6 +167,47 @@ TEST(Offload, HostTierEqualsNoOffloadBitwise) {
   }
 }
 
+// One rank, fp32: the backward accumulates straight into the gradient shard (Note [One-rank
+// gradients] in flat_param.cpp): no unsharded gradient buffer of its own, across micro-batches
+// without sync too. Gradients in the host tier keep the buffer and the copy out; both runs are
+// the same bits.
+TEST(Offload, OneRankGradientsAccumulateInTheShardBitwise) {
+  auto run = [](const std::optional<OffloadPolicy>& offload, bool expect_alias) {
+    at::set_num_threads(1);
+    auto dist = Dist::single();
+    DeviceMesh mesh(dist);
+    Job j = build(mesh, offload, /*meta=*/false);
+    std::vector<double> losses;
+    int64_t most_buffer_bytes = 0;
+    for (int64_t step = 0; step < 4; ++step) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
+      auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
+      for (int64_t micro = 0; micro < 3; ++micro) {
+        j.root->set_requires_gradient_sync(micro == 2);
+        at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, micro * 2, 2)), y.narrow(0, micro * 2, 2));
+        loss.backward();
+        losses.push_back(loss.item<double>());
+        for (auto* fp : fsdp::testing::flat_params(*j.root)) {
+          most_buffer_bytes = std::max(most_buffer_bytes, fp->unsharded_grad_bytes());
+          if (expect_alias) EXPECT_TRUE(fp->sharded_grad().defined()) << fp->config().tag;
+        }
+      }
+      clip_grad_norm(*j.root, 0.5);
+      j.optim->step();
+      j.optim->zero_grad();
+    }
+    if (expect_alias) {
+      EXPECT_EQ(most_buffer_bytes, 0) << "a one-rank fp32 flat param kept a gradient buffer of its own";
+    } else {
+      EXPECT_GT(most_buffer_bytes, 0) << "gradients in the host tier went through no buffer: the runs compare nothing";
+    }
+    return testing::state_bytes(losses, *j.root, j.optim.get());
+  };
+  const std::string in_shard = run(std::nullopt, true);
+  const std::string buffered = run(OffloadPolicy().grads(OffloadTier::kHost), false);
+  EXPECT_TRUE(in_shard == buffered);
+}
+
 TEST(Offload, PerUnitPolicyOverridesTheRoots) {
   const std::string dir = testing::temp_path("offload-per-unit");
   testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
