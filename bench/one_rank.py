@@ -23,14 +23,8 @@ import subprocess
 import sys
 import tempfile
 
-CONFIGS = {
-    "comm": ["model.hidden_size=256", "model.intermediate_size=688", "model.num_hidden_layers=4",
-             "model.num_attention_heads=8", "model.num_key_value_heads=8", "data.seq_len=64",
-             "data.batch_size_per_rank=1"],
-    "compute": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_hidden_layers=6",
-                "model.num_attention_heads=8", "model.num_key_value_heads=8", "data.seq_len=256",
-                "data.batch_size_per_rank=4"],
-}
+from ab_step_time import CONFIGS  # the comm- and compute-bound configs of scripts/bench compare
+
 STEPS = {"comm": 40, "compute": 8}
 WARMUP = 2
 LOSS_STEPS, LOSS_TOL = 5, 1e-4

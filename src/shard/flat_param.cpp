@@ -260,12 +260,13 @@ bool FlatParam::grads_can_alias_shard() const {
 void FlatParam::prepare_gradients() {
   finalize_grads();  // the buffer may still belong to the last step's reduce-scatter
   if (!config_.requires_grad) return;
-  if (grad_aliases_shard_ && !grads_can_alias_shard()) {  // the placement changed: a buffer of its own
+  const bool alias = grads_can_alias_shard();
+  if (grad_aliases_shard_ && !alias) {  // the placement changed: a buffer of its own
     unsharded_grad_ = at::Tensor();
     grad_aliases_shard_ = false;
   }
   if (!grads_prepared_) {
-    if (grads_can_alias_shard()) {
+    if (alias) {
       if (!sharded_grad_.defined()) sharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
       unsharded_grad_ = sharded_grad_;
       grad_aliases_shard_ = true;
