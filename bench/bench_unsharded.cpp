@@ -176,13 +176,25 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
   double total_s = 0;
   for (int64_t step = 0; step < cfg.train.steps; ++step) {
     const auto t0 = Clock::now();
+    // The same parts as fsdp-train's phase_s, each timed from the end of the one before.
+    auto since = [last = t0]() mutable {
+      const auto now = Clock::now();
+      const double s = std::chrono::duration<double>(now - last).count();
+      last = now;
+      return s;
+    };
     const double lr = lr_at(o, step, cfg.train.steps);
     const auto b = train::rank_batch(data, step * batch, batch, 0, train::Split::kTrain);
+    const double data_s = since();
     auto loss = llama::loss(model->forward(b.inputs), b.targets);
+    const double forward_s = since();
     loss.backward();
+    const double backward_s = since();
     if (o.grad_clip > 0) clip_grad_norm(states, o.grad_clip);
+    const double clip_s = since();
     adamw_step(states, o, lr);
     for (auto& s : states) s.param.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
+    const double optimizer_s = since();
     const double loss_value = loss.item<double>();
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     total_s += dt;
@@ -195,7 +207,13 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
                            {"allgather_bytes", {0.0}},
                            {"reduce_scatter_bytes", {0.0}},
                            {"comm_wait_s", {0.0}},
-                           {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}});
+                           {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}},
+                           {"phase_s",
+                            {{"data", data_s},
+                             {"forward", forward_s},
+                             {"backward", backward_s},
+                             {"clip", clip_s},
+                             {"optimizer", optimizer_s}}}});
     }
   }
   if (metrics != nullptr) std::fclose(metrics);

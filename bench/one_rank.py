@@ -40,7 +40,35 @@ def run(cmd, threads, metrics):
         raise SystemExit(f"one_rank: failed (exit {p.returncode}): {' '.join(cmd)}")
     rows = [json.loads(l) for l in open(metrics) if l.strip()]
     rows = [r for r in rows if "step_time_s" in r and not r.get("eval")]
-    return statistics.median(r["step_time_s"] for r in rows[WARMUP:]), [r["loss"] for r in rows[:LOSS_STEPS]]
+    return (statistics.median(r["step_time_s"] for r in rows[WARMUP:]), [r["loss"] for r in rows[:LOSS_STEPS]],
+            phases_of(rows[WARMUP:]))
+
+
+PHASES = ["data", "forward", "backward", "check_finite", "clip", "optimizer", "other"]
+
+
+def phases_of(rows):
+    """Median seconds per phase over the steps (phase_s of the metrics lines); "other" is the rest of
+    step_time_s (fsdp-train: the metrics' own gather; LibTorch: loss.item())."""
+    out = {}
+    for name in PHASES:
+        vals = []
+        for r in rows:
+            ph = r.get("phase_s", {})
+            vals.append(r["step_time_s"] - sum(ph.values()) if name == "other" else ph.get(name, 0.0))
+        out[name] = statistics.median(vals)
+    return out
+
+
+def breakdown(cfg, threads, phases):
+    """A markdown table: each phase's median over repeats for every system, and fsdp minus LibTorch."""
+    med = {s: {p: statistics.median(rep[p] for rep in reps) for p in PHASES} for s, reps in phases.items()}
+    lines = [f"{cfg}, {threads} thread(s): median ms per phase", "",
+             "| phase | " + " | ".join(med) + " | fsdp - libtorch |", "|---" * (len(med) + 2) + "|"]
+    for p in PHASES:
+        lines.append(f"| {p} | " + " | ".join(f"{med[s][p] * 1e3:.2f}" for s in med) +
+                     f" | {(med['fsdp'][p] - med['libtorch'][p]) * 1e3:+.2f} |")
+    return "\n".join(lines), med
 
 
 def main():
@@ -64,12 +92,14 @@ def main():
             common += ["--set", kv]
         for threads in [int(t) for t in args.threads.split(",")]:
             times = {s: [] for s in systems}
+            phases = {s: [] for s in systems}
             losses = {}
             for rep in range(args.repeats):
                 for name, exe in systems.items():
-                    t, l = run([exe] + common, threads, os.path.join(tmp, f"{cfg}-{threads}-{rep}-{len(times[name])}"
+                    t, l, ph = run([exe] + common, threads, os.path.join(tmp, f"{cfg}-{threads}-{rep}-{len(times[name])}"
                                                                     f"-{name.split()[0]}{len(name)}.jsonl"))
                     times[name].append(t)
+                    phases[name].append(ph)
                     losses.setdefault(name, l)
             for name, l in losses.items():
                 for i, (a, b) in enumerate(zip(l, losses["fsdp"])):
@@ -83,6 +113,7 @@ def main():
             if args.baseline:
                 row["baseline_over_libtorch"] = row["median_step_s"]["fsdp (baseline build)"] / \
                     row["median_step_s"]["libtorch"]
+            table, row["median_phase_s"] = breakdown(cfg, threads, phases)
             results.append(row)
             med = row["median_step_s"]
             line = (f"{cfg:8s} threads {threads}: fsdp {med['fsdp'] * 1e3:8.2f} ms  libtorch "
@@ -92,6 +123,7 @@ def main():
                          f"{row['baseline_over_libtorch']:.3f}")
             print(line + "  repeats " + "; ".join(f"{s}: " + ", ".join(f"{x * 1e3:.2f}" for x in v)
                                                   for s, v in times.items()), flush=True)
+            print(table + "\n", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -94,6 +94,10 @@ void Loop::train_step() {
   m.skipped_steps = s_.stepper->scaler().state().skipped_steps;
   m.loss_scale = s_.stepper->scaler().current_scale();
   m.grad_norm = outcome.grad_norm;
+  const PhaseTimes& ph = outcome.phases;
+  m.phases = {{"data", ph.data},         {"forward", ph.forward},
+              {"backward", ph.backward}, {"check_finite", ph.check_finite},
+              {"clip", ph.clip},         {"optimizer", ph.optimizer}};
   r_.last_loss = m.loss;
   if (s_.rank == 0) {
     metrics_.step(m);

@@ -134,6 +134,11 @@ void MetricsLog::step(const StepMetrics& m) {
   j["skipped_steps"] = m.skipped_steps;
   j["loss_scale"] = m.loss_scale;
   if (m.grad_norm >= 0) j["grad_norm"] = m.grad_norm;
+  if (!m.phases.empty()) {
+    nlohmann::ordered_json phases = nlohmann::ordered_json::object();
+    for (const auto& [name, s] : m.phases) phases[name] = s;
+    j["phase_s"] = phases;
+  }
   std::fprintf(file_, "%s\n", j.dump().c_str());
   std::fflush(file_);
 }

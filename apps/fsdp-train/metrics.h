@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
@@ -47,6 +48,9 @@ struct StepMetrics {
   int64_t skipped_steps = 0;  // so far in the run (this process)
   double loss_scale = 1;      // after this step (1 without loss scaling)
   double grad_norm = -1;      // before clipping; -1 when not clipping or skipped
+  // Seconds of the writing rank's step per part ("data", "forward", "backward", "check_finite",
+  // "clip", "optimizer"); the rest of step_time_s is the metrics' own gather.
+  std::vector<std::pair<std::string, double>> phases;
   std::vector<RankCounters> ranks;
 };
 

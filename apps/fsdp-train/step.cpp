@@ -4,6 +4,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <malloc.h>
 
+#include <chrono>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,22 @@
 #include "fsdp/memory.h"
 
 namespace train {
+namespace {
+
+// Adds the seconds of its scope to `into` (a PhaseTimes field).
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
+  ~PhaseTimer() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+ private:
+  double& into_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace
 
 int64_t heap_in_use_bytes() {
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
@@ -68,11 +85,13 @@ Stepper::Stepper(const TrainConfig& cfg, const Dataset& data, llama::LlamaForCau
 
 // One micro-batch's forward and backward; returns its loss (already divided by the number of
 // micro-batches, detached).
-at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer) {
+at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer,
+                               PhaseTimes& phases) {
   const int64_t accum = cfg_.train.grad_accum_steps;
   Batch batch;
   {
     fsdp::Tracer::Scope s(tracer, "train::data", "train", "");
+    PhaseTimer t(phases.data);
     batch = micro_batch(data_, first, cfg_.data.batch_size_per_rank, rank_, Split::kTrain, micro, accum);
   }
   const int64_t used0 = measure ? bytes_in_use(device_) : 0;
@@ -80,6 +99,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   at::Tensor loss;
   {
     fsdp::Tracer::Scope s(tracer, "train::forward", "train", "");
+    PhaseTimer t(phases.forward);
     at::Tensor logits = fsdp::call(model_, batch.inputs.to(device_));
     if (inject && micro == 0) {
       logits.register_hook([](const at::Tensor& g) {
@@ -97,6 +117,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::backward", "train", "");
+    PhaseTimer t(phases.backward);
     scaler_->scale(loss).backward();
   }
   if (measure && micro == 0 && accum > 1) measured_.accum_grads = fsdp::memory_report(*root_).unsharded_grads_alive;
@@ -112,24 +133,27 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
   for (int64_t m = 0; m < accum; ++m) {
     // Gradients stay local and unreduced until the last micro-batch, whose backward reduces the sum.
     root_->set_requires_gradient_sync(m == accum - 1);
-    local += micro_step(first, m, measure && m == 0, inject, tracer).to(at::kDouble);
+    local += micro_step(first, m, measure && m == 0, inject, tracer, out.phases).to(at::kDouble);
   }
   out.local_loss = local.item<double>();
-  if (cfg_.optim.step_in_backward) return finish_in_backward(step, local, tracer);
+  if (cfg_.optim.step_in_backward) return finish_in_backward(step, local, tracer, out.phases);
   bool skip;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
+    PhaseTimer t(out.phases.check_finite);
     // With clipping on, the clipping norm decides for the gradients (no second pass over them).
     skip = scaler_->unscale_and_check(local, /*gradients_by_norm=*/cfg_.optim.grad_clip > 0);
   }
   double norm = 0;
   if (!skip && cfg_.optim.grad_clip > 0) {
     fsdp::Tracer::Scope s(tracer, "train::clip_grad_norm", "train", "");
+    PhaseTimer t(out.phases.clip);
     norm = fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
     out.grad_norm = norm;
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
+    PhaseTimer t(out.phases.optimizer);
     out.stepped = scaler_->step(optim_, norm);
     optim_.zero_grad();
   }
@@ -141,17 +165,21 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
 // it; the optimizer finishes it, then every rank learns whether any loss or gradient was
 // non-finite (one all-reduce; the gradient shards are still there until zero_grad) and, if so, all
 // stop before the step is saved: the last checkpoint stays the latest.
-StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer) {
+StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer,
+                                        PhaseTimes phases) {
   StepOutcome out;
+  out.phases = phases;
   out.local_loss = local.item<double>();
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
+    PhaseTimer t(out.phases.optimizer);
     optim_.step();
   }
   out.stepped = true;
   bool bad;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
+    PhaseTimer t(out.phases.check_finite);
     bad = scaler_->unscale_and_check(local, /*gradients_by_norm=*/false);
   }
   optim_.zero_grad();

@@ -20,7 +20,14 @@
 
 namespace train {
 
+// Seconds this rank spent in each part of one step (summed over its micro-batches), for the
+// metrics' phase_s breakdown.
+struct PhaseTimes {
+  double data = 0, forward = 0, backward = 0, check_finite = 0, clip = 0, optimizer = 0;
+};
+
 struct StepOutcome {
+  PhaseTimes phases;
   double local_loss = 0;  // this rank's mean over its micro-batches
   bool stepped = true;    // false: skipped on every rank (a non-finite loss or gradient somewhere)
   double grad_norm = -1;  // before clipping; -1 when clipping is off or the step was skipped
@@ -63,8 +70,9 @@ class Stepper {
   const LeverMeasurements& measured() const { return measured_; }
 
  private:
-  at::Tensor micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer);
-  StepOutcome finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer);
+  at::Tensor micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer,
+                        PhaseTimes& phases);
+  StepOutcome finish_in_backward(int64_t step, const at::Tensor& local, fsdp::Tracer* tracer, PhaseTimes phases);
 
   const TrainConfig& cfg_;
   const Dataset& data_;

@@ -77,6 +77,10 @@ for j in train:
     for k in ("allgather_bytes", "reduce_scatter_bytes", "comm_wait_s", "peak_rss_bytes"):
         assert isinstance(j[k], list) and len(j[k]) == n, (k, j)
     assert all(x > 0 for x in j["peak_rss_bytes"]), j
+    ph = j["phase_s"]
+    assert set(ph) == {"data", "forward", "backward", "check_finite", "clip", "optimizer"}, ph
+    assert all(v >= 0 for v in ph.values()) and ph["forward"] > 0 and ph["backward"] > 0, ph
+    assert sum(ph.values()) <= j["step_time_s"] * 1.0001, (ph, j["step_time_s"])
     if sharded:
         assert all(x > 0 for x in j["allgather_bytes"]) and all(x > 0 for x in j["reduce_scatter_bytes"]), j
 EOF
