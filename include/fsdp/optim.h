@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -75,7 +76,9 @@ class ShardedOptimizer {
 
   // Steps every flat param that has a gradient shard (one with none, e.g. a unit unused so far,
   // is skipped and its step count stays). With step_in_backward on: steps the flat params the
-  // backward did not step yet and waits for those it did.
+  // backward did not step yet and waits for those it did. With state in the disk tier, the
+  // backward has read the first chunks ahead, and the last writes drain under the next forward
+  // (Note [The disk tier around the step after backward] in optim.cpp).
   virtual void step();
   // Zeroes the gradient shards in place (the buffers stay).
   void zero_grad();
@@ -101,7 +104,11 @@ class ShardedOptimizer {
 
   // Names of the per-element state tensors, e.g. {"exp_avg", "exp_avg_sq"}.
   virtual std::vector<std::string> state_names() const = 0;
-  std::vector<ShardState>& states() { return states_; }
+  // The states, for reading or writing their tensors (checkpoints): first waits for the writes
+  // the last step left draining into the disk tier.
+  std::vector<ShardState>& states();
+  // The same without waiting: for their names, shapes and sizes only.
+  const std::vector<ShardState>& states() const { return states_; }
   // Creates a state's tensors if the optimizer has not stepped it yet (checkpoint loading).
   void ensure_state(ShardState& state) {
     if (state.tensors.empty()) init_state(state);
@@ -137,6 +144,8 @@ class ShardedOptimizer {
   GradShard& shard_of(const ShardState& state) const;
   // One flat param's part of a step (its gradient collected when the step reaches it).
   offload::StepJob make_job(ShardState& state);
+  // The optimizer's arithmetic for one flat param at the learning rate and weight decay set now.
+  std::function<void(ShardState&, at::Tensor&, const at::Tensor&)> step_fn(ShardState& state);
   // step_in_backward (step_in_backward.cpp): the backward hands each reduced flat param over.
   struct InBackward;
   void hand_over(GradShard& shard);
@@ -144,6 +153,13 @@ class ShardedOptimizer {
   void wait_for_backward_steps();
   void stop_step_in_backward();
   std::shared_ptr<InBackward> in_backward_;  // shared: its type is complete only in the library
+  // The step after backward with disk-tier state (optim.cpp): the backward reads ahead.
+  struct ReadAhead;
+  void read_ahead(GradShard& shard);
+  void install_read_ahead();
+  void remove_read_ahead();
+  void settle_writes();
+  std::shared_ptr<ReadAhead> read_ahead_;
 
   std::shared_ptr<FSDPModule> root_;
   // The root's gradient shards in ShardState::flat_index order (shard/grad_shards.h), looked up

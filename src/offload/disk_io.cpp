@@ -168,7 +168,13 @@ IoTicket FileTier::submit(std::shared_ptr<IoJob> job) {
   if (std::exception_ptr e = io_.error_locked()) std::rethrow_exception(e);
   job->seq = ++seq_;
   ++active_[job->m];
-  if (job->write) writes_pending_.insert(job.get());
+  if (job->write) {
+    writes_pending_.insert(job.get());
+    // Counted when queued: a write may drain after the step that queued it (a failed one is
+    // reported by the next flush or overlapping read).
+    counters_.bytes_written += direct_length(*job) > 0 ? whole_pages(job->bytes) : job->bytes;
+    ++counters_.writes;
+  }
   io_.submit_locked(job, job->write ? kWriteLane : kReadLane);
   io_.notify();
   return IoTicket(std::move(job));
@@ -210,9 +216,9 @@ void FileTier::run_io(const std::shared_ptr<IoJob>& job, int lane) {
     if (--active_[job->m] == 0) active_.erase(job->m);
     if (!job->error.empty() && !io_.error_locked())
       io_.keep_error_locked(std::make_exception_ptr(OffloadError(job->error)));
-    if (job->error.empty()) {
-      (writes ? counters_.bytes_written : counters_.bytes_read) += moved;
-      ++(writes ? counters_.writes : counters_.reads);
+    if (job->error.empty() && !writes) {
+      counters_.bytes_read += moved;
+      ++counters_.reads;
     }
   }
   {
@@ -282,7 +288,7 @@ Tracer* FileTier::tracer() const {
 }
 
 void FileTier::drop_page_cache() {
-  flush();
+  // Queued writes may go on (they go straight to the disk, or leave the cache after themselves).
   std::lock_guard<std::mutex> lock(mu_);
   for (Mapping* m : mappings_) {
     ::madvise(m->base, m->bytes, MADV_DONTNEED);

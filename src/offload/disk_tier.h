@@ -21,8 +21,10 @@
 // takes it (buffered otherwise, with POSIX_FADV_DONTNEED after each transfer), so what comes from
 // the disk is read from the disk and nothing lingers in the page cache. Reads are issued ahead of
 // use (the next units' master shards while the current unit computes, the next chunks of the
-// optimizer step while the current one is stepped); writes are queued and waited for only at the
-// end of the optimizer step (flush), so they overlap the chunks after them. A read waits for the
+// optimizer step while the current one is stepped); writes are queued and overlap the chunks
+// after them; the step after backward leaves its last ones draining under the next forward
+// (Note [The disk tier around the step after backward] in optim/optim.cpp), and whoever reads
+// the files through their mappings waits for them first (flush). A read waits for the
 // queued writes that overlap its range, so it never sees old bytes. Host buffers of the optimizer's
 // transfers count against memory_budget_bytes (the audit adds them to the mapped pages).
 #pragma once
@@ -119,6 +121,7 @@ class FileTier final : public DiskTier, public std::enable_shared_from_this<File
   uint64_t generation() const override { return generation_.load(); }
   void bump_generation() override { ++generation_; }
   // Drops the page cache of every file of the tier (benchmarks: the next reads come from the disk).
+  // Queued writes go on.
   void drop_page_cache();
   // Throws OffloadError when dir() is gone (removed while training), naming it.
   void check_dir() const override;

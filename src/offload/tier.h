@@ -18,7 +18,7 @@ class IoTicket {  // a transfer on the disk tier's I/O threads; wait() throws it
  private:
   std::shared_ptr<IoJob> job_;
 };
-struct IoCounters {  // bytes moved by the I/O threads (whole pages), and transfers
+struct IoCounters {  // bytes moved by the I/O threads (whole pages; writes once queued), and transfers
   int64_t bytes_read = 0, bytes_written = 0, reads = 0, writes = 0;
 };
 class DiskTier {  // fp32 tensors in files under dir(), at most budget_bytes() of them in memory

@@ -14,6 +14,15 @@
 #include "shard/grad_shards.h"
 
 namespace fsdp {
+namespace {
+
+// Whether the model's optimizer applies each gradient during backward (step_in_backward).
+bool applies_in_backward(FSDPModule& root) {
+  PostReduceHook* hook = GradShards::hook_of(root);
+  return hook != nullptr && hook->applies_gradients();
+}
+
+}  // namespace
 
 void check_options(const GradScalerOptions& o) {
   if (!(o.init_scale() > 0) || !std::isfinite(o.init_scale())) {
@@ -59,7 +68,7 @@ void GradScaler::check_step_options(const ShardedOptimizer& optim, double max_gr
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
-  if (GradShards::hook_of(*root_) != nullptr) {
+  if (applies_in_backward(*root_)) {
     throw UsageError(
         "fsdp: GradScaler: the optimizer steps in backward (step_in_backward), so scaled gradients "
         "would be applied before they could be unscaled or skipped; turn off loss scaling or "

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <unordered_map>
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
@@ -72,6 +73,70 @@ std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) c
   return it->second.weight_decay();
 }
 
+// Note [The disk tier around the step after backward]
+// With optimizer state (or the master) in the disk tier and the step after backward (the default,
+// and the only way to clip or scale the loss), the step would read and write every byte of state
+// between the backward and the next forward. Two things move that I/O under the compute:
+//  - Reads ahead. A post-reduce hook that applies nothing (clipping and loss scaling still work)
+//    sees each flat param as the backward collects its reduced gradient, last units first, the
+//    order the step takes them. It prepares that flat param's step job (taking the master the
+//    backward's gather kept) and issues the disk reads of its first chunk when the budget has room
+//    (offload::prefetch_first_chunk), so the disk reads the state on while the backward computes.
+//    The job is finished in step(): its gradient is collected then (after clipping and
+//    unscaling) and its learning rate and weight decay are read then.
+//  - Writes behind. step() leaves its last writes queued, so they drain under the next forward.
+//    A read of the same range waits for them (the next gather of a disk-tier master, the next
+//    step's reads); every other reader of the tier's files waits for all of them first: states()
+//    and the checkpoint's model view (save, load, export). The next step() waits for them before
+//    it starts, so a failed write is reported there at the latest.
+// The arithmetic is unchanged, so the result is bitwise the same as without either.
+struct ShardedOptimizer::ReadAhead : PostReduceHook {
+  explicit ReadAhead(ShardedOptimizer& o) : owner(o) {}
+  void gradient_reduced(GradShard& shard) override { owner.read_ahead(shard); }
+  bool applies_gradients() const override { return false; }
+
+  ShardedOptimizer& owner;
+  std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states_
+  std::map<size_t, offload::StepJob> ready;       // prepared by the backward, by place in states_
+};
+
+void ShardedOptimizer::install_read_ahead() {
+  if (read_ahead_ || in_backward_ || shards_->disk_tier() == nullptr) return;
+  if (shards_->hook() != nullptr || shards_->in_backward()) return;  // another optimizer's
+  auto ra = std::make_shared<ReadAhead>(*this);
+  for (size_t i = 0; i < states_.size(); ++i) ra->index[shard_of(states_[i]).key()] = i;
+  shards_->install_hook(ra.get());
+  read_ahead_ = std::move(ra);
+}
+
+void ShardedOptimizer::remove_read_ahead() {
+  if (!read_ahead_) return;
+  shards_->remove_hook(read_ahead_.get());
+  read_ahead_.reset();
+}
+
+// On the training thread, from the backward's gradient hook: Note [The disk tier around the step
+// after backward].
+void ShardedOptimizer::read_ahead(GradShard& shard) {
+  ReadAhead& ra = *read_ahead_;
+  auto it = ra.index.find(shard.key());
+  if (it == ra.index.end()) return;  // frozen
+  ShardState& s = states_[it->second];
+  if (s.tensors.empty()) return;  // created by its first step: nothing to read yet
+  offload::StepJob job = make_job(s);
+  offload::prefetch_first_chunk(job);
+  ra.ready[it->second] = std::move(job);  // replaces one a skipped step left
+}
+
+void ShardedOptimizer::settle_writes() {
+  if (offload::DiskTier* tier = shards_->disk_tier()) tier->flush();
+}
+
+std::vector<ShardState>& ShardedOptimizer::states() {
+  settle_writes();
+  return states_;
+}
+
 void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
   Tracer* tracer = shards_->tracer();
@@ -80,18 +145,33 @@ void ShardedOptimizer::step() {
     finish_step_in_backward(tracer);
     return;
   }
+  settle_writes();  // the last step's, drained under this step's forward and backward
   reserve_offloaded_state();
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
   std::vector<offload::StepJob> jobs;
-  for (auto it = states_.rbegin(); it != states_.rend(); ++it) jobs.push_back(make_job(*it));
-  offload::run_step(jobs, tracer);
+  for (size_t i = states_.size(); i-- > 0;) {
+    auto ready = read_ahead_ ? read_ahead_->ready.find(i) : std::map<size_t, offload::StepJob>::iterator();
+    if (read_ahead_ && ready != read_ahead_->ready.end()) {
+      jobs.push_back(std::move(ready->second));
+      jobs.back().step = step_fn(states_[i]);  // this step's learning rate, set after backward or not
+    } else {
+      jobs.push_back(make_job(states_[i]));
+    }
+  }
+  if (read_ahead_) read_ahead_->ready.clear();
+  offload::run_step(jobs, tracer, {/*flush=*/false, /*bump_generation=*/true});
+  install_read_ahead();  // from the next backward on (the state exists now)
+}
+
+offload::ShardStepFn ShardedOptimizer::step_fn(ShardState& s) {
+  const int group = shard_of(s).group();
+  const double lr = group_lr(group), wd = group_weight_decay(group);
+  return [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) { step_shard(chunk, p, g, lr, wd); };
 }
 
 offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
   GradShard& shard = shard_of(s);
-  const int group = shard.group();
-  const double lr = group_lr(group), wd = group_weight_decay(group);
   offload::StepJob job;
   job.state = &s;
   job.param = shard.master();
@@ -104,7 +184,7 @@ offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
     ++s.step;
     return grad;
   };
-  job.step = [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) { step_shard(chunk, p, g, lr, wd); };
+  job.step = step_fn(s);
   job.after = shard.after_update();
   return job;
 }
@@ -141,6 +221,7 @@ at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name)
 
 void ShardedOptimizer::zero_grad() {
   if (in_backward_) wait_for_backward_steps();  // they read the gradient shards
+  if (read_ahead_) read_ahead_->ready.clear();  // a skipped step's: their reads free the budget
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) shard_of(*it).zero_grad();
 }
 

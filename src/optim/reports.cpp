@@ -11,7 +11,7 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
   MemoryReport r = model_memory(root);
   if (optimizer == nullptr) return r;
   GradShards shards(root);
-  for (const auto& s : const_cast<ShardedOptimizer*>(optimizer)->states()) {
+  for (const auto& s : optimizer->states()) {
     for (const auto& [name, t] : s.tensors) {
       if (t.defined()) count_in_tier(r, t, shards.all().at(s.flat_index).state_tier());
     }

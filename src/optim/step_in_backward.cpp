@@ -72,6 +72,10 @@ void ShardedOptimizer::step_in_backward(bool on) {
                       "fsdp::AdamW or fsdp::SGD, or step after backward");
   }
   auto ib = std::make_shared<InBackward>(*this);
+  if (read_ahead_ && shards_->in_backward()) {
+    throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
+  }
+  remove_read_ahead();              // the step in backward reads for itself
   shards_->install_hook(ib.get());  // refuses a second optimizer, or a backward under way
   for (size_t i = 0; i < states_.size(); ++i) ib->index[shard_of(states_[i]).key()] = i;
   ib->stepped.assign(states_.size(), 0);
@@ -91,6 +95,7 @@ void ShardedOptimizer::stop_step_in_backward() {
 }
 
 ShardedOptimizer::~ShardedOptimizer() {
+  remove_read_ahead();
   if (!in_backward_) return;
   in_backward_->queue.stop(base::OnStop::kDrain);
   shards_->remove_hook(in_backward_.get());

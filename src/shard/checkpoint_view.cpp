@@ -25,6 +25,11 @@ void ShardTensor::copy_from(const ShardTensor& src) const { offload::copy_stream
 
 ModelView model_view(FSDPModule& root) {
   ModelView view;
+  // The optimizer's last writes may still be draining into the disk tier (Note [The disk tier
+  // around the step after backward] in optim/optim.cpp): what is saved, loaded or exported
+  // through this view waits for them.
+  if (ShardedUnit& u = unit_of(root); u.root() != nullptr && u.root_state().disk_tier)
+    u.root_state().disk_tier->flush();
   // Tensor identity -> (flat index, entry, the unit's prefix). Units pre-order, then each unit's
   // flat params: the order the optimizer's states and the saved files follow.
   struct Placed {

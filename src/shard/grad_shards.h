@@ -87,6 +87,10 @@ class PostReduceHook {
  public:
   virtual ~PostReduceHook() = default;
   virtual void gradient_reduced(GradShard& shard) = 0;
+  // Whether the hook applies the gradient during backward (the step in backward), so that nothing
+  // can rescale or skip it afterwards (clipping and loss scaling refuse); a hook that only reads
+  // ahead for the step after backward does not.
+  virtual bool applies_gradients() const { return true; }
 };
 
 // The flat params of a handle and the units under it (lazily initialising an unclaimed root).
@@ -111,8 +115,8 @@ class GradShards {
   // during a backward); remove_hook takes it off again (only `hook` itself).
   void install_hook(PostReduceHook* hook);
   void remove_hook(PostReduceHook* hook);
-  // The installed hook, or null. While one is installed, gradients are applied during backward:
-  // clipping and loss scaling refuse.
+  // The installed hook, or null. While one that applies_gradients() is installed, gradients are
+  // applied during backward: clipping and loss scaling refuse.
   PostReduceHook* hook() { return hook_of(*handle_); }
   // The same for any handle, without walking its flat params.
   static PostReduceHook* hook_of(FSDPModule& handle);

@@ -42,6 +42,11 @@ std::string ShardedUnit::name() const {
 //    none: its read is kept only under gradients, and its recomputation gathers it in backward;
 //  - backward, with the step in backward: the gather's read is kept for the unit's step.
 // Every kept read is dropped when a step starts and by any write of the master (a checkpoint load).
+bool ShardedUnit::steps_in_backward() const {
+  const PostReduceHook* hook = root_ != nullptr ? root_->root_state_->post_reduce_hook : nullptr;
+  return hook != nullptr && hook->applies_gradients();
+}
+
 void ShardedUnit::unshard() {
   using Keep = KeepMaster;
   Keep keep = Keep::kNo;

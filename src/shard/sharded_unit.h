@@ -154,8 +154,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // Explicit prefetch lists; when set they replace the recorded-order ones.
   void set_forward_prefetch(std::vector<ShardedUnit*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<ShardedUnit*> units) { backward_prefetch_ = std::move(units); }
-  // Whether an optimizer steps this unit's tree in backward (RootState::post_reduce_hook).
-  bool steps_in_backward() const { return root_ != nullptr && root_->root_state_->post_reduce_hook != nullptr; }
+  // Whether an optimizer steps this unit's tree in backward (a RootState::post_reduce_hook that
+  // applies gradients; one that only reads ahead for the step after backward does not).
+  bool steps_in_backward() const;
   // Collects every gradient reduction still in flight (see Note [Lazy gradient collection]).
   void collect_gradients();
   Tracer* tracer() { return root_ ? root_state().tracer.get() : nullptr; }

@@ -13,11 +13,25 @@ namespace fsdp::testing {
 
 // The handle's own unit.
 inline ShardedUnit& unit(const FSDPModule& handle) { return unit_of(handle); }
+// Waits for the writes the last optimizer step left draining into the disk tier, so that what is
+// read straight from the shards' mappings is current (the library's own readers wait too).
+inline void settle_disk_writes(const FSDPModule& handle) {
+  ShardedUnit& u = unit_of(handle);
+  if (u.root() != nullptr && u.root_state().disk_tier) u.root_state().disk_tier->flush();
+}
 // The handle's unit and every unit nested under it, pre-order; lazy-initialises an unclaimed root
-// (materialises deferred-init shards).
-inline std::vector<ShardedUnit*> units(const FSDPModule& handle) { return units_of(handle); }
+// (materialises deferred-init shards). Settles the disk tier's writes first.
+inline std::vector<ShardedUnit*> units(const FSDPModule& handle) {
+  auto out = units_of(handle);
+  settle_disk_writes(handle);
+  return out;
+}
 // Their flat params in order: ShardState::flat_index indexes this.
-inline std::vector<FlatParam*> flat_params(const FSDPModule& handle) { return flat_params_of(handle); }
+inline std::vector<FlatParam*> flat_params(const FSDPModule& handle) {
+  auto out = flat_params_of(handle);
+  settle_disk_writes(handle);
+  return out;
+}
 
 }  // namespace fsdp::testing
 
@@ -27,7 +41,7 @@ namespace fsdp {
 // each all-gather reads a disk-tier shard, keeping the peak in DiskTierStats (costs a mincore
 // per mapping each time).
 void set_disk_tier_audit(FSDPModule& root, bool on);
-// Drops the page cache of the disk tier's files (after waiting for its queued writes), so that
-// what it reads next comes from the disk.
+// Drops the page cache of the disk tier's files, so that what it reads next comes from the disk
+// (queued writes go on: they bypass the cache or leave it after themselves).
 void drop_disk_tier_page_cache(FSDPModule& root);
 }  // namespace fsdp

@@ -38,6 +38,9 @@ std::string state_bytes(const std::vector<double>& losses, FSDPModule& root, Sha
     std::snprintf(buf, sizeof(buf), "%a\n", l);
     s << buf;
   }
+  // states() first: it waits for the writes the last step left draining into the disk tier, which
+  // the master shards below are read around (straight through their mappings).
+  if (optim != nullptr) optim->states();
   for (const auto& unit : fsdp::testing::units(root)) {
     for (auto& fp : unit->flat_params()) append_bytes(s, fp->sharded_param());
   }

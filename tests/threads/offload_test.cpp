@@ -14,12 +14,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
@@ -597,6 +599,61 @@ TEST(Offload, OptimizerStateAloneEqualsNoOffloadBitwise) {
         EXPECT_TRUE(reference[r] == got[r]) << "rank " << r << " meta " << meta << " tier " << offload_tier_name(tier);
       }
     }
+  }
+  io::remove_tree(dir);
+}
+
+// Note [The disk tier around the step after backward]: with the state in the disk tier and the
+// step after backward (clipping on), the backward reads the state's first chunks ahead, and a
+// step skipped after its backward (zero_grad without step, as a GradScaler skips) drops what was
+// read for it: the result is bitwise that of the same steps in memory.
+TEST(Offload, StepAfterBackwardReadsTheStateDuringTheBackward) {
+  const std::string dir = testing::temp_path("offload-read-ahead");
+  auto run = [&](const std::optional<OffloadPolicy>& offload) {
+    std::vector<std::string> prints(kWorld);
+    testing::run_threads(
+        kWorld,
+        [&](const std::shared_ptr<Dist>& dist) {
+          at::set_num_threads(1);
+          DeviceMesh mesh(dist);
+          Job j = build(mesh, offload);
+          const int64_t local = kGlobalBatch / kWorld;
+          std::vector<double> losses;
+          for (int64_t step = 0; step < 4; ++step) {
+            auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
+            auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
+            at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, dist->rank() * local, local)),
+                                           y.narrow(0, dist->rank() * local, local));
+            const auto before = offload_io(*j.root);
+            loss.backward();
+            if (offload && step >= 1) {
+              // The master follows the state here, so no gather reads the disk: what the tier
+              // reads during the backward is the optimizer's read ahead (counted once complete).
+              const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+              while ((offload_io(*j.root) - before).disk_read == 0 && std::chrono::steady_clock::now() < deadline) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+              }
+              EXPECT_GT((offload_io(*j.root) - before).disk_read, 0) << "step " << step << ": nothing read ahead";
+            }
+            losses.push_back(loss.item<double>());
+            if (step == 2) {  // skipped: no update
+              j.optim->zero_grad();
+              continue;
+            }
+            clip_grad_norm(*j.root, 0.5);
+            j.optim->step();
+            j.optim->zero_grad();
+          }
+          prints[dist->rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
+        },
+        std::chrono::seconds(60));
+    return prints;
+  };
+  const auto reference = run(std::nullopt);
+  const auto disk = run(OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget));
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_GT(reference[r].size(), 1000u);
+    EXPECT_TRUE(reference[r] == disk[r]) << "rank " << r << ": the read ahead changed the result";
   }
   io::remove_tree(dir);
 }
