@@ -30,6 +30,11 @@ Scaling efficiency at N ranks = step time of one unsharded LibTorch rank on the 
 with the same threads (cores / N) / step time on N ranks: 1.0 means communication and sharding
 cost nothing. Reported for fsdp (and, for reference, FSDP2).
 
+Where the step goes: for fsdp (both transports) and unsharded LibTorch, rank 0's time per part of
+the step (forward, backward, check_finite, clip, optimizer, the rest), the time blocked in
+communication, and the copy floor (2 x bytes sent / one core's memcpy bandwidth, measured in the
+same run).
+
 Writes OUT/compare.json, compare.md and compare.png (OUT: bench/results by default).
 """
 import argparse
@@ -59,6 +64,10 @@ CONFIGS = {
 }
 COMMON = ["--set", "train.eval_every=0", "--set", "optim.warmup_steps=2", "--set", "train.log_every=1000"]
 SYSTEMS = ("fsdp", "fsdp_gloo", "fsdp2", "libtorch")
+# glibc's malloc thresholds, the same for every system: those fsdp sets for itself at init (Note
+# [Host malloc settings] in src/base/host_malloc.cpp), so that no system pays page faults on
+# recycled buffers that another does not.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912"
 NAMES = {"fsdp": "fsdp (FULL_SHARD, shared memory)", "fsdp_gloo": "fsdp (FULL_SHARD, Gloo)",
          "fsdp2": "PyTorch FSDP2 (Gloo)", "libtorch": "unsharded LibTorch"}
 # The transport each system's collectives use, named in compare.md's header.
@@ -109,7 +118,27 @@ def summarize(rows, warmup, baseline):
         "baseline_rss_bytes": max(baseline),
         "peak_rss_above_baseline_bytes": max(p - b for p, b in zip(peaks, baseline)),
         "losses": [r["loss"] for r in rows[:LOSS_STEPS]],
+        # Rank 0's seconds per part of the step (fsdp-train's and bench_unsharded's phase_s).
+        "phase_s": {k: med([r["phase_s"][k] for r in steady]) for k in steady[0].get("phase_s", {})},
     }
+
+
+MEMCPY = """
+import statistics, time, torch
+torch.set_num_threads(1)
+src, dst = torch.ones(16 << 20), torch.empty(16 << 20)  # 64 MiB each: beyond the caches
+times = []
+for _ in range(20):
+    t0 = time.perf_counter(); dst.copy_(src); times.append(time.perf_counter() - t0)
+print(src.numel() * 4 / statistics.median(times))
+"""
+
+
+def memcpy_bandwidth(python):
+    """Bytes per second one core copies between two 64 MiB buffers (median of 20 copies)."""
+    p = subprocess.run([python, "-c", MEMCPY], stdout=subprocess.PIPE, text=True, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return float(p.stdout.strip())
 
 
 def loss_mismatches(cfg, w, repeat, recs):
@@ -166,7 +195,7 @@ def main():
         prep[cfg] = {"args": cargs, "ckpt": ckpt, "hf": f"{d}/hf", "dir": d, "steps": n}
 
     def env_for(threads, system):
-        env = dict(os.environ, FSDP_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, FSDP_THREADS=str(threads), OMP_NUM_THREADS=str(threads), GLIBC_TUNABLES=MALLOC_TUNABLES)
         env.pop("FSDP_CPU_TRANSPORT", None)
         if system == "fsdp_gloo":
             env["FSDP_CPU_TRANSPORT"] = "gloo"
@@ -259,6 +288,7 @@ def main():
                     "baseline_rss_bytes": rs[0]["baseline_rss_bytes"],
                     "peak_rss_above_baseline_bytes": max(r["peak_rss_above_baseline_bytes"] for r in rs),
                     "losses": rs[0]["losses"],
+                    "phase_s": {k: statistics.median([r["phase_s"][k] for r in rs]) for k in rs[0]["phase_s"]},
                 }
                 row["tokens_per_s"] = seq * batch * row["ranks"] / row["step_time_s"]
                 table.append(row)
@@ -310,12 +340,13 @@ def main():
             if diffs:
                 ratios[f"{cfg}/w{w}/max_abs_loss_diff_first_steps"] = max(diffs)
 
+    memcpy_bps = statistics.median([memcpy_bandwidth(args.python) for _ in range(3)])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump({"cores": cores, "transports": TRANSPORTS, "warmup_steps": args.warmup, "steps": steps, "repeats": args.repeats,
+        json.dump({"cores": cores, "memcpy_bytes_per_s_one_core": memcpy_bps, "transports": TRANSPORTS, "warmup_steps": args.warmup, "steps": steps, "repeats": args.repeats,
                    "loss_check": {"steps": LOSS_STEPS, "abs_tol": LOSS_TOL}, "table": table,
                    "scaling_efficiency": efficiency, "ratios": ratios, "runs": runs}, f, indent=2)
-    md = markdown(table, efficiency, ratios, configs, worlds, cores, args)
+    md = markdown(table, efficiency, ratios, configs, worlds, cores, args) + breakdown(table, configs, memcpy_bps)
     with open(os.path.join(args.out, "compare.md"), "w") as f:
         f.write(md)
     plot(table, configs, worlds, cores, os.path.join(args.out, "compare.png"))
@@ -343,7 +374,8 @@ def markdown(table, efficiency, ratios, configs, worlds, cores, args):
         "parameters only), LR schedule, clipping and attention kind (fsdp-train's model.attn_implementation).",
         f"Median step time after {args.warmup} warm-up steps: median over {args.repeats} interleaved repeats "
         "(spread = min..max of the repeats' medians). Threads per rank = cores / ranks (at least 1); "
-        "more ranks than cores are oversubscribed.",
+        "more ranks than cores are oversubscribed. Every system runs with "
+        f"GLIBC_TUNABLES={MALLOC_TUNABLES}: the malloc thresholds fsdp sets for itself at init.",
         "Unsharded LibTorch runs 1 rank with the threads of each N (one run serves every N with the same "
         "threads): the floor for scaling efficiency = its step time / the N-rank step time (1.0: "
         "communication and sharding cost nothing).",
@@ -391,6 +423,35 @@ def markdown(table, efficiency, ratios, configs, worlds, cores, args):
                        f"{cell('fsdp')} | {cell('fsdp_gloo')} | {cell('fsdp2')} |")
     out += ["", "### Ratios", "", "| ratio | value |", "|---|---|"]
     out += [f"| {k} | {v:.3g} |" for k, v in ratios.items()]
+    return "\n".join(out) + "\n"
+
+
+PARTS = ["forward", "backward", "check_finite", "clip", "optimizer"]
+
+
+def breakdown(table, configs, memcpy_bps):
+    """Where each system's step goes, against the unsharded step with the same threads and against the
+    copy floor: the bytes each rank sends, copied once into the channel and once out of it, at one
+    core's memcpy bandwidth (measured in the same run)."""
+    out = ["", "### Where the step goes", "",
+           f"Rank 0's milliseconds per part of the step (fsdp-train's and bench_unsharded's metrics phase_s; "
+           "median over steps, then repeats). Forward and backward include the collectives and the time blocked "
+           "in them; other = the rest of the step (fsdp: the metrics' own gather of every rank's counters). "
+           f"Copy floor = 2 x bytes sent per rank / one core's memcpy bandwidth ({memcpy_bps / 1e9:.2f} GB/s, "
+           "measured in this run: 64 MiB buffers, one thread).", "",
+           "| config | ranks | system | step | " + " | ".join(PARTS) + " | other | blocked | copy floor |",
+           "|---" * (len(PARTS) + 7) + "|"]
+    for cfg in configs:
+        for r in table:
+            if r["config"] != cfg or not r.get("phase_s") or r["system"] not in ("fsdp", "fsdp_gloo", "libtorch"):
+                continue
+            ph = r["phase_s"]
+            other = r["step_time_s"] - sum(ph.values())
+            floor = 2 * r["bytes_per_rank"] / memcpy_bps
+            who = NAMES[r["system"]] + (f" (threads of N={r['world']})" if r["system"] == "libtorch" else "")
+            out.append(f"| {cfg} | {1 if r['system'] == 'libtorch' else r['world']} | {who} | "
+                       f"{r['step_time_s'] * 1e3:.1f} | " + " | ".join(f"{ph.get(p, 0) * 1e3:.1f}" for p in PARTS) +
+                       f" | {other * 1e3:.1f} | {r['comm_wait_s'] * 1e3:.1f} | {floor * 1e3:.1f} |")
     return "\n".join(out) + "\n"
 
 

@@ -31,7 +31,10 @@ LOSS_STEPS, LOSS_TOL = 5, 1e-4
 
 
 def run(cmd, threads, metrics):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FSDP_THREADS=str(threads))
+    # The malloc thresholds fsdp sets for itself at init, for both (bench_unsharded makes no process
+    # group): the same for every system.
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FSDP_THREADS=str(threads),
+               GLIBC_TUNABLES="glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912")
     env.pop("FSDP_CPU_TRANSPORT", None)
     p = subprocess.run(cmd + ["--metrics", metrics], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=1800)

@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "base/host_malloc.h"
 #include "base/strings.h"
 #include "comm/communicator_impl.h"
 #include "comm/transport.h"
@@ -307,6 +308,7 @@ void check_options(const InitOptions& options) {
 
 std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
   check_options(options);
+  base::tune_host_malloc();  // Note [Host malloc settings]
   if (env.world_size == 1) {
     auto dist = Dist::single(options);
     dist->env_ = env;

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -14,6 +16,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "base/host_malloc.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "support/ranks.h"
@@ -290,3 +293,19 @@ TEST(Rendezvous, UnreachableStoreFailsWithinTheTimeout) {
 
 }  // namespace
 }  // namespace fsdp
+
+// Note [Host malloc settings]: applied once per process unless the user chose malloc settings.
+TEST(HostMalloc, TunedOnceUnlessTheUserChoseSettings) {
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  const char* opt = std::getenv("FSDP_HOST_MALLOC_TUNING");
+  const bool user_chose = (tunables != nullptr && std::string(tunables).find("malloc") != std::string::npos) ||
+                          std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+                          std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+                          (opt != nullptr && std::string(opt) == "0");
+#if defined(__GLIBC__)
+  EXPECT_EQ(fsdp::base::tune_host_malloc(), !user_chose);
+  EXPECT_EQ(fsdp::base::tune_host_malloc(), !user_chose);  // idempotent
+#else
+  EXPECT_FALSE(fsdp::base::tune_host_malloc());
+#endif
+}
