@@ -236,7 +236,12 @@ void FlatParam::unguard_grads() {
 }
 
 void FlatParam::point_grads_at_buffer() {
-  for (auto& e : entries_) {
+  for (size_t k = 0; k < entries_.size(); ++k) {
+    FlatParamEntry& e = entries_[k];
+    if (!grad_copied_.empty() && !grad_copied_[k]) {
+      e.param.mutable_grad() = at::Tensor();  // its part holds no gradient yet: the first is copied in
+      continue;
+    }
     e.param.mutable_grad() = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
   }
   grads_guarded_ = false;
@@ -334,25 +339,74 @@ void FlatParam::prepare_gradients() {
     unsharded_grad_ = at::Tensor();
     grad_aliases_shard_ = false;
   }
-  if (!grads_prepared_) {
-    if (alias) {
-      if (!sharded_grad_.defined()) sharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
-      unsharded_grad_ = sharded_grad_;
-      grad_aliases_shard_ = true;
-    } else if (!unsharded_grad_.defined()) {
-      unsharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
+  if (!grads_prepared_ && alias) {
+    if (!sharded_grad_.defined()) sharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
+    unsharded_grad_ = sharded_grad_;
+    grad_aliases_shard_ = true;
+  } else if (!grads_prepared_) {
+    // Note [The first gradient is copied]: not zeroed; each entry's first gradient is copied in.
+    if (!unsharded_grad_.defined()) {
+      unsharded_grad_ = at::empty({padded_numel_}, unsharded_.options());
     } else {
       set_storage_alive(unsharded_grad_, true);
-      unsharded_grad_.zero_();
     }
+    grad_copied_.assign(entries_.size(), 0);
+    for (auto& e : entries_) e.param.mutable_grad() = at::Tensor();
+    grads_guarded_ = false;
+    grads_prepared_ = true;
+    return;
   }
   // Accumulating (no sync), the buffer is already there; .grad is guarded since the last backward.
   if (!grads_prepared_ || grads_guarded_) point_grads_at_buffer();
   grads_prepared_ = true;
 }
 
+// Note [The first gradient is copied]
+// With a gradient buffer of its own (not Note [One-rank gradients]), the buffer is not zeroed
+// before a step's first backward, and the parameters' .grad are left undefined, so AccumulateGrad
+// takes each gradient as autograd made it. Its post-hook (gradient_landed) copies it into the
+// parameter's part of the buffer and points .grad there, so what comes after (another micro-batch,
+// a second contribution under reentrant recomputation) adds in place as before. Before the
+// reduction, the parts no gradient reached (unused parameters) and the padding are zeroed. That
+// is one copy per gradient where zeroing the buffer and adding into it was three passes. The sums
+// are the same bits, except that a gradient element of -0.0 stays -0.0 instead of 0 + -0.0 = +0.0.
+void FlatParam::gradient_landed(size_t k) {
+  if (grad_copied_.empty() || grad_copied_[k] || reduce_issued_) return;
+  FlatParamEntry& e = entries_[k];
+  at::Tensor part = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
+  const at::Tensor& g = e.param.grad();
+  if (!g.defined()) {
+    part.zero_();
+  } else if (!g.is_same(part)) {
+    c10::NoGradGuard no_grad;
+    part.copy_(g);
+  }
+  e.param.mutable_grad() = part;
+  grad_copied_[k] = 1;
+}
+
+void FlatParam::fill_uncopied_grads() {
+  if (grad_copied_.empty()) return;
+  int64_t end = 0;
+  for (size_t k = 0; k < entries_.size(); ++k) {
+    const FlatParamEntry& e = entries_[k];
+    end = std::max(end, e.offset + e.numel);
+    if (grad_copied_[k]) continue;
+    at::Tensor part = unsharded_grad_.narrow(0, e.offset, e.numel);
+    const at::Tensor& g = e.param.grad();
+    if (g.defined() && !g.is_same(part.view(e.shape))) {
+      part.view(e.shape).copy_(g);  // landed without its hook (none missed so far; kept safe)
+    } else {
+      part.zero_();
+    }
+  }
+  if (end < padded_numel_) unsharded_grad_.narrow(0, end, padded_numel_ - end).zero_();
+  grad_copied_.clear();
+}
+
 void FlatParam::reduce_scatter_grads() {
   if (!grads_prepared_ || reduce_issued_) return;
+  fill_uncopied_grads();
   // The buffer now belongs to the collective: detach the params' views from it.
   guard_grads();
   reduce_input_ = config_.reduce_dtype == unsharded_grad_.scalar_type() ? unsharded_grad_

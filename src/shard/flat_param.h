@@ -137,6 +137,8 @@ class FlatParam {
   // Collects a reduction still in flight first (see Note [Lazy gradient collection]).
   void prepare_gradients();
   bool gradients_prepared() const { return grads_prepared_; }
+  // AccumulateGrad is done with entry k's gradient (Note [The first gradient is copied]).
+  void gradient_landed(size_t k);
   // Note [Guarded gradients] (param_data.h): after a backward the parameters' .grad are guards;
   // unguard_grads(), at the root's next forward, points them back at the gradient buffer while
   // gradients accumulate (no sync), else leaves them undefined.
@@ -188,6 +190,10 @@ class FlatParam {
   bool reduce_issued_ = false;
   bool grads_prepared_ = false;
   bool grads_guarded_ = false;  // the parameters' .grad are grad_guards_
+  // Note [The first gradient is copied]: per entry, whether its part of the buffer holds its
+  // gradient yet; empty when the buffer was zeroed (the parameters add into it).
+  std::vector<char> grad_copied_;
+  void fill_uncopied_grads();  // zeroes what no gradient reached, and the padding
 
   std::shared_ptr<ParamGuardInfo> guard_info_;
   std::vector<at::Tensor> guards_;       // per entry

@@ -259,7 +259,7 @@ void ShardedUnit::pre_backward() {
   state_ = TrainingState::kPreBackward;
 }
 
-void ShardedUnit::on_grad_ready(size_t i) {
+void ShardedUnit::on_grad_ready(size_t i, size_t k) {
   if (!flat_params_[i]->gradients_prepared()) {
     // No pre-backward ran: the gradient came through a forward fsdp never saw, and it would be lost.
     auto module = module_.lock();
@@ -269,6 +269,7 @@ void ShardedUnit::on_grad_ready(size_t i) {
                      "the module as fsdp::call(module, args...) (a block inside a torch::nn::Sequential, ModuleList "
                      "or AnyModule: wrap it with fsdp::Sharded, docs/WRAPPING.md)");
   }
+  flat_params_[i]->gradient_landed(k);
   if (++grads_landed_[i] == flat_params_[i]->entries().size()) post_backward(i);
 }
 

@@ -197,7 +197,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void init_buffers();
   void sync_buffers();
   // sharded_unit.cpp
-  void on_grad_ready(size_t flat_index);
+  void on_grad_ready(size_t flat_index, size_t entry);
   // An explicit prefetch list as indices in the root's unit list (units of other roots left out);
   // none when the list is empty (the recorded order decides).
   prefetch::ExplicitTargets explicit_targets(const std::vector<ShardedUnit*>& units) const;

@@ -306,10 +306,11 @@ void ShardedUnit::register_grad_hooks() {
   std::weak_ptr<ShardedUnit> weak = weak_from_this();
   for (size_t i = 0; i < flat_params_.size(); ++i) {
     if (!flat_params_[i]->config().requires_grad) continue;
-    for (const auto& e : flat_params_[i]->entries()) {
-      auto acc = torch::autograd::impl::grad_accumulator(e.param);
-      acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i] {
-        if (auto unit = weak.lock()) unit->on_grad_ready(i);
+    const auto& entries = flat_params_[i]->entries();
+    for (size_t k = 0; k < entries.size(); ++k) {
+      auto acc = torch::autograd::impl::grad_accumulator(entries[k].param);
+      acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i, k] {
+        if (auto unit = weak.lock()) unit->on_grad_ready(i, k);
       }));
       grad_accumulators_.push_back(std::move(acc));
     }
