@@ -83,12 +83,15 @@ std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) c
 //    backward's gather kept) and issues the disk reads of its first chunk when the budget has room
 //    (offload::prefetch_first_chunk), so the disk reads the state on while the backward computes.
 //    The job is finished in step(): its gradient is collected then (after clipping and
-//    unscaling) and its learning rate and weight decay are read then.
+//    unscaling) and its learning rate and weight decay are read then. A job is prepared again
+//    when the master was written since (the tier's generation moved: a checkpoint load), and
+//    states() drops them all (whoever writes the states makes them stale).
 //  - Writes behind. step() leaves its last writes queued, so they drain under the next forward.
-//    A read of the same range waits for them (the next gather of a disk-tier master, the next
-//    step's reads); every other reader of the tier's files waits for all of them first: states()
-//    and the checkpoint's model view (save, load, export). The next step() waits for them before
-//    it starts, so a failed write is reported there at the latest.
+//    At most half the budget drains: the forward may keep master reads for its backward in the
+//    other half (Note [Kept master reads]). A read of the same range waits for them (the next
+//    gather of a disk-tier master, the next step's reads); every other reader of the tier's files waits for all of them
+//    first: states() and the checkpoint's model view (save, load, export). The next step() waits for them before it
+//    starts, so a failed write is reported there at the latest.
 // The arithmetic is unchanged, so the result is bitwise the same as without either.
 struct ShardedOptimizer::ReadAhead : PostReduceHook {
   explicit ReadAhead(ShardedOptimizer& o) : owner(o) {}
@@ -97,7 +100,9 @@ struct ShardedOptimizer::ReadAhead : PostReduceHook {
 
   ShardedOptimizer& owner;
   std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states_
-  std::map<size_t, offload::StepJob> ready;       // prepared by the backward, by place in states_
+  // Prepared by the backward, by place in states_, with the tier's generation then: a master
+  // written since (a checkpoint load) makes the job stale, and step() prepares it again.
+  std::map<size_t, std::pair<offload::StepJob, uint64_t>> ready;
 };
 
 void ShardedOptimizer::install_read_ahead() {
@@ -125,7 +130,8 @@ void ShardedOptimizer::read_ahead(GradShard& shard) {
   if (s.tensors.empty()) return;  // created by its first step: nothing to read yet
   offload::StepJob job = make_job(s);
   offload::prefetch_first_chunk(job);
-  ra.ready[it->second] = std::move(job);  // replaces one a skipped step left
+  const uint64_t generation = shards_->disk_tier()->generation();
+  ra.ready[it->second] = {std::move(job), generation};  // replaces one a skipped step left
 }
 
 void ShardedOptimizer::settle_writes() {
@@ -134,6 +140,7 @@ void ShardedOptimizer::settle_writes() {
 
 std::vector<ShardState>& ShardedOptimizer::states() {
   settle_writes();
+  if (read_ahead_) read_ahead_->ready.clear();  // whoever writes the states makes them stale
   return states_;
 }
 
@@ -149,11 +156,12 @@ void ShardedOptimizer::step() {
   reserve_offloaded_state();
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
+  offload::DiskTier* tier = shards_->disk_tier();
   std::vector<offload::StepJob> jobs;
   for (size_t i = states_.size(); i-- > 0;) {
-    auto ready = read_ahead_ ? read_ahead_->ready.find(i) : std::map<size_t, offload::StepJob>::iterator();
-    if (read_ahead_ && ready != read_ahead_->ready.end()) {
-      jobs.push_back(std::move(ready->second));
+    auto ready = read_ahead_ ? read_ahead_->ready.find(i) : decltype(read_ahead_->ready)::iterator();
+    if (read_ahead_ && ready != read_ahead_->ready.end() && ready->second.second == tier->generation()) {
+      jobs.push_back(std::move(ready->second.first));
       jobs.back().step = step_fn(states_[i]);  // this step's learning rate, set after backward or not
     } else {
       jobs.push_back(make_job(states_[i]));
@@ -161,6 +169,10 @@ void ShardedOptimizer::step() {
   }
   if (read_ahead_) read_ahead_->ready.clear();
   offload::run_step(jobs, tracer, {/*flush=*/false, /*bump_generation=*/true});
+  // What drains under the next forward holds at most half the budget: the forward may keep
+  // master reads for its backward in the other half (Note [Kept master reads]).
+  if (tier != nullptr && tier->budget_bytes() > 0)
+    tier->wait_for_buffers(tier->budget_bytes() - tier->budget_bytes() / 2);
   install_read_ahead();  // from the next backward on (the state exists now)
 }
 

@@ -375,10 +375,13 @@ void FlatParam::gradient_landed(size_t k) {
   FlatParamEntry& e = entries_[k];
   at::Tensor part = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
   const at::Tensor& g = e.param.grad();
+  c10::NoGradGuard no_grad;
   if (!g.defined()) {
     part.zero_();
-  } else if (!g.is_same(part)) {
-    c10::NoGradGuard no_grad;
+  } else if (g.is_sparse()) {  // e.g. a sparse embedding's: added into zeros, as before
+    part.zero_();
+    part.add_(g);
+  } else {
     part.copy_(g);
   }
   e.param.mutable_grad() = part;
@@ -391,14 +394,8 @@ void FlatParam::fill_uncopied_grads() {
   for (size_t k = 0; k < entries_.size(); ++k) {
     const FlatParamEntry& e = entries_[k];
     end = std::max(end, e.offset + e.numel);
-    if (grad_copied_[k]) continue;
-    at::Tensor part = unsharded_grad_.narrow(0, e.offset, e.numel);
-    const at::Tensor& g = e.param.grad();
-    if (g.defined() && !g.is_same(part.view(e.shape))) {
-      part.view(e.shape).copy_(g);  // landed without its hook (none missed so far; kept safe)
-    } else {
-      part.zero_();
-    }
+    // No gradient reached it (whatever .grad holds now is a guard or nothing).
+    if (!grad_copied_[k]) unsharded_grad_.narrow(0, e.offset, e.numel).zero_();
   }
   if (end < padded_numel_) unsharded_grad_.narrow(0, end, padded_numel_ - end).zero_();
   grad_copied_.clear();
