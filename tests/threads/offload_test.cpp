@@ -658,6 +658,55 @@ TEST(Offload, StepAfterBackwardReadsTheStateDuringTheBackward) {
   io::remove_tree(dir);
 }
 
+// Note [The disk tier around the step after backward]: a checkpoint loaded between a backward
+// and its step() writes the state and master that the backward read ahead; the step uses the
+// loaded values, as the same sequence in memory does.
+TEST(Offload, CheckpointLoadedBetweenBackwardAndStepIsWhatSteps) {
+  const std::string dir = testing::temp_path("offload-load-before-step");
+  io::make_dirs(dir);
+  auto run = [&](const std::optional<OffloadPolicy>& offload, const std::string& name) {
+    std::vector<std::string> prints(kWorld);
+    const std::string ckpt = io::join(dir, "ckpt-" + name);
+    testing::run_threads(
+        kWorld,
+        [&](const std::shared_ptr<Dist>& dist) {
+          at::set_num_threads(1);
+          DeviceMesh mesh(dist);
+          Job j = build(mesh, offload);
+          train_step(j, 0, dist->rank());
+          checkpoint::TrainState st;
+          st.step = 1;
+          checkpoint::save(ckpt, "step-1", *j.root, j.optim.get(), st);
+          train_step(j, 1, dist->rank());
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+          auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
+          const int64_t local = kGlobalBatch / kWorld;
+          at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, dist->rank() * local, local)),
+                                         y.narrow(0, dist->rank() * local, local));
+          loss.backward();  // with the disk tier: the state's first chunks are read ahead now
+          checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
+          clip_grad_norm(*j.root, 0.5);
+          j.optim->step();
+          j.optim->zero_grad();
+          prints[dist->rank()] = testing::state_bytes({loss.item<double>()}, *j.root, j.optim.get());
+        },
+        std::chrono::seconds(60));
+    return prints;
+  };
+  const auto reference = run(std::nullopt, "memory");
+  const auto disk = run(OffloadPolicy()
+                            .params(OffloadTier::kDisk)
+                            .optimizer_state(OffloadTier::kDisk)
+                            .dir(io::join(dir, "offload"))
+                            .memory_budget_bytes(kBudget),
+                        "disk");
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_GT(reference[r].size(), 1000u);
+    EXPECT_TRUE(reference[r] == disk[r]) << "rank " << r << ": the step used what was read before the load";
+  }
+  io::remove_tree(dir);
+}
+
 // The plan at start against what the tiers moved, per step after the first, for each setup.
 TEST(Offload, PlanAgreesWithMeasuredIoWithinTenPercent) {
   const std::string dir = testing::temp_path("offload-plan");
