@@ -46,6 +46,8 @@ import sys
 import tempfile
 import time
 
+from ab_step_time import MALLOC_TUNABLES  # the same malloc thresholds for every system
+
 CONFIGS = {
     "comm": {
         "title": "communication-bound (hidden 256, 4 layers, seq 64, batch 1 per rank)",
@@ -64,10 +66,6 @@ CONFIGS = {
 }
 COMMON = ["--set", "train.eval_every=0", "--set", "optim.warmup_steps=2", "--set", "train.log_every=1000"]
 SYSTEMS = ("fsdp", "fsdp_gloo", "fsdp2", "libtorch")
-# glibc's malloc thresholds, the same for every system: those fsdp sets for itself at init (Note
-# [Host malloc settings] in src/base/host_malloc.cpp), so that no system pays page faults on
-# recycled buffers that another does not.
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912"
 NAMES = {"fsdp": "fsdp (FULL_SHARD, shared memory)", "fsdp_gloo": "fsdp (FULL_SHARD, Gloo)",
          "fsdp2": "PyTorch FSDP2 (Gloo)", "libtorch": "unsharded LibTorch"}
 # The transport each system's collectives use, named in compare.md's header.

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from ab_step_time import CONFIGS  # the comm- and compute-bound configs of scripts/bench compare
+from ab_step_time import CONFIGS, MALLOC_TUNABLES  # scripts/bench compare's configs; malloc thresholds
 
 STEPS = {"comm": 40, "compute": 8}
 WARMUP = 2
@@ -31,10 +31,8 @@ LOSS_STEPS, LOSS_TOL = 5, 1e-4
 
 
 def run(cmd, threads, metrics):
-    # The malloc thresholds fsdp sets for itself at init, for both (bench_unsharded makes no process
-    # group): the same for every system.
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FSDP_THREADS=str(threads),
-               GLIBC_TUNABLES="glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912")
+    # The malloc thresholds fsdp sets for itself at init, for both (bench_unsharded makes no process group).
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FSDP_THREADS=str(threads), GLIBC_TUNABLES=MALLOC_TUNABLES)
     env.pop("FSDP_CPU_TRANSPORT", None)
     p = subprocess.run(cmd + ["--metrics", metrics], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=1800)

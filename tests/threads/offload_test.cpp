@@ -30,6 +30,7 @@
 #include "fsdp/offload.h"
 #include "offload/device_stager.h"
 #include "offload/testing.h"
+#include "offload_job.h"
 #include "offload/tier.h"
 #include "shard/testing.h"
 #include "support/models.h"
@@ -40,61 +41,8 @@
 namespace fsdp {
 namespace {
 
-constexpr int kWorld = 2;
-constexpr int64_t kGlobalBatch = 8;
-// Three streamed tensors (param, exp_avg, exp_avg_sq) of 1024-element chunks, three chunks each:
-// every shard of the model below streams in several chunks with a ragged last one.
-constexpr int64_t kBudget = 3 * 3 * 1024 * 4;
-
-testing::NetOptions net_options(bool meta) {
-  testing::NetOptions o;
-  o.in = 7;
-  o.dim = 61;
-  o.hidden = 333;  // a block holds ~41k params: ~20k per rank, 20 chunks of 1024
-  o.out = 5;
-  o.blocks = 3;
-  o.device = meta ? at::Device(at::kMeta) : at::Device(at::kCPU);
-  return o;
-}
-
-using Job = testing::ShardedModel;
-
-// `offload` on the root only: the blocks inherit it. `checkpoint_block`: a block run under
-// activation checkpointing.
-Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true, int checkpoint_block = -1) {
-  testing::ShardedModelOptions o;
-  o.net = net_options(meta);
-  o.net.checkpoint_block = checkpoint_block;
-  // The non-meta model's initial values come from the global generator, which the rank threads
-  // share: seeded and drawn under a lock so that every rank (and every run) gets the same values.
-  o.seed = 3;
-  if (meta) o.shard.init(init::normal(0.2, 11));
-  o.root_shard = o.shard;
-  if (offload) o.root_shard->offload(*offload);
-  o.adamw = AdamWOptions(1e-2).weight_decay(0.1);
-  return testing::make_sharded_model(mesh, o);
-}
-
-double train_step(Job& j, int64_t step, int rank) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
-  auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
-  const int64_t local = kGlobalBatch / kWorld;
-  return testing::train_on_batch(j, x.narrow(0, rank * local, local), y.narrow(0, rank * local, local),
-                                 /*clip=*/0.5);
-}
-
-OffloadPolicy disk_policy(const std::string& dir, bool grads = false) {
-  return OffloadPolicy()
-      .params(OffloadTier::kDisk)
-      .grads(grads ? OffloadTier::kDisk : OffloadTier::kNone)
-      .optimizer_state(OffloadTier::kDisk)
-      .dir(dir)
-      .memory_budget_bytes(kBudget);
-}
-
-OffloadPolicy host_policy() {
-  return OffloadPolicy().params(OffloadTier::kHost).grads(OffloadTier::kHost).optimizer_state(OffloadTier::kHost);
-}
+// kWorld, kGlobalBatch, kBudget, Job, build, train_step, disk_policy, host_policy: offload_job.h.
+using namespace offload_job;
 
 // Trains `steps` steps on 2 thread ranks; returns each rank's fingerprint. `check` runs on each
 // rank after training.
@@ -599,110 +547,6 @@ TEST(Offload, OptimizerStateAloneEqualsNoOffloadBitwise) {
         EXPECT_TRUE(reference[r] == got[r]) << "rank " << r << " meta " << meta << " tier " << offload_tier_name(tier);
       }
     }
-  }
-  io::remove_tree(dir);
-}
-
-// Note [The disk tier around the step after backward]: with the state in the disk tier and the
-// step after backward (clipping on), the backward reads the state's first chunks ahead, and a
-// step skipped after its backward (zero_grad without step, as a GradScaler skips) drops what was
-// read for it: the result is bitwise that of the same steps in memory.
-TEST(Offload, StepAfterBackwardReadsTheStateDuringTheBackward) {
-  const std::string dir = testing::temp_path("offload-read-ahead");
-  auto run = [&](const std::optional<OffloadPolicy>& offload) {
-    std::vector<std::string> prints(kWorld);
-    testing::run_threads(
-        kWorld,
-        [&](const std::shared_ptr<Dist>& dist) {
-          at::set_num_threads(1);
-          DeviceMesh mesh(dist);
-          Job j = build(mesh, offload);
-          const int64_t local = kGlobalBatch / kWorld;
-          std::vector<double> losses;
-          for (int64_t step = 0; step < 4; ++step) {
-            auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
-            auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
-            at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, dist->rank() * local, local)),
-                                           y.narrow(0, dist->rank() * local, local));
-            const auto before = offload_io(*j.root);
-            loss.backward();
-            if (offload && step >= 1) {
-              // The master follows the state here, so no gather reads the disk: what the tier
-              // reads during the backward is the optimizer's read ahead (counted once complete).
-              const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-              while ((offload_io(*j.root) - before).disk_read == 0 && std::chrono::steady_clock::now() < deadline) {
-                std::this_thread::sleep_for(std::chrono::milliseconds(1));
-              }
-              EXPECT_GT((offload_io(*j.root) - before).disk_read, 0) << "step " << step << ": nothing read ahead";
-            }
-            losses.push_back(loss.item<double>());
-            if (step == 2) {  // skipped: no update
-              j.optim->zero_grad();
-              continue;
-            }
-            clip_grad_norm(*j.root, 0.5);
-            j.optim->step();
-            j.optim->zero_grad();
-          }
-          prints[dist->rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
-        },
-        std::chrono::seconds(60));
-    return prints;
-  };
-  const auto reference = run(std::nullopt);
-  const auto disk = run(OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(dir).memory_budget_bytes(kBudget));
-  for (int r = 0; r < kWorld; ++r) {
-    ASSERT_GT(reference[r].size(), 1000u);
-    EXPECT_TRUE(reference[r] == disk[r]) << "rank " << r << ": the read ahead changed the result";
-  }
-  io::remove_tree(dir);
-}
-
-// Note [The disk tier around the step after backward]: a checkpoint loaded between a backward
-// and its step() writes the state and master that the backward read ahead; the step uses the
-// loaded values, as the same sequence in memory does.
-TEST(Offload, CheckpointLoadedBetweenBackwardAndStepIsWhatSteps) {
-  const std::string dir = testing::temp_path("offload-load-before-step");
-  io::make_dirs(dir);
-  auto run = [&](const std::optional<OffloadPolicy>& offload, const std::string& name) {
-    std::vector<std::string> prints(kWorld);
-    const std::string ckpt = io::join(dir, "ckpt-" + name);
-    testing::run_threads(
-        kWorld,
-        [&](const std::shared_ptr<Dist>& dist) {
-          at::set_num_threads(1);
-          DeviceMesh mesh(dist);
-          Job j = build(mesh, offload);
-          train_step(j, 0, dist->rank());
-          checkpoint::TrainState st;
-          st.step = 1;
-          checkpoint::save(ckpt, "step-1", *j.root, j.optim.get(), st);
-          train_step(j, 1, dist->rank());
-          auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
-          auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
-          const int64_t local = kGlobalBatch / kWorld;
-          at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, dist->rank() * local, local)),
-                                         y.narrow(0, dist->rank() * local, local));
-          loss.backward();  // with the disk tier: the state's first chunks are read ahead now
-          checkpoint::load(checkpoint::resolve(ckpt, "latest"), *j.root, j.optim.get());
-          clip_grad_norm(*j.root, 0.5);
-          j.optim->step();
-          j.optim->zero_grad();
-          prints[dist->rank()] = testing::state_bytes({loss.item<double>()}, *j.root, j.optim.get());
-        },
-        std::chrono::seconds(60));
-    return prints;
-  };
-  const auto reference = run(std::nullopt, "memory");
-  const auto disk = run(OffloadPolicy()
-                            .params(OffloadTier::kDisk)
-                            .optimizer_state(OffloadTier::kDisk)
-                            .dir(io::join(dir, "offload"))
-                            .memory_budget_bytes(kBudget),
-                        "disk");
-  for (int r = 0; r < kWorld; ++r) {
-    ASSERT_GT(reference[r].size(), 1000u);
-    EXPECT_TRUE(reference[r] == disk[r]) << "rank " << r << ": the step used what was read before the load";
   }
   io::remove_tree(dir);
 }
