@@ -48,8 +48,8 @@ at::Tensor backward(Job& j, uint64_t seed, int rank) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto x = at::randn({kGlobalBatch, 7}, gen), y = at::randn({kGlobalBatch, 5}, gen);
   const int64_t local = kGlobalBatch / kWorld;
-  at::Tensor loss = at::mse_loss(fsdp::call(j.model, x.narrow(0, rank * local, local)),
-                                 y.narrow(0, rank * local, local));
+  at::Tensor loss =
+      at::mse_loss(fsdp::call(j.model, x.narrow(0, rank * local, local)), y.narrow(0, rank * local, local));
   loss.backward();
   return loss;
 }

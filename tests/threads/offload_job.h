@@ -35,7 +35,8 @@ using Job = testing::ShardedModel;
 
 // `offload` on the root only: the blocks inherit it. `checkpoint_block`: a block run under
 // activation checkpointing.
-inline Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true, int checkpoint_block = -1) {
+inline Job build(DeviceMesh& mesh, const std::optional<OffloadPolicy>& offload, bool meta = true,
+                 int checkpoint_block = -1) {
   testing::ShardedModelOptions o;
   o.net = net_options(meta);
   o.net.checkpoint_block = checkpoint_block;
