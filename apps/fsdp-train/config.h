@@ -108,6 +108,11 @@ struct RunConfig {
   // Activation checkpointing: 0 ("none"), 1 ("every": every layer) or n (layers 0, n, 2n, ...).
   int64_t activation_checkpointing = 0;
   bool async_save = false;  // write checkpoints in the background (one in flight)
+  // train.budget: per-rank budgets the run's plan (fsdp/plan.h) must fit before anything is
+  // allocated; 0: this machine's (host: MemAvailable / ranks on the node; disk: free space under
+  // fsdp.offload.dir; device: not checked). check false: the plan is printed, not enforced.
+  int64_t budget_host_bytes = 0, budget_device_bytes = 0, budget_disk_bytes = 0;
+  bool check_budget = true;
   // train.max_consecutive_skips (a step whose loss or gradient norm is not finite is skipped on
   // every rank; this many in a row stop the run with an error instead, 0: never) is kept in
   // FsdpConfig::scaler, the library's option.

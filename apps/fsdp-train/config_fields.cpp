@@ -379,6 +379,18 @@ std::vector<ConfigField> train_fields() {
               "train", "max_consecutive_skips", [](auto& c) -> auto& { return c.fsdp.scaler.max_consecutive_skips(); },
               kAnyInteger, "non-finite steps in a row that stop the run (0: never)"),
           "integer >= 0", check_scaler),
+      integer(
+          "train.budget", "host_bytes", [](auto& c) -> auto& { return c.train.budget_host_bytes; }, 0,
+          "per-rank host RAM the plan must fit (0: MemAvailable / ranks on the node)"),
+      integer(
+          "train.budget", "device_bytes", [](auto& c) -> auto& { return c.train.budget_device_bytes; }, 0,
+          "per-rank device memory the plan must fit on cuda (0: not checked)"),
+      integer(
+          "train.budget", "disk_bytes", [](auto& c) -> auto& { return c.train.budget_disk_bytes; }, 0,
+          "per-rank disk the plan's disk tier must fit (0: free space under fsdp.offload.dir / ranks)"),
+      boolean(
+          "train.budget", "check", [](auto& c) -> auto& { return c.train.check_budget; },
+          "refuse to start, before allocating, when the plan does not fit the budgets"),
   };
 }
 

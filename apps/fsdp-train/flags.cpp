@@ -75,7 +75,7 @@ void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
 const char* usage_text() {
   return "usage: fsdp-train [--config FILE] [--set KEY=VALUE]... [--steps N] [--seed N] [--data FILE]\n"
          "                  [--save-dir DIR] [--resume latest|DIR] [--metrics FILE] [--trace FILE] [--init-only]\n"
-         "                  [--init-from HF_DIR] [--allow-schedule-change]\n"
+         "                  [--init-from HF_DIR] [--allow-schedule-change] [--plan]\n"
          "                  [--help]\n"
          "\n"
          "Trains a Llama-style decoder with fully-sharded data parallelism. Launch one process per rank,\n"
@@ -106,6 +106,11 @@ const char* usage_text() {
          "                      the weights, read by each rank into its own shards; with --resume the\n"
          "                      checkpoint's weights win. A larger model.vocab_size grows the embedding\n"
          "                      and LM head: new rows are the mean of the pretrained ones\n"
+         "  --plan              print the run's plan and exit: per rank, the bytes in each tier, what\n"
+         "                      each step sends and reads, the assumptions, and whether it fits\n"
+         "                      train.budget (ranks from WORLD_SIZE / LOCAL_WORLD_SIZE, else 1); exit 0\n"
+         "                      when it fits, 2 when it does not. Without --plan a run that does not fit\n"
+         "                      is refused before anything is allocated (train.budget.check)\n"
          "  --help              this text\n"
          "\n"
          "SIGTERM or SIGINT: every rank stops after the step in flight, saves to --save-dir and exits with\n"
@@ -130,6 +135,8 @@ Flags parse_flags(int argc, const char* const* argv) {
     if (arg == "--help" || arg == "-h") {
       if (inline_value) throw UsageError("flag --help takes no value");
       f.help = true;
+    } else if (arg == "--plan") {
+      f.plan = true;
     } else if (arg == "--init-only" || arg == "--allow-schedule-change") {
       if (inline_value) throw UsageError("flag " + arg + " takes no value");
       (arg == "--init-only" ? f.init_only : f.allow_schedule_change) = true;

@@ -28,6 +28,7 @@ struct Flags {
   std::string trace;       // --trace FILE
   std::string init_from;   // --init-from HF_DIR: model and weights from a Hugging Face directory
   bool init_only = false;  // --init-only: join the job, report peak RSS, build no model
+  bool plan = false;       // --plan: print the run's plan (fsdp/plan.h) and exit, joining nothing
   // --allow-schedule-change: a --resume whose lr at the resumed step differs from the saved run's
   // (resume_review.h, Note [Resume changes]) goes ahead instead of being refused.
   bool allow_schedule_change = false;

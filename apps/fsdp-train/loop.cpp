@@ -10,6 +10,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/tensor.h>
 
+#include "base/file_io.h"
 #include "fsdp/stop.h"
 #include "preemption.h"
 #include "schedule.h"
@@ -20,6 +21,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The bytes of the files under `path`.
+int64_t tree_bytes(const std::string& path) {
+  if (!fsdp::io::is_dir(path)) return static_cast<int64_t>(fsdp::io::File::open_read(path).size());
+  int64_t n = 0;
+  for (const auto& name : fsdp::io::list_dir(path)) n += tree_bytes(fsdp::io::join(path, name));
+  return n;
+}
 
 }  // namespace
 
@@ -77,6 +86,9 @@ void Loop::train_step() {
   mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
   mine.comm_wait_s = delta.total_wait_s();
   mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+  mine.peak_rss_forward = static_cast<double>(outcome.phases.peak_forward);
+  mine.peak_rss_backward = static_cast<double>(outcome.phases.peak_backward);
+  mine.peak_rss_optimizer = static_cast<double>(outcome.phases.peak_optimizer);
   // Every rank's counters and its stop request (preemption.h) travel in one collective, so all
   // learn the global loss and the same stop decision.
   const auto agreed =
@@ -168,12 +180,25 @@ void Loop::save(double pause_s) {
       std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
     };
   }
+  const auto t0 = Clock::now();
+  rss_watermark_reset();
   r_.last_checkpoint = s_.checkpointer->save(r_.step, samples_seen_, *s_.root, *s_.optim, extra, on_phase);
   r_.last_saved_step = r_.step;
-  if (s_.rank == 0) {
-    progress_->note((s_.checkpointer->async() ? "saving checkpoint in the background: " : "saved checkpoint ") +
-                    r_.last_checkpoint);
+  if (s_.checkpointer->async()) {
+    if (s_.rank == 0) progress_->note("saving checkpoint in the background: " + r_.last_checkpoint);
+    return;
   }
+  const double seconds = seconds_since(t0);
+  RankCounters mine;
+  mine.peak_rss_bytes = static_cast<double>(rss_watermark());
+  const auto all = gather_counters(s_.dist->world(), mine);
+  if (s_.rank != 0) return;
+  const int64_t bytes = tree_bytes(r_.last_checkpoint);
+  metrics_.save(r_.step, seconds, bytes, all);
+  char line[160];
+  std::snprintf(line, sizeof line, " in %.1f s (%.1f MB, %.0f MB/s)", seconds, static_cast<double>(bytes) / 1e6,
+                static_cast<double>(bytes) / 1e6 / seconds);
+  progress_->note("saved checkpoint " + r_.last_checkpoint + line);
 }
 
 }  // namespace train

@@ -1,6 +1,13 @@
 // The memory plan: model state by tier, the largest gathered unit, and the memory levers.
 #include "memory_plan.h"
 
+#include <sys/statvfs.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
 #include "base/strings.h"
 
 namespace train {
@@ -8,42 +15,74 @@ namespace {
 
 using fsdp::base::mib;
 
-// One RMSNorm's saved tensors over N tokens: the normalised input and the scaled output in the
-// compute dtype, plus the fp32 copy of its input when computing in a narrower dtype.
-int64_t norm_bytes(int64_t N, int64_t H, int64_t e) { return 2 * e * N * H + (e != 4 ? 4 * N * H : 0); }
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  const int n = std::atoi(v);
+  if (n < 1) throw std::invalid_argument(std::string(name) + "=" + v + " must be a positive integer");
+  return n;
+}
 
 }  // namespace
 
-// Note [Activation bytes]
-// What autograd keeps from forward to backward, counted from the model's operations
-// (models/llama): per layer, the two norms (norm_bytes), the residual sum after attention and the
-// layer's output (N*H each); for attention, q, k and v after the rotary embedding and the key/value
-// head repeat, and the attention output that o_proj saves (4 * N * heads * head_dim), plus Qwen3's
-// q/k norms over each head; then what the attention kernel itself keeps: with
-// at::scaled_dot_product_attention (attn_implementation "sdpa") the fused kernel's log-sum-exp,
-// B * heads * T in fp32, and with the eager path the softmax probabilities, B * heads * T^2 in fp32
-// plus their copy in the compute dtype; a sliding window adds its boolean mask (T^2). For the MLP:
-// gate, silu(gate), up and their product (4 * N * I). Tensors used only by a multiplication with a
-// constant (the rotary tables) or by an addition are not kept. The root keeps the embedding output,
-// the final norm and the loss's log-probabilities (fp32, N * vocab).
-int64_t layer_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
-  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t N = batch * seq_len, H = m.hidden_size, I = m.intermediate_size;
-  const int64_t heads = m.num_attention_heads, q = heads * m.head_dim();
-  const int64_t kv = m.num_key_value_heads * m.head_dim();
-  const bool sdpa = m.attn_implementation == "sdpa";
-  const int64_t attn_kernel = sdpa ? 4 * batch * heads * seq_len  // log-sum-exp
-                                   : batch * heads * seq_len * seq_len * (4 + (e != 4 ? e : 0)) +
-                                         seq_len * seq_len;  // probabilities, the causal mask
-  const int64_t window_mask = sdpa && m.sliding_window > 0 ? seq_len * seq_len : 0;
-  const int64_t qk_norms = m.qk_norm() ? norm_bytes(N, q, e) + norm_bytes(N, kv, e) : 0;
-  return 2 * norm_bytes(N, H, e) + 2 * e * N * H + 4 * e * N * q + qk_norms + attn_kernel + window_mask + 4 * e * N * I;
+int64_t host_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  throw std::runtime_error("cannot read MemAvailable from /proc/meminfo: set train.budget.host_bytes");
 }
 
-int64_t root_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
-  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t N = batch * seq_len;
-  return e * N * m.hidden_size + norm_bytes(N, m.hidden_size, e) + 4 * N * m.vocab_size;
+int64_t disk_free_bytes(const std::string& path) {
+  std::string p = path.empty() ? "." : path;
+  struct statvfs st {};
+  while (::statvfs(p.c_str(), &st) != 0) {
+    const auto slash = p.find_last_of('/');
+    if (p == "/" || p == ".") throw std::runtime_error("cannot stat the file system of " + path);
+    p = slash == std::string::npos ? "." : slash == 0 ? "/" : p.substr(0, slash);
+  }
+  return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+}
+
+fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int nodes) {
+  fsdp::PlanRequest r;
+  r.ranks_per_node = ranks_per_node;
+  r.nodes = nodes;
+  r.device = cfg.fsdp.on_cuda() ? c10::kCUDA : c10::kCPU;
+  r.param_dtype = cfg.fsdp.param_dtype;
+  r.reduce_dtype = cfg.fsdp.reduce_dtype;
+  r.optimizer_state_tensors = 2;  // AdamW
+  r.seq_len = cfg.data.seq_len;
+  r.batch_per_rank = cfg.data.batch_size_per_rank * cfg.train.grad_accum_steps;
+  r.micro_batch = cfg.data.batch_size_per_rank;
+  r.checkpoint_every = cfg.train.activation_checkpointing;
+  r.strategy = cfg.fsdp.strategy;
+  r.offload = cfg.fsdp.offload;
+  r.prefetch_depth = static_cast<int>(cfg.fsdp.prefetch_depth);
+  r.async_save = cfg.train.async_save;
+  const int64_t local = ranks_per_node;
+  r.budget.host_bytes = cfg.train.budget_host_bytes > 0 ? cfg.train.budget_host_bytes : host_available_bytes() / local;
+  r.budget.device_bytes = cfg.train.budget_device_bytes > 0 ? cfg.train.budget_device_bytes : int64_t{1} << 60;
+  r.budget.disk_bytes =
+      cfg.train.budget_disk_bytes > 0 ? cfg.train.budget_disk_bytes : disk_free_bytes(cfg.fsdp.offload.dir()) / local;
+  return r;
+}
+
+fsdp::Plan plan_run(const TrainConfig& cfg) {
+  const int world = env_int("WORLD_SIZE", 1);
+  const int local = env_int("LOCAL_WORLD_SIZE", world);
+  if (world % local != 0) {
+    throw std::invalid_argument("WORLD_SIZE " + std::to_string(world) + " is not a multiple of LOCAL_WORLD_SIZE " +
+                                std::to_string(local));
+  }
+  fsdp::Plan p = fsdp::plan(llama::plan_shape(cfg.model), plan_request(cfg, local, world / local));
+  if (cfg.fsdp.on_cuda() && cfg.train.budget_device_bytes <= 0) {
+    p.assumptions.push_back("device memory not checked (train.budget.device_bytes 0)");
+  }
+  return p;
 }
 
 MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
@@ -83,12 +122,12 @@ MemoryPlan plan_memory(const PlanInputs& in) {
 
   if (in.micro_batch > 0 && in.seq_len > 0) {
     const int64_t L = m.num_hidden_layers, B = in.micro_batch, T = in.seq_len;
-    const int64_t full = layer_activation_bytes(m, B, T, in.param_dtype);
+    const int64_t full = llama::layer_activation_bytes(m, B, T, in.param_dtype);
     const int64_t n = in.checkpoint_every;
     p.checkpointed_layers = n > 0 ? (L + n - 1) / n : 0;  // layers 0, n, 2n, ...
     // A checkpointed layer keeps only its output (its input is the previous layer's output).
     const int64_t kept = elem * B * T * m.hidden_size;
-    p.activations = root_activation_bytes(m, B, T, in.param_dtype) + (L - p.checkpointed_layers) * full +
+    p.activations = llama::root_activation_bytes(m, B, T, in.param_dtype) + (L - p.checkpointed_layers) * full +
                     p.checkpointed_layers * kept;
     p.recompute = p.checkpointed_layers > 0 ? full : 0;
   }

@@ -26,7 +26,9 @@
 
 #include "config.h"
 #include "fsdp/options.h"
+#include "fsdp/plan.h"
 #include "llama.h"
+#include "shape.h"
 
 namespace train {
 
@@ -67,11 +69,6 @@ MemoryPlan plan_memory(const PlanInputs& in);
 MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size,
                           const fsdp::OffloadPolicy& offload = {});
 
-// Bytes kept for backward by one layer's forward over `tokens` tokens (B * T) in `dtype`, and by
-// the rest of the model (embedding output, final norm, logits and the loss's log-probabilities).
-int64_t layer_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
-int64_t root_activation_bytes(const llama::LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
-
 // Each lever's measured bytes (-1: not measured in this run).
 struct MeasuredLevers {
   int64_t activations = -1;
@@ -81,6 +78,18 @@ struct MeasuredLevers {
 // {"activations": {"plan": bytes, "measured": bytes, "error": (measured - plan) / plan}, ...} for
 // each lever the plan predicts and the run measured.
 nlohmann::json lever_report(const MemoryPlan& plan, const MeasuredLevers& measured);
+
+// The run's request to the library's planner (fsdp/plan.h): the config's choices fixed, the budgets
+// from train.budget (0: this machine's, below), `ranks_per_node` x `nodes` ranks.
+fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int nodes);
+// The plan of `cfg`'s run on the ranks the launcher's environment names (WORLD_SIZE,
+// LOCAL_WORLD_SIZE; none: one rank).
+fsdp::Plan plan_run(const TrainConfig& cfg);
+
+// This machine: MemAvailable (/proc/meminfo), and the free bytes of the file system holding
+// `path` (or its nearest existing parent). Throw std::runtime_error when they cannot be read.
+int64_t host_available_bytes();
+int64_t disk_free_bytes(const std::string& path);
 
 // One line naming the levers in use: activation checkpointing, accumulation, async saves, loss
 // scaling and the skip policy.

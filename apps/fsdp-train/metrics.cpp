@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -48,10 +49,13 @@ std::string duration(double s) {
 }  // namespace
 
 std::vector<double> RankCounters::values() const {
-  return {loss, allgather_bytes, reduce_scatter_bytes, comm_wait_s, peak_rss_bytes};
+  return {loss,           allgather_bytes,  reduce_scatter_bytes, comm_wait_s, peak_rss_bytes, peak_rss_forward,
+          peak_rss_backward, peak_rss_optimizer};
 }
 
-RankCounters RankCounters::of(const std::vector<double>& v) { return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4)}; }
+RankCounters RankCounters::of(const std::vector<double>& v) {
+  return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6), v.at(7)};
+}
 
 std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine) {
   const int n = world.size();
@@ -87,10 +91,37 @@ fsdp::CommStats CommCounter::snapshot() const {
   return total;
 }
 
+namespace {
+std::atomic<int64_t> cleared_peak{0};  // the highest mark rss_watermark_reset cleared
+}  // namespace
+
+int64_t rss_watermark() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  long long kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<int64_t>(kib) * 1024;
+}
+
+void rss_watermark_reset() {
+  const int64_t mark = rss_watermark();
+  int64_t seen = cleared_peak.load();
+  while (mark > seen && !cleared_peak.compare_exchange_weak(seen, mark)) {
+  }
+  std::FILE* f = std::fopen("/proc/self/clear_refs", "w");
+  if (f == nullptr) return;
+  std::fputs("5", f);
+  std::fclose(f);
+}
+
 int64_t peak_rss_bytes() {
   struct rusage u {};
-  if (::getrusage(RUSAGE_SELF, &u) != 0) return 0;
-  return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
+  const int64_t usage = ::getrusage(RUSAGE_SELF, &u) == 0 ? static_cast<int64_t>(u.ru_maxrss) * 1024 : 0;  // KiB
+  return std::max({usage, rss_watermark(), cleared_peak.load()});
 }
 
 // ---- MetricsLog ----------------------------------------------------------------------------------
@@ -130,6 +161,11 @@ void MetricsLog::step(const StepMetrics& m) {
   j["reduce_scatter_bytes"] = column(&RankCounters::reduce_scatter_bytes, true);
   j["comm_wait_s"] = column(&RankCounters::comm_wait_s, false);
   j["peak_rss_bytes"] = column(&RankCounters::peak_rss_bytes, true);
+  if (!m.ranks.empty() && m.ranks[0].peak_rss_forward > 0) {
+    j["phase_peak_rss_bytes"] = {{"forward", column(&RankCounters::peak_rss_forward, true)},
+                                 {"backward", column(&RankCounters::peak_rss_backward, true)},
+                                 {"optimizer", column(&RankCounters::peak_rss_optimizer, true)}};
+  }
   j["skipped"] = m.skipped;
   j["skipped_steps"] = m.skipped_steps;
   j["loss_scale"] = m.loss_scale;
@@ -149,6 +185,16 @@ void MetricsLog::eval(int64_t step, double loss) {
   const double ppl = std::exp(loss);
   nlohmann::ordered_json j = {{"eval", true}, {"step", step}, {"loss", loss}};
   j["perplexity"] = std::isfinite(ppl) ? nlohmann::ordered_json(ppl) : nlohmann::ordered_json(nullptr);
+  std::fprintf(file_, "%s\n", j.dump().c_str());
+  std::fflush(file_);
+}
+
+void MetricsLog::save(int64_t step, double seconds, int64_t bytes, const std::vector<RankCounters>& ranks) {
+  if (file_ == nullptr) return;
+  nlohmann::ordered_json rss = nlohmann::ordered_json::array();
+  for (const auto& r : ranks) rss.push_back(static_cast<int64_t>(r.peak_rss_bytes));
+  const nlohmann::ordered_json j = {
+      {"save", true}, {"step", step}, {"seconds", seconds}, {"bytes", bytes}, {"peak_rss_bytes", rss}};
   std::fprintf(file_, "%s\n", j.dump().c_str());
   std::fflush(file_);
 }

@@ -32,6 +32,9 @@ struct RankCounters {
   double reduce_scatter_bytes = 0;
   double comm_wait_s = 0;
   double peak_rss_bytes = 0;
+  // The step's peaks by phase (rss_watermark): the forward, the backward, and the rest (checks,
+  // clipping, the optimizer step).
+  double peak_rss_forward = 0, peak_rss_backward = 0, peak_rss_optimizer = 0;
 
   // As a flat list and back, to travel in a collective (fsdp::agree_on_stop_with).
   std::vector<double> values() const;
@@ -68,8 +71,14 @@ class CommCounter {
   std::vector<fsdp::Communicator*> comms_;
 };
 
-// This process's peak resident set size so far (getrusage's ru_maxrss).
+// This process's peak resident set size so far (getrusage's ru_maxrss, and the marks that
+// rss_watermark_reset cleared).
 int64_t peak_rss_bytes();
+// A phase's own peak (Linux): rss_watermark_reset() brings the kernel's high-water mark of this
+// process down to its current RSS (/proc/self/clear_refs "5"), rss_watermark() reads it (VmHWM).
+// 0 where the kernel offers neither.
+void rss_watermark_reset();
+int64_t rss_watermark();
 
 // The --metrics file. Writes nothing when constructed with an empty path (and on ranks other than
 // 0, whose caller passes ""). Each line is flushed, so a crashed run keeps its history.
@@ -81,6 +90,9 @@ class MetricsLog {
   MetricsLog& operator=(const MetricsLog&) = delete;
   void step(const StepMetrics& m);
   void eval(int64_t step, double loss);
+  // {"save": true, "step", "seconds", "bytes" (the checkpoint's files), "peak_rss_bytes" per rank
+  // during the save}.
+  void save(int64_t step, double seconds, int64_t bytes, const std::vector<RankCounters>& ranks);
 
  private:
   std::FILE* file_ = nullptr;

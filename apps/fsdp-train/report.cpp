@@ -173,7 +173,7 @@ void report_header(Session& s) {
   if (s.rank != 0) return;
   const auto plan = memory_plan(s);
   print_run(s, plan);
-  std::printf("memory plan per rank: %s\n", plan.to_string().c_str());
+  std::printf("plan per rank (fsdp/plan.h): %s", plan_run(s.cfg).to_string().c_str());
   std::printf("%s\n", levers_summary(s.cfg, s.global_batch).c_str());
   print_plans(s);
   std::fflush(stdout);

@@ -19,10 +19,28 @@
 #include "flags.h"
 #include "fsdp/errors.h"
 #include "hooks.h"
+#include "memory_plan.h"
 #include "preemption.h"
 #include "trainer.h"
 
 namespace train {
+namespace {
+
+int print_plan(const TrainConfig& config) {
+  const fsdp::Plan plan = plan_run(config);
+  std::printf("plan per rank for this config (fsdp-train --plan):\n%s", plan.to_string().c_str());
+  return plan.fits ? 0 : 2;
+}
+
+// Before the job joins and before anything is allocated: a run that cannot fit is refused on every rank.
+void check_plan(const TrainConfig& config) {
+  const fsdp::Plan plan = plan_run(config);
+  if (plan.fits) return;
+  throw std::invalid_argument("the run does not fit this machine's budgets (train.budget): " + plan.shortfall +
+                              " fsdp-train --plan prints the whole plan; train.budget.check=false runs it anyway.");
+}
+
+}  // namespace
 
 int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
   Flags flags;
@@ -38,6 +56,8 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     // Opened and validated before joining the job: a bad data file fails at once, not after the
     // rendezvous.
     data.emplace(config.data, config.model.vocab_size, config.train.seed);
+    if (flags.plan) return print_plan(config);
+    if (config.train.check_budget && !flags.init_only) check_plan(config);
   } catch (const std::exception& e) {
     // Every rank reports: a launcher may stop rank 0 before it prints when another rank exits first.
     std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());

@@ -4,6 +4,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <malloc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <stdexcept>
@@ -12,20 +13,34 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/memory.h"
+#include "metrics.h"
 
 namespace train {
 namespace {
 
 // Adds the seconds of its scope to `into` (a PhaseTimes field).
+// A phase's time, and with `peak` its peak RSS (the most of its runs).
 class PhaseTimer {
  public:
-  explicit PhaseTimer(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
-  ~PhaseTimer() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  explicit PhaseTimer(double& into, int64_t* peak = nullptr)
+      : into_(into), peak_(peak), t0_(std::chrono::steady_clock::now()) {
+    if (peak_ != nullptr) rss_watermark_reset();
+  }
+  ~PhaseTimer() {
+    into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    if (peak_ != nullptr) *peak_ = std::max(*peak_, rss_watermark());
+    if (peak_ != nullptr && std::getenv("DBG_HEAP")) {
+      const struct mallinfo2 mi = ::mallinfo2();
+      std::fprintf(stderr, "DBG hwm %lld inuse %lld mmapped %lld heapfree %lld arena %lld\n", (long long)(rss_watermark() >> 20),
+                   (long long)((mi.uordblks + mi.hblkhd) >> 20), (long long)(mi.hblkhd >> 20), (long long)(mi.fordblks >> 20), (long long)(mi.arena >> 20));
+    }
+  }
   PhaseTimer(const PhaseTimer&) = delete;
   PhaseTimer& operator=(const PhaseTimer&) = delete;
 
  private:
   double& into_;
+  int64_t* peak_;
   std::chrono::steady_clock::time_point t0_;
 };
 
@@ -99,7 +114,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   at::Tensor loss;
   {
     fsdp::Tracer::Scope s(tracer, "train::forward", "train", "");
-    PhaseTimer t(phases.forward);
+    PhaseTimer t(phases.forward, &phases.peak_forward);
     at::Tensor logits = fsdp::call(model_, batch.inputs.to(device_));
     if (inject && micro == 0) {
       logits.register_hook([](const at::Tensor& g) {
@@ -117,7 +132,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::backward", "train", "");
-    PhaseTimer t(phases.backward);
+    PhaseTimer t(phases.backward, &phases.peak_backward);
     scaler_->scale(loss).backward();
   }
   if (measure && micro == 0 && accum > 1) measured_.accum_grads = fsdp::memory_report(*root_).unsharded_grads_alive;
@@ -140,20 +155,20 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
   bool skip;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    PhaseTimer t(out.phases.check_finite);
+    PhaseTimer t(out.phases.check_finite, &out.phases.peak_optimizer);
     // With clipping on, the clipping norm decides for the gradients (no second pass over them).
     skip = scaler_->unscale_and_check(local, /*gradients_by_norm=*/cfg_.optim.grad_clip > 0);
   }
   double norm = 0;
   if (!skip && cfg_.optim.grad_clip > 0) {
     fsdp::Tracer::Scope s(tracer, "train::clip_grad_norm", "train", "");
-    PhaseTimer t(out.phases.clip);
+    PhaseTimer t(out.phases.clip, &out.phases.peak_optimizer);
     norm = fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
     out.grad_norm = norm;
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
-    PhaseTimer t(out.phases.optimizer);
+    PhaseTimer t(out.phases.optimizer, &out.phases.peak_optimizer);
     out.stepped = scaler_->step(optim_, norm);
     optim_.zero_grad();
   }
@@ -172,14 +187,14 @@ StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, f
   out.local_loss = local.item<double>();
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
-    PhaseTimer t(out.phases.optimizer);
+    PhaseTimer t(out.phases.optimizer, &out.phases.peak_optimizer);
     optim_.step();
   }
   out.stepped = true;
   bool bad;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    PhaseTimer t(out.phases.check_finite);
+    PhaseTimer t(out.phases.check_finite, &out.phases.peak_optimizer);
     bad = scaler_->unscale_and_check(local, /*gradients_by_norm=*/false);
   }
   optim_.zero_grad();

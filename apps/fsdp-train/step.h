@@ -24,6 +24,8 @@ namespace train {
 // metrics' phase_s breakdown.
 struct PhaseTimes {
   double data = 0, forward = 0, backward = 0, check_finite = 0, clip = 0, optimizer = 0;
+  // Peak RSS by phase (rss_watermark in metrics.h): forward, backward, and the rest of the step.
+  int64_t peak_forward = 0, peak_backward = 0, peak_optimizer = 0;
 };
 
 struct StepOutcome {

@@ -15,6 +15,7 @@
 #include "fsdp/offload.h"
 #include "fsdp/offload_policy.h"
 #include "fsdp/optim.h"
+#include "fsdp/plan.h"
 #include "fsdp/torch_optim.h"
 #include "fsdp/options.h"
 #include "fsdp/sharded.h"

@@ -56,6 +56,9 @@ bool check_fixed(const std::string& where, const std::string& family, const std:
     if (v != false) {
       refuse(where, key, v, "is not supported: sliding-window layers are implemented for mistral only");
     }
+  } else if (key == "use_mrope" && qwen) {
+    // Qwen2.5's configs carry it (false); multimodal rotary sections are Qwen2-VL's.
+    if (v != false) refuse(where, key, v, "is not supported: multimodal rotary embedding (mrope) is not implemented");
   } else if ((key == "sliding_window" || key == "max_window_layers") && qwen) {
     // Without use_sliding_window (refused above when set), transformers ignores both.
     (void)doc;

@@ -319,6 +319,11 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root, const Impo
     report.grown.push_back(t.name + ": " + std::to_string(located[i].entry->shape[0]) + " -> " +
                            std::to_string(t.shape[0]) + " rows");
   }
+  // The masters were written in place: what derives from them (the working copy of a master
+  // that follows its offloaded state, the disk tier's generation) is brought up to date.
+  for (const auto& slot : layout.flats) {
+    if (slot.shard.master_written) slot.shard.master_written();
+  }
   return report;
 }
 

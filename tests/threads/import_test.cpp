@@ -5,7 +5,8 @@
 // directory (missing, unexpected, mis-shaped or mistyped tensors, truncated or malformed files, no
 // weights at all) is refused on every rank naming the file and the tensor. A tensor allowed to grow
 // (Note [Grown rows]) keeps the source's rows and gets their mean in the added ones on any world
-// size and strategy, and import_unsharded reads the same directories into an ordinary module.
+// size and strategy, and import_unsharded reads the same directories into an ordinary module. A
+// master that follows its offloaded optimizer state gives the forward the imported weights.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -154,6 +155,37 @@ TEST(Import, SingleFileF16AndF32AndATiedLmHeadStoredToo) {
     EXPECT_EQ(report.dtypes, dtype == at::kHalf ? "F16" : "F32");
     expect_shards_equal(*m.root, ref, 0);
   }
+}
+
+// With only the optimizer state offloaded, the master follows the state into its tier and the
+// forward gathers a bf16 working copy of it (Note [The master follows the optimizer state]): the
+// import must refresh that copy, or the first step computes with the zeros of deferred init.
+TEST(Import, AMasterThatFollowsItsOffloadedStateIsWhatTheForwardUses) {
+  const auto c = tiny(/*tied=*/true);
+  const std::string dir = write_dir("import-follows", reference(c, at::kBFloat16), 2);
+  const std::string tier_dir = testing::temp_path("import-follows-tier");
+  const at::Tensor tokens = at::arange(12, at::kLong).remainder(c.vocab_size).view({2, 6});
+  std::map<std::string, at::Tensor> logits;
+  for (const std::string tier : {"none", "host", "disk"}) {
+    testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
+      auto policy = OffloadPolicy().optimizer_state(parse_offload_tier(tier)).dir(io::join(tier_dir, tier));
+      auto opts = FullyShardOptions()
+                      .init(init::constant(0.0))
+                      .mp_policy(MixedPrecisionPolicy().param_dtype(at::kBFloat16))
+                      .offload(policy);
+      llama::LlamaForCausalLM model(c, at::kMeta);
+      for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
+      auto root = fully_shard(model, mesh, opts);
+      checkpoint::import_weights(dir, *root);
+      const at::Tensor out = call(model, tokens).detach().to(at::kFloat);
+      if (dist->rank() == 0) logits[tier] = out;
+    });
+  }
+  io::remove_tree(tier_dir);
+  EXPECT_GT(logits["none"].abs().max().item<float>(), 0.0f);
+  EXPECT_TRUE(at::equal(logits["host"], logits["none"])) << "optimizer_state=host: the forward used other weights";
+  EXPECT_TRUE(at::equal(logits["disk"], logits["none"])) << "optimizer_state=disk: the forward used other weights";
 }
 
 // The message import_weights throws for `dir` (on each of two ranks, which must agree).

@@ -154,7 +154,7 @@ TEST(LlamaFamilies, HfConfigRoundTripsForEveryFamily) {
 
 TEST(LlamaFamilies, HfConfigReadsTransformers4Forms) {
   // rope_scaling with "type" (transformers 4), torch_dtype, top-level rope_theta; Qwen's ignored
-  // sliding_window when use_sliding_window is false.
+  // sliding_window when use_sliding_window is false, and Qwen2.5's use_mrope false.
   const auto c = llama::hf::config_from_hf_json(R"({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
     "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 100,
@@ -168,7 +168,7 @@ TEST(LlamaFamilies, HfConfigReadsTransformers4Forms) {
   EXPECT_EQ(c.dtype, "bfloat16");
   const auto q = llama::hf::config_from_hf_json(
       R"({"model_type": "qwen2", "use_sliding_window": false, "sliding_window": 4096, "max_window_layers": 28,
-          "hidden_size": 64, "num_attention_heads": 4})",
+          "use_mrope": false, "hidden_size": 64, "num_attention_heads": 4})",
       "q.json");
   EXPECT_EQ(q.sliding_window, 0);
   EXPECT_TRUE(q.qkv_bias());
@@ -203,6 +203,7 @@ TEST(LlamaFamilies, HfConfigRefusesWhatIsNotImplementedByName) {
       {R"({"model_type": "llama", "pretraining_tp": 2, )" + base + "}", "pretraining_tp=2"},
       {R"({"model_type": "llama", "sliding_window": 8, )" + base + "}", "sliding_window=8"},
       {R"({"model_type": "qwen2", "use_sliding_window": true, )" + base + "}", "use_sliding_window=true"},
+      {R"({"model_type": "qwen2", "use_mrope": true, )" + base + "}", "use_mrope=true is not supported"},
       {R"({"model_type": "qwen3", "layer_types": ["sliding_attention", "full_attention"], )" + base + "}",
        "layer_types="},
       {R"({"model_type": "mistral", "attention_bias": true, )" + base + "}", "attention_bias=true"},

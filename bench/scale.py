@@ -1,0 +1,577 @@
+#!/usr/bin/env python3
+"""A scale run of a published model shape end to end on 2 ranks: import, train, save, resume,
+export, logits against transformers, and PyTorch FSDP2 on the same model and data, with wall time,
+peak RSS per rank against fsdp-train's memory plan, and bytes moved against the disk's bandwidth.
+
+transformers builds the model from the published config.json (Qwen/Qwen2.5-0.5B,
+meta-llama/Llama-3.2-1B, or `tiny`, a Qwen2 of the same keys at hidden 64 for testing), random init,
+bf16, saved over several safetensors files; the model is deleted before anything else runs. A
+seeded file of random uint32 token ids is the training data. dd then writes (conv=fdatasync) and
+reads (page cache dropped when permitted, else the file's pages evicted) a file as large as the
+weights (at least 64 MiB) in the same folder: the disk's sequential bandwidth. The programs and their
+libraries are read once; then, each in fresh processes, on 2 ranks (fsdp-run), bf16 compute, AdamW
+state in the disk tier (fsdp.offload.optimizer_state=disk), OMP_NUM_THREADS=1, the model, checkpoint,
+export and token files evicted from the page cache before each phase (posix_fadvise DONTNEED):
+  baseline  fsdp-train --init-only: each rank's RSS with the libraries loaded, no model;
+  import    fsdp-train --init-from HF --steps 0;
+  train     --init-from HF --steps 3 --save-dir CKPT (the save's own time from --trace's
+            train::checkpoint_save span);
+  resume    --init-from HF --save-dir CKPT --resume latest --steps 4 (one more step, saved);
+  export    fsdp-ckpt export --dtype bfloat16 CKPT/step-00000004 OUT;
+  logits    fsdp-ckpt logits (LibTorch, fp32) of the checkpoint and of OUT, and transformers'
+            logits of OUT loaded in float32 and in bfloat16, on a fixed 16-token prompt;
+  fsdp2     bench/scale_fsdp2.py under torchrun, 3 steps on the same batches (run last, alone,
+            under a memory guard: a run that does not fit is reported with the phase it reached).
+Per phase: wall time; peak RSS per rank (fsdp-train's "peak RSS per rank" line, which covers the
+save; else the command's ru_maxrss, from wait4 in a small process that forks it); the memory
+plan's total and measured / plan; bytes read and written as the kernel's block I/O accounting of
+the phase's processes (wait4's
+ru_inblock / ru_oublock: reads served from the page cache are not counted, writes are counted when
+pages are dirtied, including those of files unlinked before writeback); rate = bytes / wall against
+dd's. Results: bench/results/scale-<model>.json and .md.
+
+Usage: bench/scale.py [--model qwen2.5-0.5b|llama-3.2-1b|tiny] [--bin build/bin] [--keep DIR]
+       (the venv's python; scripts/bench scale runs it)
+"""
+import argparse
+import ctypes
+import gc
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 2**20
+
+QWEN25_05B = {  # Qwen/Qwen2.5-0.5B config.json (revision 060db6499f32faf8b98477b0a26969ef7d8b9987)
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+LLAMA32_1B = {  # meta-llama/Llama-3.2-1B config.json (revision 4e20de362430cd3b72f300e6b0f18e50e7166e08)
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+TINY = dict(QWEN25_05B, hidden_size=64, intermediate_size=176, num_hidden_layers=2, max_window_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, bos_token_id=999, eos_token_id=999)
+# name: (config, max_shard_size for save_pretrained, config.json keys fsdp-train refuses, dropped by default)
+MODELS = {
+    "qwen2.5-0.5b": (QWEN25_05B, "300MB", ["use_mrope"]),  # 4 files: the 272 MB embedding, 3 of layers
+    "llama-3.2-1b": (LLAMA32_1B, "350MB", []),  # about 9 files: the 525 MB embedding, 2 layers per file
+    "tiny": (TINY, "50KB", ["use_mrope"]),  # 5 files
+}
+PROMPT_LEN = 16
+FP32_TOL = 1e-3  # same weights, fp32 in both: only the order of operations differs
+BF16_REL_TOL = 2**-5  # x max |logit|: bf16 weights (2^-9 relative) or bf16 compute across ~all layers
+LOSS_TOL = 1e-2  # nats: fsdp vs FSDP2 step-1 loss, both computing in bf16 from the same weights and batch
+
+
+def say(msg):
+    print(f"scale: {msg}", flush=True)
+
+
+def build_model(hf_dir, spec, shard_size, drop, seed):
+    """The published config, random init, bf16, several files; returns (params, files, bytes)."""
+    import torch
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(**spec)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(hf_dir, max_shard_size=shard_size)
+    del model, config
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand the freed arenas back before the phases run
+    except OSError:
+        pass
+    path = os.path.join(hf_dir, "config.json")
+    saved = json.load(open(path))
+    for key in drop:
+        saved.pop(key, None)
+    json.dump(saved, open(path, "w"), indent=2)
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    return params, len(files), sum(os.path.getsize(f) for f in files)
+
+
+def dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def drop_caches():
+    subprocess.run(["sync"], check=False)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def evict(paths):
+    """Drops these files' pages from the page cache (written back first), so the next phase reads them."""
+    os.sync()
+    for top in paths:
+        walk = [(top, [], [""])] if os.path.isfile(top) else os.walk(top)
+        for d, _, fs in walk:
+            for f in fs:
+                try:
+                    fd = os.open(os.path.join(d, f), os.O_RDONLY)
+                except OSError:
+                    continue
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+
+def warm(bin_dir):
+    """Reads the programs and the libraries they load, so that phases count their data, not these."""
+    files = set(glob.glob(os.path.join(bin_dir, "fsdp-*")))
+    for prog in list(files):
+        out = subprocess.run(["ldd", prog], capture_output=True, text=True).stdout
+        files.update(re.findall(r"=> (/\S+)", out))
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def mem_available():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def dd_bandwidth(work, nbytes):
+    """Sequential write (fdatasync) and read of nbytes in `work`, bytes/s each, and the cache state."""
+    path = os.path.join(work, "dd.bin")
+    count = max(-(-nbytes // MIB), 64)
+
+    def rate(stderr):
+        m = re.search(r"^(\d+) bytes .* copied, ([0-9.]+) s", stderr, re.M)
+        return int(m.group(1)) / float(m.group(2))
+
+    subprocess.run(["sync"], check=False)
+    w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync"],
+                       capture_output=True, text=True, check=True)
+    cold = drop_caches()
+    if not cold:
+        evict([path])
+    r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], capture_output=True, text=True, check=True)
+    os.remove(path)
+    return {"bytes": count * MIB, "write_Bps": rate(w.stderr), "read_Bps": rate(r.stderr),
+            "read_cache": "cold: drop_caches" if cold else "cold: posix_fadvise DONTNEED (drop_caches not permitted)"}
+
+
+class MemoryGuard(threading.Thread):
+    """Kills the process group `pgid` when MemAvailable falls below `floor` bytes."""
+
+    def __init__(self, pgid, floor):
+        super().__init__(daemon=True)
+        self.pgid, self.floor, self.fired, self.low = pgid, floor, False, mem_available()
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.2):
+            avail = mem_available()
+            self.low = min(self.low, avail)
+            if avail < self.floor:
+                self.fired = True
+                try:
+                    os.killpg(self.pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                return
+
+
+# Forks the command and reports its wait4 rusage: a child forked from this (large) process would
+# start its ru_maxrss at this process's RSS, which fork and exec carry over.
+SPAWN = """import json, os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, ru = os.wait4(pid, 0)
+json.dump({"rc": os.waitstatus_to_exitcode(status), "inblock": ru.ru_inblock, "oublock": ru.ru_oublock,
+           "maxrss": ru.ru_maxrss}, open(sys.argv[1], "w"))
+"""
+
+
+def run_phase(name, cmd, logs, env, floor, data):
+    """Runs cmd in its own process group, `data` evicted from the page cache first: wall, rc, the
+    command's rusage, its output."""
+    log_path, usage_path = (os.path.join(logs, name + ext) for ext in (".log", ".rusage.json"))
+    evict(data)
+    say(f"{name}: {' '.join(cmd)}")
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        p = subprocess.Popen([sys.executable, "-S", "-c", SPAWN, usage_path, *cmd], stdout=log,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        guard = MemoryGuard(p.pid, floor)
+        guard.start()
+        rc = p.wait()
+        guard.done.set()
+    wall = time.monotonic() - t0
+    out = open(log_path, errors="replace").read()
+    usage = json.load(open(usage_path)) if os.path.exists(usage_path) else {"inblock": 0, "oublock": 0, "maxrss": 0}
+    rc = usage.get("rc", rc)
+    res = {"phase": name, "rc": rc, "wall_s": wall, "read_bytes": usage["inblock"] * 512,
+           "write_bytes": usage["oublock"] * 512, "maxrss_bytes": usage["maxrss"] * 1024, "log": log_path,
+           "mem_available_low_bytes": guard.low}
+    if guard.fired:
+        res["error"] = f"killed by the memory guard (MemAvailable < {floor / MIB:.0f} MiB)"
+    elif rc != 0:
+        res["error"] = "\n".join(out.strip().splitlines()[-6:])
+    say(f"{name}: {wall:.1f} s, status {rc}" + (f": {res['error']}" if "error" in res else ""))
+    return res, out
+
+
+def parse_train_log(out, res, metrics, trace):
+    """fsdp-train's figures: peak RSS per rank, the plan's total, losses, the save's time."""
+    m = re.search(r"peak RSS per rank:((?: [0-9.]+ MiB)+)", out)
+    if m:
+        res["peak_rss_bytes"] = [float(x) * MIB for x in re.findall(r"([0-9.]+) MiB", m.group(1))]
+    # "memory plan per rank: ...; total X MiB" (a newer fsdp-train may print "plan per rank (...)"
+    # over several lines: the first "total ... X MiB" within them counts).
+    m = re.search(r"^\[rank 0\] (?:memory )?plan per rank[^:]*:(.*(?:\n.*){0,40})", out, re.M)
+    if m:
+        res["plan_line"] = m.group(1).splitlines()[0].strip()
+        total = re.search(r"total[^\n]*?([0-9][0-9,]*\.?[0-9]*) MiB", m.group(1))
+        res["plan_bytes"] = float(total.group(1).replace(",", "")) * MIB if total else None
+    m = re.search(r"init: .*rank 0 read ([0-9.]+) MiB", out)
+    if m:
+        res["import_rank0_read_bytes"] = float(m.group(1)) * MIB
+    if metrics and os.path.exists(metrics):
+        lines = [json.loads(x) for x in open(metrics) if x.strip()]
+        steps = [x for x in lines if "step" in x and "loss" in x and not x.get("eval")]
+        res["steps"] = [{"step": x["step"], "loss": x["loss"], "lr": x["lr"], "step_time_s": x["step_time_s"],
+                         "grad_norm": x.get("grad_norm")} for x in steps]
+        if "peak_rss_bytes" not in res and lines:
+            res["peak_rss_bytes"] = lines[-1]["peak_rss_bytes"]
+    if trace and os.path.exists(trace):
+        events = json.load(open(trace))["traceEvents"]
+        saves = [e["dur"] / 1e6 for e in events if e.get("ph") == "X" and e.get("name") == "train::checkpoint_save"]
+        if saves:
+            res["save_s"] = sum(saves)
+    return res
+
+
+def optim_defaults(bin_dir):
+    """fsdp-train's optimizer defaults and train.seed, from its --help."""
+    text = subprocess.run([os.path.join(bin_dir, "fsdp-train"), "--help"], capture_output=True, text=True).stdout
+    found = {}
+    for key, value in re.findall(r"^\s+(optim\.\w+|train\.seed) = (\S+)", text, re.M):
+        found[key.split(".")[1]] = json.loads(value)
+    return found
+
+
+def hf_logits(model_dir, dtype, tokens, out):
+    """(Run as a child: `scale.py --hf-logits DIR DTYPE TOKENS OUT`) transformers' logits, as float32."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(np.load(tokens))).logits.float().numpy()
+    np.save(out, logits)
+
+
+def compare_logits(ref, other, tol):
+    import numpy as np
+    a, b = np.load(ref), np.load(other)
+    if a.shape != b.shape:
+        return {"shapes": [list(a.shape), list(b.shape)], "ok": False}
+    diff = float(np.abs(a - b).max())
+    top2 = np.sort(a, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 2 * tol  # positions whose argmax no error within tol can flip
+    agree = a.argmax(-1) == b.argmax(-1)
+    return {"max_abs_diff": diff, "max_abs_logit": float(np.abs(a).max()), "tolerance": tol,
+            "argmax_agree": float(agree.mean()), "argmax_agree_where_clear": bool(agree[clear].all()),
+            "clear_positions": int(clear.sum()), "positions": int(agree.size),
+            "ok": bool(diff <= tol and agree[clear].all())}
+
+
+def mib(x):
+    if x is None:
+        return "-"
+    return f"{x / MIB:,.0f}" if x >= 100 * MIB else f"{x / MIB:.2g}" if x < MIB else f"{x / MIB:.1f}"
+
+
+def report(r):
+    dd = r["dd"]
+    rows = []
+    for p in r["phases"]:
+        rss = p.get("peak_rss_bytes") or [p.get("maxrss_bytes")]
+        plan = p.get("plan_bytes")
+        ratio = " / ".join(f"{x / plan:.2f}" for x in rss) if plan else "-"
+        above = (" / ".join(f"{(x - b) / plan:.2f}" for x, b in zip(rss, r["baseline_rss"]))
+                 if plan and r.get("baseline_rss") else "-")
+        rd, wr, wall = p["read_bytes"], p["write_bytes"], p["wall_s"]
+        rates = (f"{rd / wall / 1e6:,.0f} ({rd / wall / dd['read_Bps']:.2f}) / "
+                 f"{wr / wall / 1e6:,.0f} ({wr / wall / dd['write_Bps']:.2f})")
+        status = "ok" if p["rc"] == 0 else f"FAILED ({p['rc']})"
+        rows.append(f"| {p['phase']} | {status} | {wall:.1f} | {' / '.join(mib(x) for x in rss)} | {mib(plan)} | "
+                    f"{ratio} | {above} | {mib(rd)} / {mib(wr)} | {rates} |")
+    md = [f"# Scale run: {r['model']} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
+          f"of bf16 weights in {r['files']} files)", "",
+          f"Conditions: {r['conditions']}.", "",
+          f"Disk (dd, {dd['bytes'] / MIB:,.0f} MiB, same folder): write {dd['write_Bps'] / 1e6:,.0f} MB/s "
+          f"(conv=fdatasync), read {dd['read_Bps'] / 1e6:,.0f} MB/s ({dd['read_cache']}).", "",
+          "| phase | status | wall s | peak RSS per rank MiB | plan MiB | RSS / plan | (RSS - baseline) / plan | "
+          "read / written MiB | read / write MB/s (fraction of dd) |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
+    s = r.get("sizes", {})
+    for p in r["phases"]:
+        if "save_s" in p:
+            size = s.get("checkpoint_step_bytes", 0)
+            md.append(f"- {p['phase']}: the save took {p['save_s']:.2f} s (train::checkpoint_save in --trace) for "
+                      f"{size / MIB:,.0f} MiB: {size / p['save_s'] / 1e6:,.0f} MB/s "
+                      f"({size / p['save_s'] / dd['write_Bps']:.2f} of dd's write).")
+        if "error" in p:
+            md.append(f"- {p['phase']} failed: `{p['error'][-400:]}`")
+    md.append(f"- Sizes: HF dir {mib(s.get('hf_bytes'))} MiB, one checkpoint {mib(s.get('checkpoint_step_bytes'))} "
+              f"MiB, checkpoint dir {mib(s.get('checkpoint_dir_bytes'))} MiB, export {mib(s.get('export_bytes'))} MiB.")
+    if r.get("logits"):
+        md += ["", "Logits on a fixed prompt of 16 tokens (fsdp-ckpt logits runs LibTorch in fp32):", "",
+               "| compared | max abs diff | max abs logit | tolerance | argmax agrees | ok |",
+               "| --- | --- | --- | --- | --- | --- |"]
+        for name, c in r["logits"].items():
+            if "max_abs_diff" not in c:
+                md.append(f"| {name} | {c.get('error', c.get('shapes'))} | | | | no |")
+                continue
+            md.append(f"| {name} | {c['max_abs_diff']:.3g} | {c['max_abs_logit']:.3g} | {c['tolerance']:.3g} | "
+                      f"{c['argmax_agree']:.0%} ({c['clear_positions']}/{c['positions']} clear: "
+                      f"{'all agree' if c['argmax_agree_where_clear'] else 'DIFFER'}) | {'yes' if c['ok'] else 'NO'} |")
+        md.append(f"Tolerances: {FP32_TOL} where both sides run the same bf16-stored weights in fp32 (only the order "
+                  f"of operations differs); {BF16_REL_TOL} x max |logit| where one side has the fp32 master weights "
+                  "and the other their bf16 export, or computes in bf16 (2^-9 relative rounding per weight or "
+                  "operation, summed over the layers). Argmax is required to agree only where the top two logits "
+                  "are further apart than twice the tolerance.")
+    f2 = r.get("fsdp2")
+    if f2:
+        md += ["", "PyTorch FSDP2 (bench/scale_fsdp2.py: fully_shard per decoder layer and the root, "
+               "MixedPrecisionPolicy(bf16, fp32), fp32 weights loaded by every rank, AdamW fused, same batches):", ""]
+        if f2.get("fit"):
+            fsdp = {s["step"]: s for s in r.get("train_steps", [])}
+            md += ["| step | fsdp loss | FSDP2 loss | difference | fsdp step s | FSDP2 step s | FSDP2 peak RSS MiB |",
+                   "| --- | --- | --- | --- | --- | --- | --- |"]
+            for s in f2["steps"]:
+                ours = fsdp.get(s["step"], {})
+                diff = f"{s['loss'] - ours['loss']:+.2e}" if ours else "-"
+                md.append(f"| {s['step']} | {ours.get('loss', float('nan')):.5f} | {s['loss']:.5f} | {diff} | "
+                          f"{ours.get('step_time_s', float('nan')):.2f} | {s['wall_s']:.2f} | "
+                          f"{' / '.join(mib(x) for x in s['peak_rss_bytes'])} |")
+            md.append(f"Step-1 loss difference {f2.get('step1_loss_diff', float('nan')):.2e} against a tolerance of "
+                      f"{LOSS_TOL} nats (both bf16): {'agrees' if f2.get('step1_agrees') else 'DISAGREES'}. "
+                      f"FSDP2 load {f2['load_s']:.1f} s, wall {f2['wall_s']:.1f} s, "
+                      f"peak RSS per rank {' / '.join(mib(x) for x in f2['peak_rss_bytes'])} MiB.")
+        else:
+            what = "did not fit: it ran out" if f2.get("out_of_memory") else "failed"
+            md.append(f"FSDP2 {what} in phase `{f2.get('last_phase')}` "
+                      f"({f2.get('error', '')[-300:]}); MemAvailable before {mib(f2.get('mem_available_before'))} MiB.")
+    md += ["", "Measured by `bench/scale.py` (`scripts/bench scale`)."]
+    return "\n".join(md) + "\n"
+
+
+def main():
+    if len(sys.argv) == 6 and sys.argv[1] == "--hf-logits":
+        return hf_logits(*sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
+    ap.add_argument("--bin", default="build/bin", help="directory of fsdp-run, fsdp-train, fsdp-ckpt")
+    ap.add_argument("--batch", type=int, default=1, help="data.batch_size_per_rank")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=1 << 20, help="tokens in the training file")
+    ap.add_argument("--keep-all-keys", action="store_true",
+                    help="keep config.json keys that fsdp-train is known to refuse (e.g. Qwen2.5's use_mrope)")
+    ap.add_argument("--no-fsdp2", action="store_true")
+    ap.add_argument("--mem-floor-mib", type=int, default=1024, help="kill a phase below this MemAvailable")
+    ap.add_argument("--tmp-dir", default=os.environ.get("FSDP_BENCH_DIR", tempfile.gettempdir()))
+    ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder, removed)")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args()
+    spec, shard_size, refused = MODELS[args.model]
+    drop = [] if args.keep_all_keys else refused
+    bin_dir = os.path.abspath(args.bin)
+    if args.keep:
+        work = os.path.abspath(args.keep)
+        os.makedirs(work, exist_ok=True)
+    else:
+        work = tempfile.mkdtemp(prefix="fsdp-scale-", dir=args.tmp_dir)
+    try:
+        result = run_all(args, spec, shard_size, drop, bin_dir, work)
+    finally:
+        if not args.keep:
+            subprocess.run(["rm", "-rf", work], check=False)
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"scale-{args.model}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md = report(result)
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    failed = [p["phase"] for p in result["phases"] if p["rc"] != 0]
+    bad_logits = [k for k, c in result.get("logits", {}).items() if not c.get("ok")]
+    f2 = result.get("fsdp2") or {}
+    loss_bad = f2.get("step1_agrees") is False
+    if failed or bad_logits or loss_bad:
+        say(f"failed phases: {failed}; logits outside tolerance: {bad_logits}; "
+            f"step-1 loss vs FSDP2: {'disagrees' if loss_bad else 'ok or not compared'}")
+        return 1
+    return 0
+
+
+def run_all(args, spec, shard_size, drop, bin_dir, work):
+    import numpy as np
+    hf, ckpt, export = (os.path.join(work, d) for d in ("hf", "ckpt", "export"))
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    say(f"{args.model}: building the model from its published config (random init, bf16) in {hf}")
+    params, files, weights = build_model(hf, spec, shard_size, drop, seed=0)
+    vocab = spec["vocab_size"]
+    tokens = os.path.join(work, "train.bin")
+    np.random.default_rng(0).integers(0, vocab, size=args.tokens, dtype=np.uint32).tofile(tokens)
+    prompt = os.path.join(work, "prompt.npy")
+    np.save(prompt, np.random.default_rng(1).integers(0, vocab, size=(1, PROMPT_LEN), dtype=np.int64))
+    say(f"{params / 1e6:.1f}M parameters, {weights / MIB:,.0f} MiB in {files} files; dd on as many bytes")
+    dd = dd_bandwidth(work, weights)
+    warm(bin_dir)
+    data = [hf, ckpt, export, tokens]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    floor = args.mem_floor_mib * MIB
+    run = [os.path.join(bin_dir, "fsdp-run"), "--nproc-per-node", "2", "--timeout-s", "7200", "--"]
+    train = [os.path.join(bin_dir, "fsdp-train"), "--init-from", hf,
+             "--set", "data.source=file", "--set", f"data.path={tokens}", "--set", "data.token_dtype=uint32",
+             "--set", f"data.seq_len={args.seq_len}", "--set", f"data.batch_size_per_rank={args.batch}",
+             "--set", "fsdp.param_dtype=bfloat16", "--set", "fsdp.offload.optimizer_state=disk",
+             "--set", f"fsdp.offload.dir={os.path.join(work, 'offload')}", "--set", "fsdp.timeout_s=600",
+             "--set", "train.eval_every=0", "--set", "train.log_every=1"]
+    ckpt_tool = os.path.join(bin_dir, "fsdp-ckpt")
+    phases, result = [], {}
+    ok = {}
+
+    def phase(name, cmd, metrics=None, trace=None):
+        res, out = run_phase(name, cmd, logs, env, floor, data)
+        if "fsdp-train" in " ".join(cmd):
+            parse_train_log(out, res, metrics, trace and trace.replace(".json", ".rank0.json"))
+        phases.append(res)
+        ok[name] = res["rc"] == 0
+        return res
+
+    base = phase("baseline", run + train + ["--init-only"])
+    phase("import", run + train + ["--steps", "0"])
+    m_train, t_train = os.path.join(work, "train.jsonl"), os.path.join(work, "train-trace.json")
+    tr = phase("train", run + train + ["--steps", "3", "--save-dir", ckpt, "--metrics", m_train, "--trace", t_train],
+               m_train, t_train)
+    step3 = os.path.join(ckpt, "step-00000003")
+    sizes = {"hf_bytes": dir_bytes(hf)}
+    if os.path.isdir(step3):
+        sizes["checkpoint_step_bytes"] = dir_bytes(step3)
+    m_res, t_res = os.path.join(work, "resume.jsonl"), os.path.join(work, "resume-trace.json")
+    if ok["train"]:
+        phase("resume", run + train + ["--steps", "4", "--save-dir", ckpt, "--resume", "latest", "--metrics", m_res,
+                                       "--trace", t_res], m_res, t_res)
+    final = os.path.join(ckpt, "step-00000004") if ok.get("resume") else step3
+    logits = {}
+    if os.path.isdir(final):
+        sizes["checkpoint_dir_bytes"] = dir_bytes(ckpt)
+        phase("export", [ckpt_tool, "export", "--dtype", "bfloat16", final, export])
+        if ok["export"]:
+            sizes["export_bytes"] = dir_bytes(export)
+        lg = {k: os.path.join(work, f"logits-{k}.npy") for k in ("ckpt", "export", "hf32", "hf16")}
+        phase("logits", [ckpt_tool, "logits", final, prompt, lg["ckpt"]])
+        if ok["export"]:
+            phase("logits-export", [ckpt_tool, "logits", export, prompt, lg["export"]])
+            me = [sys.executable, os.path.abspath(__file__), "--hf-logits", export]
+            phase("hf-logits-fp32", me + ["float32", prompt, lg["hf32"]])
+            phase("hf-logits-bf16", me + ["bfloat16", prompt, lg["hf16"]])
+            pairs = {"fsdp-ckpt logits(export) vs transformers fp32(export)": ("export", "hf32", None),
+                     "fsdp-ckpt logits(checkpoint, fp32 master) vs transformers fp32(bf16 export)":
+                         ("ckpt", "hf32", BF16_REL_TOL),
+                     "fsdp-ckpt logits(checkpoint) vs transformers bf16(export)": ("ckpt", "hf16", BF16_REL_TOL)}
+            for name, (a, b, rel) in pairs.items():
+                if os.path.exists(lg[a]) and os.path.exists(lg[b]):
+                    scale = max(1.0, float(np.abs(np.load(lg[a])).max()))
+                    logits[name] = compare_logits(lg[a], lg[b], rel * scale if rel else FP32_TOL)
+                else:
+                    logits[name] = {"error": "a side did not run", "ok": False}
+    result["sizes"] = sizes
+    result["logits"] = logits
+
+    fsdp2 = None
+    if not args.no_fsdp2:
+        optim = optim_defaults(bin_dir)
+        seed = optim.pop("seed", 0)
+        out = os.path.join(work, "fsdp2.jsonl")
+        before = mem_available()
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
+               os.path.join(ROOT, "bench", "scale_fsdp2.py"), "--hf", hf, "--tokens", tokens,
+               "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", "3", "--seed", str(seed),
+               "--optim", json.dumps(optim), "--out", out]
+        res, log = run_phase("fsdp2", cmd, logs, env, floor, data)
+        lines = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
+        marks = re.findall(r"scale_fsdp2: phase (.+)", log)
+        fsdp2 = {"fit": res["rc"] == 0, "rc": res["rc"], "wall_s": res["wall_s"], "mem_available_before": before,
+                 "mem_available_low": res["mem_available_low_bytes"], "last_phase": marks[-1] if marks else "start",
+                 "optim": optim, "seed": seed, "read_bytes": res["read_bytes"], "write_bytes": res["write_bytes"]}
+        if res["rc"] != 0:
+            fsdp2["error"] = res.get("error", "")
+            fsdp2["out_of_memory"] = ("memory guard" in fsdp2["error"] or res["rc"] in (-9, 137)
+                                      or "SIGKILL" in log or "MemoryError" in log)
+        steps = [x for x in lines if x["phase"].startswith("step ")]
+        for s in steps:
+            s["step"] = int(s["phase"].split()[1])
+        fsdp2["steps"] = steps
+        load = [x for x in lines if x["phase"] == "load"]
+        fsdp2["load_s"] = load[0]["wall_s"] if load else None
+        fsdp2["peak_rss_bytes"] = lines[-1]["peak_rss_bytes"] if lines else None
+        ours = tr.get("steps") or []
+        if steps and ours:
+            fsdp2["step1_loss_diff"] = steps[0]["loss"] - ours[0]["loss"]
+            fsdp2["step1_agrees"] = abs(fsdp2["step1_loss_diff"]) <= LOSS_TOL
+        if not fsdp2["fit"]:
+            say(f"fsdp2 {'did not fit' if fsdp2['out_of_memory'] else 'failed'} in phase {fsdp2['last_phase']}")
+
+    result.update({
+        "model": args.model, "published_config": spec, "config_keys_dropped": drop, "params": params,
+        "files": files, "weights_bytes": weights, "dd": dd, "phases": phases, "fsdp2": fsdp2,
+        "train_steps": (tr.get("steps") or []) + [s for p in phases if p["phase"] == "resume"
+                                                  for s in p.get("steps", [])[-1:]],
+        "baseline_rss": base.get("peak_rss_bytes"),
+        "conditions": (f"2 ranks on {os.cpu_count()} cores, OMP_NUM_THREADS=1; fsdp: fsdp-run, shared-memory "
+                       f"transport, FULL_SHARD, bf16 compute (fsdp.param_dtype), fp32 reduce, AdamW state in the "
+                       f"disk tier, seq_len {args.seq_len}, batch {args.batch} per rank, train.eval_every 0; "
+                       f"FSDP2: torchrun, Gloo; before each phase the model, checkpoint, export and token files are "
+                       "evicted from the page cache (posix_fadvise DONTNEED), the programs and their libraries "
+                       "read once before the phases"
+                       + (f"; config.json keys removed because fsdp-train refuses them: {', '.join(drop)}"
+                          if drop else "")),
+    })
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+// The planner: what a run of a model will hold in each tier per rank, what it will move per step,
+// and, from per-rank budgets, the choices that make it fit (sharding strategy, the offload tier of
+// each sharded state, activation checkpointing, the micro-batch). Arithmetic only: it allocates
+// nothing, so it runs before a model exists (on a meta-device model or a model's shape from its
+// config) and on a machine without the devices it plans for.
+//
+//   auto shape = fsdp::model_shape(*model, [](const std::string& name, torch::nn::Module&) {
+//     return name.rfind("layers.", 0) == 0 && name.find('.', 7) == std::string::npos; });
+//   fsdp::PlanRequest req;
+//   req.ranks_per_node = 8;
+//   req.device = at::kCUDA;
+//   req.budget = {24LL << 30, 64LL << 30, 1LL << 40};  // device, host, disk per rank
+//   fsdp::Plan plan = fsdp::plan(shape, req);
+//   if (!plan.fits) throw std::runtime_error(plan.shortfall);
+//
+// Every figure is per rank. What the planner assumes (the process's own memory, the allocator's
+// slack, what an activation-less unit keeps) is listed in Plan::assumptions and printed with it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+
+#include "fsdp/offload.h"
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+// One unit (a module that fully_shard wraps, or the root's own parameters), in forward order.
+struct UnitShape {
+  std::string name;
+  int64_t trainable_numel = 0;
+  int64_t frozen_numel = 0;
+  // Bytes autograd keeps from this unit's forward to its backward for `batch` samples of
+  // `seq_len` tokens at compute dtype `dtype`; `checkpointed`: the unit runs under activation
+  // checkpointing (it keeps its input only). Unset: nothing kept (an assumption the plan states).
+  std::function<int64_t(int64_t batch, int64_t seq_len, at::ScalarType dtype, bool checkpointed)> activations;
+  // Bytes alive at this unit's peak inside its backward beyond what its forward kept (the
+  // gradients of its activations), same arguments; unset: as large as `activations` uncheckpointed.
+  std::function<int64_t(int64_t batch, int64_t seq_len, at::ScalarType dtype)> backward_peak;
+  int64_t largest_param_numel = 0;  // its largest parameter (0: numel())
+  bool is_root = false;       // the root's own parameters (embedding, head): kept from forward to backward
+  bool checkpointable = true;  // activation checkpointing may apply to it (not the root)
+  int64_t numel() const { return trainable_numel + frozen_numel; }
+};
+
+struct ModelShape {
+  std::string name;  // e.g. the family and size, for the printout
+  std::vector<UnitShape> units;
+  int64_t numel() const;
+  int64_t trainable_numel() const;
+};
+
+// The shape of `model` (any device, meta included): every submodule for which `is_unit(name,
+// module)` holds becomes a unit (outermost first; nested matches belong to it), the rest of the
+// parameters the root's unit. No activations: set UnitShape::activations for a model you know.
+ModelShape model_shape(torch::nn::Module& model,
+                       const std::function<bool(const std::string& name, torch::nn::Module& module)>& is_unit);
+
+struct PlanBudget {
+  int64_t device_bytes = 0;  // per rank: the accelerator's memory (on CPU runs: RAM, see host)
+  int64_t host_bytes = 0;    // per rank: host RAM (node RAM / ranks per node)
+  int64_t disk_bytes = 0;    // per rank: free space for the disk tier under its directory
+};
+
+struct PlanRequest {
+  int ranks_per_node = 1;
+  int nodes = 1;
+  c10::DeviceType device = c10::kCPU;  // on kCPU the device's memory is the host's (budget.host_bytes)
+  at::ScalarType param_dtype = at::kFloat;   // compute (the gathered params' dtype)
+  at::ScalarType reduce_dtype = at::kFloat;  // gradient reduction
+  int optimizer_state_tensors = 2;           // fp32 tensors per trainable parameter (AdamW: 2)
+  int64_t seq_len = 0;
+  int64_t batch_per_rank = 1;  // samples per rank per optimizer step (micro-batch x accumulation)
+  int prefetch_depth = 1;
+  // The process without a model (libraries, communicator, threads); on CUDA the context's device
+  // memory. Defaults are this project's measured figures (the printout says which).
+  std::optional<int64_t> process_host_bytes, process_device_bytes;
+  PlanBudget budget;
+  // Choices fixed by the caller (a config's); unset ones the planner makes.
+  std::optional<ShardingStrategy> strategy;
+  std::optional<OffloadPolicy> offload;  // tiers (and the disk tier's memory budget)
+  std::optional<int64_t> checkpoint_every;  // 0 none, n: every n-th checkpointable unit
+  std::optional<int64_t> micro_batch;       // samples per rank per micro-batch
+  bool async_save = false;                  // a host snapshot of params and state while saving
+};
+
+// Bytes per rank in one place, item by item.
+struct PlanTier {
+  std::vector<std::pair<std::string, int64_t>> items;
+  int64_t total() const;
+  void add(std::string name, int64_t bytes);
+};
+
+struct Plan {
+  bool fits = false;
+  std::string shortfall;  // when !fits: what is short, by how many bytes, and the lever that would fix it
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int shard_size = 1;  // ranks one parameter is sharded over
+  OffloadTier params = OffloadTier::kNone, grads = OffloadTier::kNone, optimizer_state = OffloadTier::kNone;
+  int64_t disk_memory_budget = 0;  // the disk tier's mapped window (OffloadPolicy::memory_budget_bytes)
+  int64_t checkpoint_every = 0;
+  int64_t micro_batch = 0, grad_accum_steps = 1;
+  // Peak bytes per rank: device memory (on CPU runs the process's RAM, which is also `host`), host
+  // RAM, and disk-tier files.
+  PlanTier device, host, disk;
+  // Per rank per step: bytes each rank sends in all-gathers and in reductions, and the disk tier's I/O.
+  int64_t all_gather_bytes = 0, reduce_bytes = 0;
+  int64_t gathers_per_step = 0;  // all-gathers of units per micro-batch
+  OffloadIo io_per_step;
+  std::vector<std::string> assumptions;
+  // The fully_shard and trainer settings this plan stands for, e.g. "fsdp.offload.optimizer_state=disk".
+  std::vector<std::string> settings;
+  std::string to_string() const;
+};
+
+// The plan for `shape` under `request`: fixed choices are kept, the others chosen fastest first
+// (no offload before the host tier before the disk tier; no checkpointing before checkpointing;
+// the largest micro-batch). When nothing fits, the plan of the cheapest choice with `fits` false
+// and the shortfall filled. Throws ConfigError on a malformed request (no ranks, a negative budget).
+Plan plan(const ModelShape& shape, const PlanRequest& request);
+
+}  // namespace fsdp

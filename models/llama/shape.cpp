@@ -1,0 +1,85 @@
+// The model's shape for the planner, and the bytes its forward keeps for backward.
+#include "shape.h"
+
+#include <algorithm>
+#include <string>
+
+namespace llama {
+namespace {
+
+// One RMSNorm's saved tensors over N tokens: the normalised input and the scaled output in the
+// compute dtype, plus the fp32 copy of its input when computing in a narrower dtype.
+int64_t norm_bytes(int64_t N, int64_t H, int64_t e) { return 2 * e * N * H + (e != 4 ? 4 * N * H : 0); }
+
+}  // namespace
+
+// Note [Activation bytes]
+// What autograd keeps from forward to backward, counted from the model's operations
+// (models/llama): per layer, the two norms (norm_bytes), the residual sum after attention and the
+// layer's output (N*H each); for attention, q, k and v after the rotary embedding and the key/value
+// head repeat, and the attention output that o_proj saves (4 * N * heads * head_dim), plus Qwen3's
+// q/k norms over each head; then what the attention kernel itself keeps: with
+// at::scaled_dot_product_attention (attn_implementation "sdpa") the fused kernel's log-sum-exp,
+// B * heads * T in fp32, and with the eager path the softmax probabilities, B * heads * T^2 in fp32
+// plus their copy in the compute dtype; a sliding window adds its boolean mask (T^2). For the MLP:
+// gate, silu(gate), up and their product (4 * N * I). Tensors used only by a multiplication with a
+// constant (the rotary tables) or by an addition are not kept. The root keeps the embedding output,
+// the final norm and the loss's log-probabilities (fp32, N * vocab).
+int64_t layer_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
+  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t N = batch * seq_len, H = m.hidden_size, I = m.intermediate_size;
+  const int64_t heads = m.num_attention_heads, q = heads * m.head_dim();
+  const int64_t kv = m.num_key_value_heads * m.head_dim();
+  const bool sdpa = m.attn_implementation == "sdpa";
+  const int64_t attn_kernel = sdpa ? 4 * batch * heads * seq_len  // log-sum-exp
+                                   : batch * heads * seq_len * seq_len * (4 + (e != 4 ? e : 0)) +
+                                         seq_len * seq_len;  // probabilities, the causal mask
+  const int64_t window_mask = sdpa && m.sliding_window > 0 ? seq_len * seq_len : 0;
+  const int64_t qk_norms = m.qk_norm() ? norm_bytes(N, q, e) + norm_bytes(N, kv, e) : 0;
+  return 2 * norm_bytes(N, H, e) + 2 * e * N * H + 4 * e * N * q + qk_norms + attn_kernel + window_mask + 4 * e * N * I;
+}
+
+int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
+  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t N = batch * seq_len;
+  return e * N * m.hidden_size + norm_bytes(N, m.hidden_size, e) + 4 * N * m.vocab_size;
+}
+
+int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
+  // The gradient of the log-probabilities and the log-softmax's gradient, both fp32, at once.
+  return 8 * batch * seq_len * m.vocab_size;
+}
+
+fsdp::ModelShape plan_shape(const LlamaConfig& config) {
+  const ParamCounts counts = param_counts(config);
+  fsdp::ModelShape shape;
+  shape.name = config.model_type;
+  fsdp::UnitShape root;
+  root.name = "root (embedding, final norm, lm_head)";
+  root.is_root = true;
+  root.checkpointable = false;
+  root.trainable_numel = counts.root;
+  root.largest_param_numel = config.vocab_size * config.hidden_size;
+  root.activations = [config](int64_t b, int64_t t, at::ScalarType d, bool) { return root_activation_bytes(config, b, t, d); };
+  root.backward_peak = [config](int64_t b, int64_t t, at::ScalarType d) { return loss_backward_bytes(config, b, t, d); };
+  shape.units.push_back(root);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    fsdp::UnitShape layer;
+    layer.name = "model.layers." + std::to_string(i);
+    layer.trainable_numel = counts.per_layer;
+    layer.largest_param_numel = std::max(config.hidden_size, config.intermediate_size) * config.hidden_size;
+    layer.activations = [config](int64_t b, int64_t t, at::ScalarType d, bool checkpointed) {
+      // A checkpointed layer keeps only its input (the previous layer's output).
+      return checkpointed ? static_cast<int64_t>(c10::elementSize(d)) * b * t * config.hidden_size
+                          : layer_activation_bytes(config, b, t, d);
+    };
+    // Its backward's extra: the gradients of its largest activations (the MLP's), about its input's size.
+    layer.backward_peak = [config](int64_t b, int64_t t, at::ScalarType d) {
+      return 3 * static_cast<int64_t>(c10::elementSize(d)) * b * t * config.intermediate_size;
+    };
+    shape.units.push_back(std::move(layer));
+  }
+  return shape;
+}
+
+}  // namespace llama

@@ -1,0 +1,25 @@
+// The model's shape for the planner (fsdp/plan.h): its units as fsdp-train shards them (one per
+// decoder layer, the root holding the embedding, the final norm and the head) with the bytes each
+// keeps for backward (Note [Activation bytes] in shape.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include <c10/core/ScalarType.h>
+
+#include "fsdp/plan.h"
+#include "llama.h"
+
+namespace llama {
+
+fsdp::ModelShape plan_shape(const LlamaConfig& config);
+
+// Bytes kept for backward by one layer's forward over `batch` x `seq_len` tokens in `dtype`, and
+// by the rest of the model (embedding output, final norm, the logits and the loss's log-probabilities).
+int64_t layer_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
+int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
+// The loss's backward beyond what the forward kept: the gradients of the log-probabilities and of
+// the fp32 logits, and the logits' gradient in the compute dtype.
+int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
+
+}  // namespace llama

@@ -1,0 +1,262 @@
+// The planner: a model's shape from a module, the search over choices (fastest first), and what is
+// short when nothing fits. The arithmetic of one set of choices is in plan_cost.cpp.
+#include "fsdp/plan.h"
+
+#include <algorithm>
+#include <array>
+#include <set>
+#include <sstream>
+
+#include "base/strings.h"
+#include "fsdp/errors.h"
+#include "shard/plan_cost.h"
+
+namespace fsdp {
+
+using planning::Choices;
+
+int64_t ModelShape::numel() const {
+  int64_t n = 0;
+  for (const auto& u : units) n += u.numel();
+  return n;
+}
+
+int64_t ModelShape::trainable_numel() const {
+  int64_t n = 0;
+  for (const auto& u : units) n += u.trainable_numel;
+  return n;
+}
+
+int64_t PlanTier::total() const {
+  int64_t t = 0;
+  for (const auto& [name, bytes] : items) t += bytes;
+  return t;
+}
+
+void PlanTier::add(std::string name, int64_t bytes) {
+  if (bytes > 0) items.emplace_back(std::move(name), bytes);
+}
+
+namespace {
+
+void count_params(torch::nn::Module& m, UnitShape& u, std::set<const void*>& seen) {
+  for (const auto& p : m.parameters(/*recurse=*/true)) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: counted once, where first met
+    (p.requires_grad() ? u.trainable_numel : u.frozen_numel) += p.numel();
+    u.largest_param_numel = std::max(u.largest_param_numel, p.numel());
+  }
+}
+
+}  // namespace
+
+ModelShape model_shape(torch::nn::Module& model,
+                       const std::function<bool(const std::string&, torch::nn::Module&)>& is_unit) {
+  ModelShape shape;
+  shape.name = model.name();
+  std::set<const void*> seen;
+  std::vector<UnitShape> layers;
+  std::vector<std::string> prefixes;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const std::string& name = item.key();
+    const bool nested = std::any_of(prefixes.begin(), prefixes.end(),
+                                    [&](const std::string& p) { return name.rfind(p + ".", 0) == 0; });
+    if (nested || !is_unit(name, *item.value())) continue;
+    prefixes.push_back(name);
+    UnitShape u;
+    u.name = name;
+    count_params(*item.value(), u, seen);
+    layers.push_back(std::move(u));
+  }
+  UnitShape root;
+  root.name = "root";
+  root.is_root = true;
+  root.checkpointable = false;
+  count_params(model, root, seen);  // what no unit took
+  shape.units.push_back(std::move(root));
+  for (auto& u : layers) shape.units.push_back(std::move(u));
+  return shape;
+}
+
+namespace {
+
+void check_request(const ModelShape& shape, const PlanRequest& r) {
+  auto bad = [](const std::string& what) { throw ConfigError("fsdp::plan: " + what); };
+  if (shape.units.empty() || shape.numel() == 0) bad("the model shape has no parameters");
+  if (r.ranks_per_node < 1 || r.nodes < 1) {
+    bad("ranks_per_node and nodes must be >= 1, got " + std::to_string(r.ranks_per_node) + " and " +
+        std::to_string(r.nodes));
+  }
+  if (r.budget.device_bytes < 0 || r.budget.host_bytes < 0 || r.budget.disk_bytes < 0) bad("a budget is negative");
+  if (r.batch_per_rank < 1) bad("batch_per_rank must be >= 1, got " + std::to_string(r.batch_per_rank));
+  if (r.seq_len < 0 || r.prefetch_depth < 0 || r.optimizer_state_tensors < 0) {
+    bad("seq_len, prefetch_depth and optimizer_state_tensors must be >= 0");
+  }
+  if (r.micro_batch && (*r.micro_batch < 1 || *r.micro_batch > r.batch_per_rank)) {
+    bad("micro_batch must be in [1, batch_per_rank], got " + std::to_string(*r.micro_batch));
+  }
+  if (r.checkpoint_every && *r.checkpoint_every < 0) bad("checkpoint_every must be >= 0");
+  if (r.strategy == ShardingStrategy::kHybridShard && r.nodes < 2 && r.ranks_per_node < 2) {
+    bad("HYBRID_SHARD needs more than one rank");
+  }
+}
+
+using Tiers = std::array<OffloadTier, 3>;  // params, grads, optimizer state
+
+std::vector<Tiers> offload_choices(const PlanRequest& r) {
+  if (r.offload) return {{r.offload->params(), r.offload->grads(), r.offload->optimizer_state()}};
+  constexpr auto N = OffloadTier::kNone, H = OffloadTier::kHost, D = OffloadTier::kDisk;
+  if (r.device == c10::kCPU) return {{N, N, N}, {N, N, D}, {D, N, D}, {D, D, D}};  // the host is the device
+  return {{N, N, N}, {N, N, H}, {H, H, H}, {N, N, D}, {D, H, D}, {D, D, D}};
+}
+
+std::vector<Choices> candidates(const PlanRequest& r) {
+  std::vector<ShardingStrategy> strategies;
+  if (r.strategy) {
+    strategies = {*r.strategy};
+  } else {
+    if (r.nodes > 1) strategies.push_back(ShardingStrategy::kHybridShard);
+    strategies.push_back(ShardingStrategy::kFullShard);
+  }
+  std::vector<int64_t> ckpts = r.checkpoint_every ? std::vector<int64_t>{*r.checkpoint_every} : std::vector<int64_t>{0, 1};
+  std::vector<int64_t> micros;
+  if (r.micro_batch) {
+    micros = {*r.micro_batch};
+  } else {
+    for (int64_t m = r.batch_per_rank; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) micros.push_back(m);
+  }
+  std::vector<Choices> out;
+  for (auto s : strategies) {
+    for (const auto& t : offload_choices(r)) {
+      for (int64_t ck : ckpts) {
+        for (int64_t m : micros) {
+          Choices c{s, t[0], t[1], t[2], r.offload ? r.offload->memory_budget_bytes() : 0, ck, m};
+          out.push_back(c);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::string gib(int64_t b) { return base::mib(b, 1) + " (" + std::to_string(b) + " bytes)"; }
+
+void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
+  const bool cpu = r.device == c10::kCPU;
+  p.settings = {std::string("fsdp.strategy=") + strategy_name(p.strategy),
+                std::string("fsdp.offload.params=") + offload_tier_name(p.params),
+                std::string("fsdp.offload.grads=") + offload_tier_name(p.grads),
+                std::string("fsdp.offload.optimizer_state=") + offload_tier_name(p.optimizer_state),
+                "train.activation_checkpointing=" + std::to_string(p.checkpoint_every),
+                "data.batch_size_per_rank=" + std::to_string(p.micro_batch),
+                "train.grad_accum_steps=" + std::to_string(p.grad_accum_steps)};
+  auto& a = p.assumptions;
+  a.push_back("process: " + base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device))) +
+              (r.process_host_bytes ? " (given)" : " of host memory (fsdp-train --init-only, measured on CPU)"));
+  if (!cpu) {
+    a.push_back("CUDA: a prediction, not validated on a GPU here; the context and workspaces taken as " +
+                base::mib(r.process_device_bytes.value_or(planning::default_process_device_bytes(r.device))));
+  }
+  const bool any_acts = std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return bool(u.activations); });
+  a.push_back(any_acts ? "activations: the model's own formula, seq_len " + std::to_string(r.seq_len)
+                       : "activations: none given (UnitShape::activations unset): not counted");
+  a.push_back("prefetch_depth " + std::to_string(r.prefetch_depth) +
+              "; the root and the last layer keep their params from forward to backward");
+  a.push_back("optimizer: " + std::to_string(r.optimizer_state_tensors) + " fp32 state tensor(s) per trainable parameter");
+  a.push_back("collectives: rings; each rank sends (N - 1) shards per gathered unit and per reduced gradient");
+  a.push_back("not counted: the allocator's slack and fragmentation, the data pipeline, the page cache");
+}
+
+std::string with_more_ranks(const ModelShape& shape, const PlanRequest& r) {
+  PlanRequest more = r;
+  more.strategy.reset();
+  for (int nodes = r.nodes * 2; nodes <= r.nodes * 64; nodes *= 2) {
+    more.nodes = nodes;
+    for (const auto& c : candidates(more)) {
+      if (planning::cost(shape, more, c).fits) {
+        return std::to_string(nodes) + " nodes of " + std::to_string(r.ranks_per_node) + " rank(s) (" +
+               std::to_string(nodes * r.ranks_per_node) + " ranks) would fit";
+      }
+    }
+  }
+  return "";
+}
+
+std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan& p) {
+  const bool cpu = r.device == c10::kCPU;
+  std::ostringstream s;
+  auto check = [&](const char* what, const PlanTier& t, int64_t budget, const char* key) {
+    if (t.total() <= budget) return;
+    const auto big = std::max_element(t.items.begin(), t.items.end(),
+                                      [](const auto& a, const auto& b) { return a.second < b.second; });
+    s << what << ": needs " << gib(t.total()) << " per rank, the budget (" << key << ") is " << gib(budget)
+      << ": short by " << gib(t.total() - budget) << "; its largest item is " << big->first << ", "
+      << base::mib(big->second, 1) << ". ";
+  };
+  check(cpu ? "RAM" : "device memory", p.device, cpu ? r.budget.host_bytes : r.budget.device_bytes,
+        cpu ? "host" : "device");
+  if (!cpu) check("host memory", p.host, r.budget.host_bytes, "host");
+  check("disk", p.disk, r.budget.disk_bytes, "disk");
+  const bool fixed = r.offload || r.checkpoint_every || r.micro_batch || r.strategy;
+  if (fixed) {
+    PlanRequest free = r;
+    free.offload.reset();
+    free.checkpoint_every.reset();
+    free.micro_batch.reset();
+    free.strategy.reset();
+    const Plan q = plan(shape, free);
+    if (q.fits) {
+      s << "Lever: these settings fit:";
+      for (const auto& k : q.settings) s << " " << k;
+      return s.str();
+    }
+  }
+  const std::string more = with_more_ranks(shape, r);
+  if (!more.empty()) return s.str() + "Lever: every offload tier, activation checkpointing and a micro-batch of 1 "
+                         "do not fit on these ranks; " + more + ".";
+  return s.str() + "Lever: none within 64 times the nodes: a larger budget (more memory per rank, more disk).";
+}
+
+}  // namespace
+
+Plan plan(const ModelShape& shape, const PlanRequest& request) {
+  check_request(shape, request);
+  const auto all = candidates(request);
+  for (const auto& c : all) {
+    Plan p = planning::cost(shape, request, c);
+    if (!p.fits) continue;
+    describe(shape, request, p);
+    return p;
+  }
+  Plan p = planning::cost(shape, request, all.back());  // every lever pulled
+  describe(shape, request, p);
+  p.shortfall = shortfall(shape, request, p);
+  return p;
+}
+
+std::string Plan::to_string() const {
+  std::ostringstream s;
+  s << (fits ? "fits" : "does NOT fit") << ": " << strategy_name(strategy) << " over " << shard_size
+    << " rank(s); offload params " << offload_tier_name(params) << ", grads " << offload_tier_name(grads)
+    << ", optimizer_state " << offload_tier_name(optimizer_state) << "; activation checkpointing "
+    << (checkpoint_every == 0 ? std::string("off") : "every " + std::to_string(checkpoint_every)) << "; micro-batch "
+    << micro_batch << " x " << grad_accum_steps << " accumulation step(s)\n";
+  auto tier = [&](const char* name, const PlanTier& t) {
+    if (t.items.empty()) return;
+    s << name << " per rank: " << base::mib(t.total(), 1) << "\n";
+    for (const auto& [item, bytes] : t.items) s << "  " << item << ": " << base::mib(bytes, 1) << "\n";
+  };
+  tier(host.items.empty() ? "memory (RAM)" : "device memory", device);
+  tier("host memory", host);
+  tier("disk", disk);
+  s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step
+    << " unit gathers per micro-batch), reductions send " << base::mib(reduce_bytes, 1) << "; disk tier "
+    << io_per_step.to_string() << "\n";
+  s << "settings:";
+  for (const auto& k : settings) s << " " << k;
+  s << "\nassumptions:\n";
+  for (const auto& a : assumptions) s << "  - " << a << "\n";
+  if (!fits) s << "short: " << shortfall << "\n";
+  return s.str();
+}
+
+}  // namespace fsdp

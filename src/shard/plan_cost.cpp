@@ -1,0 +1,231 @@
+// Note [The planner's arithmetic]
+// What one set of choices costs each rank, from the units' sizes only. The items follow what the
+// runtime allocates (docs/ARCHITECTURE.md, "A unit's life"):
+//  - sharded states: each unit's trainable and frozen parameters are flat params padded to the
+//    shard size; the fp32 master (4 bytes per element), the fp32 gradient shard and the optimizer's
+//    fp32 state tensors, each in its tier. With only the optimizer state offloaded, the master
+//    follows it and the device keeps a working copy in the compute dtype;
+//  - gathered parameters at the peak (the start of backward): the root's, kept from forward to
+//    backward, plus one layer computing and `prefetch_depth` layers prefetched, in the compute dtype;
+//  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
+//    first, its embedding's last), one layer's is being filled and one is being reduced; and one
+//    gradient as autograd makes it, before its hook copies it in (the largest parameter);
+//  - on the CPU, the two freed gather buffers kept for reuse (Note [Reusing freed host buffers]);
+//  - activations: what every unit's forward keeps for backward, plus the largest extra a unit's
+//    backward needs at once (the loss's gradients over the vocabulary), plus, with checkpointing,
+//    one unit's activations rebuilt;
+//  - the disk tier's mapped window (its memory budget), which on the CPU counts in the process's RSS;
+//  - with accumulation, every unit's unreduced gradient buffer; with an async save, the snapshot.
+// Per step, each rank sends (N - 1) shards of every unit it gathers (a ring) and of every gradient
+// it reduces; the disk tier reads and writes what it holds once per step, plus the master's reads
+// for the gathers.
+#include "shard/plan_cost.h"
+
+#include <algorithm>
+
+#include "offload/tier.h"
+
+namespace fsdp::planning {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t elem(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+struct Sizes {
+  int64_t root = 0, layer_max = 0, largest_param = 0;
+  int64_t unit_max = 0, unit_max_trainable = 0;
+  int64_t units = 0;
+};
+
+Sizes sizes_of(const ModelShape& shape) {
+  Sizes s;
+  for (const auto& u : shape.units) {
+    if (u.is_root) {
+      s.root += u.numel();
+    } else {
+      s.layer_max = std::max(s.layer_max, u.numel());
+    }
+    s.largest_param = std::max(s.largest_param, u.largest_param_numel > 0 ? u.largest_param_numel : u.numel());
+    if (u.numel() > s.unit_max) {
+      s.unit_max = u.numel();
+      s.unit_max_trainable = u.trainable_numel;
+    }
+    ++s.units;
+  }
+  return s;
+}
+
+// The per-rank bytes of the sharded states, by tier, and the disk tier's I/O per step.
+struct States {
+  int64_t tier[3] = {0, 0, 0};  // kNone, kHost, kDisk
+  int64_t master = 0, working = 0, grads = 0, optimizer = 0;
+  OffloadIo io;
+};
+
+int index_of(OffloadTier t) { return t == OffloadTier::kNone ? 0 : t == OffloadTier::kHost ? 1 : 2; }
+
+States sharded_states(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N) {
+  States s;
+  const bool follows =
+      c.params == OffloadTier::kNone && c.grads == OffloadTier::kNone && c.optimizer_state != OffloadTier::kNone;
+  const int64_t e = elem(req.param_dtype);
+  const int k = req.optimizer_state_tensors;
+  for (const auto& u : shape.units) {
+    const int64_t st = ceil_div(u.trainable_numel, N), sf = ceil_div(u.frozen_numel, N);
+    const OffloadTier trained_master = follows ? c.optimizer_state : c.params;
+    s.tier[index_of(trained_master)] += 4 * st;
+    s.tier[index_of(c.params)] += 4 * sf;
+    s.master += 4 * (st + sf);
+    if (follows && st > 0) {
+      s.tier[0] += e * st;
+      s.working += e * st;
+    }
+    s.tier[index_of(c.grads)] += 4 * st;
+    s.grads += 4 * st;
+    s.tier[index_of(c.optimizer_state)] += 4 * k * st;
+    s.optimizer += 4 * k * st;
+    // The disk tier's traffic: the step reads and writes every disk-tier state it updates; a
+    // disk-tier master is read again for each gather (the forward's read is kept for backward).
+    const int64_t streamed = (trained_master == OffloadTier::kDisk ? 1 : 0) +
+                             (c.optimizer_state == OffloadTier::kDisk ? k : 0);
+    s.io.disk_read += streamed * offload::whole_pages(4 * st);
+    s.io.disk_write += streamed * offload::whole_pages(4 * st);
+    if (c.params == OffloadTier::kDisk) s.io.disk_read += offload::whole_pages(4 * (st + sf));
+    if (c.grads == OffloadTier::kDisk && streamed > 0) s.io.disk_read += offload::whole_pages(4 * st);
+  }
+  return s;
+}
+
+int64_t disk_window(const Choices& c, int state_tensors) {
+  if (c.params != OffloadTier::kDisk && c.grads != OffloadTier::kDisk && c.optimizer_state != OffloadTier::kDisk) {
+    return 0;
+  }
+  // OffloadPolicy's default window: 4 MiB per state tensor streamed (master, gradient, state).
+  return c.disk_memory_budget > 0 ? c.disk_memory_budget : (int64_t{4} << 20) * (state_tensors + 2);
+}
+
+// Activations kept over the whole model, plus the largest backward extra and the recomputation.
+int64_t activations(const ModelShape& shape, const PlanRequest& req, const Choices& c, int64_t* recompute) {
+  int64_t kept = 0, extra = 0, rebuilt = 0;
+  int64_t layer = 0;
+  for (const auto& u : shape.units) {
+    if (!u.activations) continue;
+    const bool ckpt = c.checkpoint_every > 0 && u.checkpointable && layer % c.checkpoint_every == 0;
+    if (u.checkpointable) ++layer;
+    const int64_t full = u.activations(c.micro_batch, req.seq_len, req.param_dtype, false);
+    kept += ckpt ? u.activations(c.micro_batch, req.seq_len, req.param_dtype, true) : full;
+    if (ckpt) rebuilt = std::max(rebuilt, full);
+    extra = std::max(extra, u.backward_peak ? u.backward_peak(c.micro_batch, req.seq_len, req.param_dtype) : full);
+  }
+  *recompute = rebuilt;
+  return kept + extra + rebuilt;
+}
+
+void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, Plan& p) {
+  const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
+  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
+  int64_t gathers = 0, gathered = 0, reduced = 0;
+  const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const auto& u = shape.units[i];
+    const int64_t s = ceil_div(u.trainable_numel, N) + ceil_div(u.frozen_numel, N);
+    // The root and the last unit to run forward keep their params for backward.
+    const int times = keeps_all || u.is_root || i == last_layer ? 1 : 2;
+    gathers += times;
+    gathered += times * s * e;
+    reduced += ceil_div(u.trainable_numel, N) * r;
+  }
+  const int64_t hops = N - 1;
+  p.gathers_per_step = c.strategy == ShardingStrategy::kNoShard ? 0 : gathers;
+  p.all_gather_bytes = c.strategy == ShardingStrategy::kNoShard ? 0 : hops * gathered * p.grad_accum_steps;
+  p.reduce_bytes = hops * reduced;
+  if (c.strategy == ShardingStrategy::kNoShard || c.strategy == ShardingStrategy::kHybridShard) {
+    // An all-reduce across the replicas: twice the shard, scaled by (replicas - 1) / replicas.
+    const int replicas = req.ranks_per_node * req.nodes / N;
+    if (replicas > 1) p.reduce_bytes += 2 * reduced * (replicas - 1) / replicas;
+  }
+}
+
+}  // namespace
+
+int64_t default_process_host_bytes(c10::DeviceType device) {
+  // fsdp-train --init-only on this project's CPU builds: LibTorch, the communicator and its shared-memory
+  // channels, the worker threads. A CUDA process adds the runtime's host side.
+  return device == c10::kCPU ? int64_t{350} << 20 : int64_t{3} << 30;
+}
+
+int64_t default_process_device_bytes(c10::DeviceType device) {
+  return device == c10::kCPU ? 0 : int64_t{1} << 30;  // the CUDA context, cuBLAS and NCCL workspaces
+}
+
+int shard_size_of(ShardingStrategy strategy, const PlanRequest& req) {
+  switch (strategy) {
+    case ShardingStrategy::kNoShard: return 1;
+    case ShardingStrategy::kHybridShard: return req.ranks_per_node;
+    default: return req.ranks_per_node * req.nodes;
+  }
+}
+
+Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
+  Plan p;
+  const int N = shard_size_of(c.strategy, req);
+  const bool cpu = req.device == c10::kCPU;
+  p.strategy = c.strategy;
+  p.shard_size = N;
+  p.params = c.params;
+  p.grads = c.grads;
+  p.optimizer_state = c.optimizer_state;
+  p.checkpoint_every = c.checkpoint_every;
+  p.micro_batch = c.micro_batch;
+  p.grad_accum_steps = ceil_div(std::max<int64_t>(req.batch_per_rank, 1), c.micro_batch);
+  p.disk_memory_budget = disk_window(c, req.optimizer_state_tensors);
+  const Sizes z = sizes_of(shape);
+  const States s = sharded_states(shape, req, c, N);
+  const int64_t e = elem(req.param_dtype);
+  // On the CPU the device is the host: one RAM, one list.
+  PlanTier& ram = p.device;
+  PlanTier& host = cpu ? p.device : p.host;
+  host.add("process (libraries, communicator, threads)", req.process_host_bytes.value_or(default_process_host_bytes(req.device)));
+  if (!cpu) p.device.add("process (CUDA context, workspaces)", req.process_device_bytes.value_or(default_process_device_bytes(req.device)));
+  p.device.add("sharded states not offloaded", s.tier[0]);
+  host.add("sharded states in the host tier", s.tier[1]);
+  p.disk.add("sharded states in the disk tier", s.tier[2]);
+  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
+  const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || s.working > 0;
+  const int64_t layers_alive = std::min<int64_t>(1 + req.prefetch_depth, std::max<int64_t>(z.units - 1, 0));
+  if (keeps_all) {
+    if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
+  } else if (gathers) {
+    ram.add("gathered params (root + " + std::to_string(layers_alive) + " layer(s))", e * (z.root + layers_alive * z.layer_max));
+  }
+  const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
+  if (shape.trainable_numel() > 0) {
+    ram.add("gradient buffers (root + " + std::to_string(grad_layers) + " layer(s))", e * (z.root + grad_layers * z.layer_max));
+    ram.add("a gradient before its copy (largest parameter)", e * z.largest_param);
+    // The reduction in flight of the largest unit: its gradient cast to reduce_dtype (unless it is
+    // the compute dtype) and the reduced shard, alive until the optimizer collects it.
+    const int64_t r = elem(req.reduce_dtype);
+    const int64_t reducing = (r != e ? r * z.unit_max_trainable : 0) + (N > 1 ? r * ceil_div(z.unit_max_trainable, N) : 0);
+    ram.add("a reduction in flight (largest unit)", reducing);
+  }
+  if (cpu && gathers && N > 1) ram.add("freed gather buffers kept for reuse (2)", 2 * e * z.layer_max);
+  if (req.seq_len > 0) {
+    int64_t recompute = 0;
+    const int64_t kept = activations(shape, req, c, &recompute);
+    ram.add("activations", kept - recompute);
+    if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute);
+  }
+  host.add("disk tier's mapped window", p.disk_memory_budget);
+  if (p.grad_accum_steps > 1 && !keeps_all) {
+    ram.add("unreduced gradients across micro-batches", e * (shape.numel() - z.root - grad_layers * z.layer_max));
+  }
+  if (req.async_save) host.add("async save's snapshot", s.master + s.optimizer);
+  p.io_per_step = s.io;
+  add_traffic(shape, req, c, N, p);
+  const int64_t device_budget = cpu ? req.budget.host_bytes : req.budget.device_bytes;
+  p.fits = p.device.total() <= device_budget && (cpu || p.host.total() <= req.budget.host_bytes) &&
+           p.disk.total() <= req.budget.disk_bytes;
+  return p;
+}
+
+}  // namespace fsdp::planning

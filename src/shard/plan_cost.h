@@ -1,0 +1,28 @@
+// The planner's arithmetic for one set of choices (plan_cost.cpp); the search over choices and the
+// shortfall are in plan.cpp.
+#pragma once
+
+#include "fsdp/plan.h"
+
+namespace fsdp::planning {
+
+// One candidate: every choice made.
+struct Choices {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  OffloadTier params = OffloadTier::kNone, grads = OffloadTier::kNone, optimizer_state = OffloadTier::kNone;
+  int64_t disk_memory_budget = 0;
+  int64_t checkpoint_every = 0;
+  int64_t micro_batch = 1;
+};
+
+// The process's own memory when the request leaves it unset (this project's measured figures).
+int64_t default_process_host_bytes(c10::DeviceType device);
+int64_t default_process_device_bytes(c10::DeviceType device);
+
+// The ranks one parameter is sharded over under `strategy`.
+int shard_size_of(ShardingStrategy strategy, const PlanRequest& req);
+
+// Every figure of `choices` for `shape`; `fits` against the request's budgets, without a shortfall text.
+Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& choices);
+
+}  // namespace fsdp::planning
