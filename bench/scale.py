@@ -251,13 +251,22 @@ def parse_train_log(out, res, metrics, trace):
     m = re.search(r"peak RSS per rank:((?: [0-9.]+ MiB)+)", out)
     if m:
         res["peak_rss_bytes"] = [float(x) * MIB for x in re.findall(r"([0-9.]+) MiB", m.group(1))]
-    # "memory plan per rank: ...; total X MiB" (a newer fsdp-train may print "plan per rank (...)"
-    # over several lines: the first "total ... X MiB" within them counts).
-    m = re.search(r"^\[rank 0\] (?:memory )?plan per rank[^:]*:(.*(?:\n.*){0,40})", out, re.M)
+    # The plan (fsdp/plan.h) as fsdp-train prints it: "memory (RAM) per rank: X MiB", then its items;
+    # the disk tier's I/O per step, planned and measured.
+    m = re.search(r"^\[rank 0\] memory \(RAM\) per rank: ([0-9.]+) MiB", out, re.M)
     if m:
-        res["plan_line"] = m.group(1).splitlines()[0].strip()
-        total = re.search(r"total[^\n]*?([0-9][0-9,]*\.?[0-9]*) MiB", m.group(1))
-        res["plan_bytes"] = float(total.group(1).replace(",", "")) * MIB if total else None
+        res["plan_bytes"] = float(m.group(1)) * MIB
+        res["plan_line"] = "memory (RAM) per rank: " + m.group(1) + " MiB"
+    m = re.search(r"^\[rank 0\] settings: (.*)$", out, re.M)
+    if m:
+        res["plan_settings"] = m.group(1).strip()
+    m = re.search(r"per step per rank: .*disk tier disk read ([0-9.]+) MiB, disk write ([0-9.]+) MiB", out)
+    if m:
+        res["plan_disk_io_mib"] = [float(m.group(1)), float(m.group(2))]
+    m = re.search(r"offload measured \(rank 0, per step after the first\): disk read ([0-9.]+) MiB, disk write ([0-9.]+) MiB",
+                  out)
+    if m:
+        res["measured_disk_io_mib"] = [float(m.group(1)), float(m.group(2))]
     m = re.search(r"init: .*rank 0 read ([0-9.]+) MiB", out)
     if m:
         res["import_rank0_read_bytes"] = float(m.group(1)) * MIB
@@ -265,7 +274,11 @@ def parse_train_log(out, res, metrics, trace):
         lines = [json.loads(x) for x in open(metrics) if x.strip()]
         steps = [x for x in lines if "step" in x and "loss" in x and not x.get("eval")]
         res["steps"] = [{"step": x["step"], "loss": x["loss"], "lr": x["lr"], "step_time_s": x["step_time_s"],
-                         "grad_norm": x.get("grad_norm")} for x in steps]
+                         "grad_norm": x.get("grad_norm"), "phase_s": x.get("phase_s"),
+                         "phase_peak_rss_bytes": x.get("phase_peak_rss_bytes")} for x in steps]
+        saves = [x for x in lines if x.get("save")]
+        if saves:
+            res["save_metrics"] = saves
         if "peak_rss_bytes" not in res and lines:
             res["peak_rss_bytes"] = lines[-1]["peak_rss_bytes"]
     if trace and os.path.exists(trace):
@@ -349,6 +362,22 @@ def report(r):
             md.append(f"- {p['phase']}: the save took {p['save_s']:.2f} s (train::checkpoint_save in --trace) for "
                       f"{size / MIB:,.0f} MiB: {size / p['save_s'] / 1e6:,.0f} MB/s "
                       f"({size / p['save_s'] / dd['write_Bps']:.2f} of dd's write).")
+        for sv in p.get("save_metrics", []):
+            rate = sv["bytes"] / sv["seconds"]
+            md.append(f"- {p['phase']}: save of step {sv['step']} (fsdp-train's metrics): {sv['seconds']:.1f} s for "
+                      f"{sv['bytes'] / MIB:,.0f} MiB, {rate / 1e6:,.0f} MB/s ({rate / dd['write_Bps']:.2f} of dd's "
+                      f"write); peak RSS per rank during the save {' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
+        for st in p.get("steps", []):
+            peaks = st.get("phase_peak_rss_bytes") or {}
+            if peaks:
+                md.append(f"- {p['phase']} step {st['step']}: {st['step_time_s']:.1f} s; peak RSS per rank by phase, "
+                          "MiB: " + "; ".join(f"{k} {' / '.join(mib(x) for x in v)}" for k, v in peaks.items()))
+        if p.get("plan_disk_io_mib") and p.get("measured_disk_io_mib"):
+            (pr, pw), (mr, mw) = p["plan_disk_io_mib"], p["measured_disk_io_mib"]
+            md.append(f"- {p['phase']}: disk tier per step after the first, rank 0: read {mr:,.0f} MiB, written "
+                      f"{mw:,.0f} MiB; the plan: {pr:,.0f} / {pw:,.0f} MiB.")
+        if p.get("plan_settings"):
+            md.append(f"- {p['phase']}: the plan's settings: `{p['plan_settings']}`")
         if "error" in p:
             md.append(f"- {p['phase']} failed: `{p['error'][-400:]}`")
     md.append(f"- Sizes: HF dir {mib(s.get('hf_bytes'))} MiB, one checkpoint {mib(s.get('checkpoint_step_bytes'))} "

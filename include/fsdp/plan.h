@@ -92,11 +92,15 @@ struct PlanRequest {
   bool async_save = false;                  // a host snapshot of params and state while saving
 };
 
-// Bytes per rank in one place, item by item.
+// Bytes per rank in one place, item by item. The peak of a training step comes at one of two
+// moments that do not overlap: the start of backward (every activation alive, the loss's
+// gradients, the head's gradient) or its end (the activations freed, the root's reduction in
+// flight). Items alive at both are in `items`; the total takes the larger moment.
 struct PlanTier {
-  std::vector<std::pair<std::string, int64_t>> items;
+  enum Moment { kAlways, kBackwardStart, kBackwardEnd };
+  std::vector<std::pair<std::string, int64_t>> items, at_backward_start, at_backward_end;
   int64_t total() const;
-  void add(std::string name, int64_t bytes);
+  void add(std::string name, int64_t bytes, Moment when = kAlways);
 };
 
 struct Plan {

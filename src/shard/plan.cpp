@@ -27,14 +27,20 @@ int64_t ModelShape::trainable_numel() const {
   return n;
 }
 
-int64_t PlanTier::total() const {
+namespace {
+int64_t sum(const std::vector<std::pair<std::string, int64_t>>& items) {
   int64_t t = 0;
   for (const auto& [name, bytes] : items) t += bytes;
   return t;
 }
+}  // namespace
 
-void PlanTier::add(std::string name, int64_t bytes) {
-  if (bytes > 0) items.emplace_back(std::move(name), bytes);
+int64_t PlanTier::total() const { return sum(items) + std::max(sum(at_backward_start), sum(at_backward_end)); }
+
+void PlanTier::add(std::string name, int64_t bytes, Moment when) {
+  if (bytes <= 0) return;
+  (when == kBackwardStart ? at_backward_start : when == kBackwardEnd ? at_backward_end : items)
+      .emplace_back(std::move(name), bytes);
 }
 
 namespace {
@@ -150,8 +156,11 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
                 "data.batch_size_per_rank=" + std::to_string(p.micro_batch),
                 "train.grad_accum_steps=" + std::to_string(p.grad_accum_steps)};
   auto& a = p.assumptions;
-  a.push_back("process: " + base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device))) +
-              (r.process_host_bytes ? " (given)" : " of host memory (fsdp-train --init-only, measured on CPU)"));
+  const std::string process = base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device)));
+  a.push_back("process: " + process + " of host memory" +
+              (r.process_host_bytes ? " (given)"
+               : cpu                ? " (fsdp-train --init-only on 2 ranks, measured here)"
+                                    : " (assumed for LibTorch with CUDA and NCCL)"));
   if (!cpu) {
     a.push_back("CUDA: a prediction, not validated on a GPU here; the context and workspaces taken as " +
                 base::mib(r.process_device_bytes.value_or(planning::default_process_device_bytes(r.device))));
@@ -186,7 +195,10 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
   std::ostringstream s;
   auto check = [&](const char* what, const PlanTier& t, int64_t budget, const char* key) {
     if (t.total() <= budget) return;
-    const auto big = std::max_element(t.items.begin(), t.items.end(),
+    auto all = t.items;
+    all.insert(all.end(), t.at_backward_start.begin(), t.at_backward_start.end());
+    all.insert(all.end(), t.at_backward_end.begin(), t.at_backward_end.end());
+    const auto big = std::max_element(all.begin(), all.end(),
                                       [](const auto& a, const auto& b) { return a.second < b.second; });
     s << what << ": needs " << gib(t.total()) << " per rank, the budget (" << key << ") is " << gib(budget)
       << ": short by " << gib(t.total() - budget) << "; its largest item is " << big->first << ", "
@@ -208,6 +220,14 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
       s << "Lever: these settings fit:";
       for (const auto& k : q.settings) s << " " << k;
       return s.str();
+    }
+  }
+  if (r.reduce_dtype != r.param_dtype && r.reduce_dtype == at::kFloat) {
+    PlanRequest narrow = r;
+    narrow.reduce_dtype = r.param_dtype;
+    if (plan(shape, narrow).fits) {
+      return s.str() + "Lever: reducing gradients in the compute dtype (fsdp.reduce_dtype=" +
+             std::string(c10::toString(r.param_dtype)) + ") would fit.";
     }
   }
   const std::string more = with_more_ranks(shape, r);
@@ -244,6 +264,14 @@ std::string Plan::to_string() const {
     if (t.items.empty()) return;
     s << name << " per rank: " << base::mib(t.total(), 1) << "\n";
     for (const auto& [item, bytes] : t.items) s << "  " << item << ": " << base::mib(bytes, 1) << "\n";
+    const bool start_larger = sum(t.at_backward_start) >= sum(t.at_backward_end);
+    auto moment = [&](const char* when, const std::vector<std::pair<std::string, int64_t>>& items, bool larger) {
+      if (items.empty()) return;
+      s << "  at " << when << " (" << (larger ? "the larger, counted" : "not counted") << "):\n";
+      for (const auto& [item, bytes] : items) s << "    " << item << ": " << base::mib(bytes, 1) << "\n";
+    };
+    moment("the start of backward", t.at_backward_start, start_larger);
+    moment("the end of backward", t.at_backward_end, !start_larger);
   };
   tier(host.items.empty() ? "memory (RAM)" : "device memory", device);
   tier("host memory", host);

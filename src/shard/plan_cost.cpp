@@ -201,19 +201,20 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
   if (shape.trainable_numel() > 0) {
     ram.add("gradient buffers (root + " + std::to_string(grad_layers) + " layer(s))", e * (z.root + grad_layers * z.layer_max));
-    ram.add("a gradient before its copy (largest parameter)", e * z.largest_param);
+    ram.add("the head's gradient before its copy (largest parameter)", e * z.largest_param, PlanTier::kBackwardStart);
+    ram.add("the embedding's gradient before its copy (largest parameter)", e * z.largest_param, PlanTier::kBackwardEnd);
     // The reduction in flight of the largest unit: its gradient cast to reduce_dtype (unless it is
     // the compute dtype) and the reduced shard, alive until the optimizer collects it.
     const int64_t r = elem(req.reduce_dtype);
     const int64_t reducing = (r != e ? r * z.unit_max_trainable : 0) + (N > 1 ? r * ceil_div(z.unit_max_trainable, N) : 0);
-    ram.add("a reduction in flight (largest unit)", reducing);
+    ram.add("the root's reduction in flight (largest unit)", reducing, PlanTier::kBackwardEnd);
   }
   if (cpu && gathers && N > 1) ram.add("freed gather buffers kept for reuse (2)", 2 * e * z.layer_max);
   if (req.seq_len > 0) {
     int64_t recompute = 0;
     const int64_t kept = activations(shape, req, c, &recompute);
-    ram.add("activations", kept - recompute);
-    if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute);
+    ram.add("activations", kept - recompute, PlanTier::kBackwardStart);
+    if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
   }
   host.add("disk tier's mapped window", p.disk_memory_budget);
   if (p.grad_accum_steps > 1 && !keeps_all) {
