@@ -13,10 +13,14 @@
 // tokens, and transformers' defaults (1 and 2) would claim otherwise. "dtype" is the export's.
 #include <ATen/ATen.h>
 
+#include <cctype>
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "base/file_io.h"
 #include "safetensors/index.h"
@@ -49,7 +53,7 @@ void check_out_dir(const std::string& out) {
   fsdp::io::make_dirs(out);
 }
 
-// Writes out/model.safetensors with `names` (in that order) copied from the checkpoint's F32 model
+// Writes the safetensors file `path` with `names` (in that order) copied from the checkpoint's F32 model
 // file set and converted to `dtype` chunk by chunk (round to nearest even, as torch's .to());
 // returns the data bytes written.
 uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>& names, const std::string& path,
@@ -81,36 +85,134 @@ uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>
   return total;
 }
 
-// export's arguments: DIR OUT and the options --dtype NAME and --tokenizer-dir DIR (or
-// --opt=VALUE) anywhere.
+// Note [Export shards]
+// As transformers' save_pretrained splits a model: the tensors in order, a new file when the next
+// one would take the current file over max_shard_size, a tensor larger than that alone in a file
+// of its own; the files are model-00001-of-0000N.safetensors with model.safetensors.index.json
+// naming each tensor's file (metadata.total_size: the tensors' bytes), and a model that fits in one
+// file is model.safetensors alone, without an index. The default is transformers' (5.x: "50GB").
+constexpr const char* kDefaultMaxShardSize = "50GB";
+
+// Bytes of a size as transformers' save_pretrained takes it (convert_file_size_to_int): an
+// integer, or an integer with KB, MB, GB (powers of 10; a lowercase final "b" is bits, as there)
+// or KiB, MiB, GiB (powers of 2), the unit in any case.
+uint64_t parse_shard_size(const std::string& text) {
+  auto fail = [&]() -> uint64_t {
+    throw UsageError("export: --max-shard-size " + text +
+                     ": expected bytes or an integer with a unit, e.g. 2GB, 500MB, 1GiB");
+  };
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  if (digits == 0 || digits > 15) return fail();
+  const uint64_t n = std::stoull(text.substr(0, digits));
+  std::string unit = text.substr(digits);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::vector<std::pair<std::string, uint64_t>> units{{"", 1},
+                                                            {"KB", 1000},
+                                                            {"MB", 1000000},
+                                                            {"GB", 1000000000},
+                                                            {"KIB", 1ull << 10},
+                                                            {"MIB", 1ull << 20},
+                                                            {"GIB", 1ull << 30}};
+  for (const auto& [name, scale] : units) {
+    if (unit != name) continue;
+    if (n > UINT64_MAX / scale) return fail();
+    const uint64_t bytes = n * scale;
+    const bool bits = name.size() == 2 && text.back() == 'b';
+    if (bytes / (bits ? 8 : 1) == 0) return fail();
+    return bits ? bytes / 8 : bytes;
+  }
+  return fail();
+}
+
+// The files' tensors, Note [Export shards].
+std::vector<std::vector<std::string>> split_into_shards(const std::vector<std::string>& names,
+                                                        const std::vector<uint64_t>& bytes, uint64_t max_bytes) {
+  std::vector<std::vector<std::string>> shards;
+  std::vector<std::string> current;
+  uint64_t current_bytes = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (bytes[i] > max_bytes) {
+      shards.push_back({names[i]});
+      continue;
+    }
+    if (!current.empty() && current_bytes + bytes[i] > max_bytes) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+    current.push_back(names[i]);
+    current_bytes += bytes[i];
+  }
+  if (!current.empty()) shards.push_back(std::move(current));
+  return shards;
+}
+
+// Writes the model's tensors as Note [Export shards] splits them; returns the file names, and the
+// data bytes in `total`.
+std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::vector<std::string>& names,
+                                           const std::string& out, at::ScalarType dtype, uint64_t max_bytes,
+                                           uint64_t& total) {
+  const uint64_t item = st::itemsize(st::from_scalar_type(dtype));
+  std::vector<uint64_t> bytes;
+  for (const auto& n : names) bytes.push_back(ckpt.model().tensors.at(n).entry.nbytes() / 4 * item);
+  const auto shards = split_into_shards(names, bytes, max_bytes);
+  std::vector<std::string> files;
+  st::Index index;
+  total = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+    files.push_back(shards.size() == 1 ? "model.safetensors" : name);
+    total += write_model_file(ckpt, shards[i], join(out, files.back()), dtype);
+    for (const auto& n : shards[i]) index.weight_map[n] = files.back();
+  }
+  if (shards.size() > 1) {
+    index.metadata = {{"total_size", total}};
+    fsdp::io::write_file_atomic(join(out, "model.safetensors.index.json"), st::index_to_json(index));
+    files.push_back("model.safetensors.index.json");
+  }
+  return files;
+}
+
+// export's arguments: DIR OUT and the options --dtype NAME, --tokenizer-dir DIR and
+// --max-shard-size SIZE (or --opt=VALUE) anywhere.
 struct ExportArgs {
-  std::string dir, out, dtype, tokenizer_dir;
+  std::string dir, out, dtype, tokenizer_dir, max_shard_size = kDefaultMaxShardSize;
 };
 
 ExportArgs parse_export_args(const Args& args) {
   ExportArgs e;
+  const std::vector<std::pair<std::string, std::string*>> options{
+      {"--dtype", &e.dtype}, {"--tokenizer-dir", &e.tokenizer_dir}, {"--max-shard-size", &e.max_shard_size}};
   std::vector<std::string> positional;
   for (size_t i = 0; i < args.size(); ++i) {
-    if ((args[i] == "--dtype" || args[i] == "--tokenizer-dir") && i + 1 < args.size()) {
-      (args[i] == "--dtype" ? e.dtype : e.tokenizer_dir) = args[i + 1];
-      ++i;
-    } else if (args[i].rfind("--dtype=", 0) == 0) {
-      e.dtype = args[i].substr(8);
-    } else if (args[i].rfind("--tokenizer-dir=", 0) == 0) {
-      e.tokenizer_dir = args[i].substr(16);
-    } else if (args[i].empty() || args[i][0] == '-') {
-      throw UsageError("export: unknown or incomplete option '" + args[i] + "'");
-    } else {
-      positional.push_back(args[i]);
+    bool taken = false;
+    for (const auto& [flag, value] : options) {
+      if (args[i] == flag && i + 1 < args.size()) {
+        *value = args[++i];
+      } else if (args[i].rfind(flag + "=", 0) == 0) {
+        *value = args[i].substr(flag.size() + 1);
+      } else {
+        continue;
+      }
+      taken = true;
+      break;
     }
+    if (taken) continue;
+    if (args[i].empty() || args[i][0] == '-')
+      throw UsageError("export: unknown or incomplete option '" + args[i] + "'");
+    positional.push_back(args[i]);
   }
   if (positional.size() != 2) {
     throw UsageError(
-        "export takes the checkpoint directory and the output directory (and --dtype NAME, --tokenizer-dir DIR)");
+        "export takes the checkpoint directory and the output directory (and --dtype NAME, --tokenizer-dir DIR, "
+        "--max-shard-size SIZE)");
   }
   if (!e.dtype.empty() && e.dtype != "bfloat16" && e.dtype != "float16" && e.dtype != "float32") {
     throw UsageError("export: --dtype " + e.dtype + ": must be bfloat16, float16 or float32");
   }
+  parse_shard_size(e.max_shard_size);  // refused now, before anything is read
   e.dir = positional[0];
   e.out = positional[1];
   return e;
@@ -193,13 +295,11 @@ int run_export(const Args& args) {
   // ties lm_head to it on load, so lm_head.weight is left out even if a checkpoint holds it.
   std::vector<std::string> names;
   for (const auto& [name, shape] : llama_tensors(config)) names.push_back(name);
-  const uint64_t bytes = write_model_file(ckpt, names, join(e.out, "model.safetensors"), scalar_type_of(dtype));
-
-  st::Index index;
-  index.metadata = {{"total_size", bytes}};
-  for (const auto& n : names) index.weight_map[n] = "model.safetensors";
-  fsdp::io::write_file_atomic(join(e.out, "model.safetensors.index.json"), st::index_to_json(index));
-  std::string files = "config.json, model.safetensors, model.safetensors.index.json";
+  uint64_t bytes = 0;
+  std::string files = "config.json";
+  for (const auto& f :
+       write_model_files(ckpt, names, e.out, scalar_type_of(dtype), parse_shard_size(e.max_shard_size), bytes))
+    files += ", " + f;
   if (!tokenizer_dir.empty()) {
     for (const auto& name : copy_tokenizer_files(tokenizer_dir, e.out))
       files += ", " + name + " (from " + tokenizer_dir + ")";

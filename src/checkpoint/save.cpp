@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "base/strings.h"
+#include "base/direct_writer.h"
 #include "base/file_io.h"
 #include "safetensors/index.h"
 #include "checkpoint/layout.h"
@@ -127,33 +128,58 @@ void write_buffers(SaveJob& job, const std::string& tmp) {
   f.close();
 }
 
+// One contiguous piece of a file this rank writes: `count` elements from element `shard_begin` of
+// a flat param's shard, at byte `at` of the file. The consecutive tensors of a flat param make one
+// run, so each shard streams through once, in chunks read ahead, to one run of the file.
+struct Run {
+  size_t flat = 0;
+  int64_t shard_begin = 0, count = 0, at = 0;
+};
+
+std::vector<Run> runs_for(const SaveJob& job, const std::string& kind, const safetensors::FilePlan& plan) {
+  std::vector<Run> runs;
+  for (const auto& t : job.layout.tensors) {
+    if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;  // not in the file
+    const auto span = shard_span(job.layout.flats[t.flat].shard, t);
+    if (!span) continue;
+    const int64_t at = static_cast<int64_t>(plan.header.data_start() + plan.header.find(t.name)->begin) +
+                       span->tensor_begin * static_cast<int64_t>(sizeof(float));
+    if (!runs.empty()) {
+      Run& last = runs.back();
+      if (last.flat == t.flat && last.shard_begin + last.count == span->shard_begin &&
+          last.at + last.count * static_cast<int64_t>(sizeof(float)) == at) {
+        last.count += span->count;
+        continue;
+      }
+    }
+    runs.push_back({t.flat, span->shard_begin, span->count, at});
+  }
+  return runs;
+}
+
+// Each file's runs through a DirectWriter (Note [Direct writes of a checkpoint] in
+// base/direct_writer.h); a disk-tier state is read by the tier's I/O threads, never through its
+// mapping, whose faults would read it a page at a time.
 void write_shards(SaveJob& job, const std::string& tmp) {
   write_buffers(job, tmp);
   if (!job.layout.writer) return;
   for (const auto& kind : file_kinds(job)) {
     const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
-    File f = File::open_write(join(tmp, kind + ".safetensors"), false);
-    for (const auto& t : job.layout.tensors) {
-      const auto span = shard_span(job.layout.flats[t.flat].shard, t);
-      if (!span) continue;
-      ShardTensor shard = source_for(job, kind, t.flat);
-      if (!shard.defined()) {
-        if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;
-        shard = ShardTensor(at::zeros_like(job.data.params[t.flat].values()));  // state not created yet: zeros
+    DirectWriter out(join(tmp, kind + ".safetensors"));
+    for (const Run& run : runs_for(job, kind, plan)) {
+      ShardTensor src = source_for(job, kind, run.flat);
+      int64_t from = run.shard_begin;
+      if (!src.defined()) {  // state not created yet: zeros
+        src = ShardTensor(at::zeros({run.count}, at::kFloat));
+        from = 0;
       }
-      const at::Tensor& src = shard.values();
-      const auto* entry = plan.header.find(t.name);
-      const int64_t at_byte = plan.header.data_start() + entry->begin + span->tensor_begin * sizeof(float);
-      if (!src.is_cpu()) {  // a device shard: one tensor's part at a time through host memory
-        const at::Tensor host = src.narrow(0, span->shard_begin, span->count).cpu();
-        f.pwrite_all(host.data_ptr<float>(), span->count * sizeof(float), at_byte);
-        continue;
-      }
-      f.pwrite_all(src.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
-      shard.done(span->shard_begin, span->shard_begin + span->count);  // a disk tier: written, out of memory
+      auto write = [&](const float* data, int64_t at, int64_t count) {
+        out.write(data, count * static_cast<int64_t>(sizeof(float)),
+                  run.at + (at - from) * static_cast<int64_t>(sizeof(float)));
+      };
+      src.read(from, from + run.count, write, "checkpoint '" + job.name + "' (" + kind + ")");
     }
-    f.sync();
-    f.close();
+    out.finish();
   }
 }
 

@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <utility>
 
 #include "base/strings.h"
 #include "fsdp/errors.h"
@@ -312,6 +314,42 @@ at::Tensor read_whole(const at::Tensor& t, const std::string& what) {
   IoTicket ticket = m->tier->read_async(t.reshape({-1}), 0, t.numel(), what, /*budgeted=*/false);
   ticket.wait();
   return ticket.buffer().view(t.sizes());
+}
+
+void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what,
+                   const std::function<void(const float* data, int64_t at, int64_t count)>& fn) {
+  if (end <= begin) return;
+  Mapping* m = mapping_of(t);
+  if (m == nullptr) {
+    fn(t.data_ptr<float>() + begin, begin, end - begin);
+    return;
+  }
+  // Chunks start on the file's pages, so each moves directly (Note [Disk tier I/O threads]);
+  // two are in flight, sized as the budget allows for a copy (chunk_elements(2)).
+  const at::Tensor flat = t.view({-1});
+  const int64_t first = (static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(m->base)) / 4;
+  const int64_t page = kPage / 4;
+  int64_t chunk = page;  // a budget too small for two tensors' chunks still reads a page at a time
+  try {
+    chunk = m->tier->chunk_elements(2);
+  } catch (const ConfigError&) {
+  }
+  int64_t next = std::max<int64_t>(0, (first + begin) / page * page - first);
+  std::deque<std::pair<int64_t, IoTicket>> ahead;  // (first element, its read)
+  auto issue = [&] {
+    const int64_t b = std::min(end, next + chunk);
+    ahead.emplace_back(next, m->tier->read_async(flat, next, b, what, /*budgeted=*/false));
+    next = b;
+  };
+  while (ahead.size() < 2 && next < end) issue();
+  while (!ahead.empty()) {
+    auto [a, ticket] = std::move(ahead.front());
+    ahead.pop_front();
+    ticket.wait();
+    if (next < end) issue();  // the read thread goes on while fn uses this chunk
+    const int64_t from = std::max(a, begin), to = std::min(end, a + ticket.buffer().numel());
+    fn(ticket.buffer().data_ptr<float>() + (from - a), from, to - from);
+  }
 }
 
 }  // namespace fsdp::offload

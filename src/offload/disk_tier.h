@@ -8,14 +8,15 @@
 // Pages of a mapping that were touched stay mapped (and count in the process's RSS as file pages)
 // until released. The tier releases them explicitly: the streamed optimizer step (streamed_step.h)
 // keeps at most three chunks per tensor mapped (read-ahead, current, write-behind), an all-gather
-// releases its disk-tier master shard once it has been read, and checkpoint save/load release
-// what they touched. Releasing is MADV_DONTNEED on our mapping (dirty bits move to the page
-// cache; no data is lost) plus POSIX_FADV_DONTNEED so that clean pages leave the page cache too.
-// Files are unlinked as soon as they are open: a crashed run leaves nothing behind.
+// releases its disk-tier master shard once it has been read, and a checkpoint load releases
+// what it touched (a save reads through the I/O threads: read_streamed). Releasing is MADV_DONTNEED on our mapping
+// (dirty bits move to the page cache; no data is lost) plus POSIX_FADV_DONTNEED so that clean pages leave the page
+// cache too. Files are unlinked as soon as they are open: a crashed run leaves nothing behind.
 //
 // Note [Disk tier I/O threads]
 // The hot paths (the all-gather's read of a master shard, the optimizer's reads and writes of
-// master and state chunks) do not page through the mapping: they move whole ranges between the
+// master and state chunks, a checkpoint save's reads) do not page through the mapping (MADV_RANDOM:
+// each fault would read one page): they move whole ranges between the
 // file and host buffers with pread/pwrite on the tier's own threads, one for reads and one for
 // writes (disk_io.cpp), through a second descriptor opened with O_DIRECT where the file system
 // takes it (buffered otherwise, with POSIX_FADV_DONTNEED after each transfer), so what comes from

@@ -56,5 +56,10 @@ void release(const at::Tensor& t, int64_t begin = 0, int64_t end = -1);  // page
 at::Tensor read_whole(const at::Tensor& t, const std::string& what);     // host values (I/O threads)
 at::Tensor clone_in_tier(const at::Tensor& t);                           // a device tensor's clone is a host copy
 void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
+// fn(data, at, count) over elements [begin, end) of a contiguous fp32 host tensor, in order: one
+// call on its own memory, or for a disk-backed one host chunks the tier's read thread reads ahead
+// (direct, whole pages; never through the mapping, whose faults read a page at a time).
+void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what,
+                   const std::function<void(const float* data, int64_t at, int64_t count)>& fn);
 at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what);
 }  // namespace fsdp::offload

@@ -1,6 +1,7 @@
 // See checkpoint_view.h.
 #include "shard/checkpoint_view.h"
 
+#include <algorithm>
 #include <unordered_map>
 #include <utility>
 
@@ -22,6 +23,21 @@ ShardTensor ShardTensor::zeros_like(const std::string& what) const {
 }
 
 void ShardTensor::copy_from(const ShardTensor& src) const { offload::copy_streamed(t_, src.t_); }
+
+void ShardTensor::read(int64_t begin, int64_t end,
+                       const std::function<void(const float* data, int64_t at, int64_t count)>& fn,
+                       const std::string& what) const {
+  if (t_.is_cpu()) {
+    offload::read_streamed(t_, begin, end, what, fn);
+    return;
+  }
+  constexpr int64_t kDeviceChunk = 16 << 20;  // elements per copy to the host (64 MiB)
+  for (int64_t a = begin; a < end; a += kDeviceChunk) {
+    const int64_t n = std::min(end - a, kDeviceChunk);
+    const at::Tensor host = t_.narrow(0, a, n).to(at::kCPU).contiguous();
+    fn(host.data_ptr<float>(), a, n);
+  }
+}
 
 ModelView model_view(FSDPModule& root) {
   ModelView view;

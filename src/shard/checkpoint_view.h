@@ -43,6 +43,11 @@ class ShardTensor {
   ShardTensor zeros_like(const std::string& what) const;
   // Copies `src` into it chunk by chunk, letting disk-tier pages go as it goes.
   void copy_from(const ShardTensor& src) const;
+  // fn(data, at, count) over elements [begin, end), in order, in host chunks: the state's own
+  // memory in RAM, reads ahead by the disk tier's I/O threads for a disk-tier state (nothing of
+  // its mapping is touched, so no done() is needed), copies for a device state.
+  void read(int64_t begin, int64_t end, const std::function<void(const float* data, int64_t at, int64_t count)>& fn,
+            const std::string& what) const;
 
  private:
   at::Tensor t_;

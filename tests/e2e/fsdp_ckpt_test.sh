@@ -189,8 +189,7 @@ record "diff with a missing checkpoint: status 2, named (status $RC)" $ok "$TMP/
 # ---- export --------------------------------------------------------------------------------------
 ck export export "$TMP/ckpt" "$TMP/hf"
 ok=0
-if [ "$RC" -eq 0 ] && [ -f "$TMP/hf/config.json" ] && [ -f "$TMP/hf/model.safetensors" ] &&
-   [ -f "$TMP/hf/model.safetensors.index.json" ] &&
+if [ "$RC" -eq 0 ] && [ "$(ls "$TMP/hf" | tr '\n' ' ')" = "config.json model.safetensors " ] &&
    "$PY" - "$TMP/hf" >"$TMP/export.check" 2>&1 <<'EOF'; then ok=1; fi
 import json, struct, sys
 d = sys.argv[1]
@@ -199,14 +198,48 @@ assert c["architectures"] == ["LlamaForCausalLM"] and c["model_type"] == "llama"
 assert c["hidden_size"] == 32 and c["num_key_value_heads"] == 2 and c["head_dim"] == 8 and c["hidden_act"] == "silu", c
 raw = open(d + "/model.safetensors", "rb").read()
 header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
-names = set(header) - {"__metadata__"}
-index = json.load(open(d + "/model.safetensors.index.json"))
-assert set(index["weight_map"]) == names and len(names) == 21, (len(names), sorted(names))
-assert set(index["weight_map"].values()) == {"model.safetensors"}
-assert index["metadata"]["total_size"] == len(raw) - 8 - struct.unpack("<Q", raw[:8])[0]
+assert len(set(header) - {"__metadata__"}) == 21, sorted(header)
 EOF
-record "export writes config.json, model.safetensors (21 tensors) and a matching index (status $RC)" $ok \
+record "export writes config.json and model.safetensors (21 tensors), no index for one file (status $RC)" $ok \
   "$TMP/export.out" "$TMP/export.check"
+
+# Split as transformers' save_pretrained splits: tensors in order, a new file before the one that
+# would go over --max-shard-size, a larger tensor alone; model-0000i-of-0000N files and an index.
+ck export-split export --max-shard-size 9KB "$TMP/ckpt" "$TMP/hf-split"
+ok=0
+if [ "$RC" -eq 0 ] && "$PY" - "$TMP/hf" "$TMP/hf-split" >"$TMP/export-split.check" 2>&1 <<'EOF'; then ok=1; fi
+import json, os, struct, sys
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    data = {k: raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in header.items()}
+    return data, len(raw) - 8 - n
+one, one_bytes = tensors(sys.argv[1] + "/model.safetensors")
+d = sys.argv[2]
+index = json.load(open(d + "/model.safetensors.index.json"))
+files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+n = len(files)
+assert n > 2 and files == ["model-%05d-of-%05d.safetensors" % (i, n) for i in range(1, n + 1)], files
+assert sorted(os.listdir(d)) == ["config.json"] + files + ["model.safetensors.index.json"], os.listdir(d)
+assert index["metadata"]["total_size"] == one_bytes, (index["metadata"], one_bytes)
+merged, order = {}, []
+for f in files:
+    t, data = tensors(d + "/" + f)
+    assert data <= 9000 or len(t) == 1, (f, data, list(t))
+    assert all(index["weight_map"][k] == f for k in t), f
+    merged.update(t)
+    order += sorted(t, key=lambda k: list(one).index(k))
+assert merged == one, "the split files hold other bytes than the single file"
+print(n, "files")
+EOF
+record "export --max-shard-size 9KB splits into model-0000i-of-0000N files, same bytes, index (status $RC)" $ok \
+  "$TMP/export-split.out" "$TMP/export-split.check"
+ck export-badsize export --max-shard-size 2.5GB "$TMP/ckpt" "$TMP/hf-bad"
+ok=0
+if [ "$RC" -eq 2 ] && has export-badsize "max-shard-size 2.5GB" && [ ! -e "$TMP/hf-bad" ]; then ok=1; fi
+record "export --max-shard-size 2.5GB: usage error, nothing written (status $RC)" $ok "$TMP/export-badsize.out"
 
 ck export-again export "$C3" "$TMP/hf"
 ok=0

@@ -54,7 +54,7 @@ def case(programs, tmp, tie):
 
     rc, log = run([programs["FSDP_CKPT"], "export", save_dir, out_dir])
     files = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-    ok = rc == 0 and files == ["config.json", "model.safetensors", "model.safetensors.index.json"]
+    ok = rc == 0 and files == ["config.json", "model.safetensors"]  # one file: no index, as transformers
     record(f"{label}: fsdp-ckpt export writes {files} (status {rc})", ok, log)
     if not ok:
         return
@@ -105,13 +105,30 @@ def case(programs, tmp, tie):
     record(f"{label}: HF logits match fsdp's within {LOGITS_ATOL} (max abs diff {diff:.3e})", ok,
            f"shapes {ours.shape} {theirs.shape}, dtype {ours.dtype}")
 
+    # Split into several files (--max-shard-size, as save_pretrained splits), the export loads to the
+    # same logits, bit for bit.
+    split_dir = os.path.join(root, "hf-split")
+    rc, log = run([programs["FSDP_CKPT"], "export", "--max-shard-size", "20KB", save_dir, split_dir])
+    shards = sorted(f for f in os.listdir(split_dir) if f.endswith(".safetensors")) if rc == 0 else []
+    index_ok = rc == 0 and os.path.exists(os.path.join(split_dir, "model.safetensors.index.json"))
+    record(f"{label}: export --max-shard-size 20KB writes {len(shards)} files and an index (status {rc})",
+           index_ok and len(shards) > 2 and shards[0] == "model-00001-of-%05d.safetensors" % len(shards), log)
+    if index_ok:
+        split, info, msgs = load_hf(split_dir, "eager", LlamaForCausalLM)
+        with torch.no_grad():
+            split_logits = split(torch.from_numpy(tokens)).logits
+            one_logits = model(torch.from_numpy(tokens)).logits
+        problems = {k: sorted(v) for k, v in info.items() if v}
+        record(f"{label}: the split export loads with no missing or unexpected keys, to the same logits bit for bit",
+               not problems and not msgs and torch.equal(split_logits, one_logits),
+               json.dumps(problems) + "\n" + "\n".join(msgs))
+
     # Negative control: the same weights under transformers' default rope base (10000 instead of the
     # trained 500) must miss by far more than the tolerance, or the comparison above proves nothing
     # about the config conversion.
     control_dir = os.path.join(root, "hf-rope-default")
     os.makedirs(control_dir)
-    for name in ("model.safetensors", "model.safetensors.index.json"):
-        os.link(os.path.join(out_dir, name), os.path.join(control_dir, name))
+    os.link(os.path.join(out_dir, "model.safetensors"), os.path.join(control_dir, "model.safetensors"))
     config = json.load(open(os.path.join(out_dir, "config.json")))
     config["rope_theta"] = config["rope_parameters"]["rope_theta"] = 10000.0
     json.dump(config, open(os.path.join(control_dir, "config.json"), "w"))

@@ -258,6 +258,47 @@ TEST(Offload, ResumeFromCheckpointWithDiskTierBitwise) {
   io::remove_tree(dir);
 }
 
+TEST(Offload, SaveReadsEachDiskTierStateOnceThroughTheIoThreads) {
+  // A save reads the master and the optimizer state on the tier's read thread, in chunks read
+  // ahead, each byte once: through their mappings (MADV_RANDOM), the kernel faulted them in a page
+  // at a time (a 150M-parameter model on 2 ranks saved at 60 MB/s against a disk of 1.3 GB/s).
+  const std::string dir = testing::temp_path("offload-save-reads");
+  io::make_dirs(dir);
+  testing::run_threads(
+      kWorld,
+      [&](const std::shared_ptr<Dist>& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(dist);
+        Job j = build(mesh, disk_policy(io::join(dir, "tier-" + std::to_string(dist->rank()))));
+        train_step(j, 0, dist->rank());
+        int64_t bytes = 0, page_bytes = 0;  // of the disk-tier tensors a save reads
+        auto count = [&](const at::Tensor& t) {
+          ASSERT_TRUE(offload::is_disk_backed(t));
+          bytes += t.numel() * 4;
+          page_bytes += offload::whole_pages(t.numel() * 4);
+        };
+        for (const auto& unit : fsdp::testing::units(*j.root)) {
+          for (auto& fp : unit->flat_params()) count(fp->sharded_param());
+        }
+        for (auto& s : j.optim->states()) {
+          for (const auto& [name, t] : s.tensors) count(t);
+        }
+        const OffloadIo before = offload_io(*j.root);
+        checkpoint::TrainState st;
+        st.step = 1;
+        checkpoint::save(io::join(dir, "ckpt"), "step-1", *j.root, j.optim.get(), st);
+        const OffloadIo moved = offload_io(*j.root) - before;
+        EXPECT_GE(moved.disk_read, bytes) << "the save read the disk tier through its mappings";
+        // Each byte once; a run of tensors apart from the rest of its flat param in the file (the
+        // root's first and last layers) starts on the page where the one before it ended.
+        const int64_t runs = 3 * static_cast<int64_t>(j.model->parameters().size());  // at most
+        EXPECT_LE(moved.disk_read, page_bytes + runs * 4096) << "the save read the disk tier more than once";
+        EXPECT_EQ(moved.disk_write, 0);
+      },
+      std::chrono::seconds(60));
+  io::remove_tree(dir);
+}
+
 // Uses the process tier: the file-size limit and SIGXFSZ are per process.
 void full_disk_child(int rank) {
   at::set_num_threads(1);

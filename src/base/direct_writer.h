@@ -1,0 +1,61 @@
+// Writes byte spans into an existing file at the disk's speed: the whole pages of each run of
+// contiguous spans go straight to the disk (O_DIRECT, from a page-aligned staging buffer), and
+// only the partial pages at a run's ends go through the page cache. Several writers (the ranks of
+// a checkpoint save) may write disjoint spans of one file at once.
+//
+// Note [Direct writes of a checkpoint]
+// A buffered write copies into the page cache and leaves the disk to the kernel's writeback,
+// which here moves well under the disk's bandwidth (dd: 0.45-0.75 GB/s buffered with fsync,
+// 1.2-2.0 GB/s with O_DIRECT), and the final fsync waits for all of it. Direct writes need the
+// file offset, the length and the memory page-aligned, which a shard's bytes in a safetensors
+// file are not; so the writer stages each run in a buffer whose offsets follow the file's pages.
+// A page written directly lies wholly inside one writer's run, so no other writer touches it; a
+// page shared with a neighbour's bytes (another rank's shard, the header) is written through the
+// page cache by each of them, where the kernel merges the parts. A file system that refuses
+// O_DIRECT (tmpfs) gets buffered writes throughout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp::io {
+
+struct DirectWriteCounters {
+  int64_t direct_bytes = 0, direct_writes = 0;      // whole pages through O_DIRECT
+  int64_t buffered_bytes = 0, buffered_writes = 0;  // partial pages (or everything where refused)
+};
+
+class DirectWriter {
+ public:
+  // Opens `path` (which must exist: a prepared file) for writing. `buffer_bytes` is rounded up to
+  // whole pages.
+  explicit DirectWriter(const std::string& path, int64_t buffer_bytes = kDefaultBufferBytes);
+  DirectWriter(const DirectWriter&) = delete;
+  DirectWriter& operator=(const DirectWriter&) = delete;
+  ~DirectWriter();
+
+  // `bytes` of `data` at byte `offset`: continues the current run when it starts where the run
+  // ends, else writes the run out and starts a new one.
+  void write(const void* data, int64_t bytes, int64_t offset);
+  // Writes what is staged, fsyncs and closes; throws CheckpointError naming the file on failure.
+  void finish();
+  const DirectWriteCounters& counters() const { return counters_; }
+
+  static constexpr int64_t kDefaultBufferBytes = 16 << 20;
+
+ private:
+  void write_out(int64_t begin, int64_t end);  // staged bytes [begin, end)
+  void pwrite_all(int fd, const char* data, int64_t bytes, int64_t offset);
+
+  std::string path_;
+  int fd_ = -1;         // buffered
+  int direct_fd_ = -1;  // O_DIRECT, or -1 where refused
+  char* buffer_ = nullptr;
+  int64_t capacity_ = 0;
+  int64_t base_ = 0;  // file offset of buffer_[0], page-aligned
+  int64_t head_ = 0;  // staged bytes are buffer_[head_, fill_)
+  int64_t fill_ = 0;
+  DirectWriteCounters counters_;
+};
+
+}  // namespace fsdp::io
