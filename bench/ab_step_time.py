@@ -23,7 +23,7 @@ import tempfile
 # glibc's malloc thresholds that fsdp sets for itself at init (Note [Host malloc settings] in
 # src/base/host_malloc.cpp): the benchmarks give them to every system they compare, so that no
 # system pays page faults on recycled buffers that another does not.
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912"
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=536870912"
 
 CONFIGS = {
     "comm": ["model.hidden_size=256", "model.intermediate_size=688", "model.num_hidden_layers=4",

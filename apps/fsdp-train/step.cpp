@@ -18,8 +18,8 @@
 namespace train {
 namespace {
 
-// Adds the seconds of its scope to `into` (a PhaseTimes field).
-// A phase's time, and with `peak` its peak RSS (the most of its runs).
+// Adds the seconds of its scope to `into` (a PhaseTimes field), and with `peak` keeps there the
+// most RSS the scope reached (rss_watermark).
 class PhaseTimer {
  public:
   explicit PhaseTimer(double& into, int64_t* peak = nullptr)
@@ -29,11 +29,6 @@ class PhaseTimer {
   ~PhaseTimer() {
     into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     if (peak_ != nullptr) *peak_ = std::max(*peak_, rss_watermark());
-    if (peak_ != nullptr && std::getenv("DBG_HEAP")) {
-      const struct mallinfo2 mi = ::mallinfo2();
-      std::fprintf(stderr, "DBG hwm %lld inuse %lld mmapped %lld heapfree %lld arena %lld\n", (long long)(rss_watermark() >> 20),
-                   (long long)((mi.uordblks + mi.hblkhd) >> 20), (long long)(mi.hblkhd >> 20), (long long)(mi.fordblks >> 20), (long long)(mi.arena >> 20));
-    }
   }
   PhaseTimer(const PhaseTimer&) = delete;
   PhaseTimer& operator=(const PhaseTimer&) = delete;

@@ -3,7 +3,7 @@
 
 namespace fsdp::base {
 
-// Once per process, before its first collective: with glibc, allocations below 32 MiB come from
+// Once per process, before its first collective: with glibc, allocations below 4 MiB come from
 // the heap instead of mappings of their own, and freed heap memory is returned to the system
 // only beyond 512 MiB at its top. Skipped when the user chose malloc settings already
 // (GLIBC_TUNABLES naming malloc, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) or set
