@@ -17,6 +17,8 @@ export and token files evicted from the page cache before each phase (posix_fadv
   train     --init-from HF --steps 3 --save-dir CKPT (the save's own time from --trace's
             train::checkpoint_save span);
   resume    --init-from HF --save-dir CKPT --resume latest --steps 4 (one more step, saved);
+  train-memory  --init-from HF --steps 3 with nothing offloaded (FSDP2's placement), where the plan
+            fits this machine (fsdp-train refuses it before allocating otherwise);
   export    fsdp-ckpt export --dtype bfloat16 CKPT/step-00000004 OUT;
   logits    fsdp-ckpt logits (LibTorch, fp32) of the checkpoint and of OUT, and transformers'
             logits of OUT loaded in float32 and in bfloat16, on a fixed 16-token prompt;
@@ -404,13 +406,17 @@ def report(r):
                "MixedPrecisionPolicy(bf16, fp32), fp32 weights loaded by every rank, AdamW fused, same batches):", ""]
         if f2.get("fit"):
             fsdp = {s["step"]: s for s in r.get("train_steps", [])}
-            md += ["| step | fsdp loss | FSDP2 loss | difference | fsdp step s | FSDP2 step s | FSDP2 peak RSS MiB |",
-                   "| --- | --- | --- | --- | --- | --- | --- |"]
+            in_mem = {s["step"]: s for p in r["phases"] if p["phase"] == "train-memory" for s in p.get("steps", [])}
+            md += ["| step | fsdp loss | FSDP2 loss | difference | fsdp step s (state on disk) | "
+                   "fsdp step s (in memory) | FSDP2 step s | FSDP2 peak RSS MiB |",
+                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for s in f2["steps"]:
                 ours = fsdp.get(s["step"], {})
+                mem_s = in_mem.get(s["step"], {}).get("step_time_s")
                 diff = f"{s['loss'] - ours['loss']:+.2e}" if ours else "-"
                 md.append(f"| {s['step']} | {ours.get('loss', float('nan')):.5f} | {s['loss']:.5f} | {diff} | "
-                          f"{ours.get('step_time_s', float('nan')):.2f} | {s['wall_s']:.2f} | "
+                          f"{ours.get('step_time_s', float('nan')):.2f} | "
+                          f"{'-' if mem_s is None else f'{mem_s:.2f}'} | {s['wall_s']:.2f} | "
                           f"{' / '.join(mib(x) for x in s['peak_rss_bytes'])} |")
             md.append(f"Step-1 loss difference {f2.get('step1_loss_diff', float('nan')):.2e} against a tolerance of "
                       f"{LOSS_TOL} nats (both bf16): {'agrees' if f2.get('step1_agrees') else 'DISAGREES'}. "
@@ -523,6 +529,12 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
     if ok["train"]:
         phase("resume", run + train + ["--steps", "4", "--save-dir", ckpt, "--resume", "latest", "--metrics", m_res,
                                        "--trace", t_res], m_res, t_res)
+    # The same steps with everything in memory, where the plan says it fits: the work FSDP2 does.
+    m_mem = os.path.join(work, "memory.jsonl")
+    mem = phase("train-memory", run + train + ["--steps", "3", "--set", "fsdp.offload.optimizer_state=none",
+                                               "--metrics", m_mem], m_mem)
+    if mem["rc"] == 2 and "does not fit" in mem.get("error", ""):
+        mem["not_run"] = "the plan does not fit this machine's memory"
     final = os.path.join(ckpt, "step-00000004") if ok.get("resume") else step3
     logits = {}
     if os.path.isdir(final):

@@ -49,9 +49,16 @@ LoopResult Loop::run() {
   if (cfg_.train.eval_every > 0 && r_.step == 0 && cfg_.train.steps > 0) evaluate();
   const auto start = Clock::now();
   while (r_.step < cfg_.train.steps) {
+    const fsdp::OffloadIo io0 = offloads ? fsdp::offload_io(*s_.root) : fsdp::OffloadIo{};
     train_step();
-    // Offload I/O is reported per step after the first (whose execution order is not known yet).
-    if (offloads && r_.step == first_step + 1) r_.offload_io_after_first = fsdp::offload_io(*s_.root);
+    // Offload I/O is reported per step after the first (whose execution order is not known yet),
+    // the steps' own: saves and evaluations between them are left out.
+    if (offloads && r_.step > first_step + 1) {
+      const fsdp::OffloadIo d = fsdp::offload_io(*s_.root) - io0;
+      fsdp::OffloadIo& sum = r_.offload_io_of_steps;
+      sum = {sum.disk_read + d.disk_read, sum.disk_write + d.disk_write, sum.to_device + d.to_device,
+             sum.to_host + d.to_host};
+    }
     if (r_.stop_signal != 0) {  // agreed with the step's metrics
       stop_on_request();
       return r_;

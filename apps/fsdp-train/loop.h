@@ -24,7 +24,7 @@ struct LoopResult {
   double last_eval_loss = 0;
   int64_t last_saved_step = -1;
   std::string last_checkpoint;             // empty: nothing saved
-  fsdp::OffloadIo offload_io_after_first;  // the tiers' counters after the first step
+  fsdp::OffloadIo offload_io_of_steps;  // the tiers' I/O during the steps after the first
   int stop_signal = 0;                     // the signal every rank agreed to stop on; 0: ran to the end
 };
 

@@ -190,7 +190,7 @@ void report_final(Session& s, const LoopResult& r) {
   std::printf("\nmemory measured (rank 0): %s\n", report.to_string().c_str());
   report_levers(s, r);
   if (s.cfg.fsdp.offload.any() && r.steps_trained > 1) {
-    const auto io = (fsdp::offload_io(*s.root) - r.offload_io_after_first).per_step(r.steps_trained - 1);
+    const auto io = r.offload_io_of_steps.per_step(r.steps_trained - 1);
     std::printf("offload measured (rank 0, per step after the first): %s\n", io.to_string().c_str());
   }
   print_peak_rss(all);

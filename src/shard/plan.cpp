@@ -130,9 +130,10 @@ std::vector<Choices> candidates(const PlanRequest& r) {
   } else {
     for (int64_t m = r.batch_per_rank; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) micros.push_back(m);
   }
+  // The offload tier costs the most time, then the strategy's traffic, then recomputation.
   std::vector<Choices> out;
-  for (auto s : strategies) {
-    for (const auto& t : offload_choices(r)) {
+  for (const auto& t : offload_choices(r)) {
+    for (auto s : strategies) {
       for (int64_t ck : ckpts) {
         for (int64_t m : micros) {
           Choices c{s, t[0], t[1], t[2], r.offload ? r.offload->memory_budget_bytes() : 0, ck, m};
@@ -229,6 +230,12 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
       return s.str() + "Lever: reducing gradients in the compute dtype (fsdp.reduce_dtype=" +
              std::string(c10::toString(r.param_dtype)) + ") would fit.";
     }
+  }
+  const auto root = std::find_if(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.is_root; });
+  if (root != shape.units.end() && shape.units.size() > 1 && root->numel() > 2 * (shape.numel() / static_cast<int64_t>(shape.units.size()))) {
+    s << "The root's own parameters (" << root->numel() << ", the embedding and the head) are gathered, and their "
+         "gradient reduced, as one unit: giving each its own unit (fully_shard on each) would shrink the largest "
+         "items. ";
   }
   const std::string more = with_more_ranks(shape, r);
   if (!more.empty()) return s.str() + "Lever: every offload tier, activation checkpointing and a micro-batch of 1 "
