@@ -19,6 +19,8 @@ export and token files evicted from the page cache before each phase (posix_fadv
   resume    --init-from HF --save-dir CKPT --resume latest --steps 4 (one more step, saved);
   train-memory  --init-from HF --steps 3 with nothing offloaded (FSDP2's placement), where the plan
             fits this machine (fsdp-train refuses it before allocating otherwise);
+  unsharded-fp32  bench_unsharded: the same model (random weights) and per-rank batch in plain
+            LibTorch, one process, fp32 (it has no bf16), where 16 bytes per parameter fit;
   export    fsdp-ckpt export --dtype bfloat16 CKPT/step-00000004 OUT;
   logits    fsdp-ckpt logits (LibTorch, fp32) of the checkpoint and of OUT, and transformers'
             logits of OUT loaded in float32 and in bfloat16, on a fixed 16-token prompt;
@@ -346,7 +348,7 @@ def report(r):
         rd, wr, wall = p["read_bytes"], p["write_bytes"], p["wall_s"]
         rates = (f"{rd / wall / 1e6:,.0f} ({rd / wall / dd['read_Bps']:.2f}) / "
                  f"{wr / wall / 1e6:,.0f} ({wr / wall / dd['write_Bps']:.2f})")
-        status = "ok" if p["rc"] == 0 else f"FAILED ({p['rc']})"
+        status = "ok" if p["rc"] == 0 else "not run" if p.get("not_run") else f"FAILED ({p['rc']})"
         rows.append(f"| {p['phase']} | {status} | {wall:.1f} | {' / '.join(mib(x) for x in rss)} | {mib(plan)} | "
                     f"{ratio} | {above} | {mib(rd)} / {mib(wr)} | {rates} |")
     md = [f"# Scale run: {r['model']} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
@@ -371,16 +373,18 @@ def report(r):
                       f"write); peak RSS per rank during the save {' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
         for st in p.get("steps", []):
             peaks = st.get("phase_peak_rss_bytes") or {}
-            if peaks:
-                md.append(f"- {p['phase']} step {st['step']}: {st['step_time_s']:.1f} s; peak RSS per rank by phase, "
-                          "MiB: " + "; ".join(f"{k} {' / '.join(mib(x) for x in v)}" for k, v in peaks.items()))
+            md.append(f"- {p['phase']} step {st['step']}: {st['step_time_s']:.2f} s" +
+                      ("; peak RSS per rank by phase, MiB: " +
+                       "; ".join(f"{k} {' / '.join(mib(x) for x in v)}" for k, v in peaks.items()) if peaks else ""))
         if p.get("plan_disk_io_mib") and p.get("measured_disk_io_mib"):
             (pr, pw), (mr, mw) = p["plan_disk_io_mib"], p["measured_disk_io_mib"]
             md.append(f"- {p['phase']}: disk tier per step after the first, rank 0: read {mr:,.0f} MiB, written "
                       f"{mw:,.0f} MiB; the plan: {pr:,.0f} / {pw:,.0f} MiB.")
         if p.get("plan_settings"):
             md.append(f"- {p['phase']}: the plan's settings: `{p['plan_settings']}`")
-        if "error" in p:
+        if p.get("not_run"):
+            md.append(f"- {p['phase']}: not run: {p['not_run']}.")
+        elif "error" in p:
             md.append(f"- {p['phase']} failed: `{p['error'][-400:]}`")
     md.append(f"- Sizes: HF dir {mib(s.get('hf_bytes'))} MiB, one checkpoint {mib(s.get('checkpoint_step_bytes'))} "
               f"MiB, checkpoint dir {mib(s.get('checkpoint_dir_bytes'))} MiB, export {mib(s.get('export_bytes'))} MiB.")
@@ -468,7 +472,7 @@ def main():
     with open(base + ".md", "w") as f:
         f.write(md)
     print(md)
-    failed = [p["phase"] for p in result["phases"] if p["rc"] != 0]
+    failed = [p["phase"] for p in result["phases"] if p["rc"] != 0 and not p.get("not_run")]
     bad_logits = [k for k, c in result.get("logits", {}).items() if not c.get("ok")]
     f2 = result.get("fsdp2") or {}
     loss_bad = f2.get("step1_agrees") is False
@@ -534,7 +538,14 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
     mem = phase("train-memory", run + train + ["--steps", "3", "--set", "fsdp.offload.optimizer_state=none",
                                                "--metrics", m_mem], m_mem)
     if mem["rc"] == 2 and "does not fit" in mem.get("error", ""):
-        mem["not_run"] = "the plan does not fit this machine's memory"
+        mem["not_run"] = "fsdp-train refused it before allocating: the plan does not fit this machine's memory"
+        ok["train-memory"] = True
+    # The hardware's figure for a step: plain LibTorch, one process, unsharded, the same per-rank
+    # batch (bench_unsharded: fp32 only), where its 16 bytes per parameter fit.
+    unsharded = os.path.join(bin_dir, "bench_unsharded")
+    if os.path.exists(unsharded) and params * 16 + (4 << 30) < mem_available():
+        m_uns = os.path.join(work, "unsharded.jsonl")
+        phase("unsharded-fp32", [unsharded] + train[1:] + ["--steps", "3", "--metrics", m_uns], m_uns)
     final = os.path.join(ckpt, "step-00000004") if ok.get("resume") else step3
     logits = {}
     if os.path.isdir(final):

@@ -156,20 +156,35 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
   const at::Tensor& dst = shard.values();
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
-  const bool direct = loc.entry->dtype == st::DType::F32 && dst.is_cpu() && dst.scalar_type() == at::kFloat;
+  const bool f32 = loc.entry->dtype == st::DType::F32;
+  // Straight into the state's memory when it is fp32 RAM; otherwise converted in host chunks that
+  // a writer puts in place (a disk-tier master is written by its tier, not paged through).
+  const bool direct = f32 && dst.is_cpu() && dst.scalar_type() == at::kFloat && !shard.in_file();
+  ShardTensor::Writer out(shard, "import of " + loc.entry->name);
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(kChunkElements, count - done);
     const uint64_t at_byte = base + static_cast<uint64_t>((begin + done) * item);
     if (direct) {
       file.pread_all(dst.data_ptr<float>() + shard_begin + done, n * item, at_byte);
     } else {
-      const auto type = st::to_scalar_type(loc.entry->dtype);
-      if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
-      file.pread_all(staging.data_ptr(), n * item, at_byte);
-      dst.narrow(0, shard_begin + done, n).copy_(staging.narrow(0, 0, n));
+      at::Tensor chunk = at::empty({n}, at::kFloat);
+      if (f32) {
+        file.pread_all(chunk.data_ptr(), n * item, at_byte);
+      } else {
+        const auto type = st::to_scalar_type(loc.entry->dtype);
+        if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
+        file.pread_all(staging.data_ptr(), n * item, at_byte);
+        chunk.copy_(staging.narrow(0, 0, n));
+      }
+      if (dst.is_cpu()) {
+        out.put(shard_begin + done, chunk);
+      } else {
+        dst.narrow(0, shard_begin + done, n).copy_(chunk);
+      }
     }
     done += n;
   }
+  out.finish();
   shard.done(shard_begin, shard_begin + count);  // a disk tier: now on disk
   return static_cast<uint64_t>(count * item);
 }

@@ -4,6 +4,7 @@
 // shards. Nothing in the model, the optimizer or the RNG changes before the copying starts.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -114,7 +115,19 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
       dst.narrow(0, span->shard_begin, span->count).copy_(host);
       continue;
     }
-    it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
+    if (shard.in_file()) {  // a disk-tier state: written by its tier, not paged in through its mapping
+      ShardTensor::Writer out(shard, "the checkpoint load of " + t.name);
+      constexpr int64_t kChunk = 4 << 20;
+      for (int64_t a = 0; a < span->count; a += kChunk) {
+        const int64_t n = std::min(kChunk, span->count - a);
+        at::Tensor host = at::empty({n}, at::kFloat);
+        it->second.pread_all(host.data_ptr<float>(), n * sizeof(float), at_byte + a * sizeof(float));
+        out.put(span->shard_begin + a, host);
+      }
+      out.finish();
+    } else {
+      it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
+    }
     shard.done(span->shard_begin, span->shard_begin + span->count);  // a disk tier: read, now on disk
   }
 }

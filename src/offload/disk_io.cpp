@@ -352,4 +352,33 @@ void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::s
   }
 }
 
+RangeWriter::RangeWriter(at::Tensor t, std::string what) : t_(t.view({-1})), what_(std::move(what)) {}
+
+RangeWriter::~RangeWriter() {
+  try {
+    finish();
+  } catch (const std::exception&) {
+  }
+}
+
+void RangeWriter::put(int64_t begin, const at::Tensor& src) {
+  Mapping* m = mapping_of(t_);
+  if (m == nullptr) {
+    t_.narrow(0, begin, src.numel()).copy_(src.view({-1}));
+    return;
+  }
+  IoTicket& slot = inflight_[next_];
+  next_ = 1 - next_;
+  slot.wait();  // the write two back: at most two buffers in flight
+  slot = m->tier->write_async(t_, begin, src.view({-1}), what_);
+}
+
+void RangeWriter::finish() {
+  for (IoTicket& t : inflight_) {
+    IoTicket done = std::move(t);
+    t = IoTicket();
+    done.wait();
+  }
+}
+
 }  // namespace fsdp::offload

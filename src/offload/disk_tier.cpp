@@ -259,24 +259,28 @@ at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what) {
 void copy_streamed(const at::Tensor& dst_in, const at::Tensor& src_in) {
   FileTier* tier = file_tier_of(dst_in) ? file_tier_of(dst_in) : file_tier_of(src_in);
   c10::NoGradGuard no_grad;
-  if (tier == nullptr) {
+  if (tier == nullptr || src_in.scalar_type() != at::kFloat || dst_in.scalar_type() != at::kFloat) {
     dst_in.copy_(src_in);
     return;
   }
   if (FileTier* into = file_tier_of(dst_in)) into->bump_generation();  // reads issued before are stale
-  at::Tensor dst = dst_in.view({-1}), src = src_in.reshape({-1});
+  // Through the I/O threads on both sides (Note [Disk tier I/O threads]): a disk-tier source is
+  // read ahead in whole pages, and each chunk is written by the destination's tier (or copied into
+  // memory); neither mapping is paged through.
+  const at::Tensor src = src_in.reshape({-1});
   const int64_t chunk = tier->chunk_elements(2);
-  for (int64_t a = 0; a < src.numel(); a += chunk) {
-    const int64_t b = std::min(src.numel(), a + chunk);
-    dst.narrow(0, a, b - a).copy_(src.narrow(0, a, b - a));
-    write_behind(dst, a, b);
-    if (a > 0) {
-      release(src, a - chunk, a);
-      release(dst, a - chunk, a);
+  RangeWriter writer(dst_in, "a copy in the disk tier");
+  read_streamed(src, 0, src.numel(), "a copy in the disk tier", [&](const float* data, int64_t at, int64_t count) {
+    for (int64_t a = 0; a < count; a += chunk) {
+      const int64_t n = std::min(chunk, count - a);
+      at::Tensor part = at::empty({n}, at::kFloat);
+      std::memcpy(part.data_ptr<float>(), data + a, static_cast<size_t>(n) * sizeof(float));
+      writer.put(at + a, part);
     }
-  }
-  release(src);
-  release(dst);
+  });
+  writer.finish();
+  release(src_in);
+  release(dst_in);
 }
 
 at::Tensor clone_in_tier(const at::Tensor& t) {

@@ -62,4 +62,21 @@ void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
 void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what,
                    const std::function<void(const float* data, int64_t at, int64_t count)>& fn);
 at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what);
+// Host fp32 buffers written into ranges of t's elements: copied for a tensor in memory; for a
+// disk-backed one, written by the tier's write thread with at most two in flight (never through
+// the mapping, whose write faults read each page in first). finish() waits (throws an I/O error).
+class RangeWriter {
+ public:
+  RangeWriter(at::Tensor t, std::string what);
+  ~RangeWriter();  // waits, swallowing an error (finish() reports it)
+  RangeWriter(const RangeWriter&) = delete;
+  RangeWriter& operator=(const RangeWriter&) = delete;
+  void put(int64_t begin, const at::Tensor& src);  // src: contiguous fp32 on the host, not reused after
+  void finish();
+ private:
+  at::Tensor t_;
+  std::string what_;
+  IoTicket inflight_[2];
+  int next_ = 0;
+};
 }  // namespace fsdp::offload

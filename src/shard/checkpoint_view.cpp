@@ -39,6 +39,14 @@ void ShardTensor::read(int64_t begin, int64_t end,
   }
 }
 
+bool ShardTensor::in_file() const { return t_.defined() && offload::is_disk_backed(t_); }
+
+ShardTensor::Writer::Writer(const ShardTensor& dst, const std::string& what)
+    : w_(std::make_unique<offload::RangeWriter>(dst.values(), what)) {}
+ShardTensor::Writer::~Writer() = default;
+void ShardTensor::Writer::put(int64_t begin, const at::Tensor& src) { w_->put(begin, src); }
+void ShardTensor::Writer::finish() { w_->finish(); }
+
 ModelView model_view(FSDPModule& root) {
   ModelView view;
   // The optimizer's last writes may still be draining into the disk tier (Note [The disk tier

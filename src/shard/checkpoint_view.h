@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,10 @@
 
 #include "fsdp/dist.h"
 #include "fsdp/fully_shard.h"
+
+namespace fsdp::offload {
+class RangeWriter;
+}
 
 namespace fsdp {
 
@@ -48,6 +53,24 @@ class ShardTensor {
   // its mapping is touched, so no done() is needed), copies for a device state.
   void read(int64_t begin, int64_t end, const std::function<void(const float* data, int64_t at, int64_t count)>& fn,
             const std::string& what) const;
+  // Whether writes through values() would page through a disk-tier file's mapping (use Writer).
+  bool in_file() const;
+
+  // Host fp32 buffers written into ranges of a state: copied into one in memory, written by the
+  // disk tier's write thread for a disk-tier state (two in flight; its mapping is not touched,
+  // whose write faults would read each page in first). finish() waits and reports an I/O error.
+  class Writer {
+   public:
+    Writer(const ShardTensor& dst, const std::string& what);
+    ~Writer();
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+    void put(int64_t begin, const at::Tensor& src);  // contiguous fp32 host values, not reused after
+    void finish();
+
+   private:
+    std::unique_ptr<offload::RangeWriter> w_;
+  };
 
  private:
   at::Tensor t_;

@@ -19,6 +19,7 @@
 #include "kernels/ops.h"
 #include "shard/param_data.h"
 #include "offload/residency.h"
+#include "offload/tier.h"
 
 namespace fsdp {
 namespace {
@@ -265,13 +266,28 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   }
   const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
   c10::NoGradGuard no_grad;
+  // A disk-tier master is filled in host chunks its tier writes (an init gives any range's values
+  // alike): written through the mapping, each page would be read in before it is written.
+  const at::Tensor& master = residency_->master();
+  const bool in_file = offload::is_disk_backed(master) && master.scalar_type() == at::kFloat;
+  offload::RangeWriter writer(master, "the master shard of " + config_.tag);
+  constexpr int64_t kChunk = 4 << 20;  // elements per host chunk (16 MiB)
   for (const auto& e : entries_) {
     const int64_t a = std::max(lo, e.offset), b = std::min(hi, e.offset + e.numel);
     if (a >= b) continue;
-    at::Tensor out = residency_->master().narrow(0, a - lo, b - a);
-    init(prefix + e.name, e.shape, a - e.offset, out);
-    residency_->part_written(out);  // a disk tier: now out of memory (one parameter's part at a time)
+    if (!in_file) {
+      at::Tensor out = master.narrow(0, a - lo, b - a);
+      init(prefix + e.name, e.shape, a - e.offset, out);
+      residency_->part_written(out);
+      continue;
+    }
+    for (int64_t c = a; c < b; c += kChunk) {
+      at::Tensor out = at::empty({std::min(kChunk, b - c)}, master.options().device(at::kCPU));
+      init(prefix + e.name, e.shape, c - e.offset, out);
+      writer.put(c - lo, out);
+    }
   }
+  writer.finish();
   needs_materialize_ = false;
   residency_->materialized();
 }

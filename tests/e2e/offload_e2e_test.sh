@@ -42,7 +42,7 @@ if [ "$RC" = 0 ] && [ -s "$TMP/none.jsonl" ] && [ "$(losses "$TMP/disk.jsonl")" 
 else
   bad "disk tier run (rc $RC) losses differ: $(losses "$TMP/disk.jsonl" | tr '\n' ' ') vs $(losses "$TMP/none.jsonl" | tr '\n' ' ') $(tail -3 "$TMP/disk.err")"
 fi
-if grep -q "sharded state by tier: RAM .*disk" "$TMP/disk.out" && grep -q "by tier: device .*disk" "$TMP/disk.out"; then
+if grep -q "sharded states in the disk tier" "$TMP/disk.out" && grep -q "by tier: device .*disk" "$TMP/disk.out"; then
   ok "memory plan and report show the disk tier"
 else
   bad "memory plan/report without tiers: $(grep -i memory "$TMP/disk.out")"

@@ -178,6 +178,13 @@ TEST(Import, AMasterThatFollowsItsOffloadedStateIsWhatTheForwardUses) {
       for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
       auto root = fully_shard(model, mesh, opts);
       checkpoint::import_weights(dir, *root);
+      if (tier == "disk") {
+        // Deferred init and the import each wrote every master through the tier's write thread,
+        // not page by page through its mapping (whose faults read each page in first).
+        int64_t master_bytes = 0;
+        for (FlatParam* fp : testing::flat_params(*root)) master_bytes += fp->shard_numel() * 4;
+        EXPECT_GE(offload_io(*root).disk_write, 2 * master_bytes) << "rank " << dist->rank();
+      }
       const at::Tensor out = call(model, tokens).detach().to(at::kFloat);
       if (dist->rank() == 0) logits[tier] = out;
     });
