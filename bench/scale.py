@@ -514,7 +514,7 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
 
     def phase(name, cmd, metrics=None, trace=None):
         res, out = run_phase(name, cmd, logs, env, floor, data)
-        if "fsdp-train" in " ".join(cmd):
+        if "fsdp-train" in " ".join(cmd) or "bench_unsharded" in cmd[0]:
             parse_train_log(out, res, metrics, trace and trace.replace(".json", ".rank0.json"))
         phases.append(res)
         ok[name] = res["rc"] == 0

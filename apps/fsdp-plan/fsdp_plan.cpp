@@ -15,7 +15,6 @@
 #include "base/file_io.h"
 #include "base/strings.h"
 #include "config.h"
-#include "flags.h"
 #include "hf.h"
 #include "memory_plan.h"
 #include "shape.h"
@@ -68,10 +67,20 @@ int64_t parse_size(const std::string& flag, const std::string& v) {
   }
   std::string unit = v.substr(end);
   for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  const std::pair<const char*, double> units[] = {{"", 1},         {"B", 1},        {"KB", 1e3},     {"MB", 1e6},
-                                                  {"GB", 1e9},     {"TB", 1e12},    {"K", 1024.0},   {"KIB", 1024.0},
-                                                  {"M", 1 << 20},  {"MIB", 1 << 20}, {"G", 1 << 30}, {"GIB", 1 << 30},
-                                                  {"T", 1099511627776.0}, {"TIB", 1099511627776.0}};
+  const std::pair<const char*, double> units[] = {{"", 1},
+                                                  {"B", 1},
+                                                  {"KB", 1e3},
+                                                  {"MB", 1e6},
+                                                  {"GB", 1e9},
+                                                  {"TB", 1e12},
+                                                  {"K", 1024.0},
+                                                  {"KIB", 1024.0},
+                                                  {"M", 1 << 20},
+                                                  {"MIB", 1 << 20},
+                                                  {"G", 1 << 30},
+                                                  {"GIB", 1 << 30},
+                                                  {"T", 1099511627776.0},
+                                                  {"TIB", 1099511627776.0}};
   for (const auto& [name, scale] : units) {
     if (unit == name && n > 0) return static_cast<int64_t>(n * scale);
   }
@@ -130,8 +139,10 @@ train::TrainConfig run_config(const Args& a) {
     const std::string file = fsdp::io::is_dir(a.hf) ? fsdp::io::join(a.hf, "config.json") : a.hf;
     const llama::LlamaConfig m = llama::hf::config_from_hf_json(fsdp::io::read_small_file(file), file);
     doc["model"] = m.to_json();
-    sets.insert(sets.begin(), {{"data.seq_len", "2048"}, {"data.batch_size_per_rank", "1"},
-                               {"fsdp.param_dtype", "bfloat16"}, {"fsdp.reduce_dtype", "float32"}});
+    sets.insert(sets.begin(), {{"data.seq_len", "2048"},
+                               {"data.batch_size_per_rank", "1"},
+                               {"fsdp.param_dtype", "bfloat16"},
+                               {"fsdp.reduce_dtype", "float32"}});
   }
   sets.emplace_back("fsdp.device", a.device);
   if (a.seq_len > 0) sets.emplace_back("data.seq_len", std::to_string(a.seq_len));
@@ -155,12 +166,13 @@ int run(const Args& a) {
   }
   const fsdp::Plan plan = fsdp::plan(llama::plan_shape(cfg.model), req);
   const auto& m = cfg.model;
-  std::printf("model: %s, %lld layers, hidden %lld, vocab %lld: %.3fB params; %d node(s) x %d rank(s) on %s; "
-              "seq_len %lld, %lld sample(s) per rank per step; compute %s\n",
-              m.model_type.c_str(), static_cast<long long>(m.num_hidden_layers), static_cast<long long>(m.hidden_size),
-              static_cast<long long>(m.vocab_size), static_cast<double>(llama::param_counts(m).total(m)) / 1e9,
-              a.nodes, a.ranks_per_node, a.device.c_str(), static_cast<long long>(cfg.data.seq_len),
-              static_cast<long long>(req.batch_per_rank), train::dtype_name(cfg.fsdp.param_dtype));
+  std::printf(
+      "model: %s, %lld layers, hidden %lld, vocab %lld: %.3fB params; %d node(s) x %d rank(s) on %s; "
+      "seq_len %lld, %lld sample(s) per rank per step; compute %s\n",
+      m.model_type.c_str(), static_cast<long long>(m.num_hidden_layers), static_cast<long long>(m.hidden_size),
+      static_cast<long long>(m.vocab_size), static_cast<double>(llama::param_counts(m).total(m)) / 1e9, a.nodes,
+      a.ranks_per_node, a.device.c_str(), static_cast<long long>(cfg.data.seq_len),
+      static_cast<long long>(req.batch_per_rank), train::dtype_name(cfg.fsdp.param_dtype));
   std::printf("budgets per rank: device %s, host %s, disk %s\n",
               a.device == "cpu" ? "(the host)" : fsdp::base::mib(req.budget.device_bytes, 0).c_str(),
               fsdp::base::mib(req.budget.host_bytes, 0).c_str(), fsdp::base::mib(req.budget.disk_bytes, 0).c_str());

@@ -23,9 +23,9 @@ struct LoopResult {
   int64_t last_eval_step = -1;  // -1: no evaluation ran
   double last_eval_loss = 0;
   int64_t last_saved_step = -1;
-  std::string last_checkpoint;             // empty: nothing saved
+  std::string last_checkpoint;          // empty: nothing saved
   fsdp::OffloadIo offload_io_of_steps;  // the tiers' I/O during the steps after the first
-  int stop_signal = 0;                     // the signal every rank agreed to stop on; 0: ran to the end
+  int stop_signal = 0;                  // the signal every rank agreed to stop on; 0: ran to the end
 };
 
 class Loop {

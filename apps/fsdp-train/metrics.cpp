@@ -49,8 +49,8 @@ std::string duration(double s) {
 }  // namespace
 
 std::vector<double> RankCounters::values() const {
-  return {loss,           allgather_bytes,  reduce_scatter_bytes, comm_wait_s, peak_rss_bytes, peak_rss_forward,
-          peak_rss_backward, peak_rss_optimizer};
+  return {loss,           allgather_bytes,  reduce_scatter_bytes, comm_wait_s,
+          peak_rss_bytes, peak_rss_forward, peak_rss_backward,    peak_rss_optimizer};
 }
 
 RankCounters RankCounters::of(const std::vector<double>& v) {

@@ -46,8 +46,8 @@ struct UnitShape {
   // gradients of its activations), same arguments; unset: as large as `activations` uncheckpointed.
   std::function<int64_t(int64_t batch, int64_t seq_len, at::ScalarType dtype)> backward_peak;
   int64_t largest_param_numel = 0;  // its largest parameter (0: numel())
-  bool is_root = false;       // the root's own parameters (embedding, head): kept from forward to backward
-  bool checkpointable = true;  // activation checkpointing may apply to it (not the root)
+  bool is_root = false;             // the root's own parameters (embedding, head): kept from forward to backward
+  bool checkpointable = true;       // activation checkpointing may apply to it (not the root)
   int64_t numel() const { return trainable_numel + frozen_numel; }
 };
 
@@ -73,7 +73,7 @@ struct PlanBudget {
 struct PlanRequest {
   int ranks_per_node = 1;
   int nodes = 1;
-  c10::DeviceType device = c10::kCPU;  // on kCPU the device's memory is the host's (budget.host_bytes)
+  c10::DeviceType device = c10::kCPU;        // on kCPU the device's memory is the host's (budget.host_bytes)
   at::ScalarType param_dtype = at::kFloat;   // compute (the gathered params' dtype)
   at::ScalarType reduce_dtype = at::kFloat;  // gradient reduction
   int optimizer_state_tensors = 2;           // fp32 tensors per trainable parameter (AdamW: 2)
@@ -86,7 +86,7 @@ struct PlanRequest {
   PlanBudget budget;
   // Choices fixed by the caller (a config's); unset ones the planner makes.
   std::optional<ShardingStrategy> strategy;
-  std::optional<OffloadPolicy> offload;  // tiers (and the disk tier's memory budget)
+  std::optional<OffloadPolicy> offload;     // tiers (and the disk tier's memory budget)
   std::optional<int64_t> checkpoint_every;  // 0 none, n: every n-th checkpointable unit
   std::optional<int64_t> micro_batch;       // samples per rank per micro-batch
   bool async_save = false;                  // a host snapshot of params and state while saving

@@ -60,8 +60,12 @@ fsdp::ModelShape plan_shape(const LlamaConfig& config) {
   root.checkpointable = false;
   root.trainable_numel = counts.root;
   root.largest_param_numel = config.vocab_size * config.hidden_size;
-  root.activations = [config](int64_t b, int64_t t, at::ScalarType d, bool) { return root_activation_bytes(config, b, t, d); };
-  root.backward_peak = [config](int64_t b, int64_t t, at::ScalarType d) { return loss_backward_bytes(config, b, t, d); };
+  root.activations = [config](int64_t b, int64_t t, at::ScalarType d, bool) {
+    return root_activation_bytes(config, b, t, d);
+  };
+  root.backward_peak = [config](int64_t b, int64_t t, at::ScalarType d) {
+    return loss_backward_bytes(config, b, t, d);
+  };
   shape.units.push_back(root);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     fsdp::UnitShape layer;

@@ -73,6 +73,7 @@ class RangeWriter {
   RangeWriter& operator=(const RangeWriter&) = delete;
   void put(int64_t begin, const at::Tensor& src);  // src: contiguous fp32 on the host, not reused after
   void finish();
+
  private:
   at::Tensor t_;
   std::string what_;

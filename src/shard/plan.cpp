@@ -39,7 +39,9 @@ int64_t PlanTier::total() const { return sum(items) + std::max(sum(at_backward_s
 
 void PlanTier::add(std::string name, int64_t bytes, Moment when) {
   if (bytes <= 0) return;
-  (when == kBackwardStart ? at_backward_start : when == kBackwardEnd ? at_backward_end : items)
+  (when == kBackwardStart ? at_backward_start
+   : when == kBackwardEnd ? at_backward_end
+                          : items)
       .emplace_back(std::move(name), bytes);
 }
 
@@ -123,7 +125,8 @@ std::vector<Choices> candidates(const PlanRequest& r) {
     if (r.nodes > 1) strategies.push_back(ShardingStrategy::kHybridShard);
     strategies.push_back(ShardingStrategy::kFullShard);
   }
-  std::vector<int64_t> ckpts = r.checkpoint_every ? std::vector<int64_t>{*r.checkpoint_every} : std::vector<int64_t>{0, 1};
+  std::vector<int64_t> ckpts =
+      r.checkpoint_every ? std::vector<int64_t>{*r.checkpoint_every} : std::vector<int64_t>{0, 1};
   std::vector<int64_t> micros;
   if (r.micro_batch) {
     micros = {*r.micro_batch};
@@ -166,12 +169,14 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
     a.push_back("CUDA: a prediction, not validated on a GPU here; the context and workspaces taken as " +
                 base::mib(r.process_device_bytes.value_or(planning::default_process_device_bytes(r.device))));
   }
-  const bool any_acts = std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return bool(u.activations); });
+  const bool any_acts =
+      std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return bool(u.activations); });
   a.push_back(any_acts ? "activations: the model's own formula, seq_len " + std::to_string(r.seq_len)
                        : "activations: none given (UnitShape::activations unset): not counted");
   a.push_back("prefetch_depth " + std::to_string(r.prefetch_depth) +
               "; the root and the last layer keep their params from forward to backward");
-  a.push_back("optimizer: " + std::to_string(r.optimizer_state_tensors) + " fp32 state tensor(s) per trainable parameter");
+  a.push_back("optimizer: " + std::to_string(r.optimizer_state_tensors) +
+              " fp32 state tensor(s) per trainable parameter");
   a.push_back("collectives: rings; each rank sends (N - 1) shards per gathered unit and per reduced gradient");
   a.push_back("not counted: the allocator's slack and fragmentation, the data pipeline, the page cache");
 }
@@ -199,8 +204,8 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
     auto all = t.items;
     all.insert(all.end(), t.at_backward_start.begin(), t.at_backward_start.end());
     all.insert(all.end(), t.at_backward_end.begin(), t.at_backward_end.end());
-    const auto big = std::max_element(all.begin(), all.end(),
-                                      [](const auto& a, const auto& b) { return a.second < b.second; });
+    const auto big =
+        std::max_element(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
     s << what << ": needs " << gib(t.total()) << " per rank, the budget (" << key << ") is " << gib(budget)
       << ": short by " << gib(t.total() - budget) << "; its largest item is " << big->first << ", "
       << base::mib(big->second, 1) << ". ";
@@ -232,14 +237,19 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
     }
   }
   const auto root = std::find_if(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.is_root; });
-  if (root != shape.units.end() && shape.units.size() > 1 && root->numel() > 2 * (shape.numel() / static_cast<int64_t>(shape.units.size()))) {
-    s << "The root's own parameters (" << root->numel() << ", the embedding and the head) are gathered, and their "
+  if (root != shape.units.end() && shape.units.size() > 1 &&
+      root->numel() > 2 * (shape.numel() / static_cast<int64_t>(shape.units.size()))) {
+    s << "The root's own parameters (" << root->numel()
+      << ", the embedding and the head) are gathered, and their "
          "gradient reduced, as one unit: giving each its own unit (fully_shard on each) would shrink the largest "
          "items. ";
   }
   const std::string more = with_more_ranks(shape, r);
-  if (!more.empty()) return s.str() + "Lever: every offload tier, activation checkpointing and a micro-batch of 1 "
-                         "do not fit on these ranks; " + more + ".";
+  if (!more.empty())
+    return s.str() +
+           "Lever: every offload tier, activation checkpointing and a micro-batch of 1 "
+           "do not fit on these ranks; " +
+           more + ".";
   return s.str() + "Lever: none within 64 times the nodes: a larger budget (more memory per rank, more disk).";
 }
 

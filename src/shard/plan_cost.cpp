@@ -89,8 +89,8 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     s.optimizer += 4 * k * st;
     // The disk tier's traffic: the step reads and writes every disk-tier state it updates; a
     // disk-tier master is read again for each gather (the forward's read is kept for backward).
-    const int64_t streamed = (trained_master == OffloadTier::kDisk ? 1 : 0) +
-                             (c.optimizer_state == OffloadTier::kDisk ? k : 0);
+    const int64_t streamed =
+        (trained_master == OffloadTier::kDisk ? 1 : 0) + (c.optimizer_state == OffloadTier::kDisk ? k : 0);
     s.io.disk_read += streamed * offload::whole_pages(4 * st);
     s.io.disk_write += streamed * offload::whole_pages(4 * st);
     if (c.params == OffloadTier::kDisk) s.io.disk_read += offload::whole_pages(4 * (st + sf));
@@ -149,6 +149,49 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
   }
 }
 
+// What the step itself allocates beyond the sharded states (Note [The planner's arithmetic]).
+void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, bool working_copy,
+                     Plan& p) {
+  PlanTier& ram = p.device;
+  const Sizes z = sizes_of(shape);
+  const int64_t e = elem(req.param_dtype);
+  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
+  const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || working_copy;
+  const int64_t layers_alive = std::min<int64_t>(1 + req.prefetch_depth, std::max<int64_t>(z.units - 1, 0));
+  if (keeps_all) {
+    if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
+  } else if (gathers) {
+    ram.add("gathered params (root + " + std::to_string(layers_alive) + " layer(s))",
+            e * (z.root + layers_alive * z.layer_max));
+  }
+  const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
+  if (shape.trainable_numel() > 0) {
+    ram.add("gradient buffers (root + " + std::to_string(grad_layers) + " layer(s))",
+            e * (z.root + grad_layers * z.layer_max));
+    ram.add("the head's gradient before its copy (largest parameter)", e * z.largest_param, PlanTier::kBackwardStart);
+    ram.add("the embedding's gradient before its copy (largest parameter)", e * z.largest_param,
+            PlanTier::kBackwardEnd);
+    // The reduction in flight of the largest unit: its gradient cast to reduce_dtype (unless it is
+    // the compute dtype) and the reduced shard, alive until the optimizer collects it.
+    const int64_t r = elem(req.reduce_dtype);
+    const int64_t reducing =
+        (r != e ? r * z.unit_max_trainable : 0) + (N > 1 ? r * ceil_div(z.unit_max_trainable, N) : 0);
+    ram.add("the root's reduction in flight (largest unit)", reducing, PlanTier::kBackwardEnd);
+  }
+  if (req.device == c10::kCPU && gathers && N > 1) {
+    ram.add("freed gather buffers kept for reuse (2)", 2 * e * z.layer_max);
+  }
+  if (req.seq_len > 0) {
+    int64_t recompute = 0;
+    const int64_t kept = activations(shape, req, c, &recompute);
+    ram.add("activations", kept - recompute, PlanTier::kBackwardStart);
+    if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
+  }
+  if (p.grad_accum_steps > 1 && !keeps_all) {
+    ram.add("unreduced gradients across micro-batches", e * (shape.numel() - z.root - grad_layers * z.layer_max));
+  }
+}
+
 }  // namespace
 
 int64_t default_process_host_bytes(c10::DeviceType device) {
@@ -182,47 +225,19 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   p.micro_batch = c.micro_batch;
   p.grad_accum_steps = ceil_div(std::max<int64_t>(req.batch_per_rank, 1), c.micro_batch);
   p.disk_memory_budget = disk_window(c, req.optimizer_state_tensors);
-  const Sizes z = sizes_of(shape);
   const States s = sharded_states(shape, req, c, N);
-  const int64_t e = elem(req.param_dtype);
   // On the CPU the device is the host: one RAM, one list.
-  PlanTier& ram = p.device;
   PlanTier& host = cpu ? p.device : p.host;
-  host.add("process (libraries, communicator, threads)", req.process_host_bytes.value_or(default_process_host_bytes(req.device)));
-  if (!cpu) p.device.add("process (CUDA context, workspaces)", req.process_device_bytes.value_or(default_process_device_bytes(req.device)));
+  host.add("process (libraries, communicator, threads)",
+           req.process_host_bytes.value_or(default_process_host_bytes(req.device)));
+  if (!cpu)
+    p.device.add("process (CUDA context, workspaces)",
+                 req.process_device_bytes.value_or(default_process_device_bytes(req.device)));
   p.device.add("sharded states not offloaded", s.tier[0]);
   host.add("sharded states in the host tier", s.tier[1]);
   p.disk.add("sharded states in the disk tier", s.tier[2]);
-  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
-  const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || s.working > 0;
-  const int64_t layers_alive = std::min<int64_t>(1 + req.prefetch_depth, std::max<int64_t>(z.units - 1, 0));
-  if (keeps_all) {
-    if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
-  } else if (gathers) {
-    ram.add("gathered params (root + " + std::to_string(layers_alive) + " layer(s))", e * (z.root + layers_alive * z.layer_max));
-  }
-  const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
-  if (shape.trainable_numel() > 0) {
-    ram.add("gradient buffers (root + " + std::to_string(grad_layers) + " layer(s))", e * (z.root + grad_layers * z.layer_max));
-    ram.add("the head's gradient before its copy (largest parameter)", e * z.largest_param, PlanTier::kBackwardStart);
-    ram.add("the embedding's gradient before its copy (largest parameter)", e * z.largest_param, PlanTier::kBackwardEnd);
-    // The reduction in flight of the largest unit: its gradient cast to reduce_dtype (unless it is
-    // the compute dtype) and the reduced shard, alive until the optimizer collects it.
-    const int64_t r = elem(req.reduce_dtype);
-    const int64_t reducing = (r != e ? r * z.unit_max_trainable : 0) + (N > 1 ? r * ceil_div(z.unit_max_trainable, N) : 0);
-    ram.add("the root's reduction in flight (largest unit)", reducing, PlanTier::kBackwardEnd);
-  }
-  if (cpu && gathers && N > 1) ram.add("freed gather buffers kept for reuse (2)", 2 * e * z.layer_max);
-  if (req.seq_len > 0) {
-    int64_t recompute = 0;
-    const int64_t kept = activations(shape, req, c, &recompute);
-    ram.add("activations", kept - recompute, PlanTier::kBackwardStart);
-    if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
-  }
+  add_working_set(shape, req, c, N, s.working > 0, p);
   host.add("disk tier's mapped window", p.disk_memory_budget);
-  if (p.grad_accum_steps > 1 && !keeps_all) {
-    ram.add("unreduced gradients across micro-batches", e * (shape.numel() - z.root - grad_layers * z.layer_max));
-  }
   if (req.async_save) host.add("async save's snapshot", s.master + s.optimizer);
   p.io_per_step = s.io;
   add_traffic(shape, req, c, N, p);
