@@ -280,11 +280,15 @@ def parse_train_log(out, res, metrics, trace):
         res["steps"] = [{"step": x["step"], "loss": x["loss"], "lr": x["lr"], "step_time_s": x["step_time_s"],
                          "grad_norm": x.get("grad_norm"), "phase_s": x.get("phase_s"),
                          "phase_peak_rss_bytes": x.get("phase_peak_rss_bytes")} for x in steps]
-        saves = [x for x in lines if x.get("save")]
-        if saves:
-            res["save_metrics"] = saves
         if "peak_rss_bytes" not in res and lines:
             res["peak_rss_bytes"] = lines[-1]["peak_rss_bytes"]
+    saves = []
+    for m in re.finditer(r"saved checkpoint \S+/step-0*(\d+) in ([0-9.]+) s \(([0-9.]+) MB, [0-9]+ MB/s\); "
+                         r"peak RSS per rank during the save:((?: [0-9.]+ MiB)+)", out):
+        saves.append({"step": int(m.group(1)), "seconds": float(m.group(2)), "bytes": float(m.group(3)) * 1e6,
+                      "peak_rss_bytes": [float(x) * MIB for x in re.findall(r"([0-9.]+) MiB", m.group(4))]})
+    if saves:
+        res["save_metrics"] = saves
     if trace and os.path.exists(trace):
         events = json.load(open(trace))["traceEvents"]
         saves = [e["dur"] / 1e6 for e in events if e.get("ph") == "X" and e.get("name") == "train::checkpoint_save"]
@@ -368,7 +372,7 @@ def report(r):
                       f"({size / p['save_s'] / dd['write_Bps']:.2f} of dd's write).")
         for sv in p.get("save_metrics", []):
             rate = sv["bytes"] / sv["seconds"]
-            md.append(f"- {p['phase']}: save of step {sv['step']} (fsdp-train's metrics): {sv['seconds']:.1f} s for "
+            md.append(f"- {p['phase']}: save of step {sv['step']} (fsdp-train's stdout): {sv['seconds']:.1f} s for "
                       f"{sv['bytes'] / MIB:,.0f} MiB, {rate / 1e6:,.0f} MB/s ({rate / dd['write_Bps']:.2f} of dd's "
                       f"write); peak RSS per rank during the save {' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
         for st in p.get("steps", []):

@@ -22,6 +22,12 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
 // The bytes of the files under `path`.
 int64_t tree_bytes(const std::string& path) {
   if (!fsdp::io::is_dir(path)) return static_cast<int64_t>(fsdp::io::File::open_read(path).size());
@@ -201,10 +207,10 @@ void Loop::save(double pause_s) {
   const auto all = gather_counters(s_.dist->world(), mine);
   if (s_.rank != 0) return;
   const int64_t bytes = tree_bytes(r_.last_checkpoint);
-  metrics_.save(r_.step, seconds, bytes, all);
-  char line[160];
-  std::snprintf(line, sizeof line, " in %.1f s (%.1f MB, %.0f MB/s)", seconds, static_cast<double>(bytes) / 1e6,
-                static_cast<double>(bytes) / 1e6 / seconds);
+  std::string line = " in " + fixed(seconds, 1) + " s (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
+                     fixed(static_cast<double>(bytes) / 1e6 / seconds, 0) +
+                     " MB/s); peak RSS per rank during the save:";
+  for (const auto& r : all) line += " " + fixed(r.peak_rss_bytes / (1 << 20), 1) + " MiB";
   progress_->note("saved checkpoint " + r_.last_checkpoint + line);
 }
 

@@ -189,16 +189,6 @@ void MetricsLog::eval(int64_t step, double loss) {
   std::fflush(file_);
 }
 
-void MetricsLog::save(int64_t step, double seconds, int64_t bytes, const std::vector<RankCounters>& ranks) {
-  if (file_ == nullptr) return;
-  nlohmann::ordered_json rss = nlohmann::ordered_json::array();
-  for (const auto& r : ranks) rss.push_back(static_cast<int64_t>(r.peak_rss_bytes));
-  const nlohmann::ordered_json j = {
-      {"save", true}, {"step", step}, {"seconds", seconds}, {"bytes", bytes}, {"peak_rss_bytes", rss}};
-  std::fprintf(file_, "%s\n", j.dump().c_str());
-  std::fflush(file_);
-}
-
 // ---- Progress ------------------------------------------------------------------------------------
 
 Progress::Progress(int64_t first_step, int64_t total_steps, int64_t log_every, bool terminal)

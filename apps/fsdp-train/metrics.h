@@ -90,9 +90,6 @@ class MetricsLog {
   MetricsLog& operator=(const MetricsLog&) = delete;
   void step(const StepMetrics& m);
   void eval(int64_t step, double loss);
-  // {"save": true, "step", "seconds", "bytes" (the checkpoint's files), "peak_rss_bytes" per rank
-  // during the save}.
-  void save(int64_t step, double seconds, int64_t bytes, const std::vector<RankCounters>& ranks);
 
  private:
   std::FILE* file_ = nullptr;

@@ -103,9 +103,6 @@ void check_request(const ModelShape& shape, const PlanRequest& r) {
     bad("micro_batch must be in [1, batch_per_rank], got " + std::to_string(*r.micro_batch));
   }
   if (r.checkpoint_every && *r.checkpoint_every < 0) bad("checkpoint_every must be >= 0");
-  if (r.strategy == ShardingStrategy::kHybridShard && r.nodes < 2 && r.ranks_per_node < 2) {
-    bad("HYBRID_SHARD needs more than one rank");
-  }
 }
 
 using Tiers = std::array<OffloadTier, 3>;  // params, grads, optimizer state
