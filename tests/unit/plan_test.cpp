@@ -1,0 +1,166 @@
+// The planner (fsdp/plan.h) as a library call: a model's shape from a meta-device module counts
+// each parameter once (tied ones too) into the units a predicate names; the plan keeps a caller's
+// choices and makes the others fastest first; the step's peak is the larger of its two moments; a
+// model that fits nothing says what is short and by how many bytes; a malformed request is a
+// ConfigError naming the field.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "fsdp/errors.h"
+#include "fsdp/plan.h"
+#include "llama.h"
+#include "shape.h"
+
+namespace fsdp {
+namespace {
+
+llama::LlamaConfig qwen_like(bool tied) {
+  llama::LlamaConfig c;
+  c.model_type = "qwen2";
+  c.vocab_size = 1000, c.hidden_size = 64, c.intermediate_size = 96, c.num_hidden_layers = 3;
+  c.num_attention_heads = 4, c.num_key_value_heads = 2, c.max_position_embeddings = 64;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+bool is_layer(const std::string& name, torch::nn::Module&) {
+  return name.rfind("model.layers.", 0) == 0 && name.find('.', 13) == std::string::npos;
+}
+
+TEST(Plan, ModelShapeOfAMetaModuleCountsEachParameterOnceInItsUnit) {
+  for (bool tied : {false, true}) {
+    const auto c = qwen_like(tied);
+    llama::LlamaForCausalLM model(c, at::kMeta);
+    model->model->layers[0]->parameters()[0].set_requires_grad(false);  // one frozen parameter
+    const ModelShape shape = model_shape(*model, is_layer);
+    ASSERT_EQ(shape.units.size(), 4u);  // the root's own parameters, then 3 layers
+    EXPECT_TRUE(shape.units[0].is_root);
+    const auto counts = llama::param_counts(c);
+    EXPECT_EQ(shape.numel(), counts.total(c)) << "tied=" << tied;
+    EXPECT_EQ(shape.units[0].numel(), counts.root);
+    for (size_t i = 1; i < 4; ++i) EXPECT_EQ(shape.units[i].numel(), counts.per_layer) << shape.units[i].name;
+    EXPECT_GT(shape.units[1].frozen_numel, 0);
+    EXPECT_EQ(shape.units[2].frozen_numel, 0);
+    EXPECT_EQ(shape.units[0].largest_param_numel, c.vocab_size * c.hidden_size);
+    // The model's own shape (with its activations) has the same units and sizes.
+    const ModelShape from_config = llama::plan_shape(c);
+    EXPECT_EQ(from_config.numel(), shape.numel());
+  }
+}
+
+PlanRequest request(int64_t host_bytes) {
+  PlanRequest r;
+  r.ranks_per_node = 2;
+  r.param_dtype = at::kBFloat16;
+  r.seq_len = 128;
+  r.batch_per_rank = 4;
+  r.process_host_bytes = 100 << 20;
+  r.budget.host_bytes = host_bytes;
+  r.budget.disk_bytes = int64_t{1} << 40;
+  return r;
+}
+
+// Large enough (30M parameters) that its states dwarf the disk tier's 16 MiB window.
+llama::LlamaConfig mid() {
+  llama::LlamaConfig c = qwen_like(true);
+  c.vocab_size = 32000, c.hidden_size = 512, c.intermediate_size = 1536, c.num_hidden_layers = 4;
+  c.num_attention_heads = 8;
+  return c;
+}
+
+TEST(Plan, ChoosesNoOffloadWhenItFitsThenTheDiskTierAndKeepsFixedChoices) {
+  const ModelShape shape = llama::plan_shape(mid());
+  const Plan roomy = plan(shape, request(int64_t{8} << 30));
+  ASSERT_TRUE(roomy.fits) << roomy.to_string();
+  EXPECT_EQ(roomy.optimizer_state, OffloadTier::kNone);
+  EXPECT_EQ(roomy.micro_batch, 4);
+  EXPECT_EQ(roomy.grad_accum_steps, 1);
+  EXPECT_EQ(roomy.shard_size, 2);
+  // The total is the items alive throughout plus the larger of the two moments of backward.
+  auto sum = [](const std::vector<std::pair<std::string, int64_t>>& v) {
+    int64_t t = 0;
+    for (const auto& [n, b] : v) t += b;
+    return t;
+  };
+  const PlanTier& ram = roomy.device;
+  EXPECT_EQ(ram.total(), sum(ram.items) + std::max(sum(ram.at_backward_start), sum(ram.at_backward_end)));
+  EXPECT_FALSE(ram.at_backward_start.empty());
+  EXPECT_FALSE(ram.at_backward_end.empty());
+  EXPECT_GT(roomy.all_gather_bytes, 0);
+
+  // Less RAM than the smallest in-memory plan (checkpointing, micro-batch 1) needs: the optimizer
+  // state (and the master with it) goes to disk.
+  PlanRequest smallest = request(int64_t{8} << 30);
+  smallest.offload = OffloadPolicy();
+  smallest.checkpoint_every = 1;
+  smallest.micro_batch = 1;
+  const Plan tight = plan(shape, request(plan(shape, smallest).device.total() - (1 << 20)));
+  ASSERT_TRUE(tight.fits) << tight.to_string();
+  EXPECT_EQ(tight.optimizer_state, OffloadTier::kDisk);
+  EXPECT_GT(tight.disk.total(), 0);
+  EXPECT_GT(tight.io_per_step.disk_write, 0);
+
+  // A caller's choices are kept (and only checked).
+  PlanRequest fixed = request(int64_t{8} << 30);
+  fixed.offload = OffloadPolicy().optimizer_state(OffloadTier::kDisk);
+  fixed.checkpoint_every = 1;
+  fixed.micro_batch = 2;
+  const Plan kept = plan(shape, fixed);
+  EXPECT_TRUE(kept.fits);
+  EXPECT_EQ(kept.optimizer_state, OffloadTier::kDisk);
+  EXPECT_EQ(kept.checkpoint_every, 1);
+  EXPECT_EQ(kept.micro_batch, 2);
+  EXPECT_EQ(kept.grad_accum_steps, 2);
+}
+
+TEST(Plan, WhatFitsNothingSaysWhatIsShortAndByHowMuch) {
+  const ModelShape shape = llama::plan_shape(qwen_like(true));
+  const Plan p = plan(shape, request(50 << 20));  // less than the process itself
+  EXPECT_FALSE(p.fits);
+  EXPECT_NE(p.shortfall.find("RAM: needs"), std::string::npos) << p.shortfall;
+  const int64_t short_by = p.device.total() - (50 << 20);
+  EXPECT_NE(p.shortfall.find("short by"), std::string::npos) << p.shortfall;
+  EXPECT_NE(p.shortfall.find("(" + std::to_string(short_by) + " bytes)"), std::string::npos) << p.shortfall;
+  EXPECT_NE(p.shortfall.find("Lever"), std::string::npos) << p.shortfall;
+  EXPECT_NE(p.to_string().find("does NOT fit"), std::string::npos);
+
+  // A config's choices that do not fit name settings that would.
+  PlanRequest fixed = request(0);
+  fixed.budget.host_bytes = plan(shape, request(int64_t{8} << 30)).device.total() - (1 << 20);
+  fixed.offload = OffloadPolicy();
+  fixed.checkpoint_every = 0;
+  fixed.micro_batch = 4;
+  const Plan q = plan(shape, fixed);
+  EXPECT_FALSE(q.fits);
+  EXPECT_NE(q.shortfall.find("Lever: these settings fit:"), std::string::npos) << q.shortfall;
+}
+
+TEST(Plan, MalformedRequestsAreConfigErrorsNamingTheField) {
+  const ModelShape shape = llama::plan_shape(qwen_like(false));
+  auto error_of = [&](PlanRequest r) -> std::string {
+    try {
+      plan(shape, r);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  PlanRequest r = request(1 << 30);
+  r.ranks_per_node = 0;
+  EXPECT_NE(error_of(r).find("ranks_per_node"), std::string::npos);
+  r = request(1 << 30);
+  r.batch_per_rank = 0;
+  EXPECT_NE(error_of(r).find("batch_per_rank"), std::string::npos);
+  r = request(1 << 30);
+  r.micro_batch = 8;  // above batch_per_rank 4
+  EXPECT_NE(error_of(r).find("micro_batch"), std::string::npos);
+  r = request(-1);
+  EXPECT_NE(error_of(r).find("budget"), std::string::npos);
+  EXPECT_NE(error_of(PlanRequest{}).find("(accepted)"), std::string::npos);  // defaults are valid
+  ModelShape empty;
+  EXPECT_THROW(plan(empty, request(1 << 30)), ConfigError);
+}
+
+}  // namespace
+}  // namespace fsdp
