@@ -371,7 +371,7 @@ def report(r):
                       f"{size / MIB:,.0f} MiB: {size / p['save_s'] / 1e6:,.0f} MB/s "
                       f"({size / p['save_s'] / dd['write_Bps']:.2f} of dd's write).")
         for sv in p.get("save_metrics", []):
-            rate = sv["bytes"] / sv["seconds"]
+            rate = sv["bytes"] / max(sv["seconds"], 0.05)  # printed to 0.1 s
             md.append(f"- {p['phase']}: save of step {sv['step']} (fsdp-train's stdout): {sv['seconds']:.1f} s for "
                       f"{sv['bytes'] / MIB:,.0f} MiB, {rate / 1e6:,.0f} MB/s ({rate / dd['write_Bps']:.2f} of dd's "
                       f"write); peak RSS per rank during the save {' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
@@ -582,10 +582,14 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
         optim = optim_defaults(bin_dir)
         seed = optim.pop("seed", 0)
         out = os.path.join(work, "fsdp2.jsonl")
+        # fsdp-train's own batches for each rank and step (bench_unsharded builds no model for this).
+        batches = os.path.join(work, "batches.bin")
+        subprocess.run([unsharded] + train[1:] + ["--steps", "3", "--dump-data", batches, "--world", "2"],
+                       check=True, stdout=subprocess.DEVNULL)
         before = mem_available()
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
-               os.path.join(ROOT, "bench", "scale_fsdp2.py"), "--hf", hf, "--tokens", tokens,
-               "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", "3", "--seed", str(seed),
+               os.path.join(ROOT, "bench", "scale_fsdp2.py"), "--hf", hf, "--data", batches,
+               "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", "3",
                "--optim", json.dumps(optim), "--out", out]
         res, log = run_phase("fsdp2", cmd, logs, env, floor, data)
         lines = [json.loads(x) for x in open(out)] if os.path.exists(out) else []

@@ -3,11 +3,8 @@ fsdp-train's train phase, trained with FSDP2 in its recommended setup, on CPU ov
 
 Every rank loads the Hugging Face directory with transformers in fp32 (the whole model per rank, as
 a plain `from_pretrained` does), then `fully_shard` goes on every decoder layer and on the root with
-MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32). The batches are fsdp-train's own
-(apps/fsdp-train/data.h): sample k of the training split is a window of seq_len + 1 tokens of the
-.bin file starting at mix64(key(seed, k)) modulo the training part (the file less its last 10%,
-held out for evaluation), the global batch of step s holds samples [s*G, (s+1)*G) with
-G = batch * world, and rank r takes [s*G + r*B, s*G + (r+1)*B). AdamW (fused CPU kernel) with
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32). The batches are fsdp-train's own,
+written by `bench_unsharded --dump-data` (as for bench/compare_fsdp2.py). AdamW (fused CPU kernel) with
 fsdp's two parameter groups (weight decay on parameters of 2 or more dimensions, none on 1-D ones),
 fsdp-train's LR schedule (linear warmup, then cosine to min_lr or constant) and global-norm
 clipping; the optimizer settings come as JSON from bench/scale.py, which reads fsdp-train's
@@ -17,14 +14,12 @@ Prints a marker line before each phase ("scale_fsdp2: phase load|shard|step N|do
 that a run killed for memory tells where it ran out, and writes one JSON line per finished phase to
 --out (rank 0): {"phase", "wall_s", "peak_rss_bytes": [per rank], and for steps "loss", "lr"}.
 
-Launch: torchrun --standalone --nproc-per-node 2 bench/scale_fsdp2.py --hf DIR --tokens FILE \
+Launch: torchrun --standalone --nproc-per-node 2 bench/scale_fsdp2.py --hf DIR --data batches.bin \
             --seq-len 128 --batch 1 --steps 3 --optim '{"lr": ...}' --out fsdp2.jsonl
 """
 import argparse
 import json
-import math
 import os
-import resource
 import time
 
 import numpy as np
@@ -32,52 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-M64 = (1 << 64) - 1
-
-
-def mix64(x):
-    """splitmix64's finaliser, as apps/fsdp-train/data.cpp's mix64."""
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-class TokenFile:
-    """fsdp-train's "file" source for a raw .bin of uint32 tokens, training split, no eval_path."""
-
-    def __init__(self, path, seq_len, seed):
-        self.tokens = np.memmap(path, dtype=np.uint32, mode="r")
-        self.window = seq_len + 1
-        count = len(self.tokens)
-        held_out = max(self.window, count // 10)
-        self.train_len = count - held_out if count - held_out >= self.window else count
-        self.seed = seed
-
-    def sample(self, index):
-        key = mix64(mix64(mix64(self.seed) ^ 0) ^ index)  # split 0 = train
-        start = mix64(key) % (self.train_len - self.window + 1)
-        return np.asarray(self.tokens[start:start + self.window], dtype=np.int64)
-
-    def rank_batch(self, step, batch, rank, world):
-        first = step * batch * world + rank * batch
-        w = torch.from_numpy(np.stack([self.sample(first + i) for i in range(batch)]))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
-
-
-def lr_at(o, step, total_steps):
-    """fsdp-train's schedule (apps/fsdp-train/schedule.cpp)."""
-    if step < o["warmup_steps"]:
-        return o["lr"] * (step + 1) / o["warmup_steps"]
-    if o["schedule"] == "constant" or total_steps <= o["warmup_steps"]:
-        return o["lr"]
-    progress = min(1.0, (step - o["warmup_steps"]) / (total_steps - o["warmup_steps"]))
-    return o["min_lr"] + 0.5 * (o["lr"] - o["min_lr"]) * (1.0 + math.cos(math.pi * progress))
-
-
-def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
+from compare_fsdp2 import lr_at, peak_rss_bytes  # fsdp-train's LR schedule; this process's peak RSS
 
 def gather(values):
     mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -89,11 +39,10 @@ def gather(values):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", required=True)
-    ap.add_argument("--tokens", required=True)
+    ap.add_argument("--data", required=True, help="batches written by bench_unsharded --dump-data --world 2")
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optim", required=True, help="fsdp-train's optim section as JSON")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -109,7 +58,7 @@ def main():
 
     def record(phase, t0, **extra):
         dt = time.monotonic() - t0
-        ranks = gather([peak_rss()] + list(extra.pop("_local", [])))
+        ranks = gather([peak_rss_bytes()] + list(extra.pop("_local", [])))
         if out is not None:
             line = {"phase": phase, "wall_s": dt, "peak_rss_bytes": [r[0] for r in ranks], **extra}
             if len(ranks[0]) > 1:
@@ -144,14 +93,16 @@ def main():
                                   fused=True)
     record("shard", t0)
 
-    data = TokenFile(args.tokens, args.seq_len, args.seed)
+    seq, batch = args.seq_len, args.batch
+    data = np.fromfile(args.data, dtype=np.int64)[: args.steps * world * 2 * batch * seq]
+    data = data.reshape(args.steps, world, 2, batch, seq)
     for step in range(args.steps):
         mark(f"step {step + 1}")
         t0 = time.monotonic()
         lr = lr_at(optim_cfg, step, args.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = data.rank_batch(step, args.batch, rank, world)
+        inputs, targets = (torch.from_numpy(data[step, rank, k].copy()) for k in (0, 1))
         logits = model(input_ids=inputs, use_cache=False).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
