@@ -13,8 +13,6 @@
 namespace train {
 namespace {
 
-using fsdp::base::mib;
-
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
@@ -85,41 +83,11 @@ fsdp::Plan plan_run(const TrainConfig& cfg) {
   return p;
 }
 
-MemoryPlan predict_memory(const llama::LlamaConfig& m, at::ScalarType param_dtype, int shard_size,
-                          const fsdp::OffloadPolicy& offload) {
-  PlanInputs in;
-  in.model = m;
-  in.param_dtype = param_dtype;
-  in.shard_size = shard_size;
-  in.offload = offload;
-  return plan_memory(in);
-}
-
 MemoryPlan plan_memory(const PlanInputs& in) {
   const auto& m = in.model;
-  const llama::ParamCounts c = llama::param_counts(m);
   MemoryPlan p;
-  p.shard_size = in.shard_size;
-  p.num_params = c.total(m);
-  const int64_t per_rank = (p.num_params + in.shard_size - 1) / in.shard_size;
-  p.params = 4 * per_rank;
-  p.grads = 4 * per_rank;
-  p.optimizer = 8 * per_rank;
-  const int64_t by_state[3] = {p.params, p.grads, p.optimizer};
-  const fsdp::OffloadTier tiers[3] = {in.offload.params(), in.offload.grads(), in.offload.optimizer_state()};
-  for (int k = 0; k < 3; ++k) {
-    const fsdp::OffloadTier t = tiers[k];
-    int64_t& tier = t == fsdp::OffloadTier::kDisk   ? p.tier_disk
-                    : t == fsdp::OffloadTier::kHost ? p.tier_host
-                                                    : p.tier_ram;
-    tier += by_state[k];
-  }
-  const bool root_largest = c.root >= c.per_layer;
-  p.largest_unit = root_largest ? "root: embedding, final norm, lm_head" : "one decoder layer";
+  p.num_params = llama::param_counts(m).total(m);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(in.param_dtype));
-  p.gathered_params = elem * (root_largest ? c.root : c.per_layer);
-  p.gathered_grads = p.gathered_params;
-
   if (in.micro_batch > 0 && in.seq_len > 0) {
     const int64_t L = m.num_hidden_layers, B = in.micro_batch, T = in.seq_len;
     const int64_t full = llama::layer_activation_bytes(m, B, T, in.param_dtype);
@@ -133,37 +101,9 @@ MemoryPlan plan_memory(const PlanInputs& in) {
   }
   // No-sync accumulation keeps every unit's unsharded gradient buffer (param_dtype).
   if (in.grad_accum_steps > 1) p.accum_grads = elem * p.num_params;
-  // The snapshot copies this rank's fp32 params and optimizer state (not the gradients).
-  if (in.async_save) p.async_snapshot = p.params + p.optimizer;
+  // The snapshot copies this rank's fp32 params and AdamW state (not the gradients): 12 bytes each.
+  if (in.async_save) p.async_snapshot = 12 * ((p.num_params + in.shard_size - 1) / in.shard_size);
   return p;
-}
-
-int64_t MemoryPlan::total() const {
-  int64_t t =
-      tier_ram + tier_host + gathered_params + gathered_grads + activations + recompute + accum_grads + async_snapshot;
-  for (const auto& [name, bytes] : extra) t += bytes;
-  return t;
-}
-
-std::string MemoryPlan::to_string() const {
-  std::string s = std::to_string(num_params) + " params over " + std::to_string(shard_size) + " shard(s): params " +
-                  mib(params) + ", grads " + mib(grads) + ", AdamW " + mib(optimizer) + ", largest unit (" +
-                  largest_unit + ") gathered: params " + mib(gathered_params) + " + grads " + mib(gathered_grads);
-  if (tier_host + tier_disk > 0) {
-    s += "; sharded state by tier: RAM " + mib(tier_ram) + ", host " + mib(tier_host) + ", disk " + mib(tier_disk);
-  }
-  if (activations > 0) {
-    s += "; activations " + mib(activations);
-    if (checkpointed_layers > 0) {
-      s += " (" + std::to_string(checkpointed_layers) + " layer(s) checkpointed, + " + mib(recompute) +
-           " recomputed in backward)";
-    }
-  }
-  if (accum_grads > 0) s += "; accumulated gradients " + mib(accum_grads);
-  if (async_snapshot > 0) s += "; async save snapshot " + mib(async_snapshot);
-  for (const auto& [name, bytes] : extra) s += "; " + name + " " + mib(bytes);
-  if (activations > 0) s += "; total " + mib(total());
-  return s;
 }
 
 nlohmann::json lever_report(const MemoryPlan& plan, const MeasuredLevers& got) {

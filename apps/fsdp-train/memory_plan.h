@@ -1,24 +1,17 @@
-// The start-of-run memory plan: what each rank should hold, from the config alone, item by item,
-// so the end-of-run report can set each measured figure beside its prediction.
-//
-// Model state (ZeRO-3 arithmetic, padding ignored): with Psi parameters sharded over N ranks,
-// params 4*Psi/N, grads 4*Psi/N, AdamW 8*Psi/N, each also counted in the tier its offload setting
-// puts it in ("none" = RAM here); plus the largest unit's gathered parameters and gradients in
-// param_dtype. The memory levers add:
-//  - activations: what one micro-batch's forward keeps for its backward (layer by layer, see
-//    memory_plan.cpp), smaller with activation checkpointing, which keeps only each checkpointed
-//    layer's output and rebuilds one layer's activations at a time in backward (`recompute`);
+// fsdp-train's side of the plan: the library's plan (fsdp/plan.h) of a config, on this machine's
+// budgets, and the memory levers' own figures, which the end-of-run report sets beside what it
+// measured:
+//  - activations: what one micro-batch's forward keeps for its backward (Note [Activation bytes]
+//    in models/llama/shape.cpp), smaller with activation checkpointing, which keeps only each
+//    checkpointed layer's output and rebuilds one layer's activations at a time in backward;
 //  - accumulated gradients: with train.grad_accum_steps > 1, every unit's unreduced gradient
 //    buffer (param_dtype, the whole model) lives from the first micro-batch to the last;
 //  - the async save's snapshot: a host copy of this rank's params and optimizer state while a
 //    checkpoint is written in the background.
-// Further items (e.g. from other subsystems) go in `extra` and are printed and summed with the rest.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
@@ -36,8 +29,6 @@ struct PlanInputs {
   llama::LlamaConfig model;
   at::ScalarType param_dtype = at::kFloat;
   int shard_size = 1;
-  // The tiers of params, grads and optimizer state (fsdp.offload).
-  fsdp::OffloadPolicy offload;
   int64_t micro_batch = 0;  // samples per rank per micro-batch (data.batch_size_per_rank); 0: no activations
   int64_t seq_len = 0;
   int64_t checkpoint_every = 0;  // train.activation_checkpointing: 0 none, n every n-th layer
@@ -45,29 +36,17 @@ struct PlanInputs {
   bool async_save = false;
 };
 
+// The levers' figures per rank, bytes.
 struct MemoryPlan {
   int64_t num_params = 0;
-  int shard_size = 1;
-  int64_t params = 0, grads = 0, optimizer = 0;
-  int64_t tier_ram = 0, tier_host = 0, tier_disk = 0;  // params + grads + optimizer by tier
-  std::string largest_unit;
-  int64_t gathered_params = 0, gathered_grads = 0;
   int64_t activations = 0;  // kept from one micro-batch's forward to its backward
   int64_t recompute = 0;    // checkpointing: one layer's activations rebuilt during backward
   int64_t checkpointed_layers = 0;
-  int64_t accum_grads = 0;                             // unreduced gradients kept across micro-batches
-  int64_t async_snapshot = 0;                          // host copy while a save is in flight
-  std::vector<std::pair<std::string, int64_t>> extra;  // named further items, bytes
-  // Everything above that occupies memory at the step's peak (the disk tier excluded).
-  int64_t total() const;
-  std::string to_string() const;
+  int64_t accum_grads = 0;     // unreduced gradients kept across micro-batches
+  int64_t async_snapshot = 0;  // host copy while a save is in flight
 };
 
 MemoryPlan plan_memory(const PlanInputs& in);
-
-// The model-state part only (no activations or levers), as before the levers existed.
-MemoryPlan predict_memory(const llama::LlamaConfig& model, at::ScalarType param_dtype, int shard_size,
-                          const fsdp::OffloadPolicy& offload = {});
 
 // Each lever's measured bytes (-1: not measured in this run).
 struct MeasuredLevers {

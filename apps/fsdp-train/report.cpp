@@ -142,7 +142,6 @@ MemoryPlan memory_plan(const Session& s) {
   in.model = cfg.model;
   in.param_dtype = cfg.fsdp.param_dtype;
   in.shard_size = cfg.fsdp.strategy == fsdp::ShardingStrategy::kNoShard ? 1 : s.mesh->shard_size();
-  in.offload = cfg.fsdp.offload;
   in.micro_batch = cfg.data.batch_size_per_rank;
   in.seq_len = cfg.data.seq_len;
   in.checkpoint_every = cfg.train.activation_checkpointing;

@@ -121,6 +121,7 @@ void Session::build() {
   optim->step_in_backward(o.step_in_backward);
   sched = make_schedule(ScheduleSpec::of(cfg));
   stepper = std::make_unique<Stepper>(cfg, data, model, root, *optim, device, rank, hooks.inf_grad_steps(rank));
+  stepper->track_phase_peaks(!flags.metrics.empty());
   check_step_options(cfg, stepper->scaler(), *optim);
   checkpointer = std::make_unique<Checkpointer>(flags.save_dir, cfg.train.async_save, cfg.train.keep_last);
   comm = std::make_unique<CommCounter>(*mesh);

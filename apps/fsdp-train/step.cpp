@@ -109,7 +109,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   at::Tensor loss;
   {
     fsdp::Tracer::Scope s(tracer, "train::forward", "train", "");
-    PhaseTimer t(phases.forward, &phases.peak_forward);
+    PhaseTimer t(phases.forward, peak_of(phases.peak_forward));
     at::Tensor logits = fsdp::call(model_, batch.inputs.to(device_));
     if (inject && micro == 0) {
       logits.register_hook([](const at::Tensor& g) {
@@ -127,7 +127,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::backward", "train", "");
-    PhaseTimer t(phases.backward, &phases.peak_backward);
+    PhaseTimer t(phases.backward, peak_of(phases.peak_backward));
     scaler_->scale(loss).backward();
   }
   if (measure && micro == 0 && accum > 1) measured_.accum_grads = fsdp::memory_report(*root_).unsharded_grads_alive;
@@ -150,20 +150,20 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
   bool skip;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    PhaseTimer t(out.phases.check_finite, &out.phases.peak_optimizer);
+    PhaseTimer t(out.phases.check_finite, peak_of(out.phases.peak_optimizer));
     // With clipping on, the clipping norm decides for the gradients (no second pass over them).
     skip = scaler_->unscale_and_check(local, /*gradients_by_norm=*/cfg_.optim.grad_clip > 0);
   }
   double norm = 0;
   if (!skip && cfg_.optim.grad_clip > 0) {
     fsdp::Tracer::Scope s(tracer, "train::clip_grad_norm", "train", "");
-    PhaseTimer t(out.phases.clip, &out.phases.peak_optimizer);
+    PhaseTimer t(out.phases.clip, peak_of(out.phases.peak_optimizer));
     norm = fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
     out.grad_norm = norm;
   }
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
-    PhaseTimer t(out.phases.optimizer, &out.phases.peak_optimizer);
+    PhaseTimer t(out.phases.optimizer, peak_of(out.phases.peak_optimizer));
     out.stepped = scaler_->step(optim_, norm);
     optim_.zero_grad();
   }
@@ -182,14 +182,14 @@ StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, f
   out.local_loss = local.item<double>();
   {
     fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
-    PhaseTimer t(out.phases.optimizer, &out.phases.peak_optimizer);
+    PhaseTimer t(out.phases.optimizer, peak_of(out.phases.peak_optimizer));
     optim_.step();
   }
   out.stepped = true;
   bool bad;
   {
     fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    PhaseTimer t(out.phases.check_finite, &out.phases.peak_optimizer);
+    PhaseTimer t(out.phases.check_finite, peak_of(out.phases.peak_optimizer));
     bad = scaler_->unscale_and_check(local, /*gradients_by_norm=*/false);
   }
   optim_.zero_grad();

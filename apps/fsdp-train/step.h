@@ -70,6 +70,9 @@ class Stepper {
 
   fsdp::GradScaler& scaler() { return *scaler_; }
   const LeverMeasurements& measured() const { return measured_; }
+  // Per-phase peak RSS (PhaseTimes::peak_*): two /proc accesses per phase, so only when asked
+  // (fsdp-train does with --metrics, whose lines carry them).
+  void track_phase_peaks(bool on) { track_peaks_ = on; }
 
  private:
   at::Tensor micro_step(int64_t first, int64_t micro, bool measure, bool inject, fsdp::Tracer* tracer,
@@ -86,6 +89,8 @@ class Stepper {
   std::unique_ptr<fsdp::GradScaler> scaler_;
   LeverMeasurements measured_;
   int64_t steps_run_ = 0;
+  bool track_peaks_ = false;
+  int64_t* peak_of(int64_t& field) const { return track_peaks_ ? &field : nullptr; }
   std::set<int64_t> inject_steps_;  // TrainHooks::inf_grad_steps (hooks.h)
 };
 

@@ -157,9 +157,10 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
   const bool f32 = loc.entry->dtype == st::DType::F32;
-  // Straight into the state's memory when it is fp32 RAM; otherwise converted in host chunks that
-  // a writer puts in place (a disk-tier master is written by its tier, not paged through).
-  const bool direct = f32 && dst.is_cpu() && dst.scalar_type() == at::kFloat && !shard.in_file();
+  // Straight into the state's memory when it is fp32 RAM; a disk-tier master gets host chunks its
+  // tier writes (ShardTensor::Writer), so its mapping is not paged through.
+  const bool in_file = shard.in_file();
+  const bool direct = f32 && dst.is_cpu() && dst.scalar_type() == at::kFloat && !in_file;
   ShardTensor::Writer out(shard, "import of " + loc.entry->name);
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(kChunkElements, count - done);
@@ -167,19 +168,13 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
     if (direct) {
       file.pread_all(dst.data_ptr<float>() + shard_begin + done, n * item, at_byte);
     } else {
-      at::Tensor chunk = at::empty({n}, at::kFloat);
-      if (f32) {
-        file.pread_all(chunk.data_ptr(), n * item, at_byte);
+      const auto type = st::to_scalar_type(loc.entry->dtype);
+      if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
+      file.pread_all(staging.data_ptr(), n * item, at_byte);
+      if (in_file) {
+        out.put(shard_begin + done, staging.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
       } else {
-        const auto type = st::to_scalar_type(loc.entry->dtype);
-        if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
-        file.pread_all(staging.data_ptr(), n * item, at_byte);
-        chunk.copy_(staging.narrow(0, 0, n));
-      }
-      if (dst.is_cpu()) {
-        out.put(shard_begin + done, chunk);
-      } else {
-        dst.narrow(0, shard_begin + done, n).copy_(chunk);
+        dst.narrow(0, shard_begin + done, n).copy_(staging.narrow(0, 0, n));
       }
     }
     done += n;
