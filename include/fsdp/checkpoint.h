@@ -46,6 +46,10 @@ struct SaveOptions {
   // Called on every rank as each phase begins: "prepare" (the files are laid out), "write" (this
   // rank's shards), "commit" (rank 0 makes it visible). For progress reports; it must not throw.
   TORCH_ARG(std::function<void(const std::string& phase)>, on_phase) = nullptr;
+  // Whether the frozen parameters (requires_grad false: a LoRA model's base) are saved. Off, the
+  // checkpoint holds the trainable parameters and their optimizer state only, and load() restores
+  // those, leaving the frozen ones as they are (import the base again before loading).
+  TORCH_ARG(bool, frozen_params) = true;
 };
 
 // Saves into root_dir/name atomically (written as name.tmp, renamed on success). Collective: every

@@ -10,6 +10,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/init.h"
+#include "fsdp/lora.h"
 #include "fsdp/memory.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/offload.h"

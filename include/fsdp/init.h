@@ -20,6 +20,8 @@ constexpr int64_t kInitBlock = 4096;
 
 // N(0, std^2) per element.
 ParamInitFn normal(double std, uint64_t seed);
+// Uniform in [lo, hi) per element.
+ParamInitFn uniform(double lo, double hi, uint64_t seed);
 // Every element `value`.
 ParamInitFn constant(double value);
 // The first rule whose name suffix matches `name` (e.g. "norm.weight"), else `fallback`.

@@ -41,6 +41,20 @@ int default_param_group(const std::string& name, const at::Tensor& param);
 using ParamInitFn =
     std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset, at::Tensor& out)>;
 
+// How a frozen parameter (requires_grad false) keeps its shard. It has no gradient and no
+// optimizer state, so it needs no fp32 master either: by default it is stored in the compute
+// dtype (MixedPrecisionPolicy::param_dtype). kInt8 and kNF4 quantize it in blocks of 64 elements,
+// each with its fp32 absolute maximum: int8 codes q = round(x * 127 / absmax), x = q * absmax / 127;
+// NF4 as bitsandbytes defines it (the 16 NormalFloat levels times absmax, two codes a byte, first in
+// the high nibble). A quantized shard is all-gathered quantized and dequantized into the compute
+// dtype (Note [Frozen storage] in src/shard/frozen_storage.cpp). Quantize only frozen parameters
+// with values of a Linear's weight's kind; norms and biases lose too much.
+enum class FrozenStorage { kParamDtype, kFloat32, kBFloat16, kFloat16, kInt8, kNF4 };
+const char* frozen_storage_name(FrozenStorage s);  // "param_dtype", "float32", "bfloat16", "float16", "int8", "nf4"
+FrozenStorage parse_frozen_storage(const std::string& name);  // throws ConfigError naming it
+// How each frozen parameter is stored, by its name (relative to the unit's module) and tensor.
+using FrozenStorageFn = std::function<FrozenStorage(const std::string& name, const at::Tensor& param)>;
+
 // How persistent buffers (BatchNorm's running statistics and the like) are kept consistent across
 // the ranks of the job, as DDP's broadcast_buffers does: once at the root's lazy init, then at the
 // end of each backward after a training forward of the root (or at its next forward when no
@@ -87,6 +101,10 @@ struct FullyShardOptions {
   TORCH_ARG(std::optional<OffloadPolicy>, offload) = std::nullopt;
   // On the root: how buffers are synchronised and which are non-persistent (BufferPolicy above).
   TORCH_ARG(BufferPolicy, buffers) = BufferPolicy();
+  // How frozen parameters are stored (FrozenStorage above). Null: in the compute dtype. Each unit
+  // applies its own (give every fully_shard call the same one). Quantized or low-precision frozen shards are not
+  // offloaded (the policy's params tier applies to the other flat params).
+  TORCH_ARG(FrozenStorageFn, frozen_storage) = nullptr;
 };
 
 }  // namespace fsdp

@@ -18,6 +18,7 @@
 #include "fsdp/checkpoint_activations.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/init.h"
+#include "fsdp/lora.h"
 
 namespace llama {
 namespace {
@@ -82,6 +83,15 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+
+// Both Linears pass their `weight` member to at::linear: fsdp::lora may adapt them.
+namespace {
+const bool kLinearsDeclared = [] {
+  fsdp::register_linear_type<LinearImpl>([](LinearImpl& m) { return &m.weight; });
+  fsdp::register_linear_type<BiasFreeLinearImpl>([](BiasFreeLinearImpl& m) { return &m.weight; });
+  return true;
+}();
+}  // namespace
 
 TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim, at::Device device)
     : weight(register_parameter("weight",

@@ -306,7 +306,7 @@ ImportReport report_of(const Source& src, const std::vector<Located>& located) {
 }  // namespace
 
 ImportReport import_weights(const std::string& dir, FSDPModule& root, const ImportOptions& options) {
-  const ModelView model = model_view(root);
+  const ModelView model = model_view(root, /*frozen_values=*/false);
   const CheckpointLayout layout = make_layout(model, nullptr);
   // Every rank opens and checks the same files, so a bad directory fails on every rank alike.
   const Source src = open_source(dir);

@@ -42,7 +42,7 @@ ShardData collect_shards(const CheckpointLayout& layout, bool copy) {
   for (const auto& slot : layout.flats) {
     const ShardTensor& p = slot.shard.master;
     // Snapshots stay in their tier: a disk-tier state is copied to a new disk-tier file.
-    data.params.push_back(copy ? p.snapshot() : p);
+    data.params.push_back(copy && p.defined() ? p.snapshot() : p);  // undefined: frozen, not saved
     std::map<std::string, ShardTensor> states;
     int64_t step = 0;
     if (slot.optim_state != nullptr) {

@@ -87,8 +87,12 @@ void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wan
   }
   for (const auto& [name, file] : set.index.weight_map) {
     if (!names.count(name)) {
+      const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + file + ") has tensor '" + name +
-                            "' that the model does not have");
+                            "' that the model does not have" +
+                            (adapter ? ": it was saved with LoRA adapters; resume with the same LoRA settings "
+                                       "(fsdp::lora, or fsdp-train's lora section)"
+                                     : ""));
     }
   }
 }
@@ -201,6 +205,16 @@ struct CheckedFiles {
   std::vector<FileSet> optim;  // one per optimizer state, in state_names() order
 };
 
+// Whether the checkpoint's model files hold the frozen parameters (a checkpoint saved with
+// SaveOptions::frozen_params off holds none of them).
+bool holds_frozen(const std::string& dir, const ModelView& model) {
+  const FileSet set = open_file_set(dir, "model");
+  for (const auto& t : model.tensors) {
+    if (!model.flats[t.flat].requires_grad && set.index.weight_map.count(t.name)) return true;
+  }
+  return false;
+}
+
 CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout, const ShardedOptimizer* optimizer,
                          const std::string& saved_optim_type) {
   Wanted all, trainable;
@@ -232,9 +246,12 @@ CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout,
 // the copy lands in the existing storage, so an offloaded state stays offloaded.
 void copy_params(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
   std::vector<ShardTensor> params;
-  for (const auto& slot : layout.flats) params.push_back(slot.shard.master.zeros_like("checkpoint load"));
+  for (const auto& slot : layout.flats) {
+    params.push_back(slot.shard.master.defined() ? slot.shard.master.zeros_like("checkpoint load") : ShardTensor());
+  }
   read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
   for (size_t f = 0; f < layout.flats.size(); ++f) {
+    if (!params[f].defined()) continue;  // frozen, not in the checkpoint
     layout.flats[f].shard.master.copy_from(params[f]);
     params[f] = ShardTensor();
     if (layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
@@ -323,7 +340,8 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   // Read and validate everything before changing anything: a bad field or file must not leave a
   // half-loaded model or silently dropped optimizer state.
   const SavedTrainState saved = read_saved_state(dir);
-  const ModelView model = model_view(root);
+  ModelView model = model_view(root, /*frozen_values=*/false);
+  if (!holds_frozen(dir, model)) omit_frozen(model);  // saved without them (SaveOptions::frozen_params)
   const CheckpointLayout layout = make_layout(model, optimizer);
   const bool restore_rng = check_rng_state(saved.state, *model.dist);
   SavedOptimizer saved_optim;

@@ -287,7 +287,8 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
   SaveJob job;
   job.root_dir = root_dir;
   job.name = name;
-  const ModelView model = model_view(root);
+  ModelView model = model_view(root, options.frozen_params());
+  if (!options.frozen_params()) omit_frozen(model);
   job.layout = make_layout(model, optimizer);
   job.data = collect_shards(job.layout, copy);
   job.state = state;

@@ -70,6 +70,7 @@ bool Residency::crosses_to_device(OffloadTier tier) const {
 // ---- the gather
 
 at::Tensor Residency::gather_input(KeepMaster keep) {
+  if (config_.stored) return master_;  // on the compute device, in its stored form
   at::Tensor input;
   if (follows_) {
     input = working_;  // already in param_dtype on the compute device

@@ -45,6 +45,9 @@ class Residency {
     at::ScalarType compute_dtype = at::kFloat;  // what the all-gather moves
     c10::Device device = c10::Device(c10::kCPU);
     bool requires_grad = true;
+    // The master is a frozen param's stored form (Note [Frozen storage], src/shard): gathered as
+    // it is, never offloaded, never stepped.
+    bool stored = false;
     std::string tag;  // "layers.0/0": names the states in errors and traces
   };
   // Takes the master shard as built (fp32 on the compute device, not offloaded).
@@ -83,6 +86,8 @@ class Residency {
   void materialized() {
     if (follows_) refresh_working(0, master_.numel(), master_);
   }
+  // A stored frozen master gets a new stored form (its values were written).
+  void replace_stored(at::Tensor stored) { master_ = std::move(stored); }
   // The master was written outside the optimizer (a checkpoint load, deferred init): drops kept
   // reads, marks pending ones stale, refreshes the working copy.
   void master_written();

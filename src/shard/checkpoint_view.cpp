@@ -47,7 +47,38 @@ ShardTensor::Writer::~Writer() = default;
 void ShardTensor::Writer::put(int64_t begin, const at::Tensor& src) { w_->put(begin, src); }
 void ShardTensor::Writer::finish() { w_->finish(); }
 
-ModelView model_view(FSDPModule& root) {
+namespace {
+
+// A frozen param kept in a stored form (Note [Frozen storage]) shows the checkpoint fp32 values:
+// its decoded shard (`values`), or fresh memory to be written (pages untouched until then); once
+// written, master_written stores them again and lets the fp32 copy go.
+FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
+  at::Tensor fp32 =
+      values ? flat->frozen_values()
+             : at::empty({flat->shard_numel()}, at::TensorOptions().dtype(at::kFloat).device(flat->config().device));
+  auto release = [flat, fp32] {
+    flat->store_frozen(fp32);
+    fp32.storage().unsafeGetStorageImpl()->reset();
+  };
+  return {ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release, index};
+}
+
+}  // namespace
+
+void omit_frozen(ModelView& view) {
+  std::vector<ShardedTensorView> kept;
+  for (auto& t : view.tensors) {
+    if (view.flats[t.flat].requires_grad) kept.push_back(std::move(t));
+  }
+  view.tensors = std::move(kept);
+  for (auto& f : view.flats) {
+    if (f.requires_grad) continue;
+    f.master = ShardTensor();
+    f.master_written = nullptr;
+  }
+}
+
+ModelView model_view(FSDPModule& root, bool frozen_values) {
   ModelView view;
   // The optimizer's last writes may still be draining into the disk tier (Note [The disk tier
   // around the step after backward] in optim/optim.cpp): what is saved, loaded or exported
@@ -66,8 +97,12 @@ ModelView model_view(FSDPModule& root) {
     for (auto& fp : unit->flat_params()) {
       const size_t index = view.flats.size();
       FlatParam* flat = fp.get();
-      view.flats.push_back({ShardTensor(fp->sharded_param()), fp->shard_offset(), fp->shard_numel(),
-                            fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, index});
+      if (fp->stores_frozen()) {
+        view.flats.push_back(stored_view(flat, index, frozen_values));
+      } else {
+        view.flats.push_back({ShardTensor(fp->sharded_param()), fp->shard_offset(), fp->shard_numel(),
+                              fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, index});
+      }
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
       if (fp->replicate_group().rank() != 0) view.writer = false;
     }

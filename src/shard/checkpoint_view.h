@@ -116,7 +116,13 @@ struct ModelView {
   std::string strategy;                    // the root's sharding strategy, e.g. "FULL_SHARD"
 };
 
-// The view of `root` (lazily initialising it first).
-ModelView model_view(FSDPModule& root);
+// The view of `root` (lazily initialising it first). A frozen flat param kept in a stored form
+// (FullyShardOptions::frozen_storage) shows an fp32 copy of its shard: its values when
+// `frozen_values` (a save), else memory to be written (a load or an import, which call
+// master_written after writing it).
+ModelView model_view(FSDPModule& root, bool frozen_values = true);
+// Drops the frozen flat params' tensors and masters from `view`: a checkpoint of the trainable
+// parameters only (SaveOptions::frozen_params), or a load of one.
+void omit_frozen(ModelView& view);
 
 }  // namespace fsdp

@@ -17,6 +17,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
+#include "shard/frozen_storage.h"
 #include "shard/param_data.h"
 #include "offload/residency.h"
 #include "offload/tier.h"
@@ -127,13 +128,19 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
       shard_group_(shard_group),
       replicate_group_(replicate_group) {
   const int64_t world = shard_group_.size();
+  stored_ = !config_.requires_grad && config_.storage != FrozenStorage::kFloat32;
+  const bool blocks = stored_ && frozen::quantized(config_.storage);
   for (auto& e : entries_) {
     e.shape = e.param.sizes().vec();
     e.numel = e.param.numel();
+    // Quantized: each parameter starts a block, as when quantized alone (Note [Frozen storage]).
+    if (blocks) numel_ = (numel_ + frozen::kBlock - 1) / frozen::kBlock * frozen::kBlock;
     e.offset = numel_;
     numel_ += e.numel;
   }
-  padded_numel_ = (numel_ + world - 1) / world * world;
+  // Quantization blocks never straddle ranks either.
+  const int64_t align = world * (blocks ? frozen::kBlock : 1);
+  padded_numel_ = (numel_ + align - 1) / align * align;
   shard_numel_ = padded_numel_ / world;
   shard_offset_ = shard_numel_ * shard_group_.rank();
 
@@ -150,14 +157,17 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
     }
   }
   needs_materialize_ = meta;
-  const at::Tensor master = build_master(meta);
+  needs_encode_ = meta && stored_;  // fp32 values until materialize() has filled them
+  at::Tensor master = build_master(meta);
+  if (stored_ && !meta) master = frozen::encode(config_.storage, master);
   Residency::Config where;
+  where.stored = stored_;
   where.compute_dtype = config_.compute_dtype;
   where.device = config_.device;
   where.requires_grad = config_.requires_grad;
   where.tag = config_.tag;
   residency_ = std::make_unique<Residency>(master, std::move(where));
-  aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat;
+  aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat && !stored_;
   if (aliases_master_) {
     unsharded_ = master;
   } else {
@@ -182,6 +192,8 @@ at::Tensor FlatParam::build_master(bool meta) const {
     master = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
     const int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
     master.narrow(0, pad, shard_numel_ - pad).zero_();
+    // Values to be quantized: the gaps between parameters share their blocks, so they are zero.
+    if (stored_) master.zero_();
   } else {
     master = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
   }
@@ -289,7 +301,40 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   }
   writer.finish();
   needs_materialize_ = false;
+  if (needs_encode_) {
+    residency_->replace_stored(frozen::encode(config_.storage, master));
+    needs_encode_ = false;
+  }
   residency_->materialized();
+}
+
+at::Tensor FlatParam::frozen_values() const {
+  at::Tensor values = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(config_.device));
+  if (needs_encode_) return values.copy_(residency_->master());
+  frozen::decode(config_.storage, residency_->master(), values);
+  return values;
+}
+
+void FlatParam::store_frozen(const at::Tensor& values) {
+  c10::NoGradGuard no_grad;
+  residency_->replace_stored(frozen::encode(config_.storage, values.to(config_.device)));
+  needs_encode_ = false;
+}
+
+int64_t FlatParam::stored_bytes() const {
+  const at::Tensor& m = residency_->master();
+  return static_cast<int64_t>(m.numel() * m.element_size());
+}
+
+// The gathered stored forms, rank by rank, decoded into the compute-dtype buffer.
+void FlatParam::decode_gathered() {
+  const int64_t per_rank = gathered_stored_.numel() / shard_group_.size();
+  c10::NoGradGuard no_grad;
+  for (int r = 0; r < shard_group_.size(); ++r) {
+    frozen::decode(config_.storage, gathered_stored_.narrow(0, r * per_rank, per_rank),
+                   unsharded_.narrow(0, r * shard_numel_, shard_numel_));
+  }
+  gathered_stored_ = at::Tensor();
 }
 
 void FlatParam::unshard() { unshard(KeepMaster::kNo); }
@@ -303,15 +348,24 @@ void FlatParam::unshard(KeepMaster keep) {
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
   set_storage_alive(unsharded_, true);
   gather_input_ = residency_->gather_input(keep);
+  const bool decode = stored_ && frozen::stored_dtype(config_.storage) != config_.compute_dtype;
   if (shard_group_.size() == 1) {
-    unsharded_.copy_(gather_input_);
+    if (decode) {
+      c10::NoGradGuard no_grad;
+      frozen::decode(config_.storage, gather_input_, unsharded_);
+    } else {
+      unsharded_.copy_(gather_input_);
+    }
     gather_input_ = at::Tensor();
     residency_->gather_done();
     state_ = ShardedState::kUnsharded;
     use_unsharded_views();
     return;
   }
-  gather_handle_ = shard_group_.all_gather(unsharded_, gather_input_, config_.tag);
+  if (decode) {  // the stored form moves; each rank decodes what it gathered
+    gathered_stored_ = at::empty({gather_input_.numel() * shard_group_.size()}, gather_input_.options());
+  }
+  gather_handle_ = shard_group_.all_gather(decode ? gathered_stored_ : unsharded_, gather_input_, config_.tag);
   gather_pending_ = true;
 }
 
@@ -321,6 +375,7 @@ void FlatParam::wait_for_unshard() {
   gather_handle_.wait();
   gather_handle_ = CommHandle();
   gather_input_ = at::Tensor();
+  if (gathered_stored_.defined()) decode_gathered();
   residency_->gather_done();
   state_ = ShardedState::kUnsharded;
   use_unsharded_views();

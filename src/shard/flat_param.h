@@ -52,6 +52,9 @@ struct FlatParamConfig {
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the unsharded buffer (param_dtype)
   at::ScalarType reduce_dtype = at::kFloat;   // dtype gradients are reduced in
   bool requires_grad = true;
+  // A frozen flat param's stored form (Note [Frozen storage], frozen_storage.cpp): kFloat32 is an
+  // fp32 master like a trainable one's; anything else is kept as stored, with no fp32 master.
+  FrozenStorage storage = FrozenStorage::kFloat32;
   int group = 0;            // optimizer group
   std::string tag;          // "layers.0/0": shows in collective errors
   std::string module_type;  // the unit's module type, for misuse errors (Note [Guarded parameters])
@@ -86,6 +89,15 @@ class FlatParam {
   // keeps a working copy of the shard in param_dtype, which the all-gather reads.
   bool master_follows_state() const;
   const at::Tensor& working_shard() const;
+
+  // ---- a frozen param kept in a stored form (config().storage, not fp32)
+  bool stores_frozen() const { return stored_; }
+  // This rank's shard as fp32 values (decoded), for a checkpoint to save.
+  at::Tensor frozen_values() const;
+  // Replaces the shard's values with `values` (fp32, shard_numel()), stored again (a load).
+  void store_frozen(const at::Tensor& values);
+  // Bytes of the stored shard.
+  int64_t stored_bytes() const;
 
   // ---- the optimizer's side (through shard/grad_shards.h)
   at::Tensor& optimizer_master() { return sharded_param(); }
@@ -158,6 +170,7 @@ class FlatParam {
 
  private:
   at::Tensor build_master(bool meta) const;
+  void decode_gathered();
   void use_unsharded_views();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
@@ -172,6 +185,11 @@ class FlatParam {
   bool needs_materialize_ = false;
   // The unsharded buffer is the master shard itself: one rank per shard, fp32 compute.
   bool aliases_master_ = false;
+  // Frozen, kept in config_.storage (the master is the stored form); a gather that needs decoding
+  // lands in gathered_stored_ first.
+  bool stored_ = false;
+  bool needs_encode_ = false;  // deferred init: the master is fp32 values until materialize() ends
+  at::Tensor gathered_stored_;
 
   ShardedState state_ = ShardedState::kSharded;
   std::unique_ptr<Residency> residency_;  // the master shard and where every state lives

@@ -61,6 +61,14 @@ ParamInitFn normal(double std, uint64_t seed) {
   };
 }
 
+ParamInitFn uniform(double lo, double hi, uint64_t seed) {
+  return [lo, hi, seed](const std::string& name, at::IntArrayRef, int64_t offset, at::Tensor& out) {
+    fill_blocks(name, offset, out, seed, [lo, hi](at::Generator& gen) {
+      return at::empty({kInitBlock}, at::TensorOptions().dtype(at::kFloat)).uniform_(lo, hi, gen);
+    });
+  };
+}
+
 ParamInitFn constant(double value) {
   return [value](const std::string&, at::IntArrayRef, int64_t, at::Tensor& out) { out.fill_(value); };
 }

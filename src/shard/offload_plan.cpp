@@ -31,7 +31,7 @@ void plan_flat(FlatParam& fp, int gathers, bool forward_kept, int state_tensors,
                bool step_in_backward, OffloadPlan& plan) {
   Tally tally{plan};
   const auto& off = fp.offload();
-  const int64_t shard = fp.shard_numel() * static_cast<int64_t>(sizeof(float));
+  const int64_t shard = fp.stores_frozen() ? fp.stored_bytes() : fp.shard_numel() * static_cast<int64_t>(sizeof(float));
   const int64_t compute = fp.shard_numel() * static_cast<int64_t>(c10::elementSize(fp.config().compute_dtype));
   const int64_t reduced = fp.shard_numel() * static_cast<int64_t>(c10::elementSize(fp.config().reduce_dtype));
   const bool follows = fp.master_follows_state();

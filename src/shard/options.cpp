@@ -45,6 +45,27 @@ BufferSync parse_buffer_sync(const std::string& name) {
   throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected broadcast, average or local)");
 }
 
+const char* frozen_storage_name(FrozenStorage s) {
+  switch (s) {
+    case FrozenStorage::kParamDtype: return "param_dtype";
+    case FrozenStorage::kFloat32: return "float32";
+    case FrozenStorage::kBFloat16: return "bfloat16";
+    case FrozenStorage::kFloat16: return "float16";
+    case FrozenStorage::kInt8: return "int8";
+    case FrozenStorage::kNF4: return "nf4";
+  }
+  return "unknown";
+}
+
+FrozenStorage parse_frozen_storage(const std::string& name) {
+  for (auto s : {FrozenStorage::kParamDtype, FrozenStorage::kFloat32, FrozenStorage::kBFloat16, FrozenStorage::kFloat16,
+                 FrozenStorage::kInt8, FrozenStorage::kNF4}) {
+    if (name == frozen_storage_name(s)) return s;
+  }
+  throw ConfigError("fsdp: unknown frozen storage '" + name +
+                    "' (expected param_dtype, float32, bfloat16, float16, int8 or nf4)");
+}
+
 int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }
 
 }  // namespace fsdp

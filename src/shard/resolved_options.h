@@ -16,6 +16,7 @@ namespace fsdp {
 // | mp_policy                              | per unit                                     | fully_shard          |
 // | param_group                            | per unit                                     | fully_shard          |
 // | init                                   | per unit                                     | fully_shard          |
+// | frozen_storage                         | per unit (null: the compute dtype)           | fully_shard          |
 // | prefetch_depth                         | inherited: own, else the root's, else 1      | the root's lazy init |
 // | offload                                | inherited: own, else the root's, else none;  | the root's lazy init |
 // |                                        | validated there                              |                      |
@@ -32,6 +33,7 @@ struct ResolvedOptions {
   MixedPrecisionPolicy mp_policy;
   ParamGroupFn param_group = default_param_group;
   ParamInitFn init;
+  FrozenStorageFn frozen_storage;
   int prefetch_depth = 1;
   OffloadPolicy offload;
   int max_unsharded_units = 0;

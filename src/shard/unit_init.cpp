@@ -201,6 +201,7 @@ ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const Dev
   check_floating("reduce_dtype", r.mp_policy.reduce_dtype());
   r.param_group = options.param_group();
   r.init = options.init();
+  r.frozen_storage = options.frozen_storage();
   return r;
 }
 
@@ -251,8 +252,36 @@ void ShardedUnit::build() {
   module->register_module(kAnchorName, std::make_shared<UnitAnchor>(shared_from_this()));
 }
 
-// One flat param per (dtype, requires_grad, optimizer group) of the unit's own parameters, in
-// first-seen order.
+namespace {
+
+// How a parameter's shard is stored: a trainable one as its fp32 master; a frozen one as
+// FullyShardOptions::frozen_storage says (null: the compute dtype), kParamDtype resolved to a dtype.
+FrozenStorage frozen_storage_of(const FrozenStorageFn& fn, const Found& f, at::ScalarType compute) {
+  FrozenStorage s = fn ? fn(f.name, f.param) : FrozenStorage::kParamDtype;
+  if (f.param.requires_grad()) {
+    if (s != FrozenStorage::kParamDtype && s != FrozenStorage::kFloat32) {
+      throw ConfigError("fsdp: parameter '" + f.name + "' is trainable (requires_grad) but frozen_storage gives it " +
+                        frozen_storage_name(s) +
+                        ": only a frozen parameter has a stored form; freeze it (fsdp::lora freezes the "
+                        "base) or give trainable parameters param_dtype");
+    }
+    return FrozenStorage::kFloat32;
+  }
+  if (s != FrozenStorage::kParamDtype) return s;
+  switch (compute) {
+    case at::kBFloat16: return FrozenStorage::kBFloat16;
+    case at::kHalf: return FrozenStorage::kFloat16;
+    case at::kFloat: return FrozenStorage::kFloat32;
+    default:
+      throw ConfigError("fsdp: frozen parameter '" + f.name + "' computes in " + std::string(c10::toString(compute)) +
+                        ", which no frozen storage holds; set FullyShardOptions::frozen_storage");
+  }
+}
+
+}  // namespace
+
+// One flat param per (dtype, requires_grad, optimizer group, frozen storage) of the unit's own
+// parameters, in first-seen order.
 void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   NestedOwners nested;
   collect_nested_params(module, "", weak_from_this(), nested, /*top=*/true);
@@ -260,7 +289,7 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   std::unordered_map<const void*, size_t> index;
   collect_own_params(module, "", /*top=*/true, found, index);
 
-  std::map<std::tuple<int, bool, int>, size_t> slot;
+  std::map<std::tuple<int, bool, int, int>, size_t> slot;
   std::vector<std::vector<FlatParamEntry>> groups;
   std::vector<FlatParamConfig> configs;
   const auto& mp = options_.mp_policy;
@@ -270,13 +299,17 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
     check_not_owned(f.name, f.param);
     check_param(f);
     const int group = options_.param_group(f.name, f.param);
-    const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group);
+    const at::ScalarType compute = mp.param_dtype().value_or(f.param.scalar_type());
+    const FrozenStorage storage = frozen_storage_of(options_.frozen_storage, f, compute);
+    const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group,
+                                     static_cast<int>(storage));
     auto it = slot.find(key);
     if (it == slot.end()) {
       it = slot.emplace(key, groups.size()).first;
       groups.emplace_back();
       FlatParamConfig c;
-      c.compute_dtype = mp.param_dtype().value_or(f.param.scalar_type());
+      c.compute_dtype = compute;
+      c.storage = storage;
       c.reduce_dtype = mp.reduce_dtype().value_or(c.compute_dtype);
       c.requires_grad = f.param.requires_grad();
       c.group = group;
@@ -476,7 +509,7 @@ void ShardedUnit::place_offloaded_states() {
     const OffloadPolicy& policy = unit->options_.offload;
     for (auto& fp : unit->flat_params_) {
       const int64_t bytes = fp->shard_numel() * static_cast<int64_t>(sizeof(float));
-      if (policy.params() == OffloadTier::kDisk) disk_bytes += bytes;
+      if (policy.params() == OffloadTier::kDisk && !fp->stores_frozen()) disk_bytes += bytes;
       if (policy.grads() == OffloadTier::kDisk && fp->config().requires_grad) disk_bytes += bytes;
     }
   }
@@ -486,7 +519,7 @@ void ShardedUnit::place_offloaded_states() {
     if (!policy.any()) continue;
     for (auto& fp : unit->flat_params_) {
       OffloadPlacement p;
-      p.params = policy.params();
+      p.params = fp->stores_frozen() ? OffloadTier::kNone : policy.params();  // never offloaded
       p.grads = fp->config().requires_grad ? policy.grads() : OffloadTier::kNone;
       p.optimizer_state = fp->config().requires_grad ? policy.optimizer_state() : OffloadTier::kNone;
       p.disk = rs.disk_tier;

@@ -1,0 +1,298 @@
+// LoRA (fsdp/lora.h) and frozen storage (FullyShardOptions::frozen_storage): adapters on stock
+// torch::nn::Linear layers of a model whose code knows nothing of them, their forward and
+// gradients against PEFT's formula, merge_lora, the bad inputs; sharded on 2 ranks with the base
+// kept in fp32, bf16, int8 and NF4, each against an unsharded model holding the same decoded
+// weights; bf16 storage against today's fp32 masters bit for bit; adapter-only checkpoints.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <mutex>
+
+#include "base/file_io.h"
+#include "fsdp/checkpoint.h"
+#include "fsdp/fsdp.h"
+#include "shard/frozen_storage.h"
+#include "support/ranks.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int64_t kDim = 32;
+
+// A user's block: stock modules, called directly (no knowledge of adapters).
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl()
+      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+        q(register_module("q", torch::nn::Linear(kDim, kDim))),
+        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(kDim, 2 * kDim).bias(false)))),
+        down(register_module("down", torch::nn::Linear(2 * kDim, kDim))) {}
+  at::Tensor forward(const at::Tensor& x) { return x + down(at::gelu(up(q(norm(x))))); }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear q, up, down;
+};
+TORCH_MODULE(Block);
+
+class NetImpl : public torch::nn::Module {
+ public:
+  NetImpl()
+      : inp(register_module("inp", torch::nn::Linear(8, kDim))),
+        b0(register_module("b0", Block())),
+        b1(register_module("b1", Block())),
+        head(register_module("head", torch::nn::Linear(kDim, 4))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = inp(x);
+    h = fsdp::call(b0, h);
+    h = fsdp::call(b1, h);
+    return head(h);
+  }
+  torch::nn::Linear inp;
+  Block b0, b1;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Net);
+
+std::mutex g_seed_mutex;
+
+Net make_net() {
+  std::lock_guard<std::mutex> lock(g_seed_mutex);
+  at::manual_seed(3);
+  return Net();
+}
+
+LoraOptions lora_options(FrozenStorage base) {
+  return LoraOptions().targets({"q", "up", "down"}).r(4).alpha(8).base_dtype(base);
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int step, int rank, int world) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+  auto x = at::randn({8, 3, 8}, gen), y = at::randn({8, 3, 4}, gen);
+  const int64_t n = 8 / world;
+  return {x.narrow(0, rank * n, n), y.narrow(0, rank * n, n)};
+}
+
+TEST(Lora, AdaptsStockLinearsAsPeftDoes) {
+  Net net = make_net();
+  const LoraModel lm = lora(*net, lora_options(FrozenStorage::kParamDtype), 7);
+  ASSERT_EQ(lm.targets.size(), 6u);
+  EXPECT_EQ(lm.targets[0].name, "b0.q");
+  EXPECT_DOUBLE_EQ(lm.scaling(), 2.0);
+  std::vector<std::string> trainable;
+  for (const auto& p : net->named_parameters()) {
+    if (p.value().requires_grad()) trainable.push_back(p.key());
+  }
+  EXPECT_EQ(trainable, lm.adapter_names());
+  EXPECT_EQ(trainable.front(), "b0.q.lora_A.weight");
+  // PEFT's init: A within +-1/sqrt(in), B zero; so the adapted model starts as the base.
+  const at::Tensor a = net->b0->q->named_children()["lora_A"]->named_parameters()["weight"];
+  EXPECT_LE(a.abs().max().item<double>(), 1.0 / std::sqrt(double(kDim)));
+  EXPECT_GT(a.abs().max().item<double>(), 0.0);
+  // Give B values, then compare with the formula on the plain weights (3-D input: t() + matmul;
+  // 2-D with bias: addmm; no bias: matmul).
+  for (auto& t : lm.targets) {
+    auto b = net->named_parameters()[t.name + ".lora_B.weight"];
+    at::NoGradGuard g;
+    b.copy_(at::randn(b.sizes()) * 0.1);
+  }
+  for (const auto& x : {at::randn({2, 3, kDim}), at::randn({5, kDim})}) {
+    auto& q = net->b0->q;
+    const auto A = q->named_children()["lora_A"]->named_parameters()["weight"];
+    const auto B = q->named_children()["lora_B"]->named_parameters()["weight"];
+    const auto W = q->named_parameters(false)["weight"];
+    const at::Tensor want = at::linear(x, W, q->bias) + at::linear(at::linear(x, A), B) * 2.0;
+    const at::Tensor got = q(x);
+    EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-6));
+    got.sum().backward();
+    EXPECT_TRUE(A.grad().defined() && B.grad().defined());
+    EXPECT_FALSE(W.grad().defined());
+    EXPECT_FALSE(q->bias.grad().defined());
+  }
+  // Dropout on the adapters' input in training mode only.
+  Net d = make_net();
+  lora(*d, lora_options(FrozenStorage::kParamDtype).dropout(0.5), 7);
+  for (auto& p : d->named_parameters()) {
+    if (p.key().find("lora_B") != std::string::npos) at::NoGradGuard(), p.value().detach().fill_(0.1);
+  }
+  const at::Tensor x = at::randn({4, kDim});
+  d->eval();
+  EXPECT_TRUE(at::equal(d->b0->q(x), d->b0->q(x)));
+  d->train();
+  EXPECT_FALSE(at::equal(d->b0->q(x), d->b0->q(x)));
+}
+
+TEST(Lora, MergeFoldsTheAdaptersIntoTheBase) {
+  Net net = make_net();
+  lora(*net, lora_options(FrozenStorage::kParamDtype), 7);
+  for (auto& p : net->named_parameters()) {
+    at::NoGradGuard g;
+    if (p.key().find("lora_B") != std::string::npos) p.value().copy_(at::randn(p.value().sizes()) * 0.1);
+  }
+  const at::Tensor x = at::randn({2, 8});
+  at::Tensor before;
+  {
+    at::NoGradGuard g;
+    before = net->forward(x);
+  }
+  EXPECT_TRUE(has_lora(*net));
+  merge_lora(*net);
+  EXPECT_FALSE(has_lora(*net));
+  for (const auto& p : net->named_parameters()) EXPECT_EQ(p.key().find("lora_"), std::string::npos) << p.key();
+  at::NoGradGuard g;
+  EXPECT_TRUE(at::allclose(net->forward(x), before, 1e-5, 1e-5));
+}
+
+std::string config_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Lora, BadInputsAreClearErrors) {
+  EXPECT_NE(config_error([] {
+              Net n = make_net();
+              lora(*n, LoraOptions().targets({"q", "k_proj"}));
+            }).find("pattern 'k_proj' matches no module"),
+            std::string::npos);
+  EXPECT_NE(config_error([] {
+              Net n = make_net();
+              lora(*n, LoraOptions().targets({"norm"}));
+            }).find("which is not a Linear"),
+            std::string::npos);
+  EXPECT_NE(config_error([] {
+              Net n = make_net();
+              lora(*n, LoraOptions().targets({"q"}));
+              lora(*n, LoraOptions().targets({"q"}));
+            }).find("already has adapters"),
+            std::string::npos);
+  EXPECT_NE(config_error([] {
+              Net n = make_net();
+              lora(*n, LoraOptions().targets({"q"}).r(0));
+            }).find("r is 0"),
+            std::string::npos);
+  // A regular expression matches whole names.
+  Net n = make_net();
+  EXPECT_EQ(lora(*n, LoraOptions().targets({"b1\\.(q|up)"})).targets.size(), 2u);
+  // Quantizing a trainable parameter.
+  testing::run_threads(1, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net net = make_net();
+    const std::string e = config_error([&] {
+      fully_shard(net, mesh, FullyShardOptions().frozen_storage([](const std::string&, const at::Tensor&) {
+        return FrozenStorage::kNF4;
+      }));
+    });
+    EXPECT_NE(e.find("is trainable (requires_grad) but frozen_storage gives it nf4"), std::string::npos) << e;
+  });
+}
+
+// The unsharded reference of a sharded LoRA model: the same net, its base weights replaced by what
+// the stored form decodes to (each target's weight quantized alone; other frozen params rounded to
+// a floating base dtype, or left as they are).
+void round_like_storage(Net& ref, const LoraModel& lm, FrozenStorage s) {
+  at::NoGradGuard g;
+  for (auto& p : ref->named_parameters()) {
+    if (p.value().requires_grad()) continue;
+    bool target = false;
+    for (const auto& t : lm.targets) target = target || p.key() == t.name + ".weight";
+    at::Tensor v = p.value();
+    if (frozen::quantized(s) && target) {
+      at::Tensor flat = v.reshape({-1}).clone();
+      frozen::decode(s, frozen::encode(s, flat), flat);
+      v.copy_(flat.view(v.sizes()));
+    } else if (!frozen::quantized(s) && s != FrozenStorage::kParamDtype) {
+      v.copy_(v.to(frozen::stored_dtype(s)));
+    }
+  }
+}
+
+void expect_sharded_matches_reference(FrozenStorage storage) {
+  testing::run_threads(2, [storage](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net ref = make_net();
+    const LoraModel ref_lm = lora(*ref, lora_options(storage), 7);
+    round_like_storage(ref, ref_lm, storage);
+    Net net = make_net();
+    const LoraModel lm = lora(*net, lora_options(storage), 7);
+    const auto opts = FullyShardOptions().frozen_storage(lm.frozen_storage());
+    fully_shard(net->b0, mesh, opts);
+    fully_shard(net->b1, mesh, opts);
+    auto root = fully_shard(net, mesh, opts);
+    SGD optim(root, SGDOptions(0.5));
+    std::vector<at::Tensor> ref_params;
+    for (auto& p : ref->parameters()) {
+      if (p.requires_grad()) ref_params.push_back(p);
+    }
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = batch(step, dist->rank(), 2);
+      auto [gx, gy] = batch(step, 0, 1);
+      auto loss = at::mse_loss(fsdp::call(net, x), y);
+      loss.backward();
+      optim.step();
+      optim.zero_grad();
+      auto l = loss.detach().to(at::kDouble).reshape({1});
+      dist->world().all_reduce(l, ReduceOp::kAvg, "loss").wait();
+      auto ref_loss = at::mse_loss(ref->forward(gx), gy);
+      ref_loss.backward();
+      at::NoGradGuard g;
+      for (auto& p : ref_params) {
+        p.sub_(p.grad() * 0.5);
+        p.mutable_grad() = at::Tensor();
+      }
+      EXPECT_NEAR(l.item<double>(), ref_loss.item<double>(), 2e-6) << frozen_storage_name(storage) << " step " << step;
+    }
+    // The frozen base has no fp32 master: its stored bytes per parameter.
+    const MemoryReport m = memory_report(*root);
+    int64_t adapters = 0, frozen = 0;
+    for (const auto& p : ref->parameters()) (p.requires_grad() ? adapters : frozen) += p.numel();
+    const double per_rank_frozen = double(m.sharded_params - adapters * 4 / 2) / double(frozen / 2);
+    if (storage == FrozenStorage::kBFloat16) EXPECT_NEAR(per_rank_frozen, 2.0, 0.1);
+    if (storage == FrozenStorage::kNF4) EXPECT_LT(per_rank_frozen, 1.6);  // norms and biases in fp32
+  });
+}
+
+TEST(LoraSharded, Float32BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kParamDtype); }
+TEST(LoraSharded, BFloat16BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kBFloat16); }
+TEST(LoraSharded, Int8BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kInt8); }
+TEST(LoraSharded, NF4BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kNF4); }
+
+// At bf16 compute, a frozen base stored in bf16 (no master) gives today's fp32-master frozen
+// params' logits bit for bit, before and after a step on the adapters.
+TEST(LoraSharded, BFloat16StorageEqualsFp32MastersAtBf16Compute) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    std::vector<at::Tensor> logits;
+    for (FrozenStorage s : {FrozenStorage::kFloat32, FrozenStorage::kParamDtype}) {
+      Net net = make_net();
+      lora(*net, lora_options(FrozenStorage::kParamDtype), 7);
+      for (auto& p : net->named_parameters()) {
+        at::NoGradGuard g;
+        if (p.key().find("lora_B") != std::string::npos) p.value().fill_(0.05);
+      }
+      const auto opts = FullyShardOptions()
+                            .mp_policy(MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat))
+                            .frozen_storage([s](const std::string&, const at::Tensor&) { return s; });
+      fully_shard(net->b0, mesh, opts);
+      fully_shard(net->b1, mesh, opts);
+      auto root = fully_shard(net, mesh, opts);
+      SGD optim(root, SGDOptions(0.5));
+      for (int step = 0; step < 2; ++step) {  // the second forward sees the adapters' gradients
+        auto [x, y] = batch(step, dist->rank(), 2);
+        at::Tensor out = fsdp::call(net, x);
+        at::mse_loss(out.to(at::kFloat), y).backward();
+        optim.step();
+        optim.zero_grad();
+        logits.push_back(out.detach());
+      }
+    }
+    EXPECT_TRUE(at::equal(logits[0], logits[2]));
+    EXPECT_TRUE(at::equal(logits[1], logits[3]));
+  });
+}
+
+}  // namespace
+}  // namespace fsdp
