@@ -15,33 +15,23 @@ std::string checkpoint_name(int64_t step) {
   return buf;
 }
 
-std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
-                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last,
-                            const std::function<void(const std::string&)>& on_phase) {
-  fsdp::checkpoint::TrainState state;
-  state.step = step;
-  state.samples_seen = samples_seen;
-  state.extra = extra;
-  return fsdp::checkpoint::save(
-      save_dir, checkpoint_name(step), root, &optim, state,
-      fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)).on_phase(on_phase));
-}
-
-Checkpointer::Checkpointer(std::string save_dir, bool async, int64_t keep_last)
-    : save_dir_(std::move(save_dir)), keep_last_(keep_last) {
+Checkpointer::Checkpointer(std::string save_dir, bool async, int64_t keep_last, bool frozen_params)
+    : save_dir_(std::move(save_dir)),
+      options_(fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)).frozen_params(frozen_params)) {
   if (async) saver_ = std::make_unique<fsdp::checkpoint::AsyncSaver>();
 }
 
 std::string Checkpointer::save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
                                fsdp::ShardedOptimizer& optim, const nlohmann::json& extra,
                                const std::function<void(const std::string&)>& on_phase) {
-  if (!saver_) return save_checkpoint(save_dir_, step, samples_seen, root, optim, extra, keep_last_, on_phase);
   fsdp::checkpoint::TrainState state;
   state.step = step;
   state.samples_seen = samples_seen;
   state.extra = extra;
-  saver_->save(save_dir_, checkpoint_name(step), root, &optim, state,
-               fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last_)).on_phase(on_phase));
+  auto options = options_;
+  options.on_phase(on_phase);
+  if (!saver_) return fsdp::checkpoint::save(save_dir_, checkpoint_name(step), root, &optim, state, options);
+  saver_->save(save_dir_, checkpoint_name(step), root, &optim, state, options);
   return save_dir_ + "/" + checkpoint_name(step);
 }
 

@@ -18,22 +18,18 @@ namespace train {
 // "step-00000100": zero-padded so that names sort by step.
 std::string checkpoint_name(int64_t step);
 
-// Saves into save_dir/checkpoint_name(step) (collective) and returns the committed directory.
-// `extra` goes to TrainState.extra; keep_last = 0 keeps every checkpoint; on_phase, when set, is
-// called as each save phase begins (fsdp::checkpoint::SaveOptions::on_phase).
-std::string save_checkpoint(const std::string& save_dir, int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
-                            fsdp::ShardedOptimizer& optim, const nlohmann::json& extra, int64_t keep_last,
-                            const std::function<void(const std::string&)>& on_phase = nullptr);
-
 // Saves synchronously, or with `async` through fsdp::checkpoint::AsyncSaver: the shards are copied
 // to host memory and written by a background thread while training goes on. At most one save is
 // in flight (a second waits for the first); wait() (and the destructor) wait for it.
 class Checkpointer {
  public:
-  Checkpointer(std::string save_dir, bool async, int64_t keep_last);
+  // keep_last = 0 keeps every checkpoint; frozen_params: SaveOptions::frozen_params (a LoRA run
+  // without lora.save_base saves its adapters and their state only).
+  Checkpointer(std::string save_dir, bool async, int64_t keep_last, bool frozen_params);
   // Collective. Returns the checkpoint's directory (committed when synchronous; being written when
   // asynchronous, committed by the next save, wait() or the end of the run).
-  // on_phase: as save_checkpoint's.
+  // `extra` goes to TrainState.extra; on_phase, when set, is called as each save phase begins
+  // (fsdp::checkpoint::SaveOptions::on_phase).
   std::string save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim,
                    const nlohmann::json& extra, const std::function<void(const std::string&)>& on_phase = nullptr);
   // Waits for the save in flight; rethrows its error (every rank gets the same one).
@@ -43,7 +39,7 @@ class Checkpointer {
 
  private:
   std::string save_dir_;
-  int64_t keep_last_;
+  fsdp::checkpoint::SaveOptions options_;
   std::unique_ptr<fsdp::checkpoint::AsyncSaver> saver_;  // null: synchronous
 };
 

@@ -79,6 +79,14 @@ void check_optim(const TrainConfig& c) {
   }
 }
 
+// The lora section: the library's checks of its options (targets are checked against the model
+// when it is built), and what a LoRA run cannot do.
+void check_lora(const TrainConfig& c) {
+  if (!c.lora.enabled) return;
+  if (c.lora.dropout >= 1) reject("lora.dropout", json(c.lora.dropout), "must be < 1");
+  if (c.lora.targets.empty()) reject("lora.targets", json(c.lora.targets), "must name at least one module");
+}
+
 // fsdp.offload, read into the library's OffloadPolicy, which validates it (a disk tier needs dir).
 void check_offload(const fsdp::OffloadPolicy& offload) {
   try {
@@ -156,8 +164,8 @@ TrainConfig TrainConfig::from_json(const json& doc) {
                                 doc.dump(-1, ' ', false, json::error_handler_t::replace));
   }
   for (const auto& [k, v] : doc.items()) {
-    if (k != "model" && k != "data" && k != "optim" && k != "fsdp" && k != "train") {
-      reject(k, v, "unknown section (known sections: model, data, optim, fsdp, train)");
+    if (k != "model" && k != "data" && k != "optim" && k != "fsdp" && k != "train" && k != "lora") {
+      reject(k, v, "unknown section (known sections: model, data, optim, fsdp, train, lora)");
     }
   }
   TrainConfig c;
@@ -166,6 +174,10 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   read_top_section(doc, "optim", c, check_optim);
   read_top_section(doc, "fsdp", c, check_fsdp);
   read_top_section(doc, "train", c, [](const TrainConfig&) {});
+  // A lora section turns LoRA on unless it says enabled: false.
+  const json* lora = section_object(doc, "lora");
+  c.lora.enabled = lora != nullptr;
+  read_top_section(doc, "lora", c, check_lora);
   c.fsdp.scaler.enabled(c.fsdp.loss_scaling());
   // optim.step_in_backward against clipping and loss scaling is the library's check, asked when
   // the optimizer and the scaler exist (session.cpp).

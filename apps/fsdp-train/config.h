@@ -20,6 +20,7 @@
 
 #include "fsdp/dist.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/lora.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "llama.h"
@@ -118,6 +119,24 @@ struct RunConfig {
   // FsdpConfig::scaler, the library's option.
 };
 
+// The lora section: fine-tune adapters on a frozen base (fsdp::lora). A config with the section is
+// a LoRA run unless lora.enabled is false.
+struct LoraConfig {
+  bool enabled = false;
+  std::vector<std::string> targets{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  int64_t r = 8;
+  double alpha = 16;
+  double dropout = 0;
+  // How the frozen base is kept: bfloat16, float16, float32 (every frozen parameter), int8 or nf4
+  // (the targets' weights; the other frozen parameters in fsdp.param_dtype).
+  fsdp::FrozenStorage base_dtype = fsdp::FrozenStorage::kBFloat16;
+  bool save_base = false;    // checkpoints hold the base too (else adapters and their state only)
+  std::string adapter_from;  // a PEFT adapter directory the adapters start from
+  fsdp::LoraOptions options() const {
+    return fsdp::LoraOptions().targets(targets).r(r).alpha(alpha).dropout(dropout).base_dtype(base_dtype);
+  }
+};
+
 struct TrainConfig {
   TrainConfig();  // the built-in defaults, including the small model below
 
@@ -126,6 +145,7 @@ struct TrainConfig {
   OptimConfig optim;
   FsdpConfig fsdp;
   RunConfig train;
+  LoraConfig lora;
 
   // Every key with its effective value; from_json(to_json()) gives the same config back.
   nlohmann::json to_json() const;

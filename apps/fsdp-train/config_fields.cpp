@@ -119,6 +119,36 @@ ConfigField string(const char* section, const char* key, Ref ref, const char* he
 }
 
 template <class Ref>
+ConfigField string_list(const char* section, const char* key, Ref ref, const char* help) {
+  const std::string dotted = std::string(section) + "." + key;
+  auto read = [ref, dotted](TrainConfig& c, const json& v) {
+    // --set passes text: a comma-separated list.
+    if (v.is_string()) {
+      std::vector<std::string> out;
+      std::string item;
+      for (char ch : v.get<std::string>() + ",") {
+        if (ch != ',') {
+          item += ch;
+        } else if (!item.empty()) {
+          out.push_back(item);
+          item.clear();
+        }
+      }
+      ref(c) = out;
+      return;
+    }
+    if (!v.is_array()) reject(dotted, v, "must be a list of strings");
+    std::vector<std::string> out;
+    for (const auto& item : v) {
+      if (!item.is_string()) reject(dotted, v, "must be a list of strings");
+      out.push_back(item.get<std::string>());
+    }
+    ref(c) = out;
+  };
+  return {section, key, "list of strings", help, read, [ref](const TrainConfig& c) { return json(ref(c)); }};
+}
+
+template <class Ref>
 ConfigField boolean(const char* section, const char* key, Ref ref, const char* help) {
   const std::string dotted = std::string(section) + "." + key;
   auto read = [ref, dotted](TrainConfig& c, const json& v) {
@@ -391,6 +421,30 @@ std::vector<ConfigField> train_fields() {
       boolean(
           "train.budget", "check", [](auto& c) -> auto& { return c.train.check_budget; },
           "refuse to start, before allocating, when the plan does not fit the budgets"),
+      boolean(
+          "lora", "enabled", [](auto& c) -> auto& { return c.lora.enabled; },
+          "train LoRA adapters on a frozen base (on when the config has a lora section)"),
+      string_list(
+          "lora", "targets", [](auto& c) -> auto& { return c.lora.targets; },
+          "module name patterns of the Linears to adapt (a suffix such as \"q_proj\", or a regex)"),
+      integer(
+          "lora", "r", [](auto& c) -> auto& { return c.lora.r; }, 1, "the adapters' rank"),
+      number(
+          "lora", "alpha", [](auto& c) -> auto& { return c.lora.alpha; }, 0, true,
+          "the adapters' output scale is alpha / r"),
+      number(
+          "lora", "dropout", [](auto& c) -> auto& { return c.lora.dropout; }, 0, false,
+          "dropout on the adapters' input in training (< 1)"),
+      choice(
+          "lora", "base_dtype", [](auto& c) -> auto& { return c.lora.base_dtype; },
+          {"bfloat16", "float16", "float32", "int8", "nf4"}, fsdp::parse_frozen_storage, fsdp::frozen_storage_name,
+          "how the frozen base is kept (int8, nf4: the targets' weights, in blocks of 64)"),
+      boolean(
+          "lora", "save_base", [](auto& c) -> auto& { return c.lora.save_base; },
+          "checkpoints hold the frozen base too (else the adapters and their optimizer state only)"),
+      string(
+          "lora", "adapter_from", [](auto& c) -> auto& { return c.lora.adapter_from; },
+          "a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from"),
   };
 }
 

@@ -50,9 +50,11 @@ void check_hf_vocab(const std::string& hf_dir, int64_t vocab_size) {
                               std::to_string(hf_vocab) + " or leave it out");
 }
 
-nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size) {
+nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size,
+                                 std::function<bool(const std::string&)> select) {
   const int64_t hf_vocab = llama::hf::read_hf_config(hf_dir).vocab_size;
   fsdp::checkpoint::ImportOptions options;
+  options.select(std::move(select));
   if (vocab_size > hf_vocab) options.grow_rows({"model.embed_tokens.weight", "lm_head.weight"});
   const auto report = fsdp::checkpoint::import_weights(hf_dir, root, options);
   if (rank == 0) {

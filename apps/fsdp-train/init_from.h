@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,7 +32,9 @@ void check_hf_vocab(const std::string& hf_dir, int64_t vocab_size);
 // Reads the weights of HF_DIR into the sharded model (collective), growing the embedding and the
 // LM head to vocab_size when it is larger than HF_DIR's, and, on rank 0, prints what it read (and
 // grew). Returns what a checkpoint records of it (init_from_record).
-nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size);
+// `select`: only these tensors (fsdp::checkpoint::ImportOptions::select; null: all).
+nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size,
+                                 std::function<bool(const std::string&)> select = nullptr);
 
 // TrainState.extra.init_from: {"dir": HF_DIR made absolute, "vocab_size": HF_DIR's, "model_vocab_size":
 // the run's}. fsdp-ckpt export copies the tokenizer and generation files from "dir".

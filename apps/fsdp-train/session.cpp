@@ -17,6 +17,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/init.h"
 #include "init_from.h"
+#include "lora_setup.h"
 #include "resume_review.h"
 #include "schedule.h"
 
@@ -86,10 +87,13 @@ void Session::join() {
 
 // The layers' options; the root's add the output dtype and the offload policy (build()).
 fsdp::FullyShardOptions Session::shard_options(bool import) const {
-  auto opts = fsdp::FullyShardOptions()
-                  .strategy(cfg.fsdp.strategy)
-                  .prefetch_depth(static_cast<int>(cfg.fsdp.prefetch_depth))
-                  .init(import ? fsdp::init::constant(0.0) : llama::llama_init_fn(cfg.model, cfg.train.seed));
+  fsdp::ParamInitFn init = import ? fsdp::init::constant(0.0) : llama::llama_init_fn(cfg.model, cfg.train.seed);
+  auto opts = fsdp::FullyShardOptions().strategy(cfg.fsdp.strategy).prefetch_depth(static_cast<int>(cfg.fsdp.prefetch_depth));
+  if (lora_model) {  // the adapters' init (an import never holds them); the base's storage
+    init = lora_model->init(init, cfg.train.seed);
+    opts.frozen_storage(lora_model->frozen_storage());
+  }
+  opts.init(init);
   const bool mixed = cfg.fsdp.param_dtype != at::kFloat;
   if (mixed) opts.mp_policy().param_dtype(cfg.fsdp.param_dtype);
   if (mixed || cfg.fsdp.reduce_dtype != at::kFloat) opts.mp_policy().reduce_dtype(cfg.fsdp.reduce_dtype);
@@ -100,11 +104,13 @@ void Session::build() {
   // Built on the meta device: no rank ever holds the whole model; each materialises its shards
   // on the first forward from llama_init_fn, which gives the same values whatever the world size.
   model = llama::LlamaForCausalLM(cfg.model, at::kMeta);
+  if (cfg.lora.enabled) lora_model = apply_lora(model, cfg.lora, cfg.train.seed);
   // --init-from: the shards start at zero (cheap) and the import overwrites them, unless a
   // checkpoint is resumed (--resume latest with none saved yet starts fresh: from the import).
   start.started_fresh = flags.resume == "latest" && !any_checkpoint_saved();  // asked once: a collective
   const bool resuming = !flags.resume.empty() && !start.started_fresh;
-  const bool import = !flags.init_from.empty() && !resuming;
+  const std::string base = import_source(resuming);
+  const bool import = !base.empty();
   const auto opts = shard_options(import);
   for (auto& layer : model->model->layers) fsdp::fully_shard(layer, *mesh, opts);
   auto root_opts = opts;
@@ -113,7 +119,14 @@ void Session::build() {
   // Offload is set on the root; the layers inherit it (their own policy is unset).
   root_opts.offload(cfg.fsdp.offload);
   root = fsdp::fully_shard(model, *mesh, root_opts);
-  if (import) start.init_from = import_hf_weights(flags.init_from, *root, rank, cfg.model.vocab_size);
+  if (import) {
+    auto not_adapter = [](const std::string& name) { return !is_adapter(name); };
+    start.init_from = import_hf_weights(base, *root, rank, cfg.model.vocab_size,
+                                        lora_model ? std::function<bool(const std::string&)>(not_adapter) : nullptr);
+  }
+  if (lora_model && !resuming && !cfg.lora.adapter_from.empty()) {
+    load_peft_adapter(cfg.lora.adapter_from, *root, cfg.lora, rank);
+  }
   model->model->checkpoint_every = cfg.train.activation_checkpointing;
 
   const auto& o = cfg.optim;
@@ -123,7 +136,8 @@ void Session::build() {
   stepper = std::make_unique<Stepper>(cfg, data, model, root, *optim, device, rank, hooks.inf_grad_steps(rank));
   stepper->track_phase_peaks(!flags.metrics.empty());
   check_step_options(cfg, stepper->scaler(), *optim);
-  checkpointer = std::make_unique<Checkpointer>(flags.save_dir, cfg.train.async_save, cfg.train.keep_last);
+  checkpointer = std::make_unique<Checkpointer>(flags.save_dir, cfg.train.async_save, cfg.train.keep_last,
+                                                !cfg.lora.enabled || cfg.lora.save_base);
   comm = std::make_unique<CommCounter>(*mesh);
   if (!flags.trace.empty()) {
     // The library's own spans (gathers, reductions, waits, optimizer step) land in the same trace
@@ -131,6 +145,22 @@ void Session::build() {
     tracer = std::make_shared<fsdp::Tracer>(rank);
     root->set_tracer(tracer);
   }
+}
+
+// Where the weights are imported from: --init-from when starting, and when resuming a LoRA
+// checkpoint that holds its adapters only (the frozen base is imported again, then the adapters
+// loaded over it).
+std::string Session::import_source(bool resuming) const {
+  if (!resuming) return flags.init_from;
+  if (!lora_model) return "";
+  const std::string dir = fsdp::checkpoint::resolve(flags.save_dir, flags.resume);
+  if (holds_base(fsdp::checkpoint::read_train_state(dir).extra)) return "";
+  if (flags.init_from.empty()) {
+    throw std::invalid_argument("--resume " + flags.resume + ": checkpoint " + dir +
+                                " holds the LoRA adapters only (lora.save_base false): pass --init-from with the "
+                                "base model it was trained on");
+  }
+  return flags.init_from;
 }
 
 void Session::resume() {
@@ -154,6 +184,7 @@ void Session::resume() {
 
 // Note [Resume changes]: the same decision on every rank, from the same train_state.json.
 void Session::review_changes(const std::string& dir) {
+  check_lora_resume(fsdp::checkpoint::read_train_state(dir).extra, cfg.lora, dir);
   const ResumeReview review = review_resume(fsdp::checkpoint::read_train_state(dir), dir, cfg, world);
   if (!review.lr_jump.empty() && !flags.allow_schedule_change) throw std::invalid_argument(review.lr_jump);
   start.notes = review.notes;

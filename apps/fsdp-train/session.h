@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,7 @@ class Session {
   int64_t eval_batch = 0;    // samples per evaluation batch (all ranks)
 
   llama::LlamaForCausalLM model{nullptr};
+  std::optional<fsdp::LoraModel> lora_model;  // the lora section's adapters (lora_setup.h)
   std::shared_ptr<fsdp::FSDPModule> root;
   std::unique_ptr<fsdp::AdamW> optim;
   std::unique_ptr<fsdp::LRScheduler> sched;
@@ -75,6 +77,7 @@ class Session {
 
  private:
   fsdp::FullyShardOptions shard_options(bool import) const;
+  std::string import_source(bool resuming) const;
   void review_changes(const std::string& dir);
   bool any_checkpoint_saved();
 };

@@ -127,6 +127,14 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
 // world size. A source with more rows than the model's is refused.
 struct ImportOptions {
   TORCH_ARG(std::vector<std::string>, grow_rows) = {};
+  // Only the model's tensors for which this returns true (by their first name) are imported, the
+  // others keep their values; null: every tensor. E.g. the base of a LoRA model, whose adapters no
+  // pretrained checkpoint holds, or the adapters alone from a PEFT adapter file.
+  TORCH_ARG(std::function<bool(const std::string& name)>, select) = nullptr;
+  // The source names the model's tensors with this prefix (PEFT: "base_model.model.").
+  TORCH_ARG(std::string, source_prefix) = "";
+  // The source's file, or with ".index.json" its index (PEFT: "adapter_model.safetensors").
+  TORCH_ARG(std::string, file_name) = "model.safetensors";
 };
 
 struct ImportReport {

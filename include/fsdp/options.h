@@ -44,7 +44,7 @@ using ParamInitFn =
 // How a frozen parameter (requires_grad false) keeps its shard. It has no gradient and no
 // optimizer state, so it needs no fp32 master either: by default it is stored in the compute
 // dtype (MixedPrecisionPolicy::param_dtype). kInt8 and kNF4 quantize it in blocks of 64 elements,
-// each with its fp32 absolute maximum: int8 codes q = round(x * 127 / absmax), x = q * absmax / 127;
+// each with its fp32 absolute maximum: int8 codes q = round((x / absmax) * 127), x = (q / 127) * absmax;
 // NF4 as bitsandbytes defines it (the 16 NormalFloat levels times absmax, two codes a byte, first in
 // the high nibble). A quantized shard is all-gathered quantized and dequantized into the compute
 // dtype (Note [Frozen storage] in src/shard/frozen_storage.cpp). Quantize only frozen parameters

@@ -43,12 +43,12 @@ struct Source {
 };
 
 // model.safetensors.index.json and its files, or a lone model.safetensors.
-Source open_source(const std::string& dir) {
+Source open_source(const std::string& dir, const std::string& file) {
   Source src;
   src.dir = dir;
   if (!is_dir(dir)) throw CheckpointError("fsdp: import: " + dir + " is not a directory");
-  const std::string index_path = join(dir, "model.safetensors.index.json");
-  const std::string single = join(dir, "model.safetensors");
+  const std::string index_path = join(dir, file + ".index.json");
+  const std::string single = join(dir, file);
   if (exists(index_path)) {
     src.index = st::parse_index(index_path, read_small_file(index_path));
     for (const auto& file : src.index.files()) {
@@ -59,12 +59,11 @@ Source open_source(const std::string& dir) {
     }
     st::check_index_against_headers(dir, src.index, src.headers);
   } else if (exists(single)) {
-    src.headers["model.safetensors"] = st::read_header(single);
-    for (const auto& e : src.headers["model.safetensors"].tensors) src.index.weight_map[e.name] = "model.safetensors";
+    src.headers[file] = st::read_header(single);
+    for (const auto& e : src.headers[file].tensors) src.index.weight_map[e.name] = file;
   } else {
-    throw CheckpointError("fsdp: import: " + dir +
-                          " has neither model.safetensors nor model.safetensors.index.json; the weights of a "
-                          "Hugging Face model directory are one of the two");
+    throw CheckpointError("fsdp: import: " + dir + " has neither " + file + " nor " + file +
+                          ".index.json; the weights of a Hugging Face model directory are one of the two");
   }
   return src;
 }
@@ -109,14 +108,14 @@ void add_problem(std::vector<std::string>& problems, const std::string& p) {
 
 // Every check of Note [Importing weights], every problem reported at once (up to kMaxProblems).
 std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorView>& tensors,
-                            const std::set<std::string>& grow_rows) {
+                            const std::set<std::string>& grow_rows, const std::string& prefix) {
   std::vector<Located> out(tensors.size());
   std::vector<std::string> problems;
   std::set<std::string> claimed;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    std::vector<std::string> names = {t.name};
-    names.insert(names.end(), t.aliases.begin(), t.aliases.end());
+    std::vector<std::string> names = {prefix + t.name};
+    for (const auto& a : t.aliases) names.push_back(prefix + a);
     for (const auto& n : names) {
       auto it = src.index.weight_map.find(n);
       if (it == src.index.weight_map.end()) continue;
@@ -303,15 +302,35 @@ ImportReport report_of(const Source& src, const std::vector<Located>& located) {
   return report;
 }
 
+// ImportOptions::select: the tensors imported; the flat params they touch (`touched`), whose
+// masters are written, after a stored frozen one that is only partly imported gets its values.
+CheckpointLayout selected(const ModelView& model, const ImportOptions& options, std::vector<bool>& touched) {
+  CheckpointLayout layout = make_layout(model, nullptr);
+  std::vector<ShardedTensorView> kept;
+  std::vector<bool> skipped(layout.flats.size(), false);
+  for (auto& t : layout.tensors) {
+    const bool take = !options.select() || options.select()(t.name);
+    (take ? touched : skipped)[t.flat] = true;
+    if (take) kept.push_back(std::move(t));
+  }
+  layout.tensors = std::move(kept);
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    const auto& read_values = layout.flats[f].shard.read_values;
+    if (touched[f] && skipped[f] && read_values) read_values();
+  }
+  return layout;
+}
+
 }  // namespace
 
 ImportReport import_weights(const std::string& dir, FSDPModule& root, const ImportOptions& options) {
   const ModelView model = model_view(root, /*frozen_values=*/false);
-  const CheckpointLayout layout = make_layout(model, nullptr);
+  std::vector<bool> touched(model.flats.size(), false);
+  const CheckpointLayout layout = selected(model, options, touched);
   // Every rank opens and checks the same files, so a bad directory fails on every rank alike.
-  const Source src = open_source(dir);
+  const Source src = open_source(dir, options.file_name());
   const std::set<std::string> grow(options.grow_rows().begin(), options.grow_rows().end());
-  const std::vector<Located> located = locate(src, layout.tensors, grow);
+  const std::vector<Located> located = locate(src, layout.tensors, grow, options.source_prefix());
   ImportReport report = report_of(src, located);
 
   std::string error;
@@ -331,8 +350,8 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root, const Impo
   }
   // The masters were written in place: what derives from them (the working copy of a master
   // that follows its offloaded state, the disk tier's generation) is brought up to date.
-  for (const auto& slot : layout.flats) {
-    if (slot.shard.master_written) slot.shard.master_written();
+  for (size_t f = 0; f < layout.flats.size(); ++f) {
+    if (touched[f] && layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
   }
   return report;
 }
@@ -355,8 +374,8 @@ ImportReport import_unsharded(const std::string& dir, torch::nn::Module& module)
     tensors.push_back(t);
     params.push_back(item.value());
   }
-  const Source src = open_source(dir);
-  const std::vector<Located> located = locate(src, tensors, {});
+  const Source src = open_source(dir, "model.safetensors");
+  const std::vector<Located> located = locate(src, tensors, {}, "");
   ImportReport report = report_of(src, located);
   std::map<std::string, File> files;
   std::vector<at::Tensor> values;  // read whole before any parameter changes

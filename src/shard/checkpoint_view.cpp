@@ -60,7 +60,10 @@ FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
     flat->store_frozen(fp32);
     fp32.storage().unsafeGetStorageImpl()->reset();
   };
-  return {ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release, index};
+  FlatShardView v{ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release};
+  if (!values) v.read_values = [flat, fp32]() mutable { fp32.copy_(flat->frozen_values()); };
+  v.index = index;
+  return v;
 }
 
 }  // namespace
@@ -101,7 +104,7 @@ ModelView model_view(FSDPModule& root, bool frozen_values) {
         view.flats.push_back(stored_view(flat, index, frozen_values));
       } else {
         view.flats.push_back({ShardTensor(fp->sharded_param()), fp->shard_offset(), fp->shard_numel(),
-                              fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, index});
+                              fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, nullptr, index});
       }
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
       if (fp->replicate_group().rank() != 0) view.writer = false;

@@ -97,6 +97,9 @@ struct FlatShardView {
   std::string tag;  // "layers.0/0", as in collective errors
   // To call after writing into `master` (a load): refreshes what the model derives from it.
   std::function<void()> master_written;
+  // Null, or (a frozen param kept in a stored form, viewed without its values) what fills `master`
+  // with its current values: before writing part of it.
+  std::function<void()> read_values;
   size_t index = 0;  // position in the root's flat-param order (units pre-order, then each unit's)
 };
 

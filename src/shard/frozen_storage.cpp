@@ -6,8 +6,9 @@
 // those it would have quantized alone, and pads the buffer to a multiple of world * 64, so
 // blocks never straddle ranks. The stored form of n
 // elements is one byte tensor, [codes | absmax as fp32 bytes], n / 64 absmax values after the codes:
-//   - int8: inv = 127 / max(absmax, 1e-38), q = round_half_even(clamp(x * inv, -127, 127)) as int8;
-//     value = q * (absmax / 127). 1 + 4/64 bytes per element.
+//   - int8: q = round_half_even((x / absmax) * 127) as int8 (0 for a block of zeros);
+//     value = (q / 127) * absmax. Dividing first keeps every step finite for any absmax, denormal
+//     or FLT_MAX, and q = +-127 gives back +-absmax exactly. 1 + 4/64 bytes per element.
 //   - NF4 (bitsandbytes' quantize_4bit with quant_type "nf4", blocksize 64, without double
 //     quantization): inv = 1 / max(absmax, 1e-38), s = clamp(x * inv, -1, 1), q = the number of
 //     midpoints between consecutive levels that are below s (so a value on a midpoint takes the
@@ -15,7 +16,7 @@
 //     level[q] * absmax. 0.5 + 4/64 bytes per element.
 // Every product is rounded to fp32 as written, so a numpy script of the same formulas (and
 // bitsandbytes on CPU, for NF4) gives the same codes and values bit for bit
-// (tests/interop/frozen_storage_reference.py). The all-gather moves the stored form and each rank
+// (tests/interop/frozen_storage_test.py). The all-gather moves the stored form and each rank
 // decodes the gathered bytes into the compute-dtype buffer.
 #include "shard/frozen_storage.h"
 
@@ -99,8 +100,8 @@ at::Tensor encode(FrozenStorage s, const at::Tensor& values) {
   const at::Tensor safe = absmax.clamp_min(1e-38);
   at::Tensor codes;
   if (s == FrozenStorage::kInt8) {
-    const at::Tensor inv = at::full({1}, 127.0f, absmax.options()) / safe;
-    codes = (blocks * inv.unsqueeze(1)).clamp(-127, 127).round().to(at::kChar).view(at::kByte).reshape({-1});
+    const at::Tensor unit = blocks / at::where(absmax > 0, absmax, at::ones_like(absmax)).unsqueeze(1);
+    codes = (unit * at::full({1}, 127.0f, absmax.options())).round().to(at::kChar).view(at::kByte).reshape({-1});
   } else {
     const at::Tensor inv = at::full({1}, 1.0f, absmax.options()) / safe;
     const at::Tensor scaled = (blocks * inv.unsqueeze(1)).clamp(-1, 1).reshape({-1});
@@ -124,8 +125,9 @@ void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out) {
   const at::Tensor codes = stored.narrow(0, 0, cb);
   at::Tensor values;
   if (s == FrozenStorage::kInt8) {
-    const at::Tensor step = absmax / 127.0f;
-    values = codes.view(at::kChar).to(at::kFloat).reshape({-1, kBlock}) * step;
+    const at::Tensor unit = codes.view(at::kChar).to(at::kFloat).reshape({-1, kBlock}) /
+                            at::full({1}, 127.0f, absmax.options());
+    values = unit * absmax;
   } else {
     const at::Tensor q = at::stack({at::bitwise_right_shift(codes, 4), at::bitwise_and(codes, 15)}, 1).reshape({-1});
     values = levels(stored.device()).index({q.to(at::kLong)}).reshape({-1, kBlock}) * absmax;
