@@ -25,6 +25,7 @@
 #include "base/file_io.h"
 #include "safetensors/index.h"
 #include "ckpt_commands.h"
+#include "ckpt_export.h"
 #include "ckpt_view.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
@@ -39,9 +40,10 @@ using fsdp::io::join;
 using nlohmann::json;
 namespace st = fsdp::safetensors;
 
-namespace {
 
+namespace {
 constexpr uint64_t kCopyChunk = 64 << 20;
+}  // namespace
 
 void check_out_dir(const std::string& out) {
   if (fsdp::io::exists(out)) {
@@ -53,16 +55,15 @@ void check_out_dir(const std::string& out) {
   fsdp::io::make_dirs(out);
 }
 
-// Writes the safetensors file `path` with `names` (in that order) copied from the checkpoint's F32 model
-// file set and converted to `dtype` chunk by chunk (round to nearest even, as torch's .to());
-// returns the data bytes written.
+// Writes the safetensors file `path` with `names` (in that order) converted to `dtype` (round to
+// nearest even, as torch's .to()): each from `whole` when it gives the tensor, else copied from the
+// checkpoint's F32 model file set chunk by chunk. Returns the data bytes written.
 uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>& names, const std::string& path,
-                          at::ScalarType dtype) {
-  const FileSet& model = ckpt.model();
+                          at::ScalarType dtype, const Shapes& shapes, const WholeFn& whole) {
   const st::DType out_dtype = st::from_scalar_type(dtype);
   const uint64_t out_item = st::itemsize(out_dtype);
   std::vector<st::TensorSpec> specs;
-  for (const auto& n : names) specs.push_back({n, out_dtype, model.tensors.at(n).entry.shape});
+  for (const auto& n : names) specs.push_back({n, out_dtype, shapes.at(n)});
   const auto plan = st::plan_file(specs, {{"format", "pt"}});
   auto f = fsdp::io::File::open_write(path, /*create_truncate=*/true);
   f.truncate(plan.file_size);
@@ -70,15 +71,20 @@ uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>
   std::string buf;
   uint64_t total = 0;
   for (const auto& n : names) {
-    const auto& src = model.tensors.at(n);
     const auto* dst = plan.header.find(n);
+    total += dst->nbytes();
+    if (at::Tensor values = whole ? whole(n) : at::Tensor(); values.defined()) {
+      const at::Tensor out = values.to(dtype).contiguous();
+      f.pwrite_all(out.data_ptr(), dst->nbytes(), plan.header.data_start() + dst->begin);
+      continue;
+    }
+    const auto& src = ckpt.model().tensors.at(n);
     for (uint64_t done = 0; done < src.entry.nbytes(); done += buf.size()) {
       read_bytes(ckpt.dir, src.file, src.offset + done, std::min(kCopyChunk, src.entry.nbytes() - done), buf);
       const int64_t count = static_cast<int64_t>(buf.size() / sizeof(float));
       const at::Tensor out = at::from_blob(buf.data(), {count}, at::kFloat).to(dtype).contiguous();
       f.pwrite_all(out.data_ptr(), count * out_item, plan.header.data_start() + dst->begin + done / 4 * out_item);
     }
-    total += dst->nbytes();
   }
   f.sync();
   f.close();
@@ -91,7 +97,6 @@ uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>
 // of its own; the files are model-00001-of-0000N.safetensors with model.safetensors.index.json
 // naming each tensor's file (metadata.total_size: the tensors' bytes), and a model that fits in one
 // file is model.safetensors alone, without an index. The default is transformers' (5.x: "50GB").
-constexpr const char* kDefaultMaxShardSize = "50GB";
 
 // Bytes of a size as transformers' save_pretrained takes it (convert_file_size_to_int): an
 // integer, or an integer with KB, MB, GB (powers of 10; a lowercase final "b" is bits, as there)
@@ -148,14 +153,17 @@ std::vector<std::vector<std::string>> split_into_shards(const std::vector<std::s
   return shards;
 }
 
-// Writes the model's tensors as Note [Export shards] splits them; returns the file names, and the
-// data bytes in `total`.
+
 std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::vector<std::string>& names,
                                            const std::string& out, at::ScalarType dtype, uint64_t max_bytes,
-                                           uint64_t& total) {
+                                           uint64_t& total, const Shapes& shapes, const WholeFn& whole) {
   const uint64_t item = st::itemsize(st::from_scalar_type(dtype));
   std::vector<uint64_t> bytes;
-  for (const auto& n : names) bytes.push_back(ckpt.model().tensors.at(n).entry.nbytes() / 4 * item);
+  for (const auto& n : names) {
+    uint64_t count = 1;
+    for (const int64_t d : shapes.at(n)) count *= static_cast<uint64_t>(d);
+    bytes.push_back(count * item);
+  }
   const auto shards = split_into_shards(names, bytes, max_bytes);
   std::vector<std::string> files;
   st::Index index;
@@ -164,7 +172,7 @@ std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::ve
     char name[64];
     std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
     files.push_back(shards.size() == 1 ? "model.safetensors" : name);
-    total += write_model_file(ckpt, shards[i], join(out, files.back()), dtype);
+    total += write_model_file(ckpt, shards[i], join(out, files.back()), dtype, shapes, whole);
     for (const auto& n : shards[i]) index.weight_map[n] = files.back();
   }
   if (shards.size() > 1) {
@@ -177,10 +185,6 @@ std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::ve
 
 // export's arguments: DIR OUT and the options --dtype NAME, --tokenizer-dir DIR and
 // --max-shard-size SIZE (or --opt=VALUE) anywhere.
-struct ExportArgs {
-  std::string dir, out, dtype, tokenizer_dir, max_shard_size = kDefaultMaxShardSize;
-};
-
 ExportArgs parse_export_args(const Args& args) {
   ExportArgs e;
   const std::vector<std::pair<std::string, std::string*>> options{
@@ -200,13 +204,17 @@ ExportArgs parse_export_args(const Args& args) {
       break;
     }
     if (taken) continue;
+    if (args[i] == "--merged") {
+      e.merged = true;
+      continue;
+    }
     if (args[i].empty() || args[i][0] == '-')
       throw UsageError("export: unknown or incomplete option '" + args[i] + "'");
     positional.push_back(args[i]);
   }
   if (positional.size() != 2) {
     throw UsageError(
-        "export takes the checkpoint directory and the output directory (and --dtype NAME, --tokenizer-dir DIR, "
+        "export takes the checkpoint directory and the output directory (and --dtype NAME, --tokenizer-dir DIR, --merged, "
         "--max-shard-size SIZE)");
   }
   if (!e.dtype.empty() && e.dtype != "bfloat16" && e.dtype != "float16" && e.dtype != "float32") {
@@ -278,11 +286,12 @@ std::vector<std::string> copy_tokenizer_files(const std::string& src, const std:
   return copied;
 }
 
-}  // namespace
 
 int run_export(const Args& args) {
   const ExportArgs e = parse_export_args(args);
   const Checkpoint ckpt = open_checkpoint(e.dir);
+  if (const json* lora = lora_section(ckpt)) return export_lora(ckpt, e, *lora);
+  if (e.merged) throw UsageError("export --merged: " + ckpt.dir + " is not a LoRA run's checkpoint (nothing to merge)");
   const llama::LlamaConfig config = model_config(ckpt);
   check_llama_tensors(ckpt, config);
   // The model's own dtype (the one it was imported in; float32 for a model trained from scratch)
@@ -294,11 +303,15 @@ int run_export(const Args& args) {
   // Tied embeddings are stored once, under model.embed_tokens.weight (the first name); transformers
   // ties lm_head to it on load, so lm_head.weight is left out even if a checkpoint holds it.
   std::vector<std::string> names;
-  for (const auto& [name, shape] : llama_tensors(config)) names.push_back(name);
+  Shapes shapes;
+  for (const auto& [name, shape] : llama_tensors(config)) {
+    names.push_back(name);
+    shapes[name] = shape;
+  }
   uint64_t bytes = 0;
   std::string files = "config.json";
   for (const auto& f :
-       write_model_files(ckpt, names, e.out, scalar_type_of(dtype), parse_shard_size(e.max_shard_size), bytes))
+       write_model_files(ckpt, names, e.out, scalar_type_of(dtype), parse_shard_size(e.max_shard_size), bytes, shapes))
     files += ", " + f;
   if (!tokenizer_dir.empty()) {
     for (const auto& name : copy_tokenizer_files(tokenizer_dir, e.out))
@@ -340,6 +353,11 @@ LogitsModel logits_model(const std::string& path) {
   const Checkpoint ckpt = open_checkpoint(path);
   m.config = model_config(ckpt);
   m.label = ckpt.dir + " (step " + ckpt.state.value("step", json()).dump() + ")";
+  if (const json* lora = lora_section(ckpt)) {
+    m.label += ", LoRA";
+    m.load = [ckpt, lora = *lora](llama::LlamaForCausalLM& model) { load_lora_unsharded(ckpt, lora, model); };
+    return m;
+  }
   m.load = [dir = ckpt.dir](llama::LlamaForCausalLM& model) { fsdp::checkpoint::load_unsharded(dir, *model); };
   return m;
 }
