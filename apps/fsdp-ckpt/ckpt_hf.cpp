@@ -40,7 +40,6 @@ using fsdp::io::join;
 using nlohmann::json;
 namespace st = fsdp::safetensors;
 
-
 namespace {
 constexpr uint64_t kCopyChunk = 64 << 20;
 }  // namespace
@@ -153,7 +152,6 @@ std::vector<std::vector<std::string>> split_into_shards(const std::vector<std::s
   return shards;
 }
 
-
 std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::vector<std::string>& names,
                                            const std::string& out, at::ScalarType dtype, uint64_t max_bytes,
                                            uint64_t& total, const Shapes& shapes, const WholeFn& whole) {
@@ -214,7 +212,8 @@ ExportArgs parse_export_args(const Args& args) {
   }
   if (positional.size() != 2) {
     throw UsageError(
-        "export takes the checkpoint directory and the output directory (and --dtype NAME, --tokenizer-dir DIR, --merged, "
+        "export takes the checkpoint directory and the output directory (and --dtype NAME, --tokenizer-dir DIR, "
+        "--merged, "
         "--max-shard-size SIZE)");
   }
   if (!e.dtype.empty() && e.dtype != "bfloat16" && e.dtype != "float16" && e.dtype != "float32") {
@@ -285,7 +284,6 @@ std::vector<std::string> copy_tokenizer_files(const std::string& src, const std:
   }
   return copied;
 }
-
 
 int run_export(const Args& args) {
   const ExportArgs e = parse_export_args(args);

@@ -53,7 +53,9 @@ at::Tensor read_f32(const Checkpoint& ckpt, const std::string& name) {
   if (it == ckpt.model().tensors.end()) throw CheckpointError("fsdp-ckpt: " + ckpt.dir + " has no tensor " + name);
   std::string buf;
   read_bytes(ckpt.dir, it->second.file, it->second.offset, it->second.entry.nbytes(), buf);
-  return at::from_blob(buf.data(), {static_cast<int64_t>(buf.size() / 4)}, at::kFloat).clone().view(it->second.entry.shape);
+  return at::from_blob(buf.data(), {static_cast<int64_t>(buf.size() / 4)}, at::kFloat)
+      .clone()
+      .view(it->second.entry.shape);
 }
 
 // A Hugging Face directory's tensors (the base a LoRA run imported), read whole as fp32.
@@ -139,21 +141,30 @@ int export_adapter(const Checkpoint& ckpt, const ExportArgs& e, const json& lora
   f.close();
   const json& extra = ckpt.state["extra"];
   const json base = extra.contains("init_from") ? extra["init_from"].value("dir", json()) : json();
-  const json config = {{"peft_type", "LORA"},          {"task_type", "CAUSAL_LM"},
-                       {"base_model_name_or_path", base}, {"r", lora.value("r", 8)},
-                       {"lora_alpha", lora.value("alpha", 16.0)}, {"lora_dropout", lora.value("dropout", 0.0)},
-                       {"target_modules", peft_targets(lora, modules)}, {"bias", "none"},
-                       {"fan_in_fan_out", false},       {"inference_mode", true},
-                       {"init_lora_weights", true},     {"use_rslora", false},
-                       {"use_dora", false},             {"modules_to_save", nullptr},
-                       {"layers_to_transform", nullptr}, {"layers_pattern", nullptr},
-                       {"rank_pattern", json::object()}, {"alpha_pattern", json::object()}};
+  const json config = {{"peft_type", "LORA"},
+                       {"task_type", "CAUSAL_LM"},
+                       {"base_model_name_or_path", base},
+                       {"r", lora.value("r", 8)},
+                       {"lora_alpha", lora.value("alpha", 16.0)},
+                       {"lora_dropout", lora.value("dropout", 0.0)},
+                       {"target_modules", peft_targets(lora, modules)},
+                       {"bias", "none"},
+                       {"fan_in_fan_out", false},
+                       {"inference_mode", true},
+                       {"init_lora_weights", true},
+                       {"use_rslora", false},
+                       {"use_dora", false},
+                       {"modules_to_save", nullptr},
+                       {"layers_to_transform", nullptr},
+                       {"layers_pattern", nullptr},
+                       {"rank_pattern", json::object()},
+                       {"alpha_pattern", json::object()}};
   fsdp::io::write_file_atomic(join(e.out, "adapter_config.json"), config.dump(2) + "\n");
-  std::printf("exported the LoRA adapter of %s (step %s): %zu adapted modules, r %s, alpha %s, %s, as a PEFT "
-              "adapter to %s: adapter_model.safetensors, adapter_config.json (base %s)\n",
-              ckpt.dir.c_str(), ckpt.state.value("step", json()).dump().c_str(), modules.size(),
-              config["r"].dump().c_str(), config["lora_alpha"].dump().c_str(), c10::toString(dtype), e.out.c_str(),
-              base.dump().c_str());
+  std::printf(
+      "exported the LoRA adapter of %s (step %s): %zu adapted modules, r %s, alpha %s, %s, as a PEFT "
+      "adapter to %s: adapter_model.safetensors, adapter_config.json (base %s)\n",
+      ckpt.dir.c_str(), ckpt.state.value("step", json()).dump().c_str(), modules.size(), config["r"].dump().c_str(),
+      config["lora_alpha"].dump().c_str(), c10::toString(dtype), e.out.c_str(), base.dump().c_str());
   return 0;
 }
 
@@ -185,7 +196,9 @@ int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora)
     const bool merge = adapted.count(module) != 0;
     if (!merge && in_ckpt) return at::Tensor();  // copied from the checkpoint in chunks
     at::Tensor w = in_ckpt ? read_f32(ckpt, name) : hf->read(name, shapes.at(name));
-    if (merge) w = w + at::matmul(read_f32(ckpt, module + ".lora_B.weight"), read_f32(ckpt, module + ".lora_A.weight")) * scaling;
+    if (merge)
+      w = w +
+          at::matmul(read_f32(ckpt, module + ".lora_B.weight"), read_f32(ckpt, module + ".lora_A.weight")) * scaling;
     return w;
   };
   const std::string tokenizer_dir = tokenizer_source(e, ckpt, config);
@@ -199,11 +212,12 @@ int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora)
     for (const auto& name : copy_tokenizer_files(tokenizer_dir, e.out)) files += ", " + name;
   }
   fsdp::io::write_file_atomic(join(e.out, "config.json"), llama::hf::hf_config_json(config, dtype).dump(2) + "\n");
-  std::printf("exported %s (step %s) merged: %zu adapters folded in (scaling %g), the base from %s, as %s in %s "
-              "to %s: %s\n",
-              ckpt.dir.c_str(), ckpt.state.value("step", json()).dump().c_str(), modules.size(), scaling,
-              in_ckpt ? "the checkpoint" : hf->dir.c_str(), llama::hf::architecture(config.model_type).c_str(),
-              dtype.c_str(), e.out.c_str(), files.c_str());
+  std::printf(
+      "exported %s (step %s) merged: %zu adapters folded in (scaling %g), the base from %s, as %s in %s "
+      "to %s: %s\n",
+      ckpt.dir.c_str(), ckpt.state.value("step", json()).dump().c_str(), modules.size(), scaling,
+      in_ckpt ? "the checkpoint" : hf->dir.c_str(), llama::hf::architecture(config.model_type).c_str(), dtype.c_str(),
+      e.out.c_str(), files.c_str());
   return 0;
 }
 

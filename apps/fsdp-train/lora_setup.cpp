@@ -79,7 +79,8 @@ void load_peft_adapter(const std::string& dir, fsdp::FSDPModule& root, const Lor
   } catch (const fsdp::CheckpointError& e) {
     throw std::invalid_argument("config: lora.adapter_from=" + dir +
                                 ": the adapter does not fit this model (made for another base model, or other "
-                                "targets?): " + e.what());
+                                "targets?): " +
+                                e.what());
   }
   if (rank == 0) {
     std::printf("lora: %s: %" PRId64 " adapter tensors (%s) from %zu file(s)\n", dir.c_str(), report.tensors,
@@ -98,11 +99,12 @@ void check_lora_resume(const json& saved_extra, const LoraConfig& now, const std
   };
   const std::string then = describe(was, saved.value("r", json()), saved.value("targets", json()));
   const std::string ours = describe(now.enabled, json(now.r), json(now.targets));
-  const bool same = was == now.enabled &&
-                    (!was || (saved.value("r", json()) == json(now.r) && saved.value("targets", json()) == json(now.targets)));
+  const bool same =
+      was == now.enabled &&
+      (!was || (saved.value("r", json()) == json(now.r) && saved.value("targets", json()) == json(now.targets)));
   if (!same) {
-    throw std::invalid_argument("checkpoint " + checkpoint + " was trained with " + then + " but this run has " +
-                                ours + ": resume with the checkpoint's lora section (its train_state.json, "
+    throw std::invalid_argument("checkpoint " + checkpoint + " was trained with " + then + " but this run has " + ours +
+                                ": resume with the checkpoint's lora section (its train_state.json, "
                                 "extra.config.lora)");
   }
 }

@@ -88,7 +88,8 @@ void Session::join() {
 // The layers' options; the root's add the output dtype and the offload policy (build()).
 fsdp::FullyShardOptions Session::shard_options(bool import) const {
   fsdp::ParamInitFn init = import ? fsdp::init::constant(0.0) : llama::llama_init_fn(cfg.model, cfg.train.seed);
-  auto opts = fsdp::FullyShardOptions().strategy(cfg.fsdp.strategy).prefetch_depth(static_cast<int>(cfg.fsdp.prefetch_depth));
+  auto opts =
+      fsdp::FullyShardOptions().strategy(cfg.fsdp.strategy).prefetch_depth(static_cast<int>(cfg.fsdp.prefetch_depth));
   if (lora_model) {  // the adapters' init (an import never holds them); the base's storage
     init = lora_model->init(init, cfg.train.seed);
     opts.frozen_storage(lora_model->frozen_storage());

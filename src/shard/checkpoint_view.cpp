@@ -104,7 +104,8 @@ ModelView model_view(FSDPModule& root, bool frozen_values) {
         view.flats.push_back(stored_view(flat, index, frozen_values));
       } else {
         view.flats.push_back({ShardTensor(fp->sharded_param()), fp->shard_offset(), fp->shard_numel(),
-                              fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, nullptr, index});
+                              fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, nullptr,
+                              index});
       }
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
       if (fp->replicate_group().rank() != 0) view.writer = false;

@@ -125,8 +125,8 @@ void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out) {
   const at::Tensor codes = stored.narrow(0, 0, cb);
   at::Tensor values;
   if (s == FrozenStorage::kInt8) {
-    const at::Tensor unit = codes.view(at::kChar).to(at::kFloat).reshape({-1, kBlock}) /
-                            at::full({1}, 127.0f, absmax.options());
+    const at::Tensor unit =
+        codes.view(at::kChar).to(at::kFloat).reshape({-1, kBlock}) / at::full({1}, 127.0f, absmax.options());
     values = unit * absmax;
   } else {
     const at::Tensor q = at::stack({at::bitwise_right_shift(codes, 4), at::bitwise_and(codes, 15)}, 1).reshape({-1});
