@@ -421,6 +421,11 @@ std::vector<ConfigField> train_fields() {
       boolean(
           "train.budget", "check", [](auto& c) -> auto& { return c.train.check_budget; },
           "refuse to start, before allocating, when the plan does not fit the budgets"),
+  };
+}
+
+std::vector<ConfigField> lora_fields() {
+  return {
       boolean(
           "lora", "enabled", [](auto& c) -> auto& { return c.lora.enabled; },
           "train LoRA adapters on a frozen base (on when the config has a lora section)"),
@@ -462,7 +467,7 @@ std::string nested_name(const std::string& section, const std::string& row_secti
 const std::vector<ConfigField>& config_fields() {
   static const std::vector<ConfigField> rows = [] {
     std::vector<ConfigField> all;
-    for (auto part : {data_fields(), optim_fields(), fsdp_fields(), train_fields()}) {
+    for (auto part : {data_fields(), optim_fields(), fsdp_fields(), train_fields(), lora_fields()}) {
       for (auto& f : part) all.push_back(std::move(f));
     }
     return all;

@@ -30,7 +30,7 @@ struct ConfigField {
 };
 
 // Every row, in the order keys are read and listed: data, optim, fsdp (then fsdp.offload and
-// fsdp.debug), train.
+// fsdp.debug), train, lora.
 const std::vector<ConfigField>& config_fields();
 
 [[noreturn]] void reject(const std::string& key, const nlohmann::json& value, const std::string& why);
