@@ -32,7 +32,7 @@ const char* kUsage =
     "  --hf-config X       a Hugging Face config.json (or its directory): choices are made for it\n"
     "  --config FILE       an fsdp-train config: its choices (offload, checkpointing, micro-batch,\n"
     "                      strategy) are kept, as fsdp-train --plan does, unless --choose\n"
-    "  --set KEY=VALUE     override an fsdp-train config key (with --config)\n"
+    "  --set KEY=VALUE     override an fsdp-train config key, e.g. lora.r=16, lora.base_dtype=nf4\n"
     "  --nproc-per-node N  ranks per node (1)          --nnodes M  nodes (1)\n"
     "  --device D          cpu (1 rank's memory is the host's) or cuda (a prediction only)\n"
     "  --device-memory S   per rank, e.g. 24GB or 80GiB (needed with cuda)\n"
@@ -164,7 +164,7 @@ int run(const Args& a) {
     req.strategy.reset();
     req.async_save = false;
   }
-  const fsdp::Plan plan = fsdp::plan(llama::plan_shape(cfg.model), req);
+  const fsdp::Plan plan = fsdp::plan(train::plan_shape(cfg), req);
   const auto& m = cfg.model;
   std::printf(
       "model: %s, %lld layers, hidden %lld, vocab %lld: %.3fB params; %d node(s) x %d rank(s) on %s; "

@@ -1,6 +1,8 @@
 // The memory plan: model state by tier, the largest gathered unit, and the memory levers.
 #include "memory_plan.h"
 
+#include "fsdp/errors.h"
+
 #include <sys/statvfs.h>
 
 #include <cstdlib>
@@ -69,6 +71,16 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   return r;
 }
 
+fsdp::ModelShape plan_shape(const TrainConfig& cfg) {
+  if (!cfg.lora.enabled) return llama::plan_shape(cfg.model);
+  const fsdp::LoraOptions lora = cfg.lora.options();
+  try {
+    return llama::plan_shape(cfg.model, &lora);
+  } catch (const fsdp::ConfigError& e) {
+    throw std::invalid_argument("config: lora.targets=" + nlohmann::json(cfg.lora.targets).dump() + ": " + e.what());
+  }
+}
+
 fsdp::Plan plan_run(const TrainConfig& cfg) {
   const int world = env_int("WORLD_SIZE", 1);
   const int local = env_int("LOCAL_WORLD_SIZE", world);
@@ -76,7 +88,7 @@ fsdp::Plan plan_run(const TrainConfig& cfg) {
     throw std::invalid_argument("WORLD_SIZE " + std::to_string(world) + " is not a multiple of LOCAL_WORLD_SIZE " +
                                 std::to_string(local));
   }
-  fsdp::Plan p = fsdp::plan(llama::plan_shape(cfg.model), plan_request(cfg, local, world / local));
+  fsdp::Plan p = fsdp::plan(plan_shape(cfg), plan_request(cfg, local, world / local));
   if (cfg.fsdp.on_cuda() && cfg.train.budget_device_bytes <= 0) {
     p.assumptions.push_back("device memory not checked (train.budget.device_bytes 0)");
   }

@@ -64,6 +64,9 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
 // The plan of `cfg`'s run on the ranks the launcher's environment names (WORLD_SIZE,
 // LOCAL_WORLD_SIZE; none: one rank).
 fsdp::Plan plan_run(const TrainConfig& cfg);
+// The model's shape for the planner: llama::plan_shape, with the lora section's adapters and
+// frozen base when it is on.
+fsdp::ModelShape plan_shape(const TrainConfig& cfg);
 
 // This machine: MemAvailable (/proc/meminfo), and the free bytes of the file system holding
 // `path` (or its nearest existing parent). Throw std::runtime_error when they cannot be read.

@@ -102,8 +102,8 @@ struct FullyShardOptions {
   // On the root: how buffers are synchronised and which are non-persistent (BufferPolicy above).
   TORCH_ARG(BufferPolicy, buffers) = BufferPolicy();
   // How frozen parameters are stored (FrozenStorage above). Null: in the compute dtype. Each unit
-  // applies its own (give every fully_shard call the same one). Quantized or low-precision frozen shards are not
-  // offloaded (the policy's params tier applies to the other flat params).
+  // applies its own (give every fully_shard call the same one). A frozen shard in a stored form
+  // other than fp32 goes to the host tier when the params are offloaded (host or disk tier).
   TORCH_ARG(FrozenStorageFn, frozen_storage) = nullptr;
 };
 

@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <map>
 #include <vector>
 
 #include <c10/core/DeviceType.h>
@@ -38,6 +39,9 @@ struct UnitShape {
   std::string name;
   int64_t trainable_numel = 0;
   int64_t frozen_numel = 0;
+  // How the frozen elements are stored (FullyShardOptions::frozen_storage), by storage; empty:
+  // all of them in the compute dtype (the default). The counts add up to frozen_numel.
+  std::map<FrozenStorage, int64_t> frozen_by_storage;
   // Bytes autograd keeps from this unit's forward to its backward for `batch` samples of
   // `seq_len` tokens at compute dtype `dtype`; `checkpointed`: the unit runs under activation
   // checkpointing (it keeps its input only). Unset: nothing kept (an assumption the plan states).
@@ -61,8 +65,11 @@ struct ModelShape {
 // The shape of `model` (any device, meta included): every submodule for which `is_unit(name,
 // module)` holds becomes a unit (outermost first; nested matches belong to it), the rest of the
 // parameters the root's unit. No activations: set UnitShape::activations for a model you know.
+// `frozen_storage`: how frozen parameters will be stored (null: the compute dtype), as given to
+// fully_shard (a LoRA model: LoraModel::frozen_storage()).
 ModelShape model_shape(torch::nn::Module& model,
-                       const std::function<bool(const std::string& name, torch::nn::Module& module)>& is_unit);
+                       const std::function<bool(const std::string& name, torch::nn::Module& module)>& is_unit,
+                       const FrozenStorageFn& frozen_storage = nullptr);
 
 struct PlanBudget {
   int64_t device_bytes = 0;  // per rank: the accelerator's memory (on CPU runs: RAM, see host)

@@ -50,7 +50,31 @@ int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len
   return 8 * batch * seq_len * m.vocab_size;
 }
 
-fsdp::ModelShape plan_shape(const LlamaConfig& config) {
+namespace {
+
+// The trained and frozen counts of the model with `lora`'s adapters, unit by unit (root first):
+// the model built on the meta device (no memory), adapted, and counted.
+void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, fsdp::ModelShape& shape) {
+  LlamaForCausalLM meta(config, at::kMeta);
+  const fsdp::LoraModel adapted = fsdp::lora(*meta, lora);
+  const fsdp::ModelShape counted = fsdp::model_shape(
+      *meta,
+      [](const std::string& name, torch::nn::Module&) {
+        return name.rfind("model.layers.", 0) == 0 && name.find('.', 13) == std::string::npos;
+      },
+      adapted.frozen_storage());
+  for (size_t i = 0; i < shape.units.size() && i < counted.units.size(); ++i) {
+    shape.units[i].trainable_numel = counted.units[i].trainable_numel;
+    shape.units[i].frozen_numel = counted.units[i].frozen_numel;
+    shape.units[i].frozen_by_storage = counted.units[i].frozen_by_storage;
+  }
+  shape.name +=
+      " + LoRA r=" + std::to_string(lora.r()) + " (base " + fsdp::frozen_storage_name(lora.base_dtype()) + ")";
+}
+
+}  // namespace
+
+fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora) {
   const ParamCounts counts = param_counts(config);
   fsdp::ModelShape shape;
   shape.name = config.model_type;
@@ -83,6 +107,7 @@ fsdp::ModelShape plan_shape(const LlamaConfig& config) {
     };
     shape.units.push_back(std::move(layer));
   }
+  if (lora != nullptr) count_lora(config, *lora, shape);
   return shape;
 }
 

@@ -7,12 +7,15 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "fsdp/lora.h"
 #include "fsdp/plan.h"
 #include "llama.h"
 
 namespace llama {
 
-fsdp::ModelShape plan_shape(const LlamaConfig& config);
+// `lora`: the model with fsdp::lora's adapters (trainable) on a frozen base stored as its
+// base_dtype says; null: every parameter trained.
+fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora = nullptr);
 
 // Bytes kept for backward by one layer's forward over `batch` x `seq_len` tokens in `dtype`, and
 // by the rest of the model (embedding output, final norm, the logits and the loss's log-probabilities).

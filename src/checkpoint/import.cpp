@@ -189,14 +189,27 @@ int64_t source_numel(const Located& l) {
   return n;
 }
 
-uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::vector<Located>& located) {
+// Reads every located tensor into its flat param's master; `flat_done(f)` as soon as the last
+// tensor of flat param f is read, unless one of its tensors grows (fill_grown writes it later).
+// A frozen master kept in a stored form is then stored at once, so that the fp32 copy the import
+// writes into is alive for a few flat params at a time, not the whole model.
+uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::vector<Located>& located,
+                  const std::function<void(size_t flat)>& flat_done) {
+  std::vector<int64_t> left(layout.flats.size(), 0);
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    left[layout.tensors[i].flat] += located[i].grown ? (int64_t{1} << 40) : 1;  // a grown one never finishes here
+  }
   std::map<std::string, File> files;
   at::Tensor staging;
   uint64_t bytes = 0;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const auto& t = layout.tensors[i];
+    const bool last = --left[t.flat] == 0;
     auto span = shard_span(layout.flats[t.flat].shard, t);
-    if (!span) continue;
+    if (!span) {
+      if (last) flat_done(t.flat);
+      continue;
+    }
     // A grown tensor's source rows are its first elements; the rest are filled by fill_grown.
     span->count = std::min(span->count, source_numel(located[i]) - span->tensor_begin);
     if (span->count <= 0) continue;
@@ -205,6 +218,7 @@ uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::
     if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
     bytes += read_converted(it->second, src.headers.at(located[i].file), located[i], span->tensor_begin, span->count,
                             dst, span->shard_begin, staging);
+    if (last) flat_done(t.flat);
   }
   return bytes;
 }
@@ -335,8 +349,12 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root, const Impo
 
   std::string error;
   c10::NoGradGuard no_grad;
+  std::vector<bool> written(layout.flats.size(), false);
   try {
-    report.bytes_read = read_all(src, layout, located);
+    report.bytes_read = read_all(src, layout, located, [&](size_t f) {
+      if (layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
+      written[f] = true;
+    });
   } catch (const std::exception& e) {
     error = std::string("fsdp: import: ") + e.what();
   }
@@ -351,7 +369,7 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root, const Impo
   // The masters were written in place: what derives from them (the working copy of a master
   // that follows its offloaded state, the disk tier's generation) is brought up to date.
   for (size_t f = 0; f < layout.flats.size(); ++f) {
-    if (touched[f] && layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
+    if (touched[f] && !written[f] && layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
   }
   return report;
 }

@@ -31,6 +31,10 @@ Residency::Residency(at::Tensor master, Config config) : master_(std::move(maste
 void Residency::place(OffloadPlacement placement, bool materialized) {
   placement_ = std::move(placement);
   c10::NoGradGuard no_grad;
+  if (config_.stored) {  // the host tier at most; deferred init's fp32 values stay until encoded
+    if (materialized) replace_stored(master_);
+    return;
+  }
   if (placement_.params != OffloadTier::kNone) {
     at::Tensor placed = zeros_in(placement_, placement_.params, master_.numel(), master_.options(),
                                  "the master shard of " + config_.tag);
@@ -69,8 +73,23 @@ bool Residency::crosses_to_device(OffloadTier tier) const {
 
 // ---- the gather
 
+void Residency::replace_stored(at::Tensor stored) {
+  if (placement_.params != OffloadTier::kHost) {
+    master_ = std::move(stored);
+    return;
+  }
+  // The stager's host memory (pinned on a device) holds bytes of any dtype.
+  const int64_t bytes = stored.numel() * static_cast<int64_t>(stored.element_size());
+  at::Tensor host = placement_.stager->host_zeros((bytes + 3) / 4).view(at::kByte).narrow(0, 0, bytes);
+  host = host.view(stored.scalar_type());
+  host.copy_(stored);
+  master_ = host;
+}
+
 at::Tensor Residency::gather_input(KeepMaster keep) {
-  if (config_.stored) return master_;  // on the compute device, in its stored form
+  if (config_.stored) {  // in its stored form, to the device from the host tier
+    return crosses_to_device(placement_.params) ? placement_.stager->to_device(master_) : master_;
+  }
   at::Tensor input;
   if (follows_) {
     input = working_;  // already in param_dtype on the compute device

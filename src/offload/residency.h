@@ -46,7 +46,7 @@ class Residency {
     c10::Device device = c10::Device(c10::kCPU);
     bool requires_grad = true;
     // The master is a frozen param's stored form (Note [Frozen storage], src/shard): gathered as
-    // it is, never offloaded, never stepped.
+    // it is, never stepped, offloaded to the host tier at most.
     bool stored = false;
     std::string tag;  // "layers.0/0": names the states in errors and traces
   };
@@ -86,8 +86,8 @@ class Residency {
   void materialized() {
     if (follows_) refresh_working(0, master_.numel(), master_);
   }
-  // A stored frozen master gets a new stored form (its values were written).
-  void replace_stored(at::Tensor stored) { master_ = std::move(stored); }
+  // A stored frozen master gets a new stored form (its values were written), in its tier.
+  void replace_stored(at::Tensor stored);
   // The master was written outside the optimizer (a checkpoint load, deferred init): drops kept
   // reads, marks pending ones stale, refreshes the working copy.
   void master_written();

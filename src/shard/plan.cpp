@@ -47,10 +47,13 @@ void PlanTier::add(std::string name, int64_t bytes, Moment when) {
 
 namespace {
 
-void count_params(torch::nn::Module& m, UnitShape& u, std::set<const void*>& seen) {
-  for (const auto& p : m.parameters(/*recurse=*/true)) {
+void count_params(torch::nn::Module& m, UnitShape& u, std::set<const void*>& seen, const FrozenStorageFn& storage) {
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: counted once, where first met
     (p.requires_grad() ? u.trainable_numel : u.frozen_numel) += p.numel();
+    if (!p.requires_grad())
+      u.frozen_by_storage[storage ? storage(item.key(), p) : FrozenStorage::kParamDtype] += p.numel();
     u.largest_param_numel = std::max(u.largest_param_numel, p.numel());
   }
 }
@@ -58,7 +61,8 @@ void count_params(torch::nn::Module& m, UnitShape& u, std::set<const void*>& see
 }  // namespace
 
 ModelShape model_shape(torch::nn::Module& model,
-                       const std::function<bool(const std::string&, torch::nn::Module&)>& is_unit) {
+                       const std::function<bool(const std::string&, torch::nn::Module&)>& is_unit,
+                       const FrozenStorageFn& frozen_storage) {
   ModelShape shape;
   shape.name = model.name();
   std::set<const void*> seen;
@@ -72,14 +76,14 @@ ModelShape model_shape(torch::nn::Module& model,
     prefixes.push_back(name);
     UnitShape u;
     u.name = name;
-    count_params(*item.value(), u, seen);
+    count_params(*item.value(), u, seen, frozen_storage);
     layers.push_back(std::move(u));
   }
   UnitShape root;
   root.name = "root";
   root.is_root = true;
   root.checkpointable = false;
-  count_params(model, root, seen);  // what no unit took
+  count_params(model, root, seen, frozen_storage);  // what no unit took
   shape.units.push_back(std::move(root));
   for (auto& u : layers) shape.units.push_back(std::move(u));
   return shape;

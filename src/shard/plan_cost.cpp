@@ -5,7 +5,9 @@
 //  - sharded states: each unit's trainable and frozen parameters are flat params padded to the
 //    shard size; the fp32 master (4 bytes per element), the fp32 gradient shard and the optimizer's
 //    fp32 state tensors, each in its tier. With only the optimizer state offloaded, the master
-//    follows it and the device keeps a working copy in the compute dtype;
+//    follows it and the device keeps a working copy in the compute dtype. A frozen parameter is
+//    kept in its stored form (Note [Frozen storage]: the compute dtype by default, 2 bytes for
+//    bf16, 1 + 4/64 for int8, 0.5 + 4/64 for NF4) on the device, and is gathered in that form;
 //  - gathered parameters: the root's, kept from forward to backward, plus one layer computing and
 //    `prefetch_depth` layers prefetched, in the compute dtype;
 //  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
@@ -27,6 +29,7 @@
 #include <algorithm>
 
 #include "offload/tier.h"
+#include "shard/frozen_storage.h"
 
 namespace fsdp::planning {
 namespace {
@@ -36,6 +39,8 @@ int64_t elem(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)
 
 struct Sizes {
   int64_t root = 0, layer_max = 0, largest_param = 0;
+  // The same for gradients: trainable elements only (a frozen base has none).
+  int64_t root_trainable = 0, layer_max_trainable = 0, largest_trainable = 0;
   int64_t unit_max = 0, unit_max_trainable = 0;
   int64_t units = 0;
 };
@@ -45,10 +50,14 @@ Sizes sizes_of(const ModelShape& shape) {
   for (const auto& u : shape.units) {
     if (u.is_root) {
       s.root += u.numel();
+      s.root_trainable += u.trainable_numel;
     } else {
       s.layer_max = std::max(s.layer_max, u.numel());
+      s.layer_max_trainable = std::max(s.layer_max_trainable, u.trainable_numel);
     }
-    s.largest_param = std::max(s.largest_param, u.largest_param_numel > 0 ? u.largest_param_numel : u.numel());
+    const int64_t largest = u.largest_param_numel > 0 ? u.largest_param_numel : u.numel();
+    s.largest_param = std::max(s.largest_param, largest);
+    s.largest_trainable = std::max(s.largest_trainable, std::min(largest, u.trainable_numel));
     if (u.numel() > s.unit_max) {
       s.unit_max = u.numel();
       s.unit_max_trainable = u.trainable_numel;
@@ -67,6 +76,28 @@ struct States {
 
 int index_of(OffloadTier t) { return t == OffloadTier::kNone ? 0 : t == OffloadTier::kHost ? 1 : 2; }
 
+// Bytes per rank of a unit's frozen shards as stored, and whether they are fp32 masters (which
+// follow the params' offload tier like any master).
+int64_t frozen_bytes(const UnitShape& u, at::ScalarType param_dtype, int N, bool* fp32) {
+  *fp32 = true;
+  if (u.frozen_by_storage.empty()) {
+    *fp32 = param_dtype == at::kFloat;
+    return ceil_div(u.frozen_numel, N) * elem(param_dtype);
+  }
+  double bytes = 0;
+  for (const auto& [storage, numel] : u.frozen_by_storage) {
+    FrozenStorage s = storage;
+    if (s == FrozenStorage::kParamDtype) {
+      s = param_dtype == at::kBFloat16 ? FrozenStorage::kBFloat16
+          : param_dtype == at::kHalf   ? FrozenStorage::kFloat16
+                                       : FrozenStorage::kFloat32;
+    }
+    *fp32 = *fp32 && s == FrozenStorage::kFloat32;
+    bytes += static_cast<double>(ceil_div(numel, N)) * frozen::bytes_per_value(s);
+  }
+  return static_cast<int64_t>(bytes);
+}
+
 States sharded_states(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N) {
   States s;
   const bool follows =
@@ -74,11 +105,14 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
   const int64_t e = elem(req.param_dtype);
   const int k = req.optimizer_state_tensors;
   for (const auto& u : shape.units) {
-    const int64_t st = ceil_div(u.trainable_numel, N), sf = ceil_div(u.frozen_numel, N);
+    const int64_t st = ceil_div(u.trainable_numel, N);
+    bool fp32 = true;
+    const int64_t sf = frozen_bytes(u, req.param_dtype, N, &fp32);
     const OffloadTier trained_master = follows ? c.optimizer_state : c.params;
     s.tier[index_of(trained_master)] += 4 * st;
-    s.tier[index_of(c.params)] += 4 * sf;
-    s.master += 4 * (st + sf);
+    // A stored form goes to the host tier when the params are offloaded.
+    s.tier[index_of(fp32 || c.params == OffloadTier::kNone ? c.params : OffloadTier::kHost)] += sf;
+    s.master += 4 * st + sf;
     if (follows && st > 0) {
       s.tier[0] += e * st;
       s.working += e * st;
@@ -93,7 +127,7 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
         (trained_master == OffloadTier::kDisk ? 1 : 0) + (c.optimizer_state == OffloadTier::kDisk ? k : 0);
     s.io.disk_read += streamed * offload::whole_pages(4 * st);
     s.io.disk_write += streamed * offload::whole_pages(4 * st);
-    if (c.params == OffloadTier::kDisk) s.io.disk_read += offload::whole_pages(4 * (st + sf));
+    if (c.params == OffloadTier::kDisk) s.io.disk_read += offload::whole_pages(4 * st + (fp32 ? sf : 0));
     if (c.grads == OffloadTier::kDisk && streamed > 0) s.io.disk_read += offload::whole_pages(4 * st);
   }
   return s;
@@ -131,11 +165,12 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
   const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
-    const int64_t s = ceil_div(u.trainable_numel, N) + ceil_div(u.frozen_numel, N);
+    bool fp32 = true;
+    const int64_t s = ceil_div(u.trainable_numel, N) * e + frozen_bytes(u, req.param_dtype, N, &fp32);
     // The root and the last unit to run forward keep their params for backward.
     const int times = keeps_all || u.is_root || i == last_layer ? 1 : 2;
     gathers += times;
-    gathered += times * s * e;
+    gathered += times * s;  // frozen shards move in their stored form
     reduced += ceil_div(u.trainable_numel, N) * r;
   }
   const int64_t hops = N - 1;
@@ -167,9 +202,10 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
   if (shape.trainable_numel() > 0) {
     ram.add("gradient buffers (root + " + std::to_string(grad_layers) + " layer(s))",
-            e * (z.root + grad_layers * z.layer_max));
-    ram.add("the head's gradient before its copy (largest parameter)", e * z.largest_param, PlanTier::kBackwardStart);
-    ram.add("the embedding's gradient before its copy (largest parameter)", e * z.largest_param,
+            e * (z.root_trainable + grad_layers * z.layer_max_trainable));
+    ram.add("the head's gradient before its copy (largest parameter)", e * z.largest_trainable,
+            PlanTier::kBackwardStart);
+    ram.add("the embedding's gradient before its copy (largest parameter)", e * z.largest_trainable,
             PlanTier::kBackwardEnd);
     // The reduction in flight of the largest unit: its gradient cast to reduce_dtype (unless it is
     // the compute dtype) and the reduced shard, alive until the optimizer collects it.
@@ -188,7 +224,8 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
     if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
   }
   if (p.grad_accum_steps > 1 && !keeps_all) {
-    ram.add("unreduced gradients across micro-batches", e * (shape.numel() - z.root - grad_layers * z.layer_max));
+    ram.add("unreduced gradients across micro-batches",
+            e * (shape.trainable_numel() - z.root_trainable - grad_layers * z.layer_max_trainable));
   }
 }
 

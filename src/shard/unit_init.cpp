@@ -519,7 +519,11 @@ void ShardedUnit::place_offloaded_states() {
     if (!policy.any()) continue;
     for (auto& fp : unit->flat_params_) {
       OffloadPlacement p;
-      p.params = fp->stores_frozen() ? OffloadTier::kNone : policy.params();  // never offloaded
+      // A frozen shard in a stored form goes to the host tier when the params are offloaded (it is
+      // read whole for every gather, which the disk tier would turn into reads of the file).
+      p.params = fp->stores_frozen() && policy.params() != OffloadTier::kNone
+                     ? (rs.stager ? OffloadTier::kHost : OffloadTier::kNone)
+                     : policy.params();
       p.grads = fp->config().requires_grad ? policy.grads() : OffloadTier::kNone;
       p.optimizer_state = fp->config().requires_grad ? policy.optimizer_state() : OffloadTier::kNone;
       p.disk = rs.disk_tier;
