@@ -319,6 +319,7 @@ void FlatParam::store_frozen(const at::Tensor& values) {
   c10::NoGradGuard no_grad;
   residency_->replace_stored(frozen::encode(config_.storage, values.to(config_.device)));
   needs_encode_ = false;
+  drop_stale_gather();
 }
 
 int64_t FlatParam::stored_bytes() const {
@@ -528,7 +529,17 @@ bool FlatParam::master_follows_state() const { return residency_->master_follows
 const at::Tensor& FlatParam::working_shard() const { return residency_->working(); }
 at::Tensor FlatParam::new_state_tensor(const std::string& what) { return residency_->new_state_tensor(what); }
 at::Tensor FlatParam::take_master_for_step() { return residency_->take_master_for_step(); }
-void FlatParam::master_written() { residency_->master_written(); }
+void FlatParam::master_written() {
+  residency_->master_written();
+  drop_stale_gather();
+}
+
+// The master was written outside a step (a load): a gather kept since the last forward (the root
+// keeps its params until its backward) holds the old values; it goes, the next use gathers anew.
+void FlatParam::drop_stale_gather() {
+  if (aliases_master_ || (state_ != ShardedState::kUnsharded && !gather_pending_)) return;
+  reshard();
+}
 
 std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimizer_update() {
   return residency_->after_update();

@@ -171,6 +171,7 @@ class FlatParam {
  private:
   at::Tensor build_master(bool meta) const;
   void decode_gathered();
+  void drop_stale_gather();
   void use_unsharded_views();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h

@@ -210,8 +210,8 @@ void round_like_storage(Net& ref, const LoraModel& lm, FrozenStorage s) {
   }
 }
 
-void expect_sharded_matches_reference(FrozenStorage storage) {
-  testing::run_threads(2, [storage](const std::shared_ptr<Dist>& dist) {
+void expect_sharded_matches_reference(FrozenStorage storage, OffloadTier params = OffloadTier::kNone) {
+  testing::run_threads(2, [storage, params](const std::shared_ptr<Dist>& dist) {
     DeviceMesh mesh(dist);
     Net ref = make_net();
     const LoraModel ref_lm = lora(*ref, lora_options(storage), 7);
@@ -221,7 +221,9 @@ void expect_sharded_matches_reference(FrozenStorage storage) {
     const auto opts = FullyShardOptions().frozen_storage(lm.frozen_storage());
     fully_shard(net->b0, mesh, opts);
     fully_shard(net->b1, mesh, opts);
-    auto root = fully_shard(net, mesh, opts);
+    auto root_opts = opts;
+    if (params != OffloadTier::kNone) root_opts.offload(OffloadPolicy().params(params));
+    auto root = fully_shard(net, mesh, root_opts);
     SGD optim(root, SGDOptions(0.5));
     std::vector<at::Tensor> ref_params;
     for (auto& p : ref->parameters()) {
@@ -251,7 +253,10 @@ void expect_sharded_matches_reference(FrozenStorage storage) {
     for (const auto& p : ref->parameters()) (p.requires_grad() ? adapters : frozen) += p.numel();
     const double per_rank_frozen = double(m.sharded_params - adapters * 4 / 2) / double(frozen / 2);
     if (storage == FrozenStorage::kBFloat16) EXPECT_NEAR(per_rank_frozen, 2.0, 0.1);
-    if (storage == FrozenStorage::kNF4) EXPECT_LT(per_rank_frozen, 1.6);  // norms and biases in fp32
+    if (storage == FrozenStorage::kNF4 && params == OffloadTier::kNone) {
+      EXPECT_LT(per_rank_frozen, 1.6);  // norms and biases in fp32
+    }
+    if (params == OffloadTier::kHost) EXPECT_GT(m.tier_host, 0);
   });
 }
 
@@ -259,6 +264,10 @@ TEST(LoraSharded, Float32BaseMatchesTheUnshardedModel) { expect_sharded_matches_
 TEST(LoraSharded, BFloat16BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kBFloat16); }
 TEST(LoraSharded, Int8BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kInt8); }
 TEST(LoraSharded, NF4BaseMatchesTheUnshardedModel) { expect_sharded_matches_reference(FrozenStorage::kNF4); }
+// Params offloaded: the NF4 shards move to the host tier and are gathered from there.
+TEST(LoraSharded, NF4BaseInTheHostTierMatchesTheUnshardedModel) {
+  expect_sharded_matches_reference(FrozenStorage::kNF4, OffloadTier::kHost);
+}
 
 // At bf16 compute, a frozen base stored in bf16 (no master) gives today's fp32-master frozen
 // params' logits bit for bit, before and after a step on the adapters.
@@ -292,6 +301,67 @@ TEST(LoraSharded, BFloat16StorageEqualsFp32MastersAtBf16Compute) {
     EXPECT_TRUE(at::equal(logits[0], logits[2]));
     EXPECT_TRUE(at::equal(logits[1], logits[3]));
   });
+}
+
+// A sharded NF4-base LoRA model, trained `steps` SGD steps on 2 ranks.
+struct Trained {
+  Net net{nullptr};
+  std::shared_ptr<FSDPModule> root;
+  std::unique_ptr<SGD> optim;
+};
+Trained trained_nf4(DeviceMesh& mesh, int rank, int steps, uint64_t base_seed) {
+  Trained t;
+  {
+    std::lock_guard<std::mutex> lock(g_seed_mutex);
+    at::manual_seed(base_seed);
+    t.net = Net();
+  }
+  const LoraModel lm = lora(*t.net, lora_options(FrozenStorage::kNF4), 7);
+  const auto opts = FullyShardOptions().frozen_storage(lm.frozen_storage());
+  fully_shard(t.net->b0, mesh, opts);
+  fully_shard(t.net->b1, mesh, opts);
+  t.root = fully_shard(t.net, mesh, opts);
+  t.optim = std::make_unique<SGD>(t.root, SGDOptions(0.5));
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = batch(step, rank, 2);
+    at::mse_loss(fsdp::call(t.net, x), y).backward();
+    t.optim->step();
+    t.optim->zero_grad();
+  }
+  return t;
+}
+
+// Adapter-only checkpoints (SaveOptions::frozen_params off) hold the adapters and their state and
+// load over a base imported again; full ones hold the NF4 base too (saved dequantized, stored again
+// on load: the same codes), whatever base the loading model started from.
+TEST(LoraSharded, CheckpointsTheAdaptersAloneOrEverything) {
+  const std::string root_dir = testing::temp_path("lora-ckpt");
+  io::make_dirs(root_dir);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Trained a = trained_nf4(mesh, dist->rank(), 2, 3);
+    const auto [x, y] = batch(9, dist->rank(), 2);
+    const at::Tensor want = fsdp::call(a.net, x).detach();
+    checkpoint::save(root_dir, "adapters", *a.root, a.optim.get(), {}, checkpoint::SaveOptions().frozen_params(false));
+    checkpoint::save(root_dir, "all", *a.root, a.optim.get(), {});
+    Trained b = trained_nf4(mesh, dist->rank(), 0, 3);  // the same base, fresh adapters
+    checkpoint::load(io::join(root_dir, "adapters"), *b.root, b.optim.get());
+    EXPECT_TRUE(at::equal(fsdp::call(b.net, x).detach(), want));
+    Trained c = trained_nf4(mesh, dist->rank(), 0, 11);  // another base
+    EXPECT_FALSE(at::equal(fsdp::call(c.net, x).detach(), want));
+    checkpoint::load(io::join(root_dir, "all"), *c.root, c.optim.get());
+    const at::Tensor got = fsdp::call(c.net, x).detach();
+    EXPECT_TRUE(at::equal(got, want)) << (got - want).abs().max().item<double>();
+    checkpoint::load(io::join(root_dir, "all"), *b.root, b.optim.get());
+    const at::Tensor got_b = fsdp::call(b.net, x).detach();
+    EXPECT_TRUE(at::equal(got_b, want)) << "b " << (got_b - want).abs().max().item<double>();
+    if (dist->rank() == 0) {
+      const std::string index = io::read_small_file(io::join(root_dir, "adapters/model.safetensors.index.json"));
+      EXPECT_EQ(index.find("b0.q.weight"), std::string::npos);
+      EXPECT_NE(index.find("b0.q.lora_A.weight"), std::string::npos);
+    }
+  });
+  io::remove_tree(root_dir);
 }
 
 }  // namespace
