@@ -107,8 +107,9 @@ ForwardScope::~ForwardScope() {
 
 at::Tensor ForwardScope::input(const at::Tensor& t) {
   const auto& dtype = unit_.options().mp_policy.param_dtype();
-  if (dtype && t.defined() && t.is_floating_point() && t.scalar_type() != *dtype) return t.to(*dtype);
-  return t;
+  if (dtype && t.defined() && t.is_floating_point() && t.scalar_type() != *dtype)
+    return unit_.track_input(t.to(*dtype));
+  return unit_.track_input(t);
 }
 
 at::Tensor ForwardScope::output(const at::Tensor& t) {

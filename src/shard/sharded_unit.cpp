@@ -189,6 +189,7 @@ void ShardedUnit::pre_forward() {
   if (is_root() && !recompute) {
     for (ShardedUnit* unit : rs.units) {
       for (auto& fp : unit->flat_params_) fp->unguard_grads();  // Note [Guarded gradients]
+      unit->inputs_pending_ = unit->inputs_seen_ = 0;           // a forward that no backward followed
     }
     rs.order.begin_step();
     rs.step_trains = c10::GradMode::is_enabled();
@@ -301,18 +302,45 @@ void ShardedUnit::post_backward(size_t i) {
     flat_params_[i]->reduce_scatter_grads();
     rs.pending_reduces.push_back(flat_params_[i].get());
   }
-  // Free the params once every trainable flat param is done. Frozen params may still be read by
-  // backward nodes that produce no parameter gradient: those wait for finalize_backward.
-  bool all_done = !has_frozen_;
+  maybe_end_backward();
+}
+
+// Note [When a unit's backward ends]
+// A unit's params are freed once its backward is over. With trainable params only, that is when
+// every gradient has landed. Frozen params (a LoRA base) are read by backward nodes that produce
+// no parameter gradient, e.g. the input gradient of a frozen Linear, which may run after the
+// last trainable gradient landed: the unit also waits for the gradients of its forward's inputs
+// (a hook on each input that requires grad, counted in inputs_pending_), which autograd computes
+// only after every node of the unit that leads to them. A node that leads to neither never runs.
+// A unit with nothing of this to wait for (no trainable params, no input that requires grad) is
+// freed by finalize_backward, as before.
+void ShardedUnit::maybe_end_backward() {
+  if (state_ == TrainingState::kPostBackward) return;
+  bool trainable = false, all_done = !has_frozen_ || inputs_pending_ == 0;
   for (size_t k = 0; k < flat_params_.size() && all_done; ++k) {
+    trainable = trainable || flat_params_[k]->config().requires_grad;
     all_done = post_backward_done_[k] || !flat_params_[k]->config().requires_grad;
   }
-  if (all_done) {
-    reshard();
-    state_ = TrainingState::kPostBackward;
-    if (Tracer* t = tracer())
-      t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
-  }
+  if (!all_done || (!trainable && inputs_seen_ == 0)) return;
+  reshard();
+  state_ = TrainingState::kPostBackward;
+  if (Tracer* t = tracer())
+    t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
+}
+
+at::Tensor ShardedUnit::track_input(const at::Tensor& t) {
+  if (!has_frozen_ || !t.defined() || !t.requires_grad() || !c10::GradMode::is_enabled()) return t;
+  ++inputs_pending_;
+  ++inputs_seen_;
+  std::weak_ptr<ShardedUnit> weak = weak_from_this();
+  at::Tensor tracked = t;
+  tracked.register_hook([weak](const at::Tensor&) {
+    auto unit = weak.lock();
+    if (!unit || unit->inputs_pending_ == 0) return;
+    --unit->inputs_pending_;
+    if (unit->state_ == TrainingState::kPreBackward) unit->maybe_end_backward();
+  });
+  return tracked;
 }
 
 // Note [Lazy gradient collection]
@@ -376,6 +404,7 @@ void ShardedUnit::collect_gradients() {
 void ShardedUnit::reset_after_backward() {
   std::fill(grads_landed_.begin(), grads_landed_.end(), 0);
   std::fill(post_backward_done_.begin(), post_backward_done_.end(), false);
+  inputs_pending_ = inputs_seen_ = 0;
   state_ = TrainingState::kIdle;
 }
 

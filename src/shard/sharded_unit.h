@@ -132,6 +132,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void pre_forward();
   void post_forward();
   void pre_backward();
+  // fsdp::call's inputs: with frozen params, an input that requires grad is tracked until its
+  // gradient is computed (Note [When a unit's backward ends]).
+  at::Tensor track_input(const at::Tensor& t);
   void finalize_backward();  // root only: the end-of-backward callback
   void unshard();
   void wait_for_unshard();
@@ -203,6 +206,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   prefetch::ExplicitTargets explicit_targets(const std::vector<ShardedUnit*>& units) const;
   prefetch::Limits prefetch_limits() const;
   void post_backward(size_t flat_index);
+  void maybe_end_backward();  // Note [When a unit's backward ends]
   void note_memory();
   void reset_after_backward();
   void choose_kept_masters();  // root only, at the start of a step: Note [Kept master reads]
@@ -221,6 +225,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   std::vector<size_t> grads_landed_;      // per flat param, this backward
   std::vector<bool> post_backward_done_;  // per flat param, this backward
   bool has_frozen_ = false;
+  // Inputs of this step's forwards that require grad, and those whose gradient is still to come
+  // (Note [When a unit's backward ends]).
+  int inputs_seen_ = 0, inputs_pending_ = 0;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for the hooks
 
   // The dtype each buffer this unit casts had before the cast (what checkpoints hold).
