@@ -6,9 +6,10 @@
 #  - fsdp-train --plan prints its config's plan and exits without joining a job; a run whose
 #    config does not fit train.budget is refused with status 2 on every rank before the model is
 #    built, naming what is short;
-#  - the plan against a measured run, 2 ranks, bf16 compute, in memory and with the optimizer
-#    state (and the master that follows it) in the disk tier: each rank's peak RSS within 10% of
-#    the plan's total, and the disk tier's bytes read and written per step equal to the plan's.
+#  - the plan against a measured run, 2 ranks, bf16 compute, in memory, with the optimizer
+#    state (and the master that follows it) in the disk tier, and LoRA on a frozen base kept in
+#    bf16 and in NF4: each rank's peak RSS within 10% of the plan's total, and the disk tier's
+#    bytes read and written per step equal to the plan's.
 # Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_PLAN=... tests/e2e/plan_e2e_test.sh (ctest sets them; about 60 s)
 set -u
 
@@ -105,9 +106,11 @@ if len(sys.argv) > 3:  # the disk tier: per step after the first, measured again
         bad.append("io")
 sys.exit(1 if bad else 0)
 EOF
-for mode in memory disk; do
+for mode in memory disk lora-bf16 lora-nf4; do
   extra=()
   [ $mode = disk ] && extra=(--set fsdp.offload.optimizer_state=disk --set "fsdp.offload.dir=$TMP/tier")
+  [ $mode = lora-bf16 ] && extra=(--set lora.r=16 --set lora.base_dtype=bfloat16)
+  [ $mode = lora-nf4 ] && extra=(--set lora.r=16 --set lora.base_dtype=nf4)
   timeout -k 5 200 "$FSDP_RUN" --nproc-per-node 2 --timeout-s 180 -- "$FSDP_TRAIN" "${MODEL[@]}" "${extra[@]}" --steps 3 \
     --metrics "$TMP/$mode.jsonl" >"$TMP/$mode.out" 2>"$TMP/$mode.err"
   rc=$?
