@@ -60,8 +60,8 @@ FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
     flat->store_frozen(fp32);
     fp32.storage().unsafeGetStorageImpl()->reset();
   };
-  FlatShardView v{ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release,
-                  nullptr};
+  FlatShardView v{
+      ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release, nullptr};
   if (!values) v.read_values = [flat, fp32]() mutable { fp32.copy_(flat->frozen_values()); };
   v.index = index;
   return v;
