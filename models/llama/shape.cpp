@@ -46,8 +46,10 @@ int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_l
 }
 
 int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
-  // The gradient of the log-probabilities and the log-softmax's gradient, both fp32, at once.
-  return 8 * batch * seq_len * m.vocab_size;
+  // The gradient of the log-probabilities and the log-softmax's gradient, both fp32, at once, and
+  // the logits' gradient cast to the compute dtype for the head's backward.
+  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
+  return (8 + (e == 4 ? 0 : e)) * batch * seq_len * m.vocab_size;
 }
 
 namespace {
