@@ -16,6 +16,7 @@
 #include "base/file_io.h"
 #include "ckpt_export.h"
 #include "fsdp/checkpoint.h"
+#include "base/strings.h"
 #include "fsdp/errors.h"
 #include "fsdp/lora.h"
 #include "hf.h"
@@ -33,15 +34,11 @@ namespace {
 
 constexpr const char* kPeftPrefix = "base_model.model.";
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The adapted modules' names ("model.layers.0.self_attn.q_proj"), in the checkpoint's order.
 std::vector<std::string> adapted_modules(const Checkpoint& ckpt) {
   std::vector<std::string> out;
   for (const auto& name : ckpt.model().order) {
-    if (ends_with(name, ".lora_A.weight")) out.push_back(name.substr(0, name.size() - 14));
+    if (fsdp::base::ends_with(name, ".lora_A.weight")) out.push_back(name.substr(0, name.size() - 14));
   }
   if (out.empty()) throw CheckpointError("fsdp-ckpt: " + ckpt.dir + " is a LoRA run's but holds no lora_A tensors");
   return out;
@@ -192,7 +189,7 @@ int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora)
   }
   const std::set<std::string> adapted(modules.begin(), modules.end());
   const WholeFn whole = [&](const std::string& name) {
-    const std::string module = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : "";
+    const std::string module = fsdp::base::ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : "";
     const bool merge = adapted.count(module) != 0;
     if (!merge && in_ckpt) return at::Tensor();  // copied from the checkpoint in chunks
     at::Tensor w = in_ckpt ? read_f32(ckpt, name) : hf->read(name, shapes.at(name));
@@ -253,7 +250,7 @@ void load_lora_unsharded(const Checkpoint& ckpt, const json& lora, llama::LlamaF
                          .alpha(lora.value("alpha", 16.0))
                          .dropout(lora.value("dropout", 0.0)));
   for (auto& p : model->named_parameters()) {
-    if (ends_with(p.key(), ".lora_A.weight") || ends_with(p.key(), ".lora_B.weight")) {
+    if (fsdp::base::ends_with(p.key(), ".lora_A.weight") || fsdp::base::ends_with(p.key(), ".lora_B.weight")) {
       p.value().copy_(read_f32(ckpt, p.key()));
     }
   }

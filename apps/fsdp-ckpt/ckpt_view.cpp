@@ -8,6 +8,7 @@
 
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
+#include "base/strings.h"
 #include "fsdp/errors.h"
 
 namespace fsdp_ckpt {
@@ -21,10 +22,6 @@ namespace {
 
 constexpr const char* kIndexSuffix = ".safetensors.index.json";
 constexpr uint64_t kReadChunk = 64 << 20;
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 }  // namespace
 
@@ -61,7 +58,7 @@ std::string resolve_dir(const std::string& path) {
 std::vector<std::string> file_set_kinds(const std::string& dir) {
   std::vector<std::string> kinds;
   for (const auto& name : fsdp::io::list_dir(dir)) {
-    if (ends_with(name, kIndexSuffix) && name.size() > std::string(kIndexSuffix).size()) {
+    if (fsdp::base::ends_with(name, kIndexSuffix) && name.size() > std::string(kIndexSuffix).size()) {
       kinds.push_back(name.substr(0, name.size() - std::string(kIndexSuffix).size()));
     }
   }

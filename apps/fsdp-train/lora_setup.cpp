@@ -8,16 +8,13 @@
 
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
+#include "base/strings.h"
 #include "fsdp/errors.h"
 
 namespace train {
 namespace {
 
 using nlohmann::json;
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 json read_adapter_config(const std::string& dir) {
   const std::string path = fsdp::io::join(dir, "adapter_config.json");
@@ -64,7 +61,7 @@ fsdp::LoraModel apply_lora(llama::LlamaForCausalLM& model, const LoraConfig& cfg
 }
 
 bool is_adapter(const std::string& name) {
-  return ends_with(name, ".lora_A.weight") || ends_with(name, ".lora_B.weight");
+  return fsdp::base::ends_with(name, ".lora_A.weight") || fsdp::base::ends_with(name, ".lora_B.weight");
 }
 
 void load_peft_adapter(const std::string& dir, fsdp::FSDPModule& root, const LoraConfig& cfg, int rank) {

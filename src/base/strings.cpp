@@ -24,4 +24,8 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 }  // namespace fsdp::base

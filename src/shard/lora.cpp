@@ -30,6 +30,7 @@
 #include <set>
 #include <typeindex>
 
+#include "base/strings.h"
 #include "fsdp/errors.h"
 #include "fsdp/init.h"
 
@@ -226,10 +227,6 @@ std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> find_tar
   return targets;
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 }  // namespace
 
 void register_linear_type(const std::type_info& type, std::function<at::Tensor*(torch::nn::Module&)> weight) {
@@ -240,11 +237,11 @@ void register_linear_type(const std::type_info& type, std::function<at::Tensor*(
 ParamInitFn LoraModel::init(ParamInitFn base, uint64_t seed) const {
   return
       [base = std::move(base), seed](const std::string& name, at::IntArrayRef shape, int64_t offset, at::Tensor& out) {
-        if (ends_with(name, std::string(kAdapterA) + ".weight")) {
+        if (fsdp::base::ends_with(name, std::string(kAdapterA) + ".weight")) {
           // PEFT's kaiming_uniform_(a=sqrt(5)) over fan_in = in_features: bound 1/sqrt(in).
           const double bound = 1.0 / std::sqrt(static_cast<double>(shape[1]));
           init::uniform(-bound, bound, seed)(name, shape, offset, out);
-        } else if (ends_with(name, std::string(kAdapterB) + ".weight")) {
+        } else if (fsdp::base::ends_with(name, std::string(kAdapterB) + ".weight")) {
           out.zero_();
         } else if (base) {
           base(name, shape, offset, out);
