@@ -77,11 +77,12 @@ LLAMA32_1B = {  # meta-llama/Llama-3.2-1B config.json (revision 4e20de362430cd3b
 }
 TINY = dict(QWEN25_05B, hidden_size=64, intermediate_size=176, num_hidden_layers=2, max_window_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, bos_token_id=999, eos_token_id=999)
-# name: (config, max_shard_size for save_pretrained, config.json keys fsdp-train refuses, dropped by default)
+# name: (config, max_shard_size for save_pretrained, config.json keys removed before import unless
+# --keep-all-keys). None: fsdp-train reads each of these configs whole (Qwen2.5's use_mrope false too).
 MODELS = {
-    "qwen2.5-0.5b": (QWEN25_05B, "300MB", ["use_mrope"]),  # 4 files: the 272 MB embedding, 3 of layers
+    "qwen2.5-0.5b": (QWEN25_05B, "300MB", []),  # 4 files: the 272 MB embedding, 3 of layers
     "llama-3.2-1b": (LLAMA32_1B, "350MB", []),  # about 9 files: the 525 MB embedding, 2 layers per file
-    "tiny": (TINY, "50KB", ["use_mrope"]),  # 5 files
+    "tiny": (TINY, "50KB", []),  # 5 files
 }
 PROMPT_LEN = 16
 FP32_TOL = 1e-3  # same weights, fp32 in both: only the order of operations differs
@@ -448,7 +449,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=1 << 20, help="tokens in the training file")
     ap.add_argument("--keep-all-keys", action="store_true",
-                    help="keep config.json keys that fsdp-train is known to refuse (e.g. Qwen2.5's use_mrope)")
+                    help="keep every config.json key (by default the keys MODELS lists are removed; none now)")
     ap.add_argument("--no-fsdp2", action="store_true")
     ap.add_argument("--mem-floor-mib", type=int, default=1024, help="kill a phase below this MemAvailable")
     ap.add_argument("--tmp-dir", default=os.environ.get("FSDP_BENCH_DIR", tempfile.gettempdir()))
@@ -627,7 +628,7 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
                        f"FSDP2: torchrun, Gloo; before each phase the model, checkpoint, export and token files are "
                        "evicted from the page cache (posix_fadvise DONTNEED), the programs and their libraries "
                        "read once before the phases"
-                       + (f"; config.json keys removed because fsdp-train refuses them: {', '.join(drop)}"
+                       + (f"; config.json keys removed before import: {', '.join(drop)}"
                           if drop else "")),
     })
     return result

@@ -23,5 +23,11 @@ void copy_in(const at::Tensor& src, const at::Tensor&, float) { unavailable("cop
 void copy_out(const at::Tensor& src, const at::Tensor&, float, bool) { unavailable("copy_out", src); }
 void sum_of_squares(const at::Tensor& x, const at::Tensor&) { unavailable("sum_of_squares", x); }
 void scale(const at::Tensor& x, float) { unavailable("scale_", x); }
+void encode_blocks(BlockFormat, const NF4Table&, const at::Tensor& values, const at::Tensor&) {
+  unavailable("encode_blocks", values);
+}
+void decode_blocks(BlockFormat, const NF4Table&, const at::Tensor& stored, const at::Tensor&) {
+  unavailable("decode_blocks", stored);
+}
 
 }  // namespace fsdp::kernels::cuda

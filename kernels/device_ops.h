@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "kernels/block_format.h"
 #include "kernels/kernel_args.h"
 
 namespace fsdp::kernels::cuda {
@@ -17,5 +18,7 @@ void copy_in(const at::Tensor& src, const at::Tensor& dst, float divide_by);
 void copy_out(const at::Tensor& src, const at::Tensor& dst, float divide_by, bool accumulate);
 void sum_of_squares(const at::Tensor& x, const at::Tensor& out);
 void scale(const at::Tensor& x, float factor);
+void encode_blocks(BlockFormat f, const NF4Table& t, const at::Tensor& values, const at::Tensor& stored);
+void decode_blocks(BlockFormat f, const NF4Table& t, const at::Tensor& stored, const at::Tensor& out);
 
 }  // namespace fsdp::kernels::cuda

@@ -180,6 +180,58 @@ void scale_(const at::Tensor& x, double factor) {
   cpu::scale(x.data_ptr<float>(), x.numel(), static_cast<float>(factor));
 }
 
+namespace {
+
+const NF4Table& nf4_table() {
+  static const NF4Table table = [] {
+    NF4Table t{};
+    for (int j = 0; j < 16; ++j) t.levels[j] = kNF4Levels[j];
+    for (int j = 0; j < 15; ++j) t.mids[j] = (kNF4Levels[j] + kNF4Levels[j + 1]) / 2.0f;
+    return t;
+  }();
+  return table;
+}
+
+void check_blocks(const char* op, const char* name, const at::Tensor& t) {
+  check(t.numel() % kQuantBlock == 0, op,
+        std::string(name) + " (" + describe(t) + ") is not a whole number of " + std::to_string(kQuantBlock) +
+            "-value blocks");
+}
+
+}  // namespace
+
+void encode_blocks(BlockFormat f, const at::Tensor& values, const at::Tensor& stored) {
+  const char* op = "encode_blocks";
+  check(values.defined(), op, "values is undefined");
+  check_tensor(op, "values", values, values.device(), {at::kFloat, at::kBFloat16, at::kHalf});
+  check_tensor(op, "stored", stored, values.device(), {at::kByte});
+  check_blocks(op, "values", values);
+  check_numel(op, "stored", stored, block_stored_bytes(f, values.numel()));
+  check_disjoint(op, "values", values, "stored", stored);
+  if (values.numel() == 0) return;
+  if (values.is_cuda()) return cuda::encode_blocks(f, nf4_table(), values, stored);
+  check(values.is_cpu(), op, "unsupported device " + values.device().str());
+  auto* bytes = stored.data_ptr<uint8_t>();
+  cpu::encode_blocks(f, nf4_table(), values.data_ptr(), elem_type(values), values.numel() / kQuantBlock, bytes,
+                     bytes + block_code_bytes(f, values.numel()));
+}
+
+void decode_blocks(BlockFormat f, const at::Tensor& stored, const at::Tensor& out) {
+  const char* op = "decode_blocks";
+  check(stored.defined(), op, "stored is undefined");
+  check_tensor(op, "stored", stored, stored.device(), {at::kByte});
+  check_tensor(op, "out", out, stored.device(), {at::kFloat, at::kBFloat16, at::kHalf});
+  check_blocks(op, "out", out);
+  check_numel(op, "stored", stored, block_stored_bytes(f, out.numel()));
+  check_disjoint(op, "stored", stored, "out", out);
+  if (out.numel() == 0) return;
+  if (stored.is_cuda()) return cuda::decode_blocks(f, nf4_table(), stored, out);
+  check(stored.is_cpu(), op, "unsupported device " + stored.device().str());
+  const auto* bytes = stored.data_ptr<uint8_t>();
+  cpu::decode_blocks(f, nf4_table(), bytes, bytes + block_code_bytes(f, out.numel()), out.numel() / kQuantBlock,
+                     out.data_ptr(), elem_type(out));
+}
+
 bool cuda_kernels_built() { return cuda::built(); }
 
 }  // namespace fsdp::kernels

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "kernels/block_format.h"
+
 namespace fsdp::kernels {
 
 // Hyper-parameters of one AdamW step. `step` counts from 1 (the step being taken).
@@ -75,6 +77,25 @@ void sum_of_squares(const at::Tensor& x, const at::Tensor& out);
 
 // Scale in place for clipping: x[i] = x[i] * float(factor). x: fp32.
 void scale_(const at::Tensor& x, double factor);
+
+// ---- Block quantization of frozen values (Note [Frozen storage] in kernels/cpu/blocks.cpp) ----
+// The stored form of n values (n a multiple of kQuantBlock) is block_stored_bytes(f, n) bytes:
+// [codes | one fp32 absmax per block]. Per block of 64, absmax = max |x| (NaN if one is NaN), and
+//   - kInt8: code = round_half_even((x / d) * 127) as int8, d = absmax if absmax > 0 else 1 (a
+//     quotient that rounds outside [-127, 127], or NaN, gets code 0); value = (code / 127) * absmax;
+//   - kNF4: inv = 1 / max(absmax, 1e-38f), s = clamp(x * inv, -1, 1), code = the number of
+//     midpoints m (kNF4Levels, NF4Table) with !(m >= s); element 2i in the high nibble of byte i,
+//     2i + 1 in the low; value = kNF4Levels[code] * absmax.
+// Every product and quotient is rounded to fp32 as written, so the CPU twin equals bitsandbytes'
+// CPU quantize_4bit (nf4, blocksize 64) and the former ATen expression bit for bit; the CUDA
+// kernels do the same IEEE operations (compiled, untested on a GPU: KernelBlocksCuda.*).
+
+// values: fp32, bf16 or fp16, numel a multiple of kQuantBlock; stored: uint8 with
+// block_stored_bytes(f, values.numel()) elements; they do not overlap.
+void encode_blocks(BlockFormat f, const at::Tensor& values, const at::Tensor& stored);
+// out[i] = cast(value i of `stored`): stored as encode_blocks writes it for out.numel() values;
+// out: fp32, bf16 or fp16 (cast rounds to nearest even), numel a multiple of kQuantBlock; no overlap.
+void decode_blocks(BlockFormat f, const at::Tensor& stored, const at::Tensor& out);
 
 // Whether this build has the CUDA kernels (FSDP_WITH_CUDA); says nothing about a GPU being present.
 bool cuda_kernels_built();

@@ -11,6 +11,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <optional>
 #include <set>
 
 #include "base/file_io.h"
@@ -20,7 +21,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/lora.h"
 #include "hf.h"
-#include "safetensors/index.h"
+#include "safetensors/file_set.h"
 #include "safetensors/torch_dtypes.h"
 
 namespace fsdp_ckpt {
@@ -38,7 +39,9 @@ constexpr const char* kPeftPrefix = "base_model.model.";
 std::vector<std::string> adapted_modules(const Checkpoint& ckpt) {
   std::vector<std::string> out;
   for (const auto& name : ckpt.model().order) {
-    if (fsdp::base::ends_with(name, ".lora_A.weight")) out.push_back(name.substr(0, name.size() - 14));
+    fsdp::LoraWeight which = fsdp::LoraWeight::kB;
+    std::string module = fsdp::lora_module_of(name, &which);
+    if (!module.empty() && which == fsdp::LoraWeight::kA) out.push_back(std::move(module));
   }
   if (out.empty()) throw CheckpointError("fsdp-ckpt: " + ckpt.dir + " is a LoRA run's but holds no lora_A tensors");
   return out;
@@ -56,23 +59,17 @@ at::Tensor read_f32(const Checkpoint& ckpt, const std::string& name) {
 }
 
 // A Hugging Face directory's tensors (the base a LoRA run imported), read whole as fp32.
-struct HfWeights {
+struct HfWeights : st::FileSet {
   std::string dir;
-  st::Index index;
-  std::map<std::string, st::Header> headers;
 
   explicit HfWeights(const std::string& d) : dir(d) {
-    const std::string idx = join(dir, "model.safetensors.index.json");
-    if (fsdp::io::exists(idx)) {
-      index = st::parse_index(idx, fsdp::io::read_small_file(idx));
-    } else if (fsdp::io::exists(join(dir, "model.safetensors"))) {
-      for (const auto& e : st::read_header(join(dir, "model.safetensors")).tensors)
-        index.weight_map[e.name] = "model.safetensors";
-    } else {
+    const std::string label = "fsdp-ckpt: export --merged: " + join(dir, "model.safetensors.index.json");
+    std::optional<st::FileSet> found = st::read_index_or_file(dir, "model.safetensors", label);
+    if (!found) {
       throw CheckpointError("fsdp-ckpt: export --merged: the base model " + dir +
                             " (the run's --init-from) has no model.safetensors[.index.json]");
     }
-    for (const auto& file : index.files()) headers[file] = st::read_header(join(dir, file));
+    static_cast<st::FileSet&>(*this) = std::move(*found);
   }
 
   at::Tensor read(const std::string& name, const std::vector<int64_t>& shape) const {
@@ -120,9 +117,10 @@ int export_adapter(const Checkpoint& ckpt, const ExportArgs& e, const json& lora
   std::vector<std::string> names;
   std::vector<st::TensorSpec> specs;
   for (const auto& m : modules) {
-    for (const char* ab : {".lora_A.weight", ".lora_B.weight"}) {
-      names.push_back(m + ab);
-      specs.push_back({kPeftPrefix + m + ab, st::from_scalar_type(dtype), ckpt.model().tensors.at(m + ab).entry.shape});
+    for (const auto which : {fsdp::LoraWeight::kA, fsdp::LoraWeight::kB}) {
+      const std::string name = fsdp::lora_adapter_name(m, which);
+      names.push_back(name);
+      specs.push_back({kPeftPrefix + name, st::from_scalar_type(dtype), ckpt.model().tensors.at(name).entry.shape});
     }
   }
   const auto plan = st::plan_file(specs, {{"format", "pt"}});
@@ -194,8 +192,9 @@ int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora)
     if (!merge && in_ckpt) return at::Tensor();  // copied from the checkpoint in chunks
     at::Tensor w = in_ckpt ? read_f32(ckpt, name) : hf->read(name, shapes.at(name));
     if (merge)
-      w = w +
-          at::matmul(read_f32(ckpt, module + ".lora_B.weight"), read_f32(ckpt, module + ".lora_A.weight")) * scaling;
+      w = w + at::matmul(read_f32(ckpt, fsdp::lora_adapter_name(module, fsdp::LoraWeight::kB)),
+                         read_f32(ckpt, fsdp::lora_adapter_name(module, fsdp::LoraWeight::kA))) *
+                  scaling;
     return w;
   };
   const std::string tokenizer_dir = tokenizer_source(e, ckpt, config);
@@ -250,7 +249,7 @@ void load_lora_unsharded(const Checkpoint& ckpt, const json& lora, llama::LlamaF
                          .alpha(lora.value("alpha", 16.0))
                          .dropout(lora.value("dropout", 0.0)));
   for (auto& p : model->named_parameters()) {
-    if (fsdp::base::ends_with(p.key(), ".lora_A.weight") || fsdp::base::ends_with(p.key(), ".lora_B.weight")) {
+    if (fsdp::is_lora_adapter(p.key())) {
       p.value().copy_(read_f32(ckpt, p.key()));
     }
   }

@@ -3,6 +3,7 @@
 #include "ckpt_view.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -81,18 +82,10 @@ nlohmann::json read_train_state(const std::string& dir) {
 FileSet open_file_set(const std::string& dir, const std::string& kind) {
   FileSet set;
   set.kind = kind;
-  const std::string index_path = join(dir, set.index_name());
-  if (!exists(index_path)) throw CheckpointError("checkpoint " + dir + " has no " + set.index_name());
-  set.index = st::parse_index(index_path, fsdp::io::read_small_file(index_path));
-  for (const auto& file : set.index.files()) {
-    const std::string path = join(dir, file);
-    if (!exists(path)) {
-      throw CheckpointError("checkpoint " + dir + ": " + set.index_name() + " lists " + file +
-                            ", which does not exist");
-    }
-    set.headers[file] = st::read_header(path);
-  }
-  st::check_index_against_headers(dir, set.index, set.headers);
+  std::optional<st::FileSet> read =
+      st::read_file_set(dir, set.index_name(), "checkpoint " + dir + ": " + set.index_name());
+  if (!read) throw CheckpointError("checkpoint " + dir + " has no " + set.index_name());
+  static_cast<st::FileSet&>(set) = std::move(*read);
   for (const auto& [file, header] : set.headers) {
     for (const auto& e : header.tensors) {
       set.tensors[e.name] = TensorLocation{file, header.data_start() + e.begin, e};

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/strings.h"
-#include "safetensors/index.h"
+#include "safetensors/file_set.h"
 #include "safetensors/safetensors.h"
 #include "llama.h"
 
@@ -35,12 +35,11 @@ struct TensorLocation {
 };
 
 // One file set: "<kind>.safetensors.index.json" and the files it names.
-struct FileSet {
-  std::string kind;  // "model", "optim.exp_avg", ...
-  fsdp::safetensors::Index index;
-  std::map<std::string, fsdp::safetensors::Header> headers;  // by file name
-  std::map<std::string, TensorLocation> tensors;             // by tensor name
-  std::vector<std::string> order;                            // tensor names by (file, offset)
+// Its index and headers (index, headers by file name) as safetensors::read_file_set reads them.
+struct FileSet : fsdp::safetensors::FileSet {
+  std::string kind;                               // "model", "optim.exp_avg", ...
+  std::map<std::string, TensorLocation> tensors;  // by tensor name
+  std::vector<std::string> order;                 // tensor names by (file, offset)
 
   std::string index_name() const { return kind + ".safetensors.index.json"; }
   uint64_t data_bytes() const;

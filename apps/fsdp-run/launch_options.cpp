@@ -121,7 +121,9 @@ std::string launch_usage() {
 Runs CMD once per rank on this machine, with the environment torchrun gives its workers:
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID=fsdp-run (rank 0 also FSDP_MASTER_LISTEN_FD,
-see --master-port). SIGINT and SIGTERM are forwarded to every rank, which then gets the grace
+see --master-port), and OMP_NUM_THREADS unless it is set: the cores fsdp-run may use divided
+among the ranks (at least 1), the intra-op threads LibTorch gives each rank, as torchrun sets 1
+for several workers; it prints the value it chose. SIGINT and SIGTERM are forwarded to every rank, which then gets the grace
 period to finish (e.g. save a checkpoint) before SIGKILL. Every line a rank prints is forwarded
 with a "[rank K] " prefix (stdout to stdout, stderr to stderr). The first rank that fails stops
 the job: the other ranks' process groups get SIGTERM, then SIGKILL after the grace period.

@@ -87,6 +87,7 @@ class LocalJob {
     if (null_fd < 0) throw std::runtime_error(errno_text("cannot open /dev/null"));
     try {
       set_fd_flag(null_fd, F_GETFD, F_SETFD, FD_CLOEXEC);
+      if (const std::string threads = thread_default_note(options_.nproc_per_node); !threads.empty()) note(threads);
       for (int rank = 0; rank < options_.nproc_per_node; ++rank) spawn_rank(rank, null_fd);
     } catch (...) {
       ::close(null_fd);

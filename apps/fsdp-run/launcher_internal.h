@@ -32,9 +32,16 @@ void validate(const LaunchOptions& options);
 constexpr const char* kListenFdVariable = "FSDP_MASTER_LISTEN_FD";
 constexpr int kListenBacklog = 1024;
 
-// The environment of rank `rank`: the launcher's own, with torchrun's variables set for the job;
-// rank 0 also gets FSDP_MASTER_LISTEN_FD when `listen_fd` >= 0.
+// The environment of rank `rank`: the launcher's own, with torchrun's variables set for the job
+// and OMP_NUM_THREADS unless set (Note [Threads per rank]); rank 0 also gets FSDP_MASTER_LISTEN_FD
+// when `listen_fd` >= 0.
 std::vector<std::string> rank_environment(const LaunchOptions& options, int rank, int master_port, int listen_fd);
+
+// Intra-op threads each rank gets unless OMP_NUM_THREADS is set: the cores this process may run on
+// divided among the ranks, at least 1 (Note [Threads per rank]); and the line that says so ("" when
+// the user set OMP_NUM_THREADS).
+int threads_per_rank(int nproc_per_node);
+std::string thread_default_note(int nproc_per_node);
 
 // A close-on-exec TCP socket bound to a port the kernel chooses and listening; the port goes to
 // *port. See Note [The master port is held, not picked].

@@ -60,14 +60,10 @@ fsdp::LoraModel apply_lora(llama::LlamaForCausalLM& model, const LoraConfig& cfg
   }
 }
 
-bool is_adapter(const std::string& name) {
-  return fsdp::base::ends_with(name, ".lora_A.weight") || fsdp::base::ends_with(name, ".lora_B.weight");
-}
-
 void load_peft_adapter(const std::string& dir, fsdp::FSDPModule& root, const LoraConfig& cfg, int rank) {
   check_adapter_config(dir, read_adapter_config(dir), cfg);
   const auto options = fsdp::checkpoint::ImportOptions()
-                           .select(is_adapter)
+                           .select(fsdp::is_lora_adapter)
                            .source_prefix("base_model.model.")
                            .file_name("adapter_model.safetensors");
   fsdp::checkpoint::ImportReport report;

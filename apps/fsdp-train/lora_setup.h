@@ -16,9 +16,6 @@ namespace train {
 // fsdp::lora on the model with the section's options; its errors name the config keys.
 fsdp::LoraModel apply_lora(llama::LlamaForCausalLM& model, const LoraConfig& cfg, uint64_t seed);
 
-// Whether `name` is an adapter's parameter ("...q_proj.lora_A.weight").
-bool is_adapter(const std::string& name);
-
 // Reads the PEFT adapter in `dir` (adapter_config.json, adapter_model.safetensors) into the
 // sharded model's adapters (collective). Its r, lora_alpha and target_modules must be the
 // section's, and its tensors the model's adapters with their shapes: an adapter made for another

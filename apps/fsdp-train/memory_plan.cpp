@@ -23,6 +23,24 @@ int env_int(const char* name, int fallback) {
   return n;
 }
 
+// The config key of each option the library's planner names (fsdp::PlanRequest::option_name).
+std::string config_key(const std::string& option) {
+  static const std::pair<const char*, const char*> kKeys[] = {
+      {"FullyShardOptions::strategy", "fsdp.strategy"},
+      {"OffloadPolicy::params", "fsdp.offload.params"},
+      {"OffloadPolicy::grads", "fsdp.offload.grads"},
+      {"OffloadPolicy::optimizer_state", "fsdp.offload.optimizer_state"},
+      {"MixedPrecisionPolicy::reduce_dtype", "fsdp.reduce_dtype"},
+      {"PlanRequest::checkpoint_every", "train.activation_checkpointing"},
+      {"PlanRequest::micro_batch", "data.batch_size_per_rank"},
+      {"grad_accum_steps", "train.grad_accum_steps"},
+  };
+  for (const auto& [name, key] : kKeys) {
+    if (option == name) return key;
+  }
+  return option;
+}
+
 }  // namespace
 
 int64_t host_available_bytes() {
@@ -55,6 +73,7 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.param_dtype = cfg.fsdp.param_dtype;
   r.reduce_dtype = cfg.fsdp.reduce_dtype;
   r.optimizer_state_tensors = 2;  // AdamW
+  r.option_name = config_key;
   r.seq_len = cfg.data.seq_len;
   r.batch_per_rank = cfg.data.batch_size_per_rank * cfg.train.grad_accum_steps;
   r.micro_batch = cfg.data.batch_size_per_rank;

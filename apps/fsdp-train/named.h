@@ -1,33 +1,23 @@
 // fsdp-train's options that take one of a few names, as enums with one table each (value, name)
-// that parsing, the dump and messages all read. Plain C++: token_file.cpp (and its fuzzer) use it
-// without LibTorch.
+// that parsing, the dump and messages all read: the library's facility, base/named.h. Plain C++:
+// token_file.cpp (and its fuzzer) use it without LibTorch.
 #pragma once
 
 #include <cstddef>
-#include <optional>
-#include <string>
+
+#include "base/named.h"
 
 namespace train {
 
 // An option that takes one of a few names: its values and their names, in one table that parsing,
-// the dump and the messages all read.
-template <class E>
-struct Named {
-  E value;
-  const char* name;
-};
+// the dump and the messages all read. value_of(table, name) is the value named `name`, or nullopt
+// when the table has none (base/named.h).
+using fsdp::base::Named;
+using fsdp::base::value_of;
+// The name of `value` (the first row's for a value the table lacks).
 template <class E, size_t N>
 const char* name_of(const Named<E> (&table)[N], E value) {
-  for (const auto& t : table)
-    if (t.value == value) return t.name;
-  return table[0].name;
-}
-// The value named `name`, or nullopt when the table has none.
-template <class E, size_t N>
-std::optional<E> value_of(const Named<E> (&table)[N], const std::string& name) {
-  for (const auto& t : table)
-    if (name == t.name) return t.value;
-  return std::nullopt;
+  return fsdp::base::name_of(table, value, table[0].name);
 }
 
 // data.source: the built-in synthetic task, or a file (see data.h).

@@ -121,7 +121,7 @@ void Session::build() {
   root_opts.offload(cfg.fsdp.offload);
   root = fsdp::fully_shard(model, *mesh, root_opts);
   if (import) {
-    auto not_adapter = [](const std::string& name) { return !is_adapter(name); };
+    auto not_adapter = [](const std::string& name) { return !fsdp::is_lora_adapter(name); };
     start.init_from = import_hf_weights(base, *root, rank, cfg.model.vocab_size,
                                         lora_model ? std::function<bool(const std::string&)>(not_adapter) : nullptr);
   }

@@ -10,7 +10,7 @@
 // initialisation (A uniform in +-1/sqrt(in), B zero). The user's module code does not change: the
 // Linear's forward reads its `weight` member, which lora() replaces with a tensor that routes the
 // Linear's matrix product through the adapters (Note [How an adapter joins a Linear's forward] in
-// src/shard/lora.cpp). The registered parameter "weight" is untouched, so fully_shard, checkpoints
+// src/lora/lora.cpp). The registered parameter "weight" is untouched, so fully_shard, checkpoints
 // and imports see the base weight under its usual name.
 //
 // A Linear here is torch::nn::Linear, or a module type declared with register_linear_type (a model
@@ -76,6 +76,16 @@ LoraModel lora(torch::nn::Module& model, const LoraOptions& options, uint64_t se
 
 // Whether `model` has adapters from lora().
 bool has_lora(torch::nn::Module& model);
+
+// The adapter-name rule, in one place. lora() names the weights of the adapters it gives a Linear
+// "<module>.lora_A.weight" and "<module>.lora_B.weight", as PEFT does, with any prefix before.
+enum class LoraWeight { kA, kB };
+std::string lora_adapter_name(const std::string& module, LoraWeight which);
+// Whether `name` (a parameter's or a stored tensor's) is an adapter's weight.
+bool is_lora_adapter(const std::string& name);
+// The adapted module of an adapter's weight ("layers.0.q_proj" of "layers.0.q_proj.lora_A.weight"),
+// or "" when `name` is no adapter's weight; `which`, when given, receives A or B.
+std::string lora_module_of(const std::string& name, LoraWeight* which = nullptr);
 
 // Folds each adapter into its base weight (W += B A * alpha / r) and removes the adapters, leaving
 // plain Linears. For an unsharded model (fully_shard's units hold flat buffers that cannot lose

@@ -7,12 +7,10 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -21,13 +19,6 @@
 #include "fsdp/fully_shard.h"
 
 namespace fsdp {
-
-class GradShard;
-class GradShards;
-class Tracer;
-namespace offload {
-struct StepJob;
-}
 
 // Hyper-parameters that differ per optimizer group (see FullyShardOptions::param_group).
 struct GroupOptions {
@@ -96,9 +87,9 @@ class ShardedOptimizer {
   //    clip_grad_norm and an enabled GradScaler are refused with a UsageError.
   // Only optimizers that step shard by shard (AdamW, SGD) can; TorchOptimizer cannot (ConfigError).
   void step_in_backward(bool on);
-  bool steps_in_backward() const { return in_backward_ != nullptr; }
+  bool steps_in_backward() const;
 
-  double lr() const { return lr_; }
+  double lr() const;
   void set_lr(double lr);
   void set_group_options(int group, const GroupOptions& options);
 
@@ -108,7 +99,7 @@ class ShardedOptimizer {
   // the last step left draining into the disk tier.
   std::vector<ShardState>& states();
   // The same without waiting: for their names, shapes and sizes only.
-  const std::vector<ShardState>& states() const { return states_; }
+  const std::vector<ShardState>& states() const;
   // Creates a state's tensors if the optimizer has not stepped it yet (checkpoint loading).
   void ensure_state(ShardState& state) {
     if (state.tensors.empty()) init_state(state);
@@ -123,7 +114,9 @@ class ShardedOptimizer {
   // Zeros shaped like the master shard in the flat param's optimizer-state tier (fsdp/offload.h);
   // init_state allocates its tensors with it. step_shard must update them in place.
   at::Tensor zeros_state(ShardState& state, const std::string& name) const;
-  double default_weight_decay_ = 0;
+  // The weight decay of group 0 when set_group_options gives it none (every other group's is 0
+  // then): AdamW and SGD set their options' here.
+  void set_default_weight_decay(double weight_decay);
 
   // For optimizers that step every shard at once (TorchOptimizer): a state's flat param's live
   // fp32 master shard, its gradient shard once collected (undefined when it has none yet), its
@@ -139,35 +132,10 @@ class ShardedOptimizer {
   virtual bool can_step_in_backward() const { return true; }
 
  private:
-  void reserve_offloaded_state();
-  double group_weight_decay(int group) const;
-  GradShard& shard_of(const ShardState& state) const;
-  // One flat param's part of a step (its gradient collected when the step reaches it).
-  offload::StepJob make_job(ShardState& state);
-  // The optimizer's arithmetic for one flat param at the learning rate and weight decay set now.
-  std::function<void(ShardState&, at::Tensor&, const at::Tensor&)> step_fn(ShardState& state);
-  // step_in_backward (step_in_backward.cpp): the backward hands each reduced flat param over.
-  struct InBackward;
-  void hand_over(GradShard& shard);
-  void finish_step_in_backward(Tracer* tracer);
-  void wait_for_backward_steps();
-  void stop_step_in_backward();
-  std::shared_ptr<InBackward> in_backward_;  // shared: its type is complete only in the library
-  // The step after backward with disk-tier state (optim.cpp): the backward reads ahead.
-  struct ReadAhead;
-  void read_ahead(GradShard& shard);
-  void install_read_ahead();
-  void remove_read_ahead();
-  void settle_writes();
-  std::shared_ptr<ReadAhead> read_ahead_;
-
-  std::shared_ptr<FSDPModule> root_;
-  // The root's gradient shards in ShardState::flat_index order (shard/grad_shards.h), looked up
-  // once at construction. Defined in the library.
-  std::shared_ptr<GradShards> shards_;
-  std::vector<ShardState> states_;
-  std::map<int, GroupOptions> groups_;
-  double lr_ = 0;
+  // The machinery (the gradient shards, the states, the step's jobs over the disk tier, the step in
+  // backward's thread): src/optim/optimizer_impl.h.
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // AdamW with decoupled weight decay: p -= lr*wd*p; then the Adam update with bias correction.

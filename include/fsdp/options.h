@@ -47,7 +47,7 @@ using ParamInitFn =
 // each with its fp32 absolute maximum: int8 codes q = round((x / absmax) * 127), x = (q / 127) * absmax;
 // NF4 as bitsandbytes defines it (the 16 NormalFloat levels times absmax, two codes a byte, first in
 // the high nibble). A quantized shard is all-gathered quantized and dequantized into the compute
-// dtype (Note [Frozen storage] in src/shard/frozen_storage.cpp). Quantize only frozen parameters
+// dtype (Note [Frozen storage] in kernels/cpu/blocks.cpp). Quantize only frozen parameters
 // with values of a Linear's weight's kind; norms and biases lose too much.
 enum class FrozenStorage { kParamDtype, kFloat32, kBFloat16, kFloat16, kInt8, kNF4 };
 const char* frozen_storage_name(FrozenStorage s);  // "param_dtype", "float32", "bfloat16", "float16", "int8", "nf4"

@@ -97,6 +97,12 @@ struct PlanRequest {
   std::optional<int64_t> checkpoint_every;  // 0 none, n: every n-th checkpointable unit
   std::optional<int64_t> micro_batch;       // samples per rank per micro-batch
   bool async_save = false;                  // a host snapshot of params and state while saving
+  // How the plan names an option in its settings and its shortfall. The planner speaks in library
+  // option names ("FullyShardOptions::strategy", "OffloadPolicy::params", "OffloadPolicy::grads",
+  // "OffloadPolicy::optimizer_state", "MixedPrecisionPolicy::reduce_dtype",
+  // "PlanRequest::checkpoint_every", "PlanRequest::micro_batch", "grad_accum_steps"); a program with
+  // its own configuration (fsdp-train, fsdp-plan) translates them into its keys here. Unset: as is.
+  std::function<std::string(const std::string& option)> option_name;
 };
 
 // Bytes per rank in one place, item by item. The peak of a training step comes at one of two
@@ -127,7 +133,8 @@ struct Plan {
   int64_t gathers_per_step = 0;  // all-gathers of units per micro-batch
   OffloadIo io_per_step;
   std::vector<std::string> assumptions;
-  // The fully_shard and trainer settings this plan stands for, e.g. "fsdp.offload.optimizer_state=disk".
+  // The settings this plan stands for, "NAME=VALUE" with NAME from PlanRequest::option_name, e.g.
+  // "OffloadPolicy::optimizer_state=disk".
   std::vector<std::string> settings;
   std::string to_string() const;
 };

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/block_format.h"
 #include "kernels/kernel_args.h"
 
 namespace fsdp::kernels::cpu {
@@ -32,6 +33,13 @@ FSDP_KERNELS_CPU_DECLARE  // run-time dispatch to one of the above
     capability();
 
 #undef FSDP_KERNELS_CPU_DECLARE
+
+// The block codec's twins (cpu/blocks.cpp, Note [Frozen storage]), built once: scalar loops over
+// blocks of kQuantBlock values. absmax points at blocks * 4 bytes, fp32, any alignment.
+void encode_blocks(BlockFormat f, const NF4Table& t, const void* values, ElemType type, int64_t blocks, uint8_t* codes,
+                   uint8_t* absmax);
+void decode_blocks(BlockFormat f, const NF4Table& t, const uint8_t* codes, const uint8_t* absmax, int64_t blocks,
+                   void* out, ElemType type);
 
 // Elements per task of at::parallel_for: shards below this run on the calling thread, larger ones
 // are split in chunks of at least this many (about 128 KiB of each fp32 array).

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/block_format.h"
 #include "kernels/kernel_args.h"
 
 namespace fsdp::kernels::cuda {
@@ -21,5 +22,11 @@ cudaError_t launch_copy_out(const void* src, ElemType src_type, float* dst, int6
 // Adds the sum of squares of x to *out (device memory).
 cudaError_t launch_sum_of_squares(const float* x, int64_t n, double* out, cudaStream_t stream);
 cudaError_t launch_scale(float* x, int64_t n, float factor, cudaStream_t stream);
+// The block codec (kernels/cuda/blocks.cu: compiled, untested on a GPU). absmax points at
+// blocks * 4 bytes of fp32, at any byte alignment.
+cudaError_t launch_encode_blocks(BlockFormat f, const NF4Table& t, const void* values, ElemType type, int64_t blocks,
+                                 uint8_t* codes, uint8_t* absmax, cudaStream_t stream);
+cudaError_t launch_decode_blocks(BlockFormat f, const NF4Table& t, const uint8_t* codes, const uint8_t* absmax,
+                                 int64_t blocks, void* out, ElemType type, cudaStream_t stream);
 
 }  // namespace fsdp::kernels::cuda

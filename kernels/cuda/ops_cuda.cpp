@@ -69,4 +69,20 @@ void scale(const at::Tensor& x, float factor) {
   check_launch(launch_scale(x.data_ptr<float>(), x.numel(), factor, stream_of(x)), "scale_kernel", x.numel());
 }
 
+void encode_blocks(BlockFormat f, const NF4Table& t, const at::Tensor& values, const at::Tensor& stored) {
+  c10::cuda::CUDAGuard guard(values.device());
+  auto* bytes = stored.data_ptr<uint8_t>();
+  check_launch(launch_encode_blocks(f, t, values.data_ptr(), elem_type(values), values.numel() / kQuantBlock, bytes,
+                                    bytes + block_code_bytes(f, values.numel()), stream_of(values)),
+               "encode_blocks_kernel", values.numel());
+}
+
+void decode_blocks(BlockFormat f, const NF4Table& t, const at::Tensor& stored, const at::Tensor& out) {
+  c10::cuda::CUDAGuard guard(stored.device());
+  const auto* bytes = stored.data_ptr<uint8_t>();
+  check_launch(launch_decode_blocks(f, t, bytes, bytes + block_code_bytes(f, out.numel()), out.numel() / kQuantBlock,
+                                    out.data_ptr(), elem_type(out), stream_of(stored)),
+               "decode_blocks_kernel", out.numel());
+}
+
 }  // namespace fsdp::kernels::cuda

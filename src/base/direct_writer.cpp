@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "base/file_io.h"
 #include "fsdp/errors.h"
 
 namespace fsdp::io {
@@ -80,23 +81,18 @@ void DirectWriter::pwrite_all(int fd, const char* data, int64_t bytes, int64_t o
   const bool direct = fd == direct_fd_;
   (direct ? counters_.direct_bytes : counters_.buffered_bytes) += bytes;
   ++(direct ? counters_.direct_writes : counters_.buffered_writes);
-  while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd, data, static_cast<size_t>(bytes), static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno == EINVAL && direct) {  // the file system refused direct I/O after all
-      ::close(direct_fd_);
-      direct_fd_ = -1;
-      counters_.direct_bytes -= bytes;
-      --counters_.direct_writes;
-      pwrite_all(fd_, data, bytes, offset);
-      return;
-    }
-    if (n < 0) throw CheckpointError("fsdp: write failed on " + path_ + ": " + std::strerror(errno));
-    if (n == 0) throw CheckpointError("fsdp: write failed on " + path_ + ": no bytes written");
-    data += n;
-    bytes -= n;
-    offset += n;
+  const Transfer t = pwrite_full(fd, data, static_cast<uint64_t>(bytes), static_cast<uint64_t>(offset));
+  const auto done = static_cast<int64_t>(t.bytes);
+  if (t.error == EINVAL && direct) {  // the file system refused direct I/O after all
+    ::close(direct_fd_);
+    direct_fd_ = -1;
+    counters_.direct_bytes -= bytes - done;
+    --counters_.direct_writes;
+    pwrite_all(fd_, data + done, bytes - done, offset + done);
+    return;
   }
+  if (t.error != 0) throw CheckpointError("fsdp: write failed on " + path_ + ": " + std::strerror(t.error));
+  if (done < bytes) throw CheckpointError("fsdp: write failed on " + path_ + ": no bytes written");
 }
 
 void DirectWriter::finish() {

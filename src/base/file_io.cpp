@@ -20,7 +20,36 @@ namespace {
   throw CheckpointError("fsdp: " + what + " " + path + ": " + std::strerror(err));
 }
 
+// pread or pwrite (`call`) until `bytes` have moved, a call fails or a call moves nothing.
+template <class Call>
+Transfer transfer_full(Call call, uint64_t bytes, uint64_t offset) {
+  Transfer t;
+  while (t.bytes < bytes) {
+    const ssize_t n = call(t.bytes, bytes - t.bytes, static_cast<off_t>(offset + t.bytes));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      t.error = errno;
+      break;
+    }
+    if (n == 0) break;
+    t.bytes += static_cast<uint64_t>(n);
+  }
+  return t;
+}
+
 }  // namespace
+
+Transfer pread_full(int fd, void* data, uint64_t bytes, uint64_t offset) {
+  char* p = static_cast<char*>(data);
+  return transfer_full([&](uint64_t done, uint64_t left, off_t at) { return ::pread(fd, p + done, left, at); }, bytes,
+                       offset);
+}
+
+Transfer pwrite_full(int fd, const void* data, uint64_t bytes, uint64_t offset) {
+  const char* p = static_cast<const char*>(data);
+  return transfer_full([&](uint64_t done, uint64_t left, off_t at) { return ::pwrite(fd, p + done, left, at); }, bytes,
+                       offset);
+}
 
 File File::open_read(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -52,32 +81,16 @@ File::~File() {
 }
 
 void File::pwrite_all(const void* data, uint64_t bytes, uint64_t offset) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd_, p, bytes, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail("write failed on", path_, errno);
-    }
-    p += n;
-    bytes -= static_cast<uint64_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
+  const Transfer t = pwrite_full(fd_, data, bytes, offset);
+  if (t.error != 0) fail("write failed on", path_, t.error);
+  if (t.bytes < bytes) throw CheckpointError("fsdp: write failed on " + path_ + ": no bytes written");
 }
 
 void File::pread_all(void* data, uint64_t bytes, uint64_t offset) const {
-  char* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail("read failed on", path_, errno);
-    }
-    if (n == 0)
-      throw CheckpointError("fsdp: unexpected end of file in " + path_ + " at byte " + std::to_string(offset));
-    p += n;
-    bytes -= static_cast<uint64_t>(n);
-    offset += static_cast<uint64_t>(n);
+  const Transfer t = pread_full(fd_, data, bytes, offset);
+  if (t.error != 0) fail("read failed on", path_, t.error);
+  if (t.bytes < bytes) {
+    throw CheckpointError("fsdp: unexpected end of file in " + path_ + " at byte " + std::to_string(offset + t.bytes));
   }
 }
 

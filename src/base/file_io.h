@@ -8,6 +8,17 @@
 
 namespace fsdp::io {
 
+// The one loop of positioned reads and writes (File, DirectWriter, the safetensors header reader,
+// the disk tier's I/O threads): pread / pwrite on `fd` until `bytes` bytes at `offset` have moved,
+// retrying short transfers and EINTR. Throws nothing: it returns the bytes moved and, when fewer,
+// `error`, the errno of the call that failed, or 0 when a call moved nothing (end of file).
+struct Transfer {
+  uint64_t bytes = 0;
+  int error = 0;
+};
+Transfer pread_full(int fd, void* data, uint64_t bytes, uint64_t offset);
+Transfer pwrite_full(int fd, const void* data, uint64_t bytes, uint64_t offset);
+
 // An open file descriptor, closed on destruction.
 class File {
  public:

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "base/file_io.h"
@@ -18,7 +19,7 @@
 #include "checkpoint/layout.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
-#include "safetensors/index.h"
+#include "safetensors/file_set.h"
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"
 #include "shard/checkpoint_view.h"
@@ -36,35 +37,22 @@ using base::shape_text;
 constexpr int64_t kChunkElements = 4 << 20;
 constexpr size_t kMaxProblems = 12;
 
-struct Source {
+struct Source : st::FileSet {
   std::string dir;
-  st::Index index;
-  std::map<std::string, st::Header> headers;  // by file name
 };
 
 // model.safetensors.index.json and its files, or a lone model.safetensors.
 Source open_source(const std::string& dir, const std::string& file) {
-  Source src;
-  src.dir = dir;
   if (!is_dir(dir)) throw CheckpointError("fsdp: import: " + dir + " is not a directory");
-  const std::string index_path = join(dir, file + ".index.json");
-  const std::string single = join(dir, file);
-  if (exists(index_path)) {
-    src.index = st::parse_index(index_path, read_small_file(index_path));
-    for (const auto& file : src.index.files()) {
-      if (!exists(join(dir, file))) {
-        throw CheckpointError("fsdp: import: " + index_path + " lists " + file + ", which does not exist");
-      }
-      src.headers[file] = st::read_header(join(dir, file));
-    }
-    st::check_index_against_headers(dir, src.index, src.headers);
-  } else if (exists(single)) {
-    src.headers[file] = st::read_header(single);
-    for (const auto& e : src.headers[file].tensors) src.index.weight_map[e.name] = file;
-  } else {
+  std::optional<st::FileSet> read =
+      st::read_index_or_file(dir, file, "fsdp: import: " + join(dir, file + ".index.json"));
+  if (!read) {
     throw CheckpointError("fsdp: import: " + dir + " has neither " + file + " nor " + file +
                           ".index.json; the weights of a Hugging Face model directory are one of the two");
   }
+  Source src;
+  static_cast<st::FileSet&>(src) = std::move(*read);
+  src.dir = dir;
   return src;
 }
 

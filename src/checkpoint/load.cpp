@@ -6,17 +6,19 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "base/strings.h"
 #include "base/file_io.h"
-#include "safetensors/index.h"
+#include "safetensors/file_set.h"
 #include "checkpoint/layout.h"
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"
 #include "checkpoint/save_job.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
+#include "fsdp/lora.h"
 #include "shard/checkpoint_view.h"
 
 namespace fsdp::checkpoint {
@@ -28,28 +30,18 @@ namespace {
 using base::shape_text;
 
 // One file set (e.g. "model" or "optim.exp_avg"): its validated index and headers.
-struct FileSet {
+struct FileSet : safetensors::FileSet {
   std::string kind;
-  safetensors::Index index;
-  std::map<std::string, safetensors::Header> headers;  // by file name
 };
 
 FileSet open_file_set(const std::string& dir, const std::string& kind) {
-  FileSet set;
-  set.kind = kind;
   const std::string index_name = kind + ".safetensors.index.json";
-  const std::string index_path = join(dir, index_name);
-  if (!exists(index_path)) throw CheckpointError("fsdp: checkpoint " + dir + " has no " + index_name);
-  set.index = safetensors::parse_index(index_path, read_small_file(index_path));
-  for (const auto& file : set.index.files()) {
-    const std::string path = join(dir, file);
-    if (!exists(path)) {
-      throw CheckpointError("fsdp: checkpoint " + dir + ": " + index_name + " lists " + file +
-                            ", which does not exist");
-    }
-    set.headers[file] = safetensors::read_header(path);
-  }
-  safetensors::check_index_against_headers(dir, set.index, set.headers);
+  std::optional<safetensors::FileSet> read =
+      safetensors::read_file_set(dir, index_name, "fsdp: checkpoint " + dir + ": " + index_name);
+  if (!read) throw CheckpointError("fsdp: checkpoint " + dir + " has no " + index_name);
+  FileSet set;
+  static_cast<safetensors::FileSet&>(set) = std::move(*read);
+  set.kind = kind;
   return set;
 }
 
@@ -87,7 +79,7 @@ void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wan
   }
   for (const auto& [name, file] : set.index.weight_map) {
     if (!names.count(name)) {
-      const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+      const bool adapter = is_lora_adapter(name);
       throw CheckpointError("fsdp: checkpoint " + dir + " (" + file + ") has tensor '" + name +
                             "' that the model does not have" +
                             (adapter ? ": it was saved with LoRA adapters; resume with the same LoRA settings "

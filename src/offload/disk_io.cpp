@@ -15,6 +15,7 @@
 #include <map>
 #include <utility>
 
+#include "base/file_io.h"
 #include "base/strings.h"
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
@@ -46,16 +47,10 @@ std::string describe(int64_t bytes) { return std::to_string(bytes) + " bytes (" 
 
 // pread/pwrite until `len` bytes moved; returns 0 or an errno.
 int move_all(bool write, int fd, char* data, int64_t len, int64_t offset) {
-  while (len > 0) {
-    const ssize_t n = write ? ::pwrite(fd, data, static_cast<size_t>(len), offset)
-                            : ::pread(fd, data, static_cast<size_t>(len), offset);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno;
-    if (n == 0) return write ? ENOSPC : EIO;  // a short file: the reservation was lost
-    data += n;
-    len -= n;
-    offset += n;
-  }
+  const auto bytes = static_cast<uint64_t>(len), at = static_cast<uint64_t>(offset);
+  const io::Transfer t = write ? io::pwrite_full(fd, data, bytes, at) : io::pread_full(fd, data, bytes, at);
+  if (t.error != 0) return t.error;
+  if (t.bytes < bytes) return write ? ENOSPC : EIO;  // a short file: the reservation was lost
   return 0;
 }
 

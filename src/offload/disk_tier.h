@@ -42,7 +42,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "base/worker_queue.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp::offload {
 

@@ -1,24 +1,26 @@
-// OffloadPolicy and the tiers' names (fsdp/offload_policy.h).
+// OffloadPolicy and the tiers' names (fsdp/offload_policy.h; one table, base/named.h).
 #include "fsdp/offload_policy.h"
 
+#include "base/named.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
 
-const char* offload_tier_name(OffloadTier t) {
-  switch (t) {
-    case OffloadTier::kNone: return "none";
-    case OffloadTier::kHost: return "host";
-    case OffloadTier::kDisk: return "disk";
-  }
-  return "unknown";
-}
+namespace {
+
+constexpr base::Named<OffloadTier> kTiers[] = {
+    {OffloadTier::kNone, "none"},
+    {OffloadTier::kHost, "host"},
+    {OffloadTier::kDisk, "disk"},
+};
+
+}  // namespace
+
+const char* offload_tier_name(OffloadTier t) { return base::name_of(kTiers, t, "unknown"); }
 
 OffloadTier parse_offload_tier(const std::string& name) {
-  for (auto t : {OffloadTier::kNone, OffloadTier::kHost, OffloadTier::kDisk}) {
-    if (name == offload_tier_name(t)) return t;
-  }
-  throw ConfigError("fsdp: unknown offload tier '" + name + "' (expected none, host or disk)");
+  if (auto t = base::value_of(kTiers, name)) return *t;
+  throw ConfigError("fsdp: unknown offload tier '" + name + "' (expected " + base::names_text(kTiers) + ")");
 }
 
 void OffloadPolicy::validate() const {

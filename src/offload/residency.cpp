@@ -45,8 +45,8 @@ void Residency::place(OffloadPlacement placement, bool materialized) {
     }
     master_ = placed;
   }
-  follows_ = placement_.params == OffloadTier::kNone && placement_.grads == OffloadTier::kNone &&
-             placement_.optimizer_state != OffloadTier::kNone && config_.requires_grad;
+  follows_ = config_.requires_grad &&
+             offload::master_follows_state(placement_.params, placement_.grads, placement_.optimizer_state);
   if (follows_) move_master_to_state_tier(materialized);
 }
 

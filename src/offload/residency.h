@@ -16,7 +16,8 @@
 #include <c10/core/Device.h>
 
 #include "fsdp/offload_policy.h"
-#include "offload/tier.h"
+#include "offload/placement.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp::offload {
 
@@ -45,7 +46,7 @@ class Residency {
     at::ScalarType compute_dtype = at::kFloat;  // what the all-gather moves
     c10::Device device = c10::Device(c10::kCPU);
     bool requires_grad = true;
-    // The master is a frozen param's stored form (Note [Frozen storage], src/shard): gathered as
+    // The master is a frozen param's stored form (Note [Frozen storage], kernels/cpu/blocks.cpp): gathered as
     // it is, never stepped, offloaded to the host tier at most.
     bool stored = false;
     std::string tag;  // "layers.0/0": names the states in errors and traces
@@ -64,6 +65,11 @@ class Residency {
   const at::Tensor& master() const { return master_; }
   // Note [The master follows the optimizer state] (flat_param.h).
   bool master_follows_state() const { return follows_; }
+  // Each state's tier, the master's once it follows its state (Note [Placement rules]).
+  StateTiers tiers() const {
+    return {follows_ ? placement_.optimizer_state : placement_.params, placement_.grads, placement_.optimizer_state,
+            follows_};
+  }
   const at::Tensor& working() const { return working_; }
   // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
   at::Tensor new_state_tensor(const std::string& what);

@@ -2,7 +2,7 @@
 // not ship this header).
 #pragma once
 
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp::offload::testing {
 

@@ -1,4 +1,5 @@
-// The tier interface: all the layers above see of the disk tier (its mechanism: disk_tier.h).
+// The tier interface: the disk tier as the layers above see it (its mechanism: disk_tier.h); a
+// tensor's operations in its tier are in tier_tensors.h.
 #pragma once
 #include <functional>
 #include <memory>
@@ -6,6 +7,7 @@
 #include <string>
 #include <ATen/core/Tensor.h>
 #include "fsdp/trace.h"
+#include "offload/placement.h"  // whole_pages
 namespace fsdp::offload {
 struct IoJob;
 class IoTicket {  // a transfer on the disk tier's I/O threads; wait() throws its OffloadError
@@ -48,36 +50,5 @@ class DiskTier {  // fp32 tensors in files under dir(), at most budget_bytes() o
   virtual void set_tracer(std::shared_ptr<Tracer> tracer) = 0;
   virtual Tracer* tracer() const = 0;
   virtual void set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc) = 0;
-};
-bool is_disk_backed(const at::Tensor& t);  // views included
-DiskTier* tier_of(const at::Tensor& t);    // null unless disk-backed
-inline int64_t whole_pages(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
-void release(const at::Tensor& t, int64_t begin = 0, int64_t end = -1);  // pages leave memory; -1: the end
-at::Tensor read_whole(const at::Tensor& t, const std::string& what);     // host values (I/O threads)
-at::Tensor clone_in_tier(const at::Tensor& t);                           // a device tensor's clone is a host copy
-void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
-// fn(data, at, count) over elements [begin, end) of a contiguous fp32 host tensor, in order: one
-// call on its own memory, or for a disk-backed one host chunks the tier's read thread reads ahead
-// (direct, whole pages; never through the mapping, whose faults read a page at a time).
-void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what,
-                   const std::function<void(const float* data, int64_t at, int64_t count)>& fn);
-at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what);
-// Host fp32 buffers written into ranges of t's elements: copied for a tensor in memory; for a
-// disk-backed one, written by the tier's write thread with at most two in flight (never through
-// the mapping, whose write faults read each page in first). finish() waits (throws an I/O error).
-class RangeWriter {
- public:
-  RangeWriter(at::Tensor t, std::string what);
-  ~RangeWriter();  // waits, swallowing an error (finish() reports it)
-  RangeWriter(const RangeWriter&) = delete;
-  RangeWriter& operator=(const RangeWriter&) = delete;
-  void put(int64_t begin, const at::Tensor& src);  // src: contiguous fp32 on the host, not reused after
-  void finish();
-
- private:
-  at::Tensor t_;
-  std::string what_;
-  IoTicket inflight_[2];
-  int next_ = 0;
 };
 }  // namespace fsdp::offload

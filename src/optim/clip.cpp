@@ -10,13 +10,14 @@
 #include "fsdp/optim.h"
 #include "kernels/ops.h"
 #include "shard/grad_shards.h"
+#include "shard/post_reduce_hook.h"
 
 namespace fsdp {
 
 double clip_grad_norm(FSDPModule& root, double max_norm) {
   if (!(max_norm > 0)) throw ConfigError("fsdp: clip_grad_norm needs max_norm > 0, got " + std::to_string(max_norm));
   GradShards shards(root);
-  if (shards.hook() != nullptr && shards.hook()->applies_gradients()) {
+  if (applies_gradients(shards.hook())) {
     throw UsageError(
         "fsdp: clip_grad_norm: the optimizer steps in backward (step_in_backward), so each gradient "
         "was applied before the global norm was known; turn off clipping or step_in_backward");

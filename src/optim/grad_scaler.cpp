@@ -12,15 +12,13 @@
 #include "fsdp/optim.h"
 #include "kernels/ops.h"
 #include "shard/grad_shards.h"
+#include "shard/post_reduce_hook.h"
 
 namespace fsdp {
 namespace {
 
 // Whether the model's optimizer applies each gradient during backward (step_in_backward).
-bool applies_in_backward(FSDPModule& root) {
-  PostReduceHook* hook = GradShards::hook_of(root);
-  return hook != nullptr && hook->applies_gradients();
-}
+bool applies_in_backward(FSDPModule& root) { return applies_gradients(GradShards::hook_of(root)); }
 
 }  // namespace
 

@@ -15,61 +15,73 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
+#include "offload/tier_tensors.h"
+#include "optim/optimizer_impl.h"
 #include "optim/streamed_step.h"
 #include "shard/grad_shards.h"
-#include "offload/tier.h"
+#include "shard/post_reduce_hook.h"
 
 namespace fsdp {
 
-ShardedOptimizer::ShardedOptimizer(const std::shared_ptr<FSDPModule>& root) : root_(root) {
-  if (!root_) throw ConfigError("fsdp: optimizer got a null module; pass the FSDPModule fully_shard returned");
-  shards_ = std::make_shared<GradShards>(*root_);
-  const auto& all = shards_->all();
+ShardedOptimizer::Impl::Impl(ShardedOptimizer& optimizer, const std::shared_ptr<FSDPModule>& r)
+    : self(optimizer), root(r), shards(*r) {
+  const auto& all = shards.all();
   for (size_t i = 0; i < all.size(); ++i) {
     if (!all[i].trainable()) continue;  // frozen: no optimizer state
     ShardState s;
     s.flat_index = i;
     s.tag = all[i].tag();
-    states_.push_back(std::move(s));
+    states.push_back(std::move(s));
   }
 }
 
+ShardedOptimizer::ShardedOptimizer(const std::shared_ptr<FSDPModule>& root) {
+  if (!root) throw ConfigError("fsdp: optimizer got a null module; pass the FSDPModule fully_shard returned");
+  impl_ = std::make_unique<Impl>(*this, root);
+}
+
+bool ShardedOptimizer::steps_in_backward() const { return impl_->in_backward != nullptr; }
+
+double ShardedOptimizer::lr() const { return impl_->lr; }
+
 void ShardedOptimizer::set_lr(double lr) {
   if (!(lr >= 0)) throw ConfigError("fsdp: invalid learning rate: " + std::to_string(lr));
-  lr_ = lr;
+  impl_->lr = lr;
 }
 
 void ShardedOptimizer::set_group_options(int group, const GroupOptions& options) {
   if (!(options.lr_scale() >= 0)) throw ConfigError("fsdp: invalid lr_scale for group " + std::to_string(group));
-  groups_[group] = options;
+  impl_->groups[group] = options;
 }
 
-double ShardedOptimizer::group_lr(int group) const {
-  auto it = groups_.find(group);
-  return lr_ * (it == groups_.end() ? 1.0 : it->second.lr_scale());
+void ShardedOptimizer::set_default_weight_decay(double weight_decay) { impl_->default_weight_decay = weight_decay; }
+
+double ShardedOptimizer::Impl::group_lr(int group) const {
+  auto it = groups.find(group);
+  return lr * (it == groups.end() ? 1.0 : it->second.lr_scale());
 }
 
-double ShardedOptimizer::group_weight_decay(int group) const {
-  auto it = groups_.find(group);
-  if (it != groups_.end() && it->second.weight_decay()) return *it->second.weight_decay();
-  return group == 0 ? default_weight_decay_ : 0.0;
+double ShardedOptimizer::group_lr(int group) const { return impl_->group_lr(group); }
+
+double ShardedOptimizer::Impl::group_weight_decay(int group) const {
+  auto it = groups.find(group);
+  if (it != groups.end() && it->second.weight_decay()) return *it->second.weight_decay();
+  return group == 0 ? default_weight_decay : 0.0;
 }
 
-GradShard& ShardedOptimizer::shard_of(const ShardState& s) const { return shards_->all().at(s.flat_index); }
+at::Tensor& ShardedOptimizer::master_shard(const ShardState& s) const { return impl_->shard_of(s).master(); }
 
-at::Tensor& ShardedOptimizer::master_shard(const ShardState& s) const { return shard_of(s).master(); }
+at::Tensor ShardedOptimizer::collect_grad(const ShardState& s) const { return impl_->shard_of(s).collect_grad(); }
 
-at::Tensor ShardedOptimizer::collect_grad(const ShardState& s) const { return shard_of(s).collect_grad(); }
-
-int ShardedOptimizer::group_of(const ShardState& s) const { return shard_of(s).group(); }
+int ShardedOptimizer::group_of(const ShardState& s) const { return impl_->shard_of(s).group(); }
 
 bool ShardedOptimizer::state_offloaded(const ShardState& s) const {
-  return shard_of(s).state_tier() != OffloadTier::kNone;
+  return impl_->shard_of(s).state_tier() != OffloadTier::kNone;
 }
 
 std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) const {
-  auto it = groups_.find(group);
-  if (it == groups_.end()) return std::nullopt;
+  auto it = impl_->groups.find(group);
+  if (it == impl_->groups.end()) return std::nullopt;
   return it->second.weight_decay();
 }
 
@@ -93,81 +105,87 @@ std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) c
 //    first: states() and the checkpoint's model view (save, load, export). The next step() waits for them before it
 //    starts, so a failed write is reported there at the latest.
 // The arithmetic is unchanged, so the result is bitwise the same as without either.
-struct ShardedOptimizer::ReadAhead : PostReduceHook {
-  explicit ReadAhead(ShardedOptimizer& o) : owner(o) {}
-  void gradient_reduced(GradShard& shard) override { owner.read_ahead(shard); }
+struct ShardedOptimizer::Impl::ReadAhead : PostReduceHook {
+  explicit ReadAhead(Impl& o) : owner(o) {}
+  void gradient_reduced(GradShard& shard) override { owner.read_ahead_for(shard); }
   bool applies_gradients() const override { return false; }
 
-  ShardedOptimizer& owner;
-  std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states_
-  // Prepared by the backward, by place in states_, with the tier's generation then: a master
+  Impl& owner;
+  std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states
+  // Prepared by the backward, by place in states, with the tier's generation then: a master
   // written since (a checkpoint load) makes the job stale, and step() prepares it again.
   std::map<size_t, std::pair<offload::StepJob, uint64_t>> ready;
 };
 
-void ShardedOptimizer::install_read_ahead() {
-  if (read_ahead_ || in_backward_ || shards_->disk_tier() == nullptr) return;
-  if (shards_->hook() != nullptr || shards_->in_backward()) return;  // another optimizer's
+void ShardedOptimizer::Impl::install_read_ahead() {
+  if (read_ahead || in_backward || shards.disk_tier() == nullptr) return;
+  if (shards.hook() != nullptr || shards.in_backward()) return;  // another optimizer's
   auto ra = std::make_shared<ReadAhead>(*this);
-  for (size_t i = 0; i < states_.size(); ++i) ra->index[shard_of(states_[i]).key()] = i;
-  shards_->install_hook(ra.get());
-  read_ahead_ = std::move(ra);
+  for (size_t i = 0; i < states.size(); ++i) ra->index[shard_of(states[i]).key()] = i;
+  shards.install_hook(ra.get());
+  read_ahead = std::move(ra);
 }
 
-void ShardedOptimizer::remove_read_ahead() {
-  if (!read_ahead_) return;
-  shards_->remove_hook(read_ahead_.get());
-  read_ahead_.reset();
+void ShardedOptimizer::Impl::remove_read_ahead() {
+  if (!read_ahead) return;
+  shards.remove_hook(read_ahead.get());
+  read_ahead.reset();
 }
 
 // On the training thread, from the backward's gradient hook: Note [The disk tier around the step
 // after backward].
-void ShardedOptimizer::read_ahead(GradShard& shard) {
-  ReadAhead& ra = *read_ahead_;
+void ShardedOptimizer::Impl::read_ahead_for(GradShard& shard) {
+  ReadAhead& ra = *read_ahead;
   auto it = ra.index.find(shard.key());
   if (it == ra.index.end()) return;  // frozen
-  ShardState& s = states_[it->second];
+  ShardState& s = states[it->second];
   if (s.tensors.empty()) return;  // created by its first step: nothing to read yet
   offload::StepJob job = make_job(s);
   offload::prefetch_first_chunk(job);
-  const uint64_t generation = shards_->disk_tier()->generation();
+  const uint64_t generation = shards.disk_tier()->generation();
   ra.ready[it->second] = {std::move(job), generation};  // replaces one a skipped step left
 }
 
-void ShardedOptimizer::settle_writes() {
-  if (offload::DiskTier* tier = shards_->disk_tier()) tier->flush();
+void ShardedOptimizer::Impl::settle_writes() {
+  if (offload::DiskTier* tier = shards.disk_tier()) tier->flush();
 }
 
 std::vector<ShardState>& ShardedOptimizer::states() {
-  settle_writes();
-  if (read_ahead_) read_ahead_->ready.clear();  // whoever writes the states makes them stale
-  return states_;
+  impl_->settle_writes();
+  if (impl_->read_ahead) impl_->read_ahead->ready.clear();  // whoever writes the states makes them stale
+  return impl_->states;
 }
+
+const std::vector<ShardState>& ShardedOptimizer::states() const { return impl_->states; }
 
 void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
-  Tracer* tracer = shards_->tracer();
+  Tracer* tracer = impl_->shards.tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
-  if (in_backward_) {
-    finish_step_in_backward(tracer);
+  if (impl_->in_backward) {
+    impl_->finish_step_in_backward(tracer);
     return;
   }
+  impl_->step_after_backward(tracer);
+}
+
+void ShardedOptimizer::Impl::step_after_backward(Tracer* tracer) {
   settle_writes();  // the last step's, drained under this step's forward and backward
   reserve_offloaded_state();
   // Backward reduces the last units first: step in that order, collecting each flat param's
   // gradient just before stepping it, so the last reduce-scatters overlap the first steps.
-  offload::DiskTier* tier = shards_->disk_tier();
+  offload::DiskTier* tier = shards.disk_tier();
   std::vector<offload::StepJob> jobs;
-  for (size_t i = states_.size(); i-- > 0;) {
-    auto ready = read_ahead_ ? read_ahead_->ready.find(i) : decltype(read_ahead_->ready)::iterator();
-    if (read_ahead_ && ready != read_ahead_->ready.end() && ready->second.second == tier->generation()) {
+  for (size_t i = states.size(); i-- > 0;) {
+    auto ready = read_ahead ? read_ahead->ready.find(i) : decltype(read_ahead->ready)::iterator();
+    if (read_ahead && ready != read_ahead->ready.end() && ready->second.second == tier->generation()) {
       jobs.push_back(std::move(ready->second.first));
-      jobs.back().step = step_fn(states_[i]);  // this step's learning rate, set after backward or not
+      jobs.back().step = step_fn(states[i]);  // this step's learning rate, set after backward or not
     } else {
-      jobs.push_back(make_job(states_[i]));
+      jobs.push_back(make_job(states[i]));
     }
   }
-  if (read_ahead_) read_ahead_->ready.clear();
+  if (read_ahead) read_ahead->ready.clear();
   offload::run_step(jobs, tracer, {/*flush=*/false, /*bump_generation=*/true});
   // What drains under the next forward holds at most half the budget: the forward may keep
   // master reads for its backward in the other half (Note [Kept master reads]).
@@ -176,23 +194,27 @@ void ShardedOptimizer::step() {
   install_read_ahead();  // from the next backward on (the state exists now)
 }
 
-offload::ShardStepFn ShardedOptimizer::step_fn(ShardState& s) {
+offload::ShardStepFn ShardedOptimizer::Impl::step_fn(ShardState& s) {
   const int group = shard_of(s).group();
   const double lr = group_lr(group), wd = group_weight_decay(group);
-  return [this, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) { step_shard(chunk, p, g, lr, wd); };
+  ShardedOptimizer* optimizer = &self;
+  return [optimizer, lr, wd](ShardState& chunk, at::Tensor& p, const at::Tensor& g) {
+    optimizer->step_shard(chunk, p, g, lr, wd);
+  };
 }
 
-offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
+offload::StepJob ShardedOptimizer::Impl::make_job(ShardState& s) {
   GradShard& shard = shard_of(s);
   offload::StepJob job;
   job.state = &s;
   job.param = shard.master();
   job.param_values = shard.take_master_for_step();
   job.grad_on_disk = shard.grads_tier() == OffloadTier::kDisk;
-  job.prepare = [this, &s, &shard] {
+  ShardedOptimizer* optimizer = &self;
+  job.prepare = [optimizer, &s, &shard] {
     at::Tensor grad = shard.grad_for_step();
     if (!grad.defined()) return grad;
-    if (s.tensors.empty()) init_state(s);
+    if (s.tensors.empty()) optimizer->init_state(s);
     ++s.step;
     return grad;
   };
@@ -205,22 +227,22 @@ offload::StepJob ShardedOptimizer::make_job(ShardState& s) {
 // Disk- and host-tier optimizer state is created for every flat param before any of them steps,
 // so that a full disk fails the step before it changes anything (a half-stepped model would
 // differ from every checkpoint), and the free space is checked for all of it at once.
-void ShardedOptimizer::reserve_offloaded_state() {
+void ShardedOptimizer::Impl::reserve_offloaded_state() {
   int64_t disk_bytes = 0;
   offload::DiskTier* tier = nullptr;
-  for (auto& s : states_) {
+  for (auto& s : states) {
     const GradShard& shard = shard_of(s);
     if (!s.tensors.empty() || shard.state_tier() != OffloadTier::kDisk) continue;
     tier = shard.disk_tier();
-    disk_bytes += shard.numel() * static_cast<int64_t>(sizeof(float) * state_names().size());
+    disk_bytes += shard.numel() * static_cast<int64_t>(sizeof(float) * self.state_names().size());
   }
-  if (tier != nullptr) tier->check_free_space(disk_bytes, type_name() + " state");
-  for (auto& s : states_) {
-    const bool offloaded = state_offloaded(s);
-    if (s.tensors.empty() && offloaded) init_state(s);
+  if (tier != nullptr) tier->check_free_space(disk_bytes, self.type_name() + " state");
+  for (auto& s : states) {
+    const bool offloaded = shard_of(s).state_tier() != OffloadTier::kNone;
+    if (s.tensors.empty() && offloaded) self.init_state(s);
     for (const auto& [name, t] : s.tensors) {
       if (!t.defined() && offloaded) {
-        throw ConfigError("fsdp: " + type_name() + " creates its state '" + name + "' in its first step, so it " +
+        throw ConfigError("fsdp: " + self.type_name() + " creates its state '" + name + "' in its first step, so it " +
                           "cannot be offloaded (" + s.tag + "); set offload.optimizer_state to \"none\"");
       }
     }
@@ -228,18 +250,19 @@ void ShardedOptimizer::reserve_offloaded_state() {
 }
 
 at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name) const {
-  return shard_of(s).new_state_tensor(type_name() + " " + name);
+  return impl_->shard_of(s).new_state_tensor(type_name() + " " + name);
 }
 
 void ShardedOptimizer::zero_grad() {
-  if (in_backward_) wait_for_backward_steps();  // they read the gradient shards
-  if (read_ahead_) read_ahead_->ready.clear();  // a skipped step's: their reads free the budget
-  for (auto it = states_.rbegin(); it != states_.rend(); ++it) shard_of(*it).zero_grad();
+  Impl& m = *impl_;
+  if (m.in_backward) m.wait_for_backward_steps();  // they read the gradient shards
+  if (m.read_ahead) m.read_ahead->ready.clear();   // a skipped step's: their reads free the budget
+  for (auto it = m.states.rbegin(); it != m.states.rend(); ++it) m.shard_of(*it).zero_grad();
 }
 
 int64_t ShardedOptimizer::state_bytes() const {
   int64_t total = 0;
-  for (const auto& s : states_) {
+  for (const auto& s : impl_->states) {
     for (const auto& [name, t] : s.tensors) total += t.numel() * t.element_size();
   }
   return total;
@@ -261,7 +284,7 @@ AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& option
     : ShardedOptimizer(root), options_(options) {
   check_options(options);
   set_lr(options.lr());
-  default_weight_decay_ = options.weight_decay();
+  set_default_weight_decay(options.weight_decay());
 }
 
 void AdamW::init_state(ShardState& s) {
@@ -294,7 +317,7 @@ SGD::SGD(const std::shared_ptr<FSDPModule>& root, const SGDOptions& options)
   if (options.nesterov() && (options.momentum() <= 0 || options.dampening() != 0)) {
     throw ConfigError("fsdp: Nesterov momentum requires a momentum and zero dampening");
   }
-  default_weight_decay_ = options.weight_decay();
+  set_default_weight_decay(options.weight_decay());
 }
 
 std::vector<std::string> SGD::state_names() const {

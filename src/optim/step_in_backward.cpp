@@ -1,6 +1,6 @@
 // ShardedOptimizer::step_in_backward: the backward hands each flat param over to the optimizer's
 // own thread as soon as its reduced gradient is collected (Note [The step in backward] in
-// sharded_unit.cpp), through the post-reduce hook of shard/grad_shards.h; step() steps what is
+// sharded_unit.cpp), through a post-reduce hook (shard/post_reduce_hook.h); step() steps what is
 // left and waits for the rest.
 //
 // Note [Step in backward threads]
@@ -23,25 +23,27 @@
 #include "fsdp/errors.h"
 #include "fsdp/optim.h"
 #include "fsdp/trace.h"
+#include "offload/tier_tensors.h"
+#include "optim/optimizer_impl.h"
 #include "optim/streamed_step.h"
 #include "shard/grad_shards.h"
-#include "offload/tier.h"
+#include "shard/post_reduce_hook.h"
 
 namespace fsdp {
 namespace {
 constexpr size_t kMaxQueued = 4;
 }
 
-struct ShardedOptimizer::InBackward : PostReduceHook {
+struct ShardedOptimizer::Impl::InBackward : PostReduceHook {
   struct Entry {
     offload::StepJob job;
     Tracer* tracer = nullptr;
   };
-  explicit InBackward(ShardedOptimizer& o) : owner(o) {}
+  explicit InBackward(Impl& o) : owner(o) {}
   void gradient_reduced(GradShard& shard) override { owner.hand_over(shard); }
 
-  ShardedOptimizer& owner;
-  std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states_
+  Impl& owner;
+  std::unordered_map<const void*, size_t> index;  // GradShard::key() -> its place in states
   std::vector<char> stepped;                      // per state: handed over since the last step()
   bool reserved = false;                          // offloaded state reserved this step
 
@@ -61,9 +63,9 @@ struct ShardedOptimizer::InBackward : PostReduceHook {
 };
 
 void ShardedOptimizer::step_in_backward(bool on) {
-  if (on == (in_backward_ != nullptr)) return;
+  if (on == (impl_->in_backward != nullptr)) return;
   if (!on) {
-    stop_step_in_backward();
+    impl_->stop_step_in_backward();
     return;
   }
   if (!can_step_in_backward()) {
@@ -71,45 +73,51 @@ void ShardedOptimizer::step_in_backward(bool on) {
                       " steps every shard at once, so it cannot step in backward (step_in_backward); use "
                       "fsdp::AdamW or fsdp::SGD, or step after backward");
   }
-  auto ib = std::make_shared<InBackward>(*this);
-  if (read_ahead_ && shards_->in_backward()) {
-    throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
-  }
-  remove_read_ahead();              // the step in backward reads for itself
-  shards_->install_hook(ib.get());  // refuses a second optimizer, or a backward under way
-  for (size_t i = 0; i < states_.size(); ++i) ib->index[shard_of(states_[i]).key()] = i;
-  ib->stepped.assign(states_.size(), 0);
-  ib->queue.start();
-  in_backward_ = std::move(ib);
+  impl_->start_step_in_backward();
 }
 
-void ShardedOptimizer::stop_step_in_backward() {
-  InBackward& ib = *in_backward_;
+void ShardedOptimizer::Impl::start_step_in_backward() {
+  auto ib = std::make_shared<InBackward>(*this);
+  if (read_ahead && shards.in_backward()) {
+    throw UsageError("fsdp: step_in_backward turned on during a backward; turn it on before the backward");
+  }
+  remove_read_ahead();            // the step in backward reads for itself
+  shards.install_hook(ib.get());  // refuses a second optimizer, or a backward under way
+  for (size_t i = 0; i < states.size(); ++i) ib->index[shard_of(states[i]).key()] = i;
+  ib->stepped.assign(states.size(), 0);
+  ib->queue.start();
+  in_backward = std::move(ib);
+}
+
+void ShardedOptimizer::Impl::stop_step_in_backward() {
+  InBackward& ib = *in_backward;
   ib.queue.wait_idle();
   for (char s : ib.stepped) {
     if (s) throw UsageError("fsdp: step_in_backward turned off between a backward and its step(); call step() first");
   }
   ib.queue.stop(base::OnStop::kDrain);
-  shards_->remove_hook(&ib);
-  in_backward_.reset();
+  shards.remove_hook(&ib);
+  in_backward.reset();
 }
 
 ShardedOptimizer::~ShardedOptimizer() {
-  remove_read_ahead();
-  if (!in_backward_) return;
-  in_backward_->queue.stop(base::OnStop::kDrain);
-  shards_->remove_hook(in_backward_.get());
+  Impl& m = *impl_;
+  m.remove_read_ahead();
+  if (!m.in_backward) return;
+  m.in_backward->queue.stop(base::OnStop::kDrain);
+  m.shards.remove_hook(m.in_backward.get());
 }
 
 // On the training thread, from the backward's gradient hook: see Note [Step in backward threads].
-void ShardedOptimizer::hand_over(GradShard& shard) {
-  InBackward& ib = *in_backward_;
+void ShardedOptimizer::Impl::hand_over(GradShard& shard) {
+  InBackward& ib = *in_backward;
   auto it = ib.index.find(shard.key());
   if (it == ib.index.end()) return;  // frozen: no optimizer state
   const size_t i = it->second;
-  ShardState& s = states_[i];
+  ShardState& s = states[i];
   if (ib.stepped[i]) {
-    throw UsageError("fsdp: " + type_name() + " steps in backward (step_in_backward), and the gradient of " + s.tag +
+    throw UsageError("fsdp: " + self.type_name() + " steps in backward (step_in_backward), and the gradient of " +
+                     s.tag +
                      " was reduced again before step(): call step() after every backward that reduces gradients, "
                      "and accumulate micro-batches with set_requires_gradient_sync(false) on all but the last");
   }
@@ -121,41 +129,41 @@ void ShardedOptimizer::hand_over(GradShard& shard) {
     reserve_offloaded_state();  // Note [Offloaded state is reserved before the first update]
     ib.reserved = true;
   }
-  if (s.tensors.empty()) init_state(s);
+  if (s.tensors.empty()) self.init_state(s);
   ++s.step;
   InBackward::Entry e;
   e.job = make_job(s);
   e.job.prepare = [grad] { return grad; };
-  e.tracer = shards_->tracer();
+  e.tracer = shards.tracer();
   offload::prefetch_first_chunk(e.job);  // the disk reads on while the jobs ahead of it step
   ib.stepped[i] = 1;
   ib.queue.submit_bounded(std::move(e), kMaxQueued);
 }
 
-void ShardedOptimizer::wait_for_backward_steps() {
-  Tracer::Scope span(shards_->tracer(), "fsdp::step_in_backward_wait", "compute", "<all>");
-  in_backward_->queue.wait_idle();
+void ShardedOptimizer::Impl::wait_for_backward_steps() {
+  Tracer::Scope span(shards.tracer(), "fsdp::step_in_backward_wait", "compute", "<all>");
+  in_backward->queue.wait_idle();
 }
 
 // step() with step_in_backward on: what the backward handed over is stepped or being stepped;
 // the rest (the flat params whose reductions the backward left to be collected, i.e. the last
 // units of backward) steps now, then the tier's writes are waited for.
-void ShardedOptimizer::finish_step_in_backward(Tracer* tracer) {
-  InBackward& ib = *in_backward_;
+void ShardedOptimizer::Impl::finish_step_in_backward(Tracer* tracer) {
+  InBackward& ib = *in_backward;
   wait_for_backward_steps();
-  std::vector<char> stepped(states_.size(), 0);
+  std::vector<char> stepped(states.size(), 0);
   std::swap(stepped, ib.stepped);
   const bool reserved = ib.reserved;
   ib.reserved = false;
   if (std::exception_ptr error = ib.queue.take_error()) std::rethrow_exception(error);
   if (!reserved) reserve_offloaded_state();
   std::vector<offload::StepJob> jobs;
-  for (size_t i = states_.size(); i-- > 0;) {
-    if (!stepped[i]) jobs.push_back(make_job(states_[i]));
+  for (size_t i = states.size(); i-- > 0;) {
+    if (!stepped[i]) jobs.push_back(make_job(states[i]));
   }
   offload::run_step(jobs, tracer);
   // The handed-over jobs' writes, and their masters changed: reads issued before are stale.
-  if (offload::DiskTier* tier = shards_->disk_tier()) {
+  if (offload::DiskTier* tier = shards.disk_tier()) {
     tier->flush();
     tier->bump_generation();
   }

@@ -11,7 +11,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp::offload {
 namespace {

@@ -20,7 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "fsdp/optim.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp {
 class Tracer;

@@ -5,6 +5,8 @@
 // at the first thing out of place. No JSON DOM is built, so memory stays proportional to what a
 // valid header would hold however the text is crafted, and duplicate keys, which a DOM silently
 // collapses, are seen.
+#include "base/file_io.h"
+#include "base/named.h"
 #include "base/strings.h"
 #include "safetensors/safetensors.h"
 
@@ -28,8 +30,9 @@ namespace {
 
 using Json = nlohmann::json;
 
+// The dtype table (base/named.h): value, the format's spelling, bytes per element.
 struct DTypeInfo {
-  DType dtype;
+  DType value;
   const char* name;
   size_t itemsize;
 };
@@ -42,9 +45,7 @@ constexpr DTypeInfo kDTypes[] = {
 };
 
 const DTypeInfo& info(DType dtype) {
-  for (const DTypeInfo& d : kDTypes) {
-    if (d.dtype == dtype) return d;
-  }
+  if (const DTypeInfo* d = base::row_of(kDTypes, dtype)) return *d;
   throw CheckpointError("fsdp: invalid DType value " + std::to_string(static_cast<int>(dtype)));
 }
 
@@ -377,15 +378,10 @@ class FileDescriptor {
 };
 
 void pread_exact(const std::string& path, int fd, char* out, uint64_t len, uint64_t offset) {
-  while (len > 0) {
-    const ssize_t n = ::pread(fd, out, len, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(path, "read failed at offset " + std::to_string(offset) + ": " + std::strerror(errno));
-    if (n == 0) fail(path, "unexpected end of file at offset " + std::to_string(offset));
-    out += n;
-    len -= static_cast<uint64_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
+  const io::Transfer t = io::pread_full(fd, out, len, offset);
+  const std::string at = std::to_string(offset + t.bytes);
+  if (t.error != 0) fail(path, "read failed at offset " + at + ": " + std::strerror(t.error));
+  if (t.bytes < len) fail(path, "unexpected end of file at offset " + at);
 }
 
 }  // namespace
@@ -448,9 +444,7 @@ size_t itemsize(DType dtype) { return info(dtype).itemsize; }
 const char* dtype_name(DType dtype) { return info(dtype).name; }
 
 DType parse_dtype(const std::string& name) {
-  for (const DTypeInfo& d : kDTypes) {
-    if (name == d.name) return d.dtype;
-  }
+  if (auto dtype = base::value_of(kDTypes, name)) return *dtype;
   throw CheckpointError("fsdp: unknown safetensors dtype " + quote_name(name));
 }
 

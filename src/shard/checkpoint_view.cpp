@@ -5,7 +5,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 #include "shard/flat_param.h"
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"

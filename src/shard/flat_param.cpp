@@ -5,13 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
-#include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
-#include <mutex>
 #include <sstream>
 
 #include "fsdp/errors.h"
@@ -20,106 +17,10 @@
 #include "shard/frozen_storage.h"
 #include "shard/param_data.h"
 #include "offload/residency.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
+#include "offload/buffer_storage.h"
 
 namespace fsdp {
-namespace {
-
-// Note [Reusing freed host buffers]
-// On the CPU a gathered buffer of a few megabytes is its own mapping: freeing it unmaps its pages
-// and the next gather's allocation faults in and zeroes new ones. On a communication-bound model
-// on 2 ranks that kernel work was about a quarter of the step. A freed block is kept instead
-// and handed to the next buffer of the same size from the same allocator, which in a model of
-// repeated blocks is the next unit's gather or gradient. At most kKeptBlocks are kept, the most
-// recently freed, so the process holds at most that many blocks beyond what is alive.
-class FreedBlocks {
- public:
-  static constexpr size_t kKeptBlocks = 2;
-
-  at::DataPtr take(c10::Allocator* allocator, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
-      if (it->allocator == allocator && it->bytes == bytes) {
-        at::DataPtr out = std::move(it->data);
-        blocks_.erase(it);
-        return out;
-      }
-    }
-    return at::DataPtr(nullptr, at::Device(at::kCPU));
-  }
-
-  void keep(c10::Allocator* allocator, size_t bytes, at::DataPtr data) {
-    at::DataPtr dropped(nullptr, at::Device(at::kCPU));  // freed outside the lock
-    std::lock_guard<std::mutex> lock(mu_);
-    blocks_.push_back({allocator, bytes, std::move(data)});
-    if (blocks_.size() > kKeptBlocks) {
-      dropped = std::move(blocks_.front().data);
-      blocks_.pop_front();
-    }
-  }
-
- private:
-  struct Block {
-    c10::Allocator* allocator;
-    size_t bytes;
-    at::DataPtr data;
-  };
-  std::mutex mu_;
-  std::deque<Block> blocks_;
-};
-
-FreedBlocks& freed_host_blocks() {
-  static FreedBlocks* blocks = new FreedBlocks();  // never destroyed: storages may outlive statics
-  return *blocks;
-}
-
-// Grows or frees a buffer's memory without touching its sizes, so views of it stay valid.
-// See Note [Freeing device buffers] and Note [Reusing freed host buffers].
-void set_storage_alive(const at::Tensor& t, bool alive) {
-  const size_t bytes = alive ? static_cast<size_t>(t.numel()) * t.element_size() : 0;
-  if (t.storage().nbytes() == bytes) return;
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  if (t.device().is_cpu()) {
-    c10::Allocator* allocator = storage->allocator();
-    if (allocator == nullptr || !storage->resizable()) {
-      at::native::resize_bytes_cpu(storage, bytes);
-      return;
-    }
-    // Whole buffers only: freed whole, and refilled whole by the next gather or zero_.
-    const size_t old_bytes = storage->nbytes();
-    if (bytes == 0) {
-      at::DataPtr old = storage->set_data_ptr(at::DataPtr(nullptr, t.device()));
-      storage->set_nbytes(0);
-      if (old.get() != nullptr) freed_host_blocks().keep(allocator, old_bytes, std::move(old));
-      return;
-    }
-    at::DataPtr fresh = old_bytes == 0 ? freed_host_blocks().take(allocator, bytes) : at::DataPtr(nullptr, t.device());
-    if (fresh.get() == nullptr) {
-      at::native::resize_bytes_cpu(storage, bytes);
-      return;
-    }
-    storage->set_data_ptr_noswap(std::move(fresh));
-    storage->set_nbytes(bytes);
-    return;
-  }
-  // Note [Freeing device buffers]
-  // On a device the old bytes are never wanted (a buffer is freed whole and refilled whole by
-  // the next all-gather or zero_), so the storage gets a fresh allocation from its own allocator
-  // (the CUDA caching allocator, which allocates on the current device: hence the guard) instead
-  // of resize's allocate-copy-free. Dropping the old DataPtr returns its block to the pool of the
-  // stream it was allocated on, the compute stream. That is safe because callers free only after
-  // CommHandle::wait, which orders the waiting thread's stream after the collective (Note
-  // [Collectives on the caller's stream]) and returns once the collective has completed.
-  c10::Allocator* allocator = storage->allocator();
-  if (allocator == nullptr) {
-    throw ConfigError("fsdp: cannot free a flat buffer on " + t.device().str() + ": its storage has no allocator");
-  }
-  const c10::DeviceGuard on_device(t.device());
-  storage->set_data_ptr_noswap(bytes == 0 ? at::DataPtr(nullptr, t.device()) : allocator->allocate(bytes));
-  storage->set_nbytes(bytes);
-}
-
-}  // namespace
 
 FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config, Communicator& shard_group,
                      Communicator& replicate_group)
@@ -176,7 +77,7 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
   use_unsharded_views();  // views are created while the storage has its bytes (bounds-checked)
   make_guards();
   if (!aliases_master_) {
-    set_storage_alive(unsharded_, false);
+    offload::set_storage_alive(unsharded_, false);
     use_guards();
   }
   state_ = aliases_master_ ? ShardedState::kUnsharded : ShardedState::kSharded;
@@ -229,35 +130,8 @@ void FlatParam::make_guards() {
   guard_info_->module_type = config_.module_type;
   for (auto& e : entries_) {
     guards_.push_back(make_param_guard(e.param, guard_info_, e.name));
-    if (config_.requires_grad) grad_guards_.push_back(make_param_guard(e.param, guard_info_, e.name, true));
+    if (config_.requires_grad) grads_.add_guard(make_param_guard(e.param, guard_info_, e.name, true));
   }
-}
-
-void FlatParam::guard_grads() {
-  for (size_t i = 0; i < grad_guards_.size(); ++i) entries_[i].param.mutable_grad() = grad_guards_[i];
-  grads_guarded_ = !grad_guards_.empty();
-}
-
-void FlatParam::unguard_grads() {
-  if (!grads_guarded_) return;
-  if (grads_prepared_) {
-    point_grads_at_buffer();
-    return;
-  }
-  for (size_t i = 0; i < grad_guards_.size(); ++i) entries_[i].param.mutable_grad() = at::Tensor();
-  grads_guarded_ = false;
-}
-
-void FlatParam::point_grads_at_buffer() {
-  for (size_t k = 0; k < entries_.size(); ++k) {
-    FlatParamEntry& e = entries_[k];
-    if (!grad_copied_.empty() && !grad_copied_[k]) {
-      e.param.mutable_grad() = at::Tensor();  // its part holds no gradient yet: the first is copied in
-      continue;
-    }
-    e.param.mutable_grad() = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
-  }
-  grads_guarded_ = false;
 }
 
 void FlatParam::use_guards() {
@@ -347,7 +221,7 @@ void FlatParam::unshard(KeepMaster keep) {
                       "(a forward through fsdp::call on the root) before using it");
   }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
-  set_storage_alive(unsharded_, true);
+  offload::set_storage_alive(unsharded_, true);
   gather_input_ = residency_->gather_input(keep);
   const bool decode = stored_ && frozen::stored_dtype(config_.storage) != config_.compute_dtype;
   if (shard_group_.size() == 1) {
@@ -385,138 +259,9 @@ void FlatParam::wait_for_unshard() {
 void FlatParam::reshard() {
   if (aliases_master_) return;
   wait_for_unshard();  // never free memory a collective is still writing
-  set_storage_alive(unsharded_, false);
+  offload::set_storage_alive(unsharded_, false);
   use_guards();
   state_ = ShardedState::kSharded;
-}
-
-// Note [One-rank gradients]
-// With one rank per shard, fp32 compute and reduction, and the gradient shard in no offload tier,
-// the reduce-scatter is the identity and the gradient shard covers the whole flat gradient. The
-// backward then accumulates straight into the gradient shard: no buffer to zero before each
-// backward, no copy out after it, no second buffer. zero_grad zeroes the shard, as always. The
-// sums are the same bits: the copy-out added the buffer's (0 + g) into a zeroed shard.
-bool FlatParam::grads_can_alias_shard() const {
-  const OffloadPlacement& p = residency_->placement();
-  return aliases_master_ && shard_group_.size() == 1 && replicate_group_.size() == 1 &&
-         config_.reduce_dtype == at::kFloat && unsharded_.scalar_type() == at::kFloat &&
-         p.grads == OffloadTier::kNone && !residency_->master_follows_state();
-}
-
-void FlatParam::prepare_gradients() {
-  finalize_grads();  // the buffer may still belong to the last step's reduce-scatter
-  if (!config_.requires_grad) return;
-  const bool alias = grads_can_alias_shard();
-  if (grad_aliases_shard_ && !alias) {  // the placement changed: a buffer of its own
-    unsharded_grad_ = at::Tensor();
-    grad_aliases_shard_ = false;
-  }
-  if (!grads_prepared_ && alias) {
-    if (!sharded_grad_.defined()) sharded_grad_ = at::zeros({padded_numel_}, unsharded_.options());
-    unsharded_grad_ = sharded_grad_;
-    grad_aliases_shard_ = true;
-  } else if (!grads_prepared_) {
-    // Note [The first gradient is copied]: not zeroed; each entry's first gradient is copied in.
-    if (!unsharded_grad_.defined()) {
-      unsharded_grad_ = at::empty({padded_numel_}, unsharded_.options());
-    } else {
-      set_storage_alive(unsharded_grad_, true);
-    }
-    grad_copied_.assign(entries_.size(), 0);
-    for (auto& e : entries_) e.param.mutable_grad() = at::Tensor();
-    grads_guarded_ = false;
-    grads_prepared_ = true;
-    return;
-  }
-  // Accumulating (no sync), the buffer is already there; .grad is guarded since the last backward.
-  if (!grads_prepared_ || grads_guarded_) point_grads_at_buffer();
-  grads_prepared_ = true;
-}
-
-// Note [The first gradient is copied]
-// With a gradient buffer of its own (not Note [One-rank gradients]), the buffer is not zeroed
-// before a step's first backward, and the parameters' .grad are left undefined, so AccumulateGrad
-// takes each gradient as autograd made it. Its post-hook (gradient_landed) copies it into the
-// parameter's part of the buffer and points .grad there, so what comes after (another micro-batch,
-// a second contribution under reentrant recomputation) adds in place as before. Before the
-// reduction, the parts no gradient reached (unused parameters) and the padding are zeroed. That
-// is one copy per gradient where zeroing the buffer and adding into it was three passes. The sums
-// are the same bits, except that a gradient element of -0.0 stays -0.0 instead of 0 + -0.0 = +0.0.
-void FlatParam::gradient_landed(size_t k) {
-  if (grad_copied_.empty() || grad_copied_[k] || reduce_issued_) return;
-  FlatParamEntry& e = entries_[k];
-  at::Tensor part = unsharded_grad_.narrow(0, e.offset, e.numel).view(e.shape);
-  const at::Tensor& g = e.param.grad();
-  c10::NoGradGuard no_grad;
-  if (!g.defined()) {
-    part.zero_();
-  } else if (g.is_sparse()) {  // e.g. a sparse embedding's: added into zeros, as before
-    part.zero_();
-    part.add_(g);
-  } else {
-    part.copy_(g);
-  }
-  e.param.mutable_grad() = part;
-  grad_copied_[k] = 1;
-}
-
-void FlatParam::fill_uncopied_grads() {
-  if (grad_copied_.empty()) return;
-  int64_t end = 0;
-  for (size_t k = 0; k < entries_.size(); ++k) {
-    const FlatParamEntry& e = entries_[k];
-    end = std::max(end, e.offset + e.numel);
-    // No gradient reached it (whatever .grad holds now is a guard or nothing).
-    if (!grad_copied_[k]) unsharded_grad_.narrow(0, e.offset, e.numel).zero_();
-  }
-  if (end < padded_numel_) unsharded_grad_.narrow(0, end, padded_numel_ - end).zero_();
-  grad_copied_.clear();
-}
-
-void FlatParam::reduce_scatter_grads() {
-  if (!grads_prepared_ || reduce_issued_) return;
-  fill_uncopied_grads();
-  // The buffer now belongs to the collective: detach the params' views from it.
-  guard_grads();
-  reduce_input_ = config_.reduce_dtype == unsharded_grad_.scalar_type() ? unsharded_grad_
-                                                                        : unsharded_grad_.to(config_.reduce_dtype);
-  if (shard_group_.size() == 1) {
-    reduce_output_ = reduce_input_;
-  } else {
-    reduce_output_ = at::empty({shard_numel_}, reduce_input_.options());
-    reduce_handle_ = shard_group_.reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, config_.tag);
-  }
-  reduce_issued_ = true;
-}
-
-void FlatParam::finalize_grads() {
-  if (!reduce_issued_) return;
-  reduce_handle_.wait();
-  reduce_handle_ = CommHandle();
-  if (replicate_group_.size() > 1) {
-    replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, config_.tag).wait();
-  }
-  // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
-  reduce_output_ = residency_->stage_reduced(reduce_output_);
-  if (grad_aliases_shard_) {
-    // Already in place (Note [One-rank gradients]).
-  } else if (sharded_grad_.defined()) {
-    kernels::copy_out(reduce_output_, sharded_grad_, {/*divide_by=*/1.0, /*accumulate=*/true});
-  } else {
-    sharded_grad_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
-    kernels::copy_out(reduce_output_, sharded_grad_);
-  }
-  residency_->place_grad(sharded_grad_);
-  reduce_input_ = at::Tensor();
-  reduce_output_ = at::Tensor();
-  if (!grad_aliases_shard_) set_storage_alive(unsharded_grad_, false);
-  reduce_issued_ = false;
-  grads_prepared_ = false;
-}
-
-void FlatParam::zero_grad() {
-  if (sharded_grad_.defined()) sharded_grad_.zero_();
-  residency_->grad_written(sharded_grad_);
 }
 
 // ---- where the states live: forwarded to the residency ---------------------------------------------
@@ -526,6 +271,7 @@ FlatParam::~FlatParam() = default;
 at::Tensor& FlatParam::sharded_param() { return residency_->master(); }
 const OffloadPlacement& FlatParam::offload() const { return residency_->placement(); }
 bool FlatParam::master_follows_state() const { return residency_->master_follows_state(); }
+offload::StateTiers FlatParam::state_tiers() const { return residency_->tiers(); }
 const at::Tensor& FlatParam::working_shard() const { return residency_->working(); }
 at::Tensor FlatParam::new_state_tensor(const std::string& what) { return residency_->new_state_tensor(what); }
 at::Tensor FlatParam::take_master_for_step() { return residency_->take_master_for_step(); }
@@ -547,7 +293,7 @@ std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimi
 
 at::Tensor FlatParam::optimizer_grad() {
   finalize_grads();
-  return residency_->grad_for_step(sharded_grad_);
+  return residency_->grad_for_step(grads_.shard());
 }
 
 void FlatParam::set_offload(OffloadPlacement placement) {
@@ -559,11 +305,11 @@ void FlatParam::set_offload(OffloadPlacement placement) {
     aliases_master_ = false;
     unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
     use_unsharded_views();
-    set_storage_alive(unsharded_, false);
+    offload::set_storage_alive(unsharded_, false);
     use_guards();
     state_ = ShardedState::kSharded;
   }
-  if (p.grads != OffloadTier::kNone && sharded_grad_.defined()) residency_->place_grad(sharded_grad_);
+  if (p.grads != OffloadTier::kNone && grads_.shard().defined()) residency_->place_grad(grads_.shard());
   if (residency_->master_follows_state() && aliases_master_) {
     // One rank, fp32: the parameters are views of the working copy.
     unsharded_ = residency_->working();
@@ -580,9 +326,5 @@ int64_t FlatParam::unsharded_bytes() const {
   return aliases_master_ ? 0 : static_cast<int64_t>(unsharded_.storage().nbytes());
 }
 
-int64_t FlatParam::unsharded_grad_bytes() const {
-  if (grad_aliases_shard_) return 0;  // the gradient shard's bytes
-  return unsharded_grad_.defined() ? static_cast<int64_t>(unsharded_grad_.storage().nbytes()) : 0;
-}
 
 }  // namespace fsdp

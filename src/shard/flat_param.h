@@ -25,6 +25,7 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/options.h"
+#include "shard/grad_cycle.h"
 
 namespace fsdp {
 
@@ -33,6 +34,7 @@ namespace offload {
 struct OffloadPlacement;
 class Residency;
 enum class KeepMaster : int;
+struct StateTiers;
 }  // namespace offload
 using offload::KeepMaster;
 using offload::OffloadPlacement;
@@ -52,7 +54,7 @@ struct FlatParamConfig {
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the unsharded buffer (param_dtype)
   at::ScalarType reduce_dtype = at::kFloat;   // dtype gradients are reduced in
   bool requires_grad = true;
-  // A frozen flat param's stored form (Note [Frozen storage], frozen_storage.cpp): kFloat32 is an
+  // A frozen flat param's stored form (Note [Frozen storage], kernels/cpu/blocks.cpp): kFloat32 is an
   // fp32 master like a trainable one's; anything else is kept as stored, with no fp32 master.
   FrozenStorage storage = FrozenStorage::kFloat32;
   int group = 0;            // optimizer group
@@ -67,6 +69,8 @@ struct FlatParamConfig {
 enum class ShardedState { kSharded, kUnsharded };
 
 class FlatParam {
+  friend class GradCycle;  // the gradient cycle reads the layout, groups and residency
+
  public:
   // Lays out `entries` and builds this rank's master shard from the parameters' current values;
   // parameters on the meta device wait for materialize().
@@ -88,6 +92,7 @@ class FlatParam {
   // not. The fp32 master then lives with the state (host or disk tier) and the compute device
   // keeps a working copy of the shard in param_dtype, which the all-gather reads.
   bool master_follows_state() const;
+  offload::StateTiers state_tiers() const;  // each state's tier (Note [Placement rules])
   const at::Tensor& working_shard() const;
 
   // ---- a frozen param kept in a stored form (config().storage, not fp32)
@@ -132,7 +137,7 @@ class FlatParam {
   // ---- state
   ShardedState state() const { return state_; }
   at::Tensor& sharded_param();                          // fp32 master shard
-  at::Tensor& sharded_grad() { return sharded_grad_; }  // fp32, undefined until the first reduce
+  at::Tensor& sharded_grad() { return grads_.shard(); }  // fp32, undefined until the first reduce
 
   // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
   // `keep` (offload/residency.h): what becomes of a disk-tier master read for this gather (Note
@@ -145,28 +150,29 @@ class FlatParam {
   void reshard();
   bool gathering() const { return gather_pending_; }
 
-  // Before the unit's backward: the gradient buffer exists and params' .grad are views of it.
-  // Collects a reduction still in flight first (see Note [Lazy gradient collection]).
-  void prepare_gradients();
-  bool gradients_prepared() const { return grads_prepared_; }
+  // The gradient cycle (shard/grad_cycle.h). Before the unit's backward: the gradient buffer
+  // exists and params' .grad are views of it, after collecting a reduction still in flight (Note
+  // [Lazy gradient collection]).
+  void prepare_gradients() { grads_.prepare(); }
+  bool gradients_prepared() const { return grads_.prepared(); }
   // AccumulateGrad is done with entry k's gradient (Note [The first gradient is copied]).
-  void gradient_landed(size_t k);
+  void gradient_landed(size_t k) { grads_.landed(k); }
   // Note [Guarded gradients] (param_data.h): after a backward the parameters' .grad are guards;
   // unguard_grads(), at the root's next forward, points them back at the gradient buffer while
   // gradients accumulate (no sync), else leaves them undefined.
-  void guard_grads();
-  void unguard_grads();
+  void guard_grads() { grads_.guard(); }
+  void unguard_grads() { grads_.unguard(); }
   // Issues the reduction of the gradient buffer (reduce-scatter over the shard group).
-  void reduce_scatter_grads();
+  void reduce_scatter_grads() { grads_.reduce_scatter(); }
   // Waits for the reduction, all-reduces across replicas when hybrid, and adds the result to the
-  // fp32 gradient shard. Frees the gradient buffer unless `keep_unsharded` (no-sync accumulation).
-  void finalize_grads();
+  // fp32 gradient shard, then frees the gradient buffer.
+  void finalize_grads() { grads_.finalize(); }
   // Drops this rank's gradient shard values to zero (keeps the buffer).
-  void zero_grad();
+  void zero_grad() { grads_.zero(); }
 
   // Bytes currently held.
   int64_t unsharded_bytes() const;
-  int64_t unsharded_grad_bytes() const;
+  int64_t unsharded_grad_bytes() const { return grads_.buffer_bytes(); }
 
  private:
   at::Tensor build_master(bool meta) const;
@@ -175,8 +181,6 @@ class FlatParam {
   void use_unsharded_views();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
-  void point_grads_at_buffer();
-  bool grads_can_alias_shard() const;
 
   std::vector<FlatParamEntry> entries_;
   FlatParamConfig config_;
@@ -194,29 +198,15 @@ class FlatParam {
 
   ShardedState state_ = ShardedState::kSharded;
   std::unique_ptr<Residency> residency_;  // the master shard and where every state lives
-  at::Tensor sharded_grad_;
   at::Tensor unsharded_;     // [padded] compute dtype; storage freed while sharded
   at::Tensor gather_input_;  // the shard in compute dtype, kept alive during the all-gather
   CommHandle gather_handle_;
   bool gather_pending_ = false;
 
-  at::Tensor unsharded_grad_;  // [padded] compute dtype; storage freed between backwards
-  // The unsharded gradient is the sharded one itself (Note [One-rank gradients] in flat_param.cpp).
-  bool grad_aliases_shard_ = false;
-  at::Tensor reduce_input_;   // unsharded_grad_ or its cast to reduce dtype
-  at::Tensor reduce_output_;  // [shard] reduce dtype
-  CommHandle reduce_handle_;
-  bool reduce_issued_ = false;
-  bool grads_prepared_ = false;
-  bool grads_guarded_ = false;  // the parameters' .grad are grad_guards_
-  // Note [The first gradient is copied]: per entry, whether its part of the buffer holds its
-  // gradient yet; empty when the buffer was zeroed (the parameters add into it).
-  std::vector<char> grad_copied_;
-  void fill_uncopied_grads();  // zeroes what no gradient reached, and the padding
+  GradCycle grads_{*this};
 
   std::shared_ptr<ParamGuardInfo> guard_info_;
   std::vector<at::Tensor> guards_;       // per entry
-  std::vector<at::Tensor> grad_guards_;  // per entry of a trainable flat param
 };
 
 }  // namespace fsdp

@@ -1,6 +1,7 @@
 // The stored form of a frozen flat param's shard (FullyShardOptions::frozen_storage): a floating
-// dtype, or blocks of kBlock elements quantized to int8 or NF4 with an fp32 absmax each. See
-// Note [Frozen storage] in frozen_storage.cpp.
+// dtype, or blocks of kBlock elements quantized to int8 or NF4 with an fp32 absmax each, by the
+// kernels' block codec (kernels/ops.h: encode_blocks, decode_blocks). See Note [Frozen storage] in
+// kernels/cpu/blocks.cpp. This header includes no kernels header, so the layers above shard can use it.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@
 
 namespace fsdp::frozen {
 
-constexpr int64_t kBlock = 64;  // elements per quantization block
+constexpr int64_t kBlock = 64;  // elements per quantization block (kernels::kQuantBlock)
 
 bool quantized(FrozenStorage s);
 // The dtype of the stored form: the floating dtype, or uint8 (bytes) when quantized. `s` is
@@ -22,10 +23,11 @@ int64_t stored_numel(FrozenStorage s, int64_t numel);
 // Bytes per value, padding aside: 4, 2, 1 + 4/64 (int8), 0.5 + 4/64 (NF4).
 double bytes_per_value(FrozenStorage s);
 
-// The stored form of `values` (1-D, floating, on any device).
+// The stored form of `values` (floating, numel a multiple of kBlock when quantized, on any device:
+// the kernels run on the CPU and CUDA, other devices go through the CPU).
 at::Tensor encode(FrozenStorage s, const at::Tensor& values);
-// Writes the values of `stored` (encode's output, `out.numel()` values) into `out` (1-D,
-// floating, any dtype: cast from fp32).
+// Writes the values of `stored` (encode's output, `out.numel()` values) into `out` (floating, any
+// dtype: cast from fp32; fp32, bf16 and fp16 contiguous outputs are written in one pass).
 void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out);
 // The NF4 levels, as bitsandbytes publishes them.
 const float* nf4_levels();

@@ -7,7 +7,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/sharded_unit.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp {
 

@@ -4,7 +4,7 @@
 #include "fsdp/errors.h"
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp {
 

@@ -1,13 +1,11 @@
 // What the layers above shard (the optimizers, clipping, the loss scaler, the memory report) see
 // of a sharded model's trainable state: each flat param's fp32 master shard and its reduced
-// gradient shard, where they live, and a hook the backward calls as each gradient is reduced.
-// Nothing here exposes a unit or a flat param: the state machine stays private to src/shard.
+// gradient shard, where they live, and the hook the backward calls as each gradient is reduced
+// (shard/post_reduce_hook.h). Nothing here exposes a unit or a flat param: the state machine stays
+// private to src/shard.
 //
 //   GradShards shards(*root);                 // the handle's flat params, in flat-index order
 //   for (GradShard& s : shards.all()) { s.collect_grad(); ... s.master() ... }
-//
-// PyTorch's optimizer-in-backward is built the same way, on post-accumulate-grad hooks; here the
-// hook fires when the reduce-scatter of a flat param's gradient has been collected.
 #pragma once
 
 #include <cstddef>
@@ -24,6 +22,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/offload.h"
 #include "fsdp/options.h"
+#include "shard/post_reduce_hook.h"
 
 namespace fsdp {
 
@@ -81,18 +80,6 @@ class GradShard {
   FlatParam* flat_;
 };
 
-// Called by the backward with each flat param whose reduced gradient it has just collected
-// (at the next unit's backward, not at the end of the backward). At most one per model.
-class PostReduceHook {
- public:
-  virtual ~PostReduceHook() = default;
-  virtual void gradient_reduced(GradShard& shard) = 0;
-  // Whether the hook applies the gradient during backward (the step in backward), so that nothing
-  // can rescale or skip it afterwards (clipping and loss scaling refuse); a hook that only reads
-  // ahead for the step after backward does not.
-  virtual bool applies_gradients() const { return true; }
-};
-
 // The flat params of a handle and the units under it (lazily initialising an unclaimed root).
 class GradShards {
  public:
@@ -115,8 +102,7 @@ class GradShards {
   // during a backward); remove_hook takes it off again (only `hook` itself).
   void install_hook(PostReduceHook* hook);
   void remove_hook(PostReduceHook* hook);
-  // The installed hook, or null. While one that applies_gradients() is installed, gradients are
-  // applied during backward: clipping and loss scaling refuse.
+  // The installed hook, or null.
   PostReduceHook* hook() { return hook_of(*handle_); }
   // The same for any handle, without walking its flat params.
   static PostReduceHook* hook_of(FSDPModule& handle);
@@ -125,16 +111,5 @@ class GradShards {
   FSDPModule* handle_;
   std::vector<GradShard> shards_;
 };
-
-// Bytes of the model's sharded and gathered states by category and tier (MemoryReport without
-// optimizer_state, which the optimizer layer adds).
-MemoryReport model_memory(FSDPModule& root);
-// Adds a sharded state's bytes to the tier it lives in (a disk-backed tensor counts as disk
-// whatever `tier` says).
-void count_in_tier(MemoryReport& report, const at::Tensor& t, OffloadTier tier);
-
-// The offload plan (fsdp/offload.h) for an optimizer with `state_tensors` tensors per element,
-// stepping in backward or not.
-OffloadPlan offload_plan_for(FSDPModule& root, int state_tensors, bool steps_in_backward);
 
 }  // namespace fsdp

@@ -1,69 +1,60 @@
-// Names of sharding strategies and offload tiers, offload policy validation, and the default
-// optimizer grouping.
+// Names of sharding strategies, buffer syncs and frozen storages (one table each, base/named.h),
+// and the default optimizer grouping.
 #include <algorithm>
 #include <cctype>
 
+#include "base/named.h"
 #include "fsdp/errors.h"
 #include "fsdp/options.h"
 
 namespace fsdp {
+namespace {
 
-const char* strategy_name(ShardingStrategy s) {
-  switch (s) {
-    case ShardingStrategy::kFullShard: return "FULL_SHARD";
-    case ShardingStrategy::kShardGradOp: return "SHARD_GRAD_OP";
-    case ShardingStrategy::kNoShard: return "NO_SHARD";
-    case ShardingStrategy::kHybridShard: return "HYBRID_SHARD";
-  }
-  return "UNKNOWN";
-}
+constexpr base::Named<ShardingStrategy> kStrategies[] = {
+    {ShardingStrategy::kFullShard, "FULL_SHARD"},
+    {ShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"},
+    {ShardingStrategy::kNoShard, "NO_SHARD"},
+    {ShardingStrategy::kHybridShard, "HYBRID_SHARD"},
+};
+
+constexpr base::Named<BufferSync> kBufferSyncs[] = {
+    {BufferSync::kBroadcast, "broadcast"},
+    {BufferSync::kAverage, "average"},
+    {BufferSync::kLocal, "local"},
+};
+
+constexpr base::Named<FrozenStorage> kFrozenStorages[] = {
+    {FrozenStorage::kParamDtype, "param_dtype"},
+    {FrozenStorage::kFloat32, "float32"},
+    {FrozenStorage::kBFloat16, "bfloat16"},
+    {FrozenStorage::kFloat16, "float16"},
+    {FrozenStorage::kInt8, "int8"},
+    {FrozenStorage::kNF4, "nf4"},
+};
+
+}  // namespace
+
+const char* strategy_name(ShardingStrategy s) { return base::name_of(kStrategies, s, "UNKNOWN"); }
 
 ShardingStrategy parse_strategy(const std::string& name) {
   std::string up = name;
   std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return std::toupper(c); });
-  for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
-                 ShardingStrategy::kHybridShard}) {
-    if (up == strategy_name(s)) return s;
-  }
-  throw ConfigError("fsdp: unknown sharding strategy '" + name +
-                    "' (expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)");
+  if (auto s = base::value_of(kStrategies, up)) return *s;
+  throw ConfigError("fsdp: unknown sharding strategy '" + name + "' (expected " + base::names_text(kStrategies) + ")");
 }
 
-const char* buffer_sync_name(BufferSync s) {
-  switch (s) {
-    case BufferSync::kBroadcast: return "broadcast";
-    case BufferSync::kAverage: return "average";
-    case BufferSync::kLocal: return "local";
-  }
-  return "unknown";
-}
+const char* buffer_sync_name(BufferSync s) { return base::name_of(kBufferSyncs, s, "unknown"); }
 
 BufferSync parse_buffer_sync(const std::string& name) {
-  for (auto s : {BufferSync::kBroadcast, BufferSync::kAverage, BufferSync::kLocal}) {
-    if (name == buffer_sync_name(s)) return s;
-  }
-  throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected broadcast, average or local)");
+  if (auto s = base::value_of(kBufferSyncs, name)) return *s;
+  throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected " + base::names_text(kBufferSyncs) + ")");
 }
 
-const char* frozen_storage_name(FrozenStorage s) {
-  switch (s) {
-    case FrozenStorage::kParamDtype: return "param_dtype";
-    case FrozenStorage::kFloat32: return "float32";
-    case FrozenStorage::kBFloat16: return "bfloat16";
-    case FrozenStorage::kFloat16: return "float16";
-    case FrozenStorage::kInt8: return "int8";
-    case FrozenStorage::kNF4: return "nf4";
-  }
-  return "unknown";
-}
+const char* frozen_storage_name(FrozenStorage s) { return base::name_of(kFrozenStorages, s, "unknown"); }
 
 FrozenStorage parse_frozen_storage(const std::string& name) {
-  for (auto s : {FrozenStorage::kParamDtype, FrozenStorage::kFloat32, FrozenStorage::kBFloat16, FrozenStorage::kFloat16,
-                 FrozenStorage::kInt8, FrozenStorage::kNF4}) {
-    if (name == frozen_storage_name(s)) return s;
-  }
-  throw ConfigError("fsdp: unknown frozen storage '" + name +
-                    "' (expected param_dtype, float32, bfloat16, float16, int8 or nf4)");
+  if (auto s = base::value_of(kFrozenStorages, name)) return *s;
+  throw ConfigError("fsdp: unknown frozen storage '" + name + "' (expected " + base::names_text(kFrozenStorages) + ")");
 }
 
 int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }

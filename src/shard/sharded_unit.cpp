@@ -13,7 +13,7 @@
 #include "fsdp/trace.h"
 #include "shard/grad_shards.h"
 #include "offload/residency.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp {
 
@@ -43,8 +43,7 @@ std::string ShardedUnit::name() const {
 //  - backward, with the step in backward: the gather's read is kept for the unit's step.
 // Every kept read is dropped when a step starts and by any write of the master (a checkpoint load).
 bool ShardedUnit::steps_in_backward() const {
-  const PostReduceHook* hook = root_ != nullptr ? root_->root_state_->post_reduce_hook : nullptr;
-  return hook != nullptr && hook->applies_gradients();
+  return root_ != nullptr && applies_gradients(root_->root_state_->post_reduce_hook);
 }
 
 void ShardedUnit::unshard() {

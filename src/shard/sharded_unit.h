@@ -35,6 +35,7 @@
 #include "prefetch/keep_params.h"
 #include "prefetch/policy.h"
 #include "shard/flat_param.h"
+#include "shard/post_reduce_hook.h"
 #include "shard/resolved_options.h"
 
 namespace torch::autograd {
@@ -48,7 +49,6 @@ class DeviceStager;
 
 namespace fsdp {
 
-class PostReduceHook;
 class ShardedUnit;
 class Tracer;
 
@@ -83,8 +83,7 @@ struct RootState {
   // Persistent buffers of the whole tree (buffers.cpp) and how they are kept consistent.
   std::vector<BufferState> buffers;
   BufferSync buffer_sync = BufferSync::kBroadcast;
-  // Installed by an optimizer that steps during backward (GradShards::install_hook): called with
-  // each flat param whose reduced gradient the backward has just collected.
+  // The optimizer's, or null (shard/post_reduce_hook.h; GradShards::install_hook).
   PostReduceHook* post_reduce_hook = nullptr;
   bool recomputed = false;     // a forward ran inside this backward (activation checkpointing)
   bool buffers_dirty = false;  // a training forward ran since the buffers were last synchronised
@@ -157,8 +156,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // Explicit prefetch lists; when set they replace the recorded-order ones.
   void set_forward_prefetch(std::vector<ShardedUnit*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<ShardedUnit*> units) { backward_prefetch_ = std::move(units); }
-  // Whether an optimizer steps this unit's tree in backward (a RootState::post_reduce_hook that
-  // applies gradients; one that only reads ahead for the step after backward does not).
+  // Whether an optimizer steps this unit's tree in backward (applies_gradients of the root's
+  // post_reduce_hook).
   bool steps_in_backward() const;
   // Collects every gradient reduction still in flight (see Note [Lazy gradient collection]).
   void collect_gradients();

@@ -36,7 +36,7 @@ inline std::vector<FlatParam*> flat_params(const FSDPModule& handle) {
 }  // namespace fsdp::testing
 
 namespace fsdp {
-// Switches for tests and benchmarks, kept out of the installed headers (src/shard/disk_tier_stats.cpp).
+// Switches for tests and benchmarks, kept out of the installed headers (src/shard/testing.cpp).
 // Measures the mapped resident set after every chunk of the streamed optimizer step and after
 // each all-gather reads a disk-tier shard, keeping the peak in DiskTierStats (costs a mincore
 // per mapping each time).

@@ -18,7 +18,9 @@
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"
 #include "offload/device_stager.h"
-#include "offload/tier.h"
+#include "offload/placement.h"
+#include "offload/rank_tiers.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp {
 namespace {
@@ -148,31 +150,7 @@ void check_floating(const char* field, const std::optional<at::ScalarType>& dtyp
   }
 }
 
-// Whether the unit's fp32 master follows its offloaded optimizer state (ZeRO-Offload: params and
-// grads on the device, master and state on the host or disk; Note [The master follows the
-// optimizer state] in flat_param.h).
-bool master_follows_state(const OffloadPolicy& policy) {
-  return policy.params() == OffloadTier::kNone && policy.grads() == OffloadTier::kNone &&
-         policy.optimizer_state() != OffloadTier::kNone;
-}
-
-// A unit on a device offloads all of its states, or its optimizer state alone (the master then
-// follows it), or none: the optimizer steps where the master shard lives, on the CPU for an
-// offloaded one, so its gradient must come to the host and its result go back.
-void check_offload_on_device(const OffloadPolicy& policy, const std::string& unit, c10::Device device) {
-  if (device.is_cpu() || !policy.any() || master_follows_state(policy)) return;
-  if (policy.params() != OffloadTier::kNone && policy.grads() != OffloadTier::kNone &&
-      policy.optimizer_state() != OffloadTier::kNone) {
-    return;
-  }
-  throw ConfigError(std::string("fsdp: unit '") + unit + "' offloads some states but not all (params=" +
-                    offload_tier_name(policy.params()) + ", grads=" + offload_tier_name(policy.grads()) +
-                    ", optimizer_state=" + offload_tier_name(policy.optimizer_state()) + ") while computing on " +
-                    device.str() +
-                    "; on a device the optimizer steps on the CPU, so offload params, grads "
-                    "and optimizer_state together (each \"host\" or \"disk\"), or optimizer_state alone (the "
-                    "fp32 master follows it), or none of them");
-}
+using offload::master_follows_state;  // Note [Placement rules]
 
 }  // namespace
 
@@ -216,7 +194,7 @@ void ShardedUnit::resolve_inherited_options() {
     o.max_unsharded_units = requested_.max_unsharded_units();
     o.offload = own.offload() ? *own.offload() : requested_.offload().value_or(OffloadPolicy());
     o.offload.validate();
-    check_offload_on_device(o.offload, unit->name(), device);
+    offload::check_allowed_on_device(o.offload, unit->name(), device.is_cpu(), device.str());
   }
 }
 
@@ -471,32 +449,11 @@ void ShardedUnit::lazy_init() {
 // one stager.
 void ShardedUnit::open_offload_tiers() {
   RootState& rs = *root_state_;
-  const c10::Device device = mesh_.dist().compute_device();
-  const OffloadPolicy* disk_policy = nullptr;
-  bool needs_stager = false;
-  for (ShardedUnit* unit : rs.units) {
-    const OffloadPolicy& policy = unit->options_.offload;
-    needs_stager = needs_stager || policy.uses(OffloadTier::kHost) || (policy.any() && !device.is_cpu()) ||
-                   master_follows_state(policy);
-    if (!policy.uses(OffloadTier::kDisk)) continue;
-    if (disk_policy &&
-        (disk_policy->dir() != policy.dir() || disk_policy->memory_budget_bytes() != policy.memory_budget_bytes())) {
-      throw ConfigError("fsdp: unit '" + unit->name() + "' sets offload.dir=" + policy.dir() +
-                        " and offload.memory_budget_bytes=" + std::to_string(policy.memory_budget_bytes()) +
-                        " but another unit set " + disk_policy->dir() + " and " +
-                        std::to_string(disk_policy->memory_budget_bytes()) +
-                        "; the disk tier is one per rank: set them on the root only");
-    }
-    disk_policy = &policy;
-  }
-  if (disk_policy) rs.disk_tier = offload::DiskTier::open(disk_policy->dir(), disk_policy->memory_budget_bytes());
-  // The stager copies host-tier states (on CPU runs too: Note [Host tier schedule]) and, on a
-  // device, disk-tier states between host and device memory.
-  if (needs_stager) rs.stager = offload::make_stager(device);
-  // On a device, the tier's host buffers are pinned: its reads go straight to the device by DMA.
-  if (rs.disk_tier && rs.stager && !device.is_cpu()) {
-    rs.disk_tier->set_host_allocator([stager = rs.stager](int64_t numel) { return stager->host_zeros(numel); });
-  }
+  std::vector<std::pair<std::string, const OffloadPolicy*>> policies;
+  for (ShardedUnit* unit : rs.units) policies.emplace_back(unit->name(), &unit->options_.offload);
+  offload::RankTiers tiers = offload::open_rank_tiers(policies, mesh_.dist().compute_device());
+  rs.disk_tier = std::move(tiers.disk);
+  rs.stager = std::move(tiers.stager);
 }
 
 // Moves each flat param's states to the tiers of its unit's offload policy, once the disk's free
@@ -518,14 +475,13 @@ void ShardedUnit::place_offloaded_states() {
     const OffloadPolicy& policy = unit->options_.offload;
     if (!policy.any()) continue;
     for (auto& fp : unit->flat_params_) {
+      // Note [Placement rules] (offload/placement.cpp).
+      const offload::StateTiers where =
+          offload::place(policy, {fp->config().requires_grad, fp->stores_frozen()}, rs.stager != nullptr);
       OffloadPlacement p;
-      // A frozen shard in a stored form goes to the host tier when the params are offloaded (it is
-      // read whole for every gather, which the disk tier would turn into reads of the file).
-      p.params = fp->stores_frozen() && policy.params() != OffloadTier::kNone
-                     ? (rs.stager ? OffloadTier::kHost : OffloadTier::kNone)
-                     : policy.params();
-      p.grads = fp->config().requires_grad ? policy.grads() : OffloadTier::kNone;
-      p.optimizer_state = fp->config().requires_grad ? policy.optimizer_state() : OffloadTier::kNone;
+      p.params = where.working_copy ? OffloadTier::kNone : where.master;
+      p.grads = where.grads;
+      p.optimizer_state = where.optimizer_state;
       p.disk = rs.disk_tier;
       p.stager = rs.stager;
       fp->set_offload(std::move(p));

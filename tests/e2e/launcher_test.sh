@@ -12,6 +12,8 @@ if [ ! -x "$BIN" ]; then
   exit 2
 fi
 TMP=$(mktemp -d)
+# The cases below run with the thread count fixed; case_thread_default clears it.
+export OMP_NUM_THREADS=1
 TAG=$$  # unique per run, so marker sleeps never match another run's processes
 MARKERS="sleep 6[0-9]\\.$TAG"
 passed=0
@@ -275,8 +277,31 @@ case_large_output() {
   finish_case "large output is forwarded completely"
 }
 
+# Note [Threads per rank]: unless OMP_NUM_THREADS is set, each rank gets the launcher's cores
+# divided among the ranks (at least 1), and fsdp-run says so; a value the user set is kept.
+case_thread_default() {
+  local cores expected
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc itself honours OMP_NUM_THREADS
+  for n in 1 2 3; do
+    expected=$(( cores / n )); [ "$expected" -lt 1 ] && expected=1
+    env -u OMP_NUM_THREADS "$BIN" --nproc-per-node $n -- bash -c 'echo "threads=$OMP_NUM_THREADS"' \
+      >"$TMP/out" 2>"$TMP/err" </dev/null
+    RC=$?
+    expect "exit status 0 with $n rank(s)" '[ "$RC" -eq 0 ]'
+    expect "every one of $n rank(s) gets $expected thread(s)" \
+      "[ \"\$(grep -c '^\\[rank [0-9]*\\] threads=$expected\$' '$TMP/out')\" -eq $n ]"
+    expect "the chosen value is printed ($n rank(s))" \
+      "grep -q '^fsdp-run: OMP_NUM_THREADS=$expected for each of $n rank(s)' '$TMP/err'"
+  done
+  OMP_NUM_THREADS=3 launch --nproc-per-node 2 -- bash -c 'echo "threads=$OMP_NUM_THREADS"'
+  expect "a value the user set is kept" "[ \"\$(grep -c '^\\[rank [01]\\] threads=3\$' '$TMP/out')\" -eq 2 ]"
+  expect "nothing printed when set" "! grep -q OMP_NUM_THREADS '$TMP/err'"
+  finish_case "intra-op threads per rank: cores / ranks unless OMP_NUM_THREADS is set"
+}
+
 case_success_two_ranks
 case_environment
+case_thread_default
 case_first_failure
 case_ignores_sigterm
 case_bad_usage

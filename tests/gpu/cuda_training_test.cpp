@@ -19,7 +19,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "offload/device_stager.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

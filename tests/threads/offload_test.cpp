@@ -31,7 +31,7 @@
 #include "offload/device_stager.h"
 #include "offload/testing.h"
 #include "offload_job.h"
-#include "offload/tier.h"
+#include "offload/tier_tensors.h"
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"

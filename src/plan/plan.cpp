@@ -9,7 +9,8 @@
 
 #include "base/strings.h"
 #include "fsdp/errors.h"
-#include "shard/plan_cost.h"
+#include "offload/placement.h"
+#include "plan/plan_cost.h"
 
 namespace fsdp {
 
@@ -107,6 +108,8 @@ void check_request(const ModelShape& shape, const PlanRequest& r) {
     bad("micro_batch must be in [1, batch_per_rank], got " + std::to_string(*r.micro_batch));
   }
   if (r.checkpoint_every && *r.checkpoint_every < 0) bad("checkpoint_every must be >= 0");
+  // The runtime's rule (Note [Placement rules]): the same refusal fully_shard would give.
+  if (r.offload) offload::check_allowed_on_device(*r.offload, "root", r.device == c10::kCPU, c10::DeviceTypeName(r.device));
 }
 
 using Tiers = std::array<OffloadTier, 3>;  // params, grads, optimizer state
@@ -149,17 +152,22 @@ std::vector<Choices> candidates(const PlanRequest& r) {
   return out;
 }
 
+std::string option(const PlanRequest& r, const std::string& name) { return r.option_name ? r.option_name(name) : name; }
+std::string setting(const PlanRequest& r, const std::string& name, const std::string& value) {
+  return option(r, name) + "=" + value;
+}
+
 std::string gib(int64_t b) { return base::mib(b, 1) + " (" + std::to_string(b) + " bytes)"; }
 
 void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
   const bool cpu = r.device == c10::kCPU;
-  p.settings = {std::string("fsdp.strategy=") + strategy_name(p.strategy),
-                std::string("fsdp.offload.params=") + offload_tier_name(p.params),
-                std::string("fsdp.offload.grads=") + offload_tier_name(p.grads),
-                std::string("fsdp.offload.optimizer_state=") + offload_tier_name(p.optimizer_state),
-                "train.activation_checkpointing=" + std::to_string(p.checkpoint_every),
-                "data.batch_size_per_rank=" + std::to_string(p.micro_batch),
-                "train.grad_accum_steps=" + std::to_string(p.grad_accum_steps)};
+  p.settings = {setting(r, "FullyShardOptions::strategy", strategy_name(p.strategy)),
+                setting(r, "OffloadPolicy::params", offload_tier_name(p.params)),
+                setting(r, "OffloadPolicy::grads", offload_tier_name(p.grads)),
+                setting(r, "OffloadPolicy::optimizer_state", offload_tier_name(p.optimizer_state)),
+                setting(r, "PlanRequest::checkpoint_every", std::to_string(p.checkpoint_every)),
+                setting(r, "PlanRequest::micro_batch", std::to_string(p.micro_batch)),
+                setting(r, "grad_accum_steps", std::to_string(p.grad_accum_steps))};
   auto& a = p.assumptions;
   const std::string process = base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device)));
   a.push_back("process: " + process + " of host memory" +
@@ -233,8 +241,8 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
     PlanRequest narrow = r;
     narrow.reduce_dtype = r.param_dtype;
     if (plan(shape, narrow).fits) {
-      return s.str() + "Lever: reducing gradients in the compute dtype (fsdp.reduce_dtype=" +
-             std::string(c10::toString(r.param_dtype)) + ") would fit.";
+      return s.str() + "Lever: reducing gradients in the compute dtype (" +
+             setting(r, "MixedPrecisionPolicy::reduce_dtype", c10::toString(r.param_dtype)) + ") would fit.";
     }
   }
   const auto root = std::find_if(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.is_root; });

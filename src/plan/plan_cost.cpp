@@ -24,11 +24,11 @@
 // bench/results/scale-*.md). Per step, each rank sends (N - 1) shards of every unit it gathers (a
 // ring) and of every gradient it reduces; the disk tier reads and writes what it holds once per
 // step, plus a disk-tier master's reads for the gathers.
-#include "shard/plan_cost.h"
+#include "plan/plan_cost.h"
 
 #include <algorithm>
 
-#include "offload/tier.h"
+#include "offload/placement.h"
 #include "shard/frozen_storage.h"
 
 namespace fsdp::planning {
@@ -67,68 +67,79 @@ Sizes sizes_of(const ModelShape& shape) {
   return s;
 }
 
-// The per-rank bytes of the sharded states, by tier, and the disk tier's I/O per step.
+// The per-rank bytes of the sharded states, by tier, and the offload I/O per step.
 struct States {
-  int64_t tier[3] = {0, 0, 0};  // kNone, kHost, kDisk
+  offload::TierBytes tier;
   int64_t master = 0, working = 0, grads = 0, optimizer = 0;
-  OffloadIo io;
+  offload::StepIo io;
 };
 
-int index_of(OffloadTier t) { return t == OffloadTier::kNone ? 0 : t == OffloadTier::kHost ? 1 : 2; }
-
-// Bytes per rank of a unit's frozen shards as stored, and whether they are fp32 masters (which
-// follow the params' offload tier like any master).
-int64_t frozen_bytes(const UnitShape& u, at::ScalarType param_dtype, int N, bool* fp32) {
-  *fp32 = true;
+// A unit's frozen elements by resolved storage (FrozenStorage::kParamDtype made concrete).
+std::vector<std::pair<FrozenStorage, int64_t>> frozen_parts(const UnitShape& u, at::ScalarType param_dtype) {
+  const FrozenStorage compute = param_dtype == at::kBFloat16 ? FrozenStorage::kBFloat16
+                                : param_dtype == at::kHalf   ? FrozenStorage::kFloat16
+                                                             : FrozenStorage::kFloat32;
+  std::vector<std::pair<FrozenStorage, int64_t>> out;
   if (u.frozen_by_storage.empty()) {
-    *fp32 = param_dtype == at::kFloat;
-    return ceil_div(u.frozen_numel, N) * elem(param_dtype);
+    if (u.frozen_numel > 0) out.emplace_back(compute, u.frozen_numel);
+    return out;
   }
-  double bytes = 0;
   for (const auto& [storage, numel] : u.frozen_by_storage) {
-    FrozenStorage s = storage;
-    if (s == FrozenStorage::kParamDtype) {
-      s = param_dtype == at::kBFloat16 ? FrozenStorage::kBFloat16
-          : param_dtype == at::kHalf   ? FrozenStorage::kFloat16
-                                       : FrozenStorage::kFloat32;
-    }
-    *fp32 = *fp32 && s == FrozenStorage::kFloat32;
-    bytes += static_cast<double>(ceil_div(numel, N)) * frozen::bytes_per_value(s);
+    out.emplace_back(storage == FrozenStorage::kParamDtype ? compute : storage, numel);
   }
-  return static_cast<int64_t>(bytes);
+  return out;
 }
 
+// Bytes per rank of a frozen part as stored (Note [Frozen storage]).
+int64_t stored_bytes(FrozenStorage s, int64_t numel, int N) {
+  return static_cast<int64_t>(static_cast<double>(ceil_div(numel, N)) * frozen::bytes_per_value(s));
+}
+
+// Bytes per rank of a unit's frozen shards as stored.
+int64_t frozen_bytes(const UnitShape& u, at::ScalarType param_dtype, int N) {
+  int64_t bytes = 0;
+  for (const auto& [storage, numel] : frozen_parts(u, param_dtype)) bytes += stored_bytes(storage, numel, N);
+  return bytes;
+}
+
+// Each unit's flat params placed and their I/O counted by the runtime's rules (offload/placement.h).
 States sharded_states(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N) {
   States s;
-  const bool follows =
-      c.params == OffloadTier::kNone && c.grads == OffloadTier::kNone && c.optimizer_state != OffloadTier::kNone;
-  const int64_t e = elem(req.param_dtype);
-  const int k = req.optimizer_state_tensors;
-  for (const auto& u : shape.units) {
-    const int64_t st = ceil_div(u.trainable_numel, N);
-    bool fp32 = true;
-    const int64_t sf = frozen_bytes(u, req.param_dtype, N, &fp32);
-    const OffloadTier trained_master = follows ? c.optimizer_state : c.params;
-    s.tier[index_of(trained_master)] += 4 * st;
-    // A stored form goes to the host tier when the params are offloaded.
-    s.tier[index_of(fp32 || c.params == OffloadTier::kNone ? c.params : OffloadTier::kHost)] += sf;
-    s.master += 4 * st + sf;
-    if (follows && st > 0) {
-      s.tier[0] += e * st;
-      s.working += e * st;
+  const auto policy = OffloadPolicy().params(c.params).grads(c.grads).optimizer_state(c.optimizer_state);
+  const bool cpu = req.device == c10::kCPU;
+  const bool stager = offload::needs_stager(policy, cpu);
+  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
+  const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
+  const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
+  auto add = [&](offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes, int gathers) {
+    const offload::StateTiers where = offload::place(policy, kind, stager);
+    offload::FlatParamIo f;
+    f.master_bytes = master_bytes;
+    f.compute_bytes = e * shard_numel;
+    f.reduced_bytes = r * shard_numel;
+    f.state_tensors = req.optimizer_state_tensors;
+    f.gathers = gathers;
+    f.device_is_cpu = cpu;
+    f.gathers_at_all = N > 1 || req.param_dtype != at::kFloat || where.master != OffloadTier::kNone;
+    const offload::TierBytes held = offload::state_bytes(where, kind, f);
+    for (int t = 0; t < 3; ++t) s.tier.bytes[t] += held.bytes[t];
+    s.io += offload::step_io(where, kind, f);
+    s.master += master_bytes;
+    if (where.working_copy) s.working += f.compute_bytes;
+    if (kind.trainable) {
+      s.grads += master_bytes;
+      s.optimizer += f.state_tensors * master_bytes;
     }
-    s.tier[index_of(c.grads)] += 4 * st;
-    s.grads += 4 * st;
-    s.tier[index_of(c.optimizer_state)] += 4 * k * st;
-    s.optimizer += 4 * k * st;
-    // The disk tier's traffic: the step reads and writes every disk-tier state it updates; a
-    // disk-tier master is read again for each gather (the forward's read is kept for backward).
-    const int64_t streamed =
-        (trained_master == OffloadTier::kDisk ? 1 : 0) + (c.optimizer_state == OffloadTier::kDisk ? k : 0);
-    s.io.disk_read += streamed * offload::whole_pages(4 * st);
-    s.io.disk_write += streamed * offload::whole_pages(4 * st);
-    if (c.params == OffloadTier::kDisk) s.io.disk_read += offload::whole_pages(4 * st + (fp32 ? sf : 0));
-    if (c.grads == OffloadTier::kDisk && streamed > 0) s.io.disk_read += offload::whole_pages(4 * st);
+  };
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const auto& u = shape.units[i];
+    // The root and the last unit to run forward keep their params for backward.
+    const int gathers = keeps_all || u.is_root || i == last_layer ? 1 : 2;
+    const int64_t st = ceil_div(u.trainable_numel, N);
+    if (st > 0) add({true, false}, st, 4 * st, gathers);
+    for (const auto& [storage, numel] : frozen_parts(u, req.param_dtype)) {
+      add({false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N), gathers);
+    }
   }
   return s;
 }
@@ -165,8 +176,7 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
   const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
-    bool fp32 = true;
-    const int64_t s = ceil_div(u.trainable_numel, N) * e + frozen_bytes(u, req.param_dtype, N, &fp32);
+    const int64_t s = ceil_div(u.trainable_numel, N) * e + frozen_bytes(u, req.param_dtype, N);
     // The root and the last unit to run forward keep their params for backward.
     const int times = keeps_all || u.is_root || i == last_layer ? 1 : 2;
     gathers += times;
@@ -270,13 +280,13 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   if (!cpu)
     p.device.add("process (CUDA context, workspaces)",
                  req.process_device_bytes.value_or(default_process_device_bytes(req.device)));
-  p.device.add("sharded states not offloaded", s.tier[0]);
-  host.add("sharded states in the host tier", s.tier[1]);
-  p.disk.add("sharded states in the disk tier", s.tier[2]);
+  p.device.add("sharded states not offloaded", s.tier[OffloadTier::kNone]);
+  host.add("sharded states in the host tier", s.tier[OffloadTier::kHost]);
+  p.disk.add("sharded states in the disk tier", s.tier[OffloadTier::kDisk]);
   add_working_set(shape, req, c, N, s.working > 0, p);
   host.add("disk tier's mapped window", p.disk_memory_budget);
   if (req.async_save) host.add("async save's snapshot", s.master + s.optimizer);
-  p.io_per_step = s.io;
+  p.io_per_step = {s.io.disk_read, s.io.disk_write, s.io.to_device, s.io.to_host};
   add_traffic(shape, req, c, N, p);
   const int64_t device_budget = cpu ? req.budget.host_bytes : req.budget.device_bytes;
   p.fits = p.device.total() <= device_budget && (cpu || p.host.total() <= req.budget.host_bytes) &&

@@ -229,6 +229,23 @@ std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> find_tar
 
 }  // namespace
 
+std::string lora_adapter_name(const std::string& module, LoraWeight which) {
+  return module + "." + (which == LoraWeight::kA ? kAdapterA : kAdapterB) + ".weight";
+}
+
+std::string lora_module_of(const std::string& name, LoraWeight* which) {
+  for (const LoraWeight w : {LoraWeight::kA, LoraWeight::kB}) {
+    const std::string suffix = lora_adapter_name("", w);  // ".lora_A.weight"
+    if (name.size() > suffix.size() && fsdp::base::ends_with(name, suffix)) {
+      if (which != nullptr) *which = w;
+      return name.substr(0, name.size() - suffix.size());
+    }
+  }
+  return "";
+}
+
+bool is_lora_adapter(const std::string& name) { return !lora_module_of(name).empty(); }
+
 void register_linear_type(const std::type_info& type, std::function<at::Tensor*(torch::nn::Module&)> weight) {
   std::unique_lock<std::mutex> lock;
   linear_types(lock)[std::type_index(type)] = std::move(weight);
@@ -237,11 +254,13 @@ void register_linear_type(const std::type_info& type, std::function<at::Tensor*(
 ParamInitFn LoraModel::init(ParamInitFn base, uint64_t seed) const {
   return
       [base = std::move(base), seed](const std::string& name, at::IntArrayRef shape, int64_t offset, at::Tensor& out) {
-        if (fsdp::base::ends_with(name, std::string(kAdapterA) + ".weight")) {
+        LoraWeight which = LoraWeight::kA;
+        const bool adapter = !lora_module_of(name, &which).empty();
+        if (adapter && which == LoraWeight::kA) {
           // PEFT's kaiming_uniform_(a=sqrt(5)) over fan_in = in_features: bound 1/sqrt(in).
           const double bound = 1.0 / std::sqrt(static_cast<double>(shape[1]));
           init::uniform(-bound, bound, seed)(name, shape, offset, out);
-        } else if (fsdp::base::ends_with(name, std::string(kAdapterB) + ".weight")) {
+        } else if (adapter) {
           out.zero_();
         } else if (base) {
           base(name, shape, offset, out);
@@ -266,8 +285,8 @@ FrozenStorageFn LoraModel::frozen_storage() const {
 std::vector<std::string> LoraModel::adapter_names() const {
   std::vector<std::string> names;
   for (const auto& t : targets) {
-    names.push_back(t.name + "." + kAdapterA + ".weight");
-    names.push_back(t.name + "." + kAdapterB + ".weight");
+    names.push_back(lora_adapter_name(t.name, LoraWeight::kA));
+    names.push_back(lora_adapter_name(t.name, LoraWeight::kB));
   }
   return names;
 }
@@ -292,7 +311,7 @@ LoraModel lora(torch::nn::Module& model, const LoraOptions& options, uint64_t se
     auto b = m->register_module(kAdapterB, std::make_shared<AdapterImpl>(at::empty({out_f, r}, opts)));
     if (!base.is_meta()) {
       for (auto* w : {&a->weight, &b->weight}) {
-        const std::string full = name + "." + (w == &a->weight ? kAdapterA : kAdapterB) + ".weight";
+        const std::string full = lora_adapter_name(name, w == &a->weight ? LoraWeight::kA : LoraWeight::kB);
         at::Tensor flat = at::empty({w->numel()}, at::kFloat);
         init(full, w->sizes(), 0, flat);
         w->copy_(flat.view(w->sizes()));

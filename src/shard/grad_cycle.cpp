@@ -1,0 +1,178 @@
+// GradCycle: one flat param's gradient from its unit's backward to the optimizer. See the Notes
+// below and Note [Flat buffer lifetime] in flat_param.h.
+#include "shard/grad_cycle.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+
+#include "kernels/ops.h"
+#include "offload/residency.h"
+#include "offload/buffer_storage.h"
+#include "shard/flat_param.h"
+
+namespace fsdp {
+
+void GradCycle::guard() {
+  for (size_t i = 0; i < guards_.size(); ++i) fp_.entries_[i].param.mutable_grad() = guards_[i];
+  guarded_ = !guards_.empty();
+}
+
+void GradCycle::unguard() {
+  if (!guarded_) return;
+  if (prepared_) {
+    point_at_buffer();
+    return;
+  }
+  for (size_t i = 0; i < guards_.size(); ++i) fp_.entries_[i].param.mutable_grad() = at::Tensor();
+  guarded_ = false;
+}
+
+void GradCycle::point_at_buffer() {
+  for (size_t k = 0; k < fp_.entries_.size(); ++k) {
+    FlatParamEntry& e = fp_.entries_[k];
+    if (!copied_.empty() && !copied_[k]) {
+      e.param.mutable_grad() = at::Tensor();  // its part holds no gradient yet: the first is copied in
+      continue;
+    }
+    e.param.mutable_grad() = buffer_.narrow(0, e.offset, e.numel).view(e.shape);
+  }
+  guarded_ = false;
+}
+
+// Note [One-rank gradients]
+// With one rank per shard, fp32 compute and reduction, and the gradient shard in no offload tier,
+// the reduce-scatter is the identity and the gradient shard covers the whole flat gradient. The
+// backward then accumulates straight into the gradient shard: no buffer to zero before each
+// backward, no copy out after it, no second buffer. zero_grad zeroes the shard, as always. The
+// sums are the same bits: the copy-out added the buffer's (0 + g) into a zeroed shard.
+bool GradCycle::can_alias_shard() const {
+  const OffloadPlacement& p = fp_.residency_->placement();
+  return fp_.aliases_master_ && fp_.shard_group_.size() == 1 && fp_.replicate_group_.size() == 1 &&
+         fp_.config_.reduce_dtype == at::kFloat && fp_.unsharded_.scalar_type() == at::kFloat &&
+         p.grads == OffloadTier::kNone && !fp_.residency_->master_follows_state();
+}
+
+void GradCycle::prepare() {
+  finalize();  // the buffer may still belong to the last step's reduce-scatter
+  if (!fp_.config_.requires_grad) return;
+  const bool alias = can_alias_shard();
+  if (aliases_shard_ && !alias) {  // the placement changed: a buffer of its own
+    buffer_ = at::Tensor();
+    aliases_shard_ = false;
+  }
+  if (!prepared_ && alias) {
+    if (!shard_.defined()) shard_ = at::zeros({fp_.padded_numel_}, fp_.unsharded_.options());
+    buffer_ = shard_;
+    aliases_shard_ = true;
+  } else if (!prepared_) {
+    // Note [The first gradient is copied]: not zeroed; each entry's first gradient is copied in.
+    if (!buffer_.defined()) {
+      buffer_ = at::empty({fp_.padded_numel_}, fp_.unsharded_.options());
+    } else {
+      offload::set_storage_alive(buffer_, true);
+    }
+    copied_.assign(fp_.entries_.size(), 0);
+    for (auto& e : fp_.entries_) e.param.mutable_grad() = at::Tensor();
+    guarded_ = false;
+    prepared_ = true;
+    return;
+  }
+  // Accumulating (no sync), the buffer is already there; .grad is guarded since the last backward.
+  if (!prepared_ || guarded_) point_at_buffer();
+  prepared_ = true;
+}
+
+// Note [The first gradient is copied]
+// With a gradient buffer of its own (not Note [One-rank gradients]), the buffer is not zeroed
+// before a step's first backward, and the parameters' .grad are left undefined, so AccumulateGrad
+// takes each gradient as autograd made it. Its post-hook (gradient_landed) copies it into the
+// parameter's part of the buffer and points .grad there, so what comes after (another micro-batch,
+// a second contribution under reentrant recomputation) adds in place as before. Before the
+// reduction, the parts no gradient reached (unused parameters) and the padding are zeroed. That
+// is one copy per gradient where zeroing the buffer and adding into it was three passes. The sums
+// are the same bits, except that a gradient element of -0.0 stays -0.0 instead of 0 + -0.0 = +0.0.
+void GradCycle::landed(size_t k) {
+  if (copied_.empty() || copied_[k] || reduce_issued_) return;
+  FlatParamEntry& e = fp_.entries_[k];
+  at::Tensor part = buffer_.narrow(0, e.offset, e.numel).view(e.shape);
+  const at::Tensor& g = e.param.grad();
+  c10::NoGradGuard no_grad;
+  if (!g.defined()) {
+    part.zero_();
+  } else if (g.is_sparse()) {  // e.g. a sparse embedding's: added into zeros, as before
+    part.zero_();
+    part.add_(g);
+  } else {
+    part.copy_(g);
+  }
+  e.param.mutable_grad() = part;
+  copied_[k] = 1;
+}
+
+void GradCycle::fill_uncopied() {
+  if (copied_.empty()) return;
+  int64_t end = 0;
+  for (size_t k = 0; k < fp_.entries_.size(); ++k) {
+    const FlatParamEntry& e = fp_.entries_[k];
+    end = std::max(end, e.offset + e.numel);
+    // No gradient reached it (whatever .grad holds now is a guard or nothing).
+    if (!copied_[k]) buffer_.narrow(0, e.offset, e.numel).zero_();
+  }
+  if (end < fp_.padded_numel_) buffer_.narrow(0, end, fp_.padded_numel_ - end).zero_();
+  copied_.clear();
+}
+
+void GradCycle::reduce_scatter() {
+  if (!prepared_ || reduce_issued_) return;
+  fill_uncopied();
+  // The buffer now belongs to the collective: detach the params' views from it.
+  guard();
+  reduce_input_ = fp_.config_.reduce_dtype == buffer_.scalar_type() ? buffer_
+                                                                        : buffer_.to(fp_.config_.reduce_dtype);
+  if (fp_.shard_group_.size() == 1) {
+    reduce_output_ = reduce_input_;
+  } else {
+    reduce_output_ = at::empty({fp_.shard_numel_}, reduce_input_.options());
+    reduce_handle_ = fp_.shard_group_.reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, fp_.config_.tag);
+  }
+  reduce_issued_ = true;
+}
+
+void GradCycle::finalize() {
+  if (!reduce_issued_) return;
+  reduce_handle_.wait();
+  reduce_handle_ = CommHandle();
+  if (fp_.replicate_group_.size() > 1) {
+    fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag).wait();
+  }
+  // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
+  reduce_output_ = fp_.residency_->stage_reduced(reduce_output_);
+  if (aliases_shard_) {
+    // Already in place (Note [One-rank gradients]).
+  } else if (shard_.defined()) {
+    kernels::copy_out(reduce_output_, shard_, {/*divide_by=*/1.0, /*accumulate=*/true});
+  } else {
+    shard_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
+    kernels::copy_out(reduce_output_, shard_);
+  }
+  fp_.residency_->place_grad(shard_);
+  reduce_input_ = at::Tensor();
+  reduce_output_ = at::Tensor();
+  if (!aliases_shard_) offload::set_storage_alive(buffer_, false);
+  reduce_issued_ = false;
+  prepared_ = false;
+}
+
+void GradCycle::zero() {
+  if (shard_.defined()) shard_.zero_();
+  fp_.residency_->grad_written(shard_);
+}
+
+int64_t GradCycle::buffer_bytes() const {
+  if (aliases_shard_) return 0;  // the gradient shard's bytes
+  return buffer_.defined() ? static_cast<int64_t>(buffer_.storage().nbytes()) : 0;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,57 @@
+// GradCycle: one flat param's gradient from its unit's backward to the optimizer. Before the
+// backward the gradient buffer exists and the parameters' .grad are (or become) views of it; each
+// gradient lands in it; the buffer is reduce-scattered, the result added to the fp32 gradient
+// shard, and the buffer freed. Between backwards the parameters' .grad are guards. Part of a
+// FlatParam (its layout, groups and residency), which forwards its gradient calls here.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "fsdp/comm.h"
+
+namespace fsdp {
+
+class FlatParam;
+
+class GradCycle {
+ public:
+  explicit GradCycle(FlatParam& fp) : fp_(fp) {}
+  void add_guard(at::Tensor guard) { guards_.push_back(std::move(guard)); }
+
+  void prepare();  // FlatParam::prepare_gradients
+  bool prepared() const { return prepared_; }
+  void landed(size_t k);  // FlatParam::gradient_landed
+  void guard();
+  void unguard();
+  void reduce_scatter();
+  void finalize();
+  void zero();
+  at::Tensor& shard() { return shard_; }  // fp32 gradient shard, undefined until the first reduction
+  int64_t buffer_bytes() const;
+
+ private:
+  bool can_alias_shard() const;
+  void point_at_buffer();
+  void fill_uncopied();  // zeroes what no gradient reached, and the padding
+
+  FlatParam& fp_;
+  at::Tensor shard_;
+  at::Tensor buffer_;  // [padded] compute dtype; storage freed between backwards
+  // The buffer is the gradient shard itself (Note [One-rank gradients] in grad_cycle.cpp).
+  bool aliases_shard_ = false;
+  at::Tensor reduce_input_;   // buffer_ or its cast to reduce dtype
+  at::Tensor reduce_output_;  // [shard] reduce dtype
+  CommHandle reduce_handle_;
+  bool reduce_issued_ = false;
+  bool prepared_ = false;
+  bool guarded_ = false;  // the parameters' .grad are guards_
+  // Note [The first gradient is copied]: per entry, whether its part of the buffer holds its
+  // gradient yet; empty when the buffer was zeroed (the parameters add into it).
+  std::vector<char> copied_;
+  std::vector<at::Tensor> guards_;  // per entry of a trainable flat param
+};
+
+}  // namespace fsdp
