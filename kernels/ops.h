@@ -1,8 +1,8 @@
 // The element-wise operations of the sharded step, one contract for two implementations: CUDA
 // kernels (kernels/cuda/) for tensors on a GPU and CPU twins (kernels/cpu/) for everything else.
 // Each function below checks its arguments, then dispatches on the device of its tensors; the
-// twin and the kernel must agree with the contract stated here, and tests/unit/kernels_test.cpp holds
-// both to it (twin against plain ATen, kernel against twin).
+// twin and the kernel must agree with the contract stated here, and tests/unit/kernels_test.cpp and
+// kernels_blocks_test.cpp hold both to it (twin against plain ATen, kernel against twin).
 //
 // Common rules for every operation:
 //   - tensors are contiguous (any storage offset, so chunk views of a shard are fine) and all on

@@ -18,6 +18,7 @@
 #include "fsdp/device_mesh.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
+#include "fsdp/frozen_storage.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/init.h"

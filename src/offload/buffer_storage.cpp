@@ -109,5 +109,4 @@ void set_storage_alive(const at::Tensor& t, bool alive) {
   storage->set_nbytes(bytes);
 }
 
-
 }  // namespace fsdp::offload

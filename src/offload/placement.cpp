@@ -13,7 +13,8 @@
 //     offloaded one, so its gradient must come to the host and its result go back.
 //  4. What a step moves. The disk tier reads a disk-tier master for each gather, except the
 //     backward gather of a unit that kept its forward read; on a device, each gather of a host-tier
-//     master (or a disk-tier one, through host memory) copies the shard to the device. The step
+//     master (or a disk-tier one, through host memory) copies the shard to the device, cast to the
+//     compute dtype (a stored frozen shard in its stored form). The step
 //     reads and writes every disk-tier state it updates (the master, each state tensor) once, less
 //     the master a backward gather read for a step in backward, and reads a disk-tier gradient
 //     shard when it streams; an offloaded gradient crosses to the host. A master that follows its
@@ -90,8 +91,9 @@ StepIo step_io(const StateTiers& where, FlatParamKind kind, const FlatParamIo& f
   const int64_t pages = whole_pages(f.master_bytes);
   if (!where.working_copy && f.gathers_at_all) {
     if (master == OffloadTier::kDisk) io.disk_read += (f.gathers - (f.forward_kept && f.gathers == 2 ? 1 : 0)) * pages;
+    // A stored frozen shard crosses as stored; a master after its cast to the compute dtype.
     if (master == OffloadTier::kHost || (master == OffloadTier::kDisk && !f.device_is_cpu)) {
-      io.to_device += f.gathers * f.compute_bytes;
+      io.to_device += f.gathers * (kind.stored_frozen ? f.master_bytes : f.compute_bytes);
     }
   }
   if (!kind.trainable) return io;

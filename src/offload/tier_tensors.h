@@ -11,8 +11,8 @@
 
 namespace fsdp::offload {
 
-bool is_disk_backed(const at::Tensor& t);  // views included
-DiskTier* tier_of(const at::Tensor& t);    // null unless disk-backed
+bool is_disk_backed(const at::Tensor& t);                                // views included
+DiskTier* tier_of(const at::Tensor& t);                                  // null unless disk-backed
 void release(const at::Tensor& t, int64_t begin = 0, int64_t end = -1);  // pages leave memory; -1: the end
 at::Tensor read_whole(const at::Tensor& t, const std::string& what);     // host values (I/O threads)
 at::Tensor clone_in_tier(const at::Tensor& t);                           // a device tensor's clone is a host copy

@@ -109,7 +109,8 @@ void check_request(const ModelShape& shape, const PlanRequest& r) {
   }
   if (r.checkpoint_every && *r.checkpoint_every < 0) bad("checkpoint_every must be >= 0");
   // The runtime's rule (Note [Placement rules]): the same refusal fully_shard would give.
-  if (r.offload) offload::check_allowed_on_device(*r.offload, "root", r.device == c10::kCPU, c10::DeviceTypeName(r.device));
+  if (r.offload)
+    offload::check_allowed_on_device(*r.offload, "root", r.device == c10::kCPU, c10::DeviceTypeName(r.device));
 }
 
 using Tiers = std::array<OffloadTier, 3>;  // params, grads, optimizer state

@@ -29,7 +29,7 @@
 #include <algorithm>
 
 #include "offload/placement.h"
-#include "shard/frozen_storage.h"
+#include "offload/frozen_storage.h"
 
 namespace fsdp::planning {
 namespace {

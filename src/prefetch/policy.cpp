@@ -36,13 +36,26 @@ std::vector<UnitIndex> next(const ExecutionOrder& order, UnitIndex self, int dep
   return forward ? order.next_in_forward(self, depth) : order.next_in_backward(self, depth);
 }
 
+// In backward, the units whose backward is over are no targets (Units::backward_done).
+std::vector<UnitIndex> wanted(std::vector<UnitIndex> targets, bool forward, const Units& units) {
+  if (forward) return targets;
+  std::vector<UnitIndex> out;
+  for (UnitIndex t : targets) {
+    if (!units.backward_done(t)) out.push_back(t);
+  }
+  return out;
+}
+
 void before(const ExecutionOrder& order, UnitIndex self, const ExplicitTargets& explicit_targets, const Limits& limits,
             Units& units, bool forward) {
   if (limits.prefetch_depth > 0) {
-    gather(explicit_targets ? *explicit_targets : next(order, self, limits.prefetch_depth, forward), self,
-           limits.max_unsharded_units, units);
+    gather(wanted(explicit_targets ? *explicit_targets : next(order, self, limits.prefetch_depth, forward), forward,
+                  units),
+           self, limits.max_unsharded_units, units);
   }
-  if (limits.read_ahead) read_ahead(next(order, self, limits.prefetch_depth + 1, forward), self, units);
+  if (limits.read_ahead) {
+    read_ahead(wanted(next(order, self, limits.prefetch_depth + 1, forward), forward, units), self, units);
+  }
 }
 
 }  // namespace

@@ -21,6 +21,9 @@ class Units {
   virtual void gather(UnitIndex unit) = 0;
   // Starts the disk reads of the master shards the unit's all-gather will need.
   virtual void read_ahead(UnitIndex unit) = 0;
+  // Its backward is over in the backward running now: nothing reads its params again this step, so
+  // the backward's prefetch passes it by (a root whose own backward ran first, e.g. a head alone).
+  virtual bool backward_done(UnitIndex unit) const { return false; }
 };
 
 // A unit's explicit prefetch list (FSDPModule::set_modules_to_forward_prefetch and the backward

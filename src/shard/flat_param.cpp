@@ -14,7 +14,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
-#include "shard/frozen_storage.h"
+#include "offload/frozen_storage.h"
 #include "shard/param_data.h"
 #include "offload/residency.h"
 #include "offload/tier_tensors.h"
@@ -325,6 +325,5 @@ void FlatParam::read_ahead() {
 int64_t FlatParam::unsharded_bytes() const {
   return aliases_master_ ? 0 : static_cast<int64_t>(unsharded_.storage().nbytes());
 }
-
 
 }  // namespace fsdp

@@ -136,7 +136,7 @@ class FlatParam {
 
   // ---- state
   ShardedState state() const { return state_; }
-  at::Tensor& sharded_param();                          // fp32 master shard
+  at::Tensor& sharded_param();                           // fp32 master shard
   at::Tensor& sharded_grad() { return grads_.shard(); }  // fp32, undefined until the first reduce
 
   // Issues the all-gather (returns at once); wait_for_unshard() makes the params usable.
@@ -198,15 +198,15 @@ class FlatParam {
 
   ShardedState state_ = ShardedState::kSharded;
   std::unique_ptr<Residency> residency_;  // the master shard and where every state lives
-  at::Tensor unsharded_;     // [padded] compute dtype; storage freed while sharded
-  at::Tensor gather_input_;  // the shard in compute dtype, kept alive during the all-gather
+  at::Tensor unsharded_;                  // [padded] compute dtype; storage freed while sharded
+  at::Tensor gather_input_;               // the shard in compute dtype, kept alive during the all-gather
   CommHandle gather_handle_;
   bool gather_pending_ = false;
 
   GradCycle grads_{*this};
 
   std::shared_ptr<ParamGuardInfo> guard_info_;
-  std::vector<at::Tensor> guards_;       // per entry
+  std::vector<at::Tensor> guards_;  // per entry
 };
 
 }  // namespace fsdp

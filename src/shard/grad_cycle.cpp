@@ -129,8 +129,7 @@ void GradCycle::reduce_scatter() {
   fill_uncopied();
   // The buffer now belongs to the collective: detach the params' views from it.
   guard();
-  reduce_input_ = fp_.config_.reduce_dtype == buffer_.scalar_type() ? buffer_
-                                                                        : buffer_.to(fp_.config_.reduce_dtype);
+  reduce_input_ = fp_.config_.reduce_dtype == buffer_.scalar_type() ? buffer_ : buffer_.to(fp_.config_.reduce_dtype);
   if (fp_.shard_group_.size() == 1) {
     reduce_output_ = reduce_input_;
   } else {

@@ -27,8 +27,8 @@ FlatFigures figures_of(FlatParam& fp, int gathers, bool forward_kept, bool devic
   f.io.gathers = gathers;
   f.io.forward_kept = forward_kept;
   f.io.device_is_cpu = device_is_cpu;
-  f.io.gathers_at_all = fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat ||
-                        f.where.master != OffloadTier::kNone;
+  f.io.gathers_at_all =
+      fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat || f.where.master != OffloadTier::kNone;
   f.master = fp.sharded_param();
   if (f.where.working_copy) f.working = fp.working_shard();
   f.grad = fp.sharded_grad();
@@ -71,8 +71,8 @@ ModelFigures model_figures(FSDPModule& root) {
   // The forward order the last step recorded; before the first step, registration order stands
   // for it. Gathers per step follow prefetch::keeps_params_after_forward, as the state machine does.
   const auto order = rs == nullptr || rs->order.latest().empty() ? units : rs->units_in(rs->order.latest());
-  const auto kept = m.disk_tier ? units_keeping_forward_masters(order, m.disk_tier->budget_bytes())
-                                : std::vector<ShardedUnit*>{};
+  const auto kept =
+      m.disk_tier ? units_keeping_forward_masters(order, m.disk_tier->budget_bytes()) : std::vector<ShardedUnit*>{};
   int64_t gathered = 0;
   for (ShardedUnit* u : units) {
     const bool device_is_cpu = u->mesh().dist().compute_device().is_cpu();

@@ -26,7 +26,7 @@ struct FlatFigures {
   // Sizes, gathers per step, whether the forward read of a disk-tier master is kept, the device;
   // state_tensors and step_in_backward are the optimizer's, left to the caller.
   offload::FlatParamIo io;
-  at::Tensor master, working, grad;  // working: when the master follows its state; grad: once reduced
+  at::Tensor master, working, grad;                   // working: when the master follows its state; grad: once reduced
   int64_t gathered_bytes = 0, grad_buffer_bytes = 0;  // alive now
 };
 

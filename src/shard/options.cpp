@@ -1,4 +1,4 @@
-// Names of sharding strategies, buffer syncs and frozen storages (one table each, base/named.h),
+// Names of sharding strategies and buffer syncs (one table each, base/named.h),
 // and the default optimizer grouping.
 #include <algorithm>
 #include <cctype>
@@ -23,15 +23,6 @@ constexpr base::Named<BufferSync> kBufferSyncs[] = {
     {BufferSync::kLocal, "local"},
 };
 
-constexpr base::Named<FrozenStorage> kFrozenStorages[] = {
-    {FrozenStorage::kParamDtype, "param_dtype"},
-    {FrozenStorage::kFloat32, "float32"},
-    {FrozenStorage::kBFloat16, "bfloat16"},
-    {FrozenStorage::kFloat16, "float16"},
-    {FrozenStorage::kInt8, "int8"},
-    {FrozenStorage::kNF4, "nf4"},
-};
-
 }  // namespace
 
 const char* strategy_name(ShardingStrategy s) { return base::name_of(kStrategies, s, "UNKNOWN"); }
@@ -48,13 +39,6 @@ const char* buffer_sync_name(BufferSync s) { return base::name_of(kBufferSyncs, 
 BufferSync parse_buffer_sync(const std::string& name) {
   if (auto s = base::value_of(kBufferSyncs, name)) return *s;
   throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected " + base::names_text(kBufferSyncs) + ")");
-}
-
-const char* frozen_storage_name(FrozenStorage s) { return base::name_of(kFrozenStorages, s, "unknown"); }
-
-FrozenStorage parse_frozen_storage(const std::string& name) {
-  if (auto s = base::value_of(kFrozenStorages, name)) return *s;
-  throw ConfigError("fsdp: unknown frozen storage '" + name + "' (expected " + base::names_text(kFrozenStorages) + ")");
 }
 
 int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }

@@ -142,6 +142,9 @@ class RootUnits final : public prefetch::Units {
   void read_ahead(prefetch::UnitIndex unit) override {  // Note [Disk tier I/O threads]
     for (auto& fp : rs_.units[unit]->flat_params()) fp->read_ahead();
   }
+  bool backward_done(prefetch::UnitIndex unit) const override {
+    return rs_.in_backward && rs_.units[unit]->training_state() == TrainingState::kPostBackward;
+  }
 
  private:
   RootState& rs_;

@@ -151,6 +151,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // Whether its forward ran with gradients on in the last training step (true before any): off
   // under activation checkpointing, whose recomputation gathers it again in backward.
   bool forward_had_grad() const { return forward_had_grad_; }
+  TrainingState training_state() const { return state_; }
   // Host bytes a read of this unit's disk-tier masters takes (0 without any).
   int64_t disk_master_bytes() const;
   // Explicit prefetch lists; when set they replace the recorded-order ones.

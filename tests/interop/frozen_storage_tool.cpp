@@ -18,7 +18,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/options.h"
-#include "shard/frozen_storage.h"
+#include "offload/frozen_storage.h"
 
 namespace {
 

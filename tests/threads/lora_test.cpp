@@ -13,7 +13,7 @@
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
-#include "shard/frozen_storage.h"
+#include "offload/frozen_storage.h"
 #include "support/ranks.h"
 
 namespace fsdp {

@@ -17,7 +17,7 @@
 
 #include "fsdp/errors.h"
 #include "kernels/ops.h"
-#include "shard/frozen_storage.h"
+#include "offload/frozen_storage.h"
 
 namespace fsdp::kernels {
 namespace {

@@ -14,7 +14,7 @@ namespace {
 // Units that only count: a set of gathered ones, and what was asked of them.
 struct FakeUnits final : Units {
   size_t n = 0;
-  std::set<UnitIndex> gathered;
+  std::set<UnitIndex> gathered, backward_over;
   std::vector<UnitIndex> gathers, reads;
   size_t count() const override { return n; }
   bool gathered_or_gathering(UnitIndex unit) const override { return gathered.count(unit) > 0; }
@@ -23,6 +23,7 @@ struct FakeUnits final : Units {
     gathers.push_back(unit);
   }
   void read_ahead(UnitIndex unit) override { reads.push_back(unit); }
+  bool backward_done(UnitIndex unit) const override { return backward_over.count(unit) > 0; }
 };
 
 ExecutionOrder order_of(const std::vector<UnitIndex>& units) {
@@ -57,6 +58,31 @@ TEST(PrefetchPolicy, BackwardFollowsThisStepsOrderReversed) {
   before_backward(order, 3, std::nullopt, limits, units);
   EXPECT_EQ(units.gathers, (std::vector<UnitIndex>{2, 1}));
   EXPECT_TRUE(units.reads.empty());  // no disk tier
+}
+
+// A unit whose backward is over (a root holding only a head, whose backward runs first) is not
+// gathered again by the units after it, in the recorded order or an explicit list, nor read ahead;
+// a forward prefetch is unaffected.
+TEST(PrefetchPolicy, BackwardPassesByUnitsWhoseBackwardIsOver) {
+  ExecutionOrder order;
+  order.begin_step();
+  for (UnitIndex u : {0, 1, 2, 3}) order.record(u);
+  FakeUnits units;
+  units.n = 4;
+  units.backward_over = {0};
+  Limits limits;
+  limits.prefetch_depth = 2;
+  limits.read_ahead = true;
+  before_backward(order, 1, std::nullopt, limits, units);
+  EXPECT_TRUE(units.gathers.empty());
+  EXPECT_TRUE(units.reads.empty());
+  before_backward(order, 2, std::vector<UnitIndex>{0, 1}, limits, units);
+  EXPECT_EQ(units.gathers, (std::vector<UnitIndex>{1}));
+  FakeUnits fwd;
+  fwd.n = 4;
+  fwd.backward_over = {0, 1, 2, 3};
+  before_forward(order_of({3, 0, 1, 2}), 3, std::nullopt, limits, fwd);
+  EXPECT_EQ(fwd.gathers, (std::vector<UnitIndex>{0, 1}));
 }
 
 TEST(PrefetchPolicy, CapStopsGathering) {

@@ -1,13 +1,37 @@
-// FrozenStorage onto the kernels: a floating storage is a plain cast, int8 and NF4 are the block
-// codec of kernels/ops.h (encode_blocks, decode_blocks; the format is Note [Frozen storage] in
+// FrozenStorage's names, and the storage onto the kernels: a floating storage is a plain cast, int8 and NF4 are the
+// block codec of kernels/ops.h (encode_blocks, decode_blocks; the format is Note [Frozen storage] in
 // kernels/cpu/blocks.cpp). This file only maps the option onto a kernels::BlockFormat and brings
 // tensors into the kernels' contract (fp32/bf16/fp16, contiguous, exact sizes).
-#include "shard/frozen_storage.h"
+#include "offload/frozen_storage.h"
 
 #include <ATen/ATen.h>
 
+#include "base/named.h"
 #include "fsdp/errors.h"
 #include "kernels/ops.h"
+
+namespace fsdp {
+namespace {
+
+constexpr base::Named<FrozenStorage> kFrozenStorages[] = {
+    {FrozenStorage::kParamDtype, "param_dtype"},
+    {FrozenStorage::kFloat32, "float32"},
+    {FrozenStorage::kBFloat16, "bfloat16"},
+    {FrozenStorage::kFloat16, "float16"},
+    {FrozenStorage::kInt8, "int8"},
+    {FrozenStorage::kNF4, "nf4"},
+};
+
+}  // namespace
+
+const char* frozen_storage_name(FrozenStorage s) { return base::name_of(kFrozenStorages, s, "unknown"); }
+
+FrozenStorage parse_frozen_storage(const std::string& name) {
+  if (auto s = base::value_of(kFrozenStorages, name)) return *s;
+  throw ConfigError("fsdp: unknown frozen storage '" + name + "' (expected " + base::names_text(kFrozenStorages) + ")");
+}
+
+}  // namespace fsdp
 
 namespace fsdp::frozen {
 namespace {

@@ -8,7 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "fsdp/options.h"
+#include "fsdp/frozen_storage.h"
 
 namespace fsdp::frozen {
 
