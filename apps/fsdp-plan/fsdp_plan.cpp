@@ -8,6 +8,7 @@
 // many bytes, and which lever would fix it), 2 for a usage or config error.
 #include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,7 @@ const char* kUsage =
     "usage: fsdp-plan (--hf-config DIR|FILE | --config FILE) [--set KEY=VALUE]...\n"
     "                 [--nproc-per-node N] [--nnodes M] [--device cpu|cuda] [--device-memory SIZE]\n"
     "                 [--host-memory SIZE] [--disk SIZE] [--seq-len T] [--batch B] [--dtype D] [--choose]\n"
+    "                 [--margin PCT]\n"
     "\n"
     "Prints, per rank, the bytes each tier holds (device, host, disk), the bytes the collectives and\n"
     "the disk tier move per step, the assumptions, and whether the run fits the budgets.\n"
@@ -32,16 +34,22 @@ const char* kUsage =
     "  --hf-config X       a Hugging Face config.json (or its directory): choices are made for it\n"
     "  --config FILE       an fsdp-train config: its choices (offload, checkpointing, micro-batch,\n"
     "                      strategy) are kept, as fsdp-train --plan does, unless --choose\n"
-    "  --set KEY=VALUE     override an fsdp-train config key, e.g. lora.r=16, lora.base_dtype=nf4\n"
+    "  --set KEY=VALUE     override an fsdp-train config key, e.g. lora.r=16, lora.base_dtype=nf4; a\n"
+    "                      choice it names (fsdp.strategy, fsdp.offload.*, train.activation_checkpointing,\n"
+    "                      data.batch_size_per_rank, train.grad_accum_steps, train.async_save) is kept,\n"
+    "                      the planner makes the others; a key no figure depends on is noted\n"
     "  --nproc-per-node N  ranks per node (1)          --nnodes M  nodes (1)\n"
     "  --device D          cpu (1 rank's memory is the host's) or cuda (a prediction only)\n"
-    "  --device-memory S   per rank, e.g. 24GB or 80GiB (needed with cuda)\n"
+    "  --device-memory S   per rank, e.g. 24GB or 80GiB (needed with cuda); a size needs a unit (B for\n"
+    "                      bytes, KB MB GB TB, KiB MiB GiB TiB)\n"
     "  --host-memory S     per rank (default: this machine's MemAvailable / ranks per node)\n"
     "  --disk S            per rank, for the disk tier (default: free space here / ranks per node)\n"
     "  --seq-len T         tokens per sample (--hf-config: 2048)\n"
     "  --batch B           samples per rank per step (--hf-config: 1); the micro-batch is chosen\n"
     "  --dtype D           compute dtype, bfloat16 / float16 / float32 (--hf-config: bfloat16)\n"
-    "  --choose            with --config: let the planner choose offload, checkpointing and micro-batch\n";
+    "  --choose            with --config: let the planner choose offload, checkpointing and micro-batch\n"
+    "  --margin PCT        of the device's memory (on cpu the host's) held free when choosing, for what\n"
+    "                      the plan does not count (the allocator's slack, the data pipeline): 10% unless given\n";
 
 struct Args {
   std::string hf, config;
@@ -49,6 +57,7 @@ struct Args {
   int ranks_per_node = 1, nodes = 1;
   std::string device = "cpu", dtype;
   int64_t device_memory = 0, host_memory = 0, disk = 0, seq_len = 0, batch = 0;
+  double margin = 0.10;
   bool choose = false;
 };
 
@@ -56,19 +65,22 @@ struct UsageError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// "24GB", "80GiB", "512MB", "1.5TB", or bytes; decimal units are 1000-based, "i" units 1024-based.
+// "24GB", "80GiB", "512MB", "1.5TB", "4096B"; decimal units are 1000-based, "i" units 1024-based. A
+// bare number is refused: "--device-memory 24" meant 24 GB, not 24 bytes.
 int64_t parse_size(const std::string& flag, const std::string& v) {
   size_t end = 0;
   double n = 0;
   try {
     n = std::stod(v, &end);
   } catch (const std::exception&) {
-    throw UsageError(flag + " " + v + ": not a size (e.g. 24GB, 80GiB, 4096)");
+    throw UsageError(flag + " " + v + ": not a size (e.g. 24GB, 80GiB, 4096B)");
   }
   std::string unit = v.substr(end);
   for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  const std::pair<const char*, double> units[] = {{"", 1},
-                                                  {"B", 1},
+  if (unit.empty()) {
+    throw UsageError(flag + " " + v + ": a size needs a unit: " + v + "GB, " + v + "GiB, or " + v + "B for bytes");
+  }
+  const std::pair<const char*, double> units[] = {{"B", 1},
                                                   {"KB", 1e3},
                                                   {"MB", 1e6},
                                                   {"GB", 1e9},
@@ -82,18 +94,39 @@ int64_t parse_size(const std::string& flag, const std::string& v) {
                                                   {"T", 1099511627776.0},
                                                   {"TIB", 1099511627776.0}};
   for (const auto& [name, scale] : units) {
-    if (unit == name && n > 0) return static_cast<int64_t>(n * scale);
+    if (unit != name) continue;
+    const double bytes = n * scale;
+    if (!(bytes >= 1)) throw UsageError(flag + " " + v + ": not a positive size (e.g. 24GB, 80GiB, 4096B)");
+    // 2^60 bytes (an exbibyte) per rank: beyond any machine, and the plan's sums stay inside 64 bits.
+    if (bytes > 1152921504606846976.0) throw UsageError(flag + " " + v + ": out of range (at most 1 EiB per rank)");
+    return static_cast<int64_t>(bytes);
   }
-  throw UsageError(flag + " " + v + ": not a positive size (e.g. 24GB, 80GiB, 4096)");
+  throw UsageError(flag + " " + v + ": unknown unit \"" + v.substr(end) + "\" (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)");
+}
+
+// "10%" (or "10"): a percentage in [0, 90].
+double parse_margin(const std::string& flag, const std::string& v) {
+  size_t end = 0;
+  double pct = -1;
+  try {
+    pct = std::stod(v, &end);
+  } catch (const std::exception&) {
+  }
+  const std::string rest = end < v.size() ? v.substr(end) : "";
+  if (!(rest.empty() || rest == "%") || !(pct >= 0 && pct <= 90)) {
+    throw UsageError(flag + " " + v + ": a percentage of the device's memory from 0% to 90%, e.g. 10%");
+  }
+  return pct / 100;
 }
 
 int parse_count(const std::string& flag, const std::string& v) {
   try {
-    const int n = std::stoi(v);
-    if (n >= 1) return n;
+    size_t end = 0;
+    const int n = std::stoi(v, &end);
+    if (n >= 1 && end == v.size()) return n;
   } catch (const std::exception&) {
   }
-  throw UsageError(flag + " " + v + ": must be a positive integer");
+  throw UsageError(flag + " " + v + ": must be a positive integer (at most 2147483647)");
 }
 
 Args parse(int argc, char** argv) {
@@ -122,12 +155,58 @@ Args parse(int argc, char** argv) {
     else if (f == "--seq-len") a.seq_len = parse_count(f, v);
     else if (f == "--batch") a.batch = parse_count(f, v);
     else if (f == "--dtype") a.dtype = v;
+    else if (f == "--margin") a.margin = parse_margin(f, v);
     else throw UsageError("unknown flag " + f);
   }
   if (a.hf.empty() == a.config.empty()) throw UsageError("give one of --hf-config and --config");
   if (a.device != "cpu" && a.device != "cuda") throw UsageError("--device " + a.device + ": cpu or cuda");
   if (a.device == "cuda" && a.device_memory == 0) throw UsageError("--device cuda needs --device-memory");
+  // A --set that a flag would silently overwrite is refused: the flag is the one way to say it.
+  const std::pair<const char*, const char*> by_flag[] = {{"fsdp.device", "--device"},
+                                                         {"train.budget.host_bytes", "--host-memory"},
+                                                         {"train.budget.device_bytes", "--device-memory"},
+                                                         {"train.budget.disk_bytes", "--disk"}};
+  for (const auto& [key, value] : a.sets) {
+    for (const auto& [owned, flag] : by_flag) {
+      if (key != owned) continue;
+      const bool flag_given =
+          std::string(flag) == "--device" || (std::string(flag) == "--host-memory" && a.host_memory) ||
+          (std::string(flag) == "--device-memory" && a.device_memory) || (std::string(flag) == "--disk" && a.disk);
+      if (flag_given) throw UsageError("--set " + key + "=" + value + ": give it as " + flag + " instead");
+    }
+    if (key == "data.seq_len" && a.seq_len > 0) throw UsageError("--set data.seq_len and --seq-len: give one");
+    if (key == "data.batch_size_per_rank" && a.batch > 0) {
+      throw UsageError(
+          "--set data.batch_size_per_rank and --batch: give one (--batch lets the planner choose the "
+          "micro-batch; the --set fixes it)");
+    }
+    if (key == "fsdp.param_dtype" && !a.dtype.empty()) throw UsageError("--set fsdp.param_dtype and --dtype: give one");
+  }
   return a;
+}
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Whether a --set names `key` (a trailing '.' names a section).
+bool user_set(const Args& a, const char* key) {
+  for (const auto& [k, v] : a.sets) {
+    if (k == key || (key[std::strlen(key) - 1] == '.' && starts_with(k, key))) return true;
+  }
+  return false;
+}
+
+// The fsdp-train keys some figure of the plan depends on (train::plan_request and plan_shape read them).
+bool plan_reads(const std::string& key) {
+  for (const char* k : {"model.", "lora.", "fsdp.offload.", "train.budget."}) {
+    if (starts_with(key, k) && key != "lora.adapter_from" && key != "lora.save_base" && key != "train.budget.check")
+      return true;
+  }
+  for (const char* k : {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype",
+                        "fsdp.reduce_dtype", "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps",
+                        "train.activation_checkpointing", "train.async_save"}) {
+    if (key == k) return true;
+  }
+  return false;
 }
 
 // An fsdp-train config for the run: its own (--config), or the Hugging Face model's with the
@@ -153,16 +232,30 @@ train::TrainConfig run_config(const Args& a) {
 
 int run(const Args& a) {
   train::TrainConfig cfg = run_config(a);
-  cfg.train.budget_host_bytes = a.host_memory;
-  cfg.train.budget_device_bytes = a.device_memory;
-  cfg.train.budget_disk_bytes = a.disk;
+  for (const auto& [key, value] : a.sets) {
+    if (!plan_reads(key)) {
+      std::fprintf(stderr, "fsdp-plan: note: --set %s=%s applies to the run, but no figure of its plan depends on it\n",
+                   key.c_str(), value.c_str());
+    }
+  }
+  if (a.host_memory > 0) cfg.train.budget_host_bytes = a.host_memory;
+  if (a.device_memory > 0) cfg.train.budget_device_bytes = a.device_memory;
+  if (a.disk > 0) cfg.train.budget_disk_bytes = a.disk;
   fsdp::PlanRequest req = train::plan_request(cfg, a.ranks_per_node, a.nodes);
-  if (!a.hf.empty() || a.choose) {
-    req.offload.reset();
-    req.checkpoint_every.reset();
-    req.micro_batch.reset();
-    req.strategy.reset();
-    req.async_save = false;
+  req.margin = a.margin;
+  if (!a.hf.empty() || a.choose) {  // the planner chooses what no --set fixed
+    const bool tiers = user_set(a, "fsdp.offload.params") || user_set(a, "fsdp.offload.grads") ||
+                       user_set(a, "fsdp.offload.optimizer_state");
+    if (!tiers && user_set(a, "fsdp.offload.memory_budget_bytes")) {
+      throw std::invalid_argument(
+          "--set fsdp.offload.memory_budget_bytes: the disk tier's window is kept only with the tiers it belongs "
+          "to; --set fsdp.offload.params/grads/optimizer_state too, or leave the window to the planner");
+    }
+    if (!tiers) req.offload.reset();
+    if (!user_set(a, "train.activation_checkpointing")) req.checkpoint_every.reset();
+    if (!user_set(a, "data.batch_size_per_rank") && !user_set(a, "train.grad_accum_steps")) req.micro_batch.reset();
+    if (!user_set(a, "fsdp.strategy")) req.strategy.reset();
+    if (!user_set(a, "train.async_save")) req.async_save = false;
   }
   const fsdp::Plan plan = fsdp::plan(train::plan_shape(cfg), req);
   const auto& m = cfg.model;

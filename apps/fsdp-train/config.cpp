@@ -9,6 +9,7 @@
 
 #include "config_fields.h"
 #include "fsdp/errors.h"
+#include "hf.h"
 
 namespace train {
 namespace {
@@ -18,12 +19,30 @@ using nlohmann::json;
 // LlamaConfig::from_json starts from transformers' (Llama-2-7B) defaults; the trainer's start from
 // default_model_config(), so the user's keys are laid over ours. As in transformers, leaving out
 // num_key_value_heads means "as many as num_attention_heads", so a user who changes only the head
-// count gets plain multi-head attention rather than our default's grouping.
+// count gets plain multi-head attention rather than our default's grouping. The section takes a
+// published config.json's keys too (hidden_act, mlp_bias, rope_scaling, architectures, token ids,
+// ...), each checked as an import checks it (llama::hf::model_keys), so a model's config.json can
+// be pasted in as it is.
 llama::LlamaConfig parse_model(const json& doc) {
   json model = default_model_config().to_json();
+  // "LlamaConfig: key=value why" or "model: key=value why" -> "config: model.key=value why", the
+  // trainer's dotted form.
+  auto dotted = [](const std::invalid_argument& e) {
+    std::string what = e.what();
+    for (const std::string prefix : {"LlamaConfig: ", "model: "}) {
+      if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
+    }
+    return std::invalid_argument("config: model." + what);
+  };
   if (doc.contains("model")) {
-    const json& user = doc.at("model");
-    if (!user.is_object()) reject("model", user, "must be an object");
+    const json& given = doc.at("model");
+    if (!given.is_object()) reject("model", given, "must be an object");
+    json user;
+    try {
+      user = llama::hf::model_keys(given, "model", model["model_type"].get<std::string>());
+    } catch (const std::invalid_argument& e) {
+      throw dotted(e);
+    }
     if (user.contains("num_attention_heads") && !user.contains("num_key_value_heads")) {
       model.erase("num_key_value_heads");
     }
@@ -32,11 +51,7 @@ llama::LlamaConfig parse_model(const json& doc) {
   try {
     return llama::LlamaConfig::from_json(model);
   } catch (const std::invalid_argument& e) {
-    // "LlamaConfig: key=value why" -> "config: model.key=value: why", the trainer's dotted form.
-    std::string what = e.what();
-    const std::string prefix = "LlamaConfig: ";
-    if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
-    throw std::invalid_argument("config: model." + what);
+    throw dotted(e);
   }
 }
 

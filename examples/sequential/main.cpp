@@ -7,7 +7,9 @@
 //   fsdp-run --nproc-per-node 2 -- fsdp-example-sequential --steps 12 --out /tmp/seq --resume
 //
 // The global batch is 16 rows in micro-batches of 4 (BatchNorm normalises over a micro-batch):
-// each rank runs 4 / WORLD_SIZE of them per step, so 1, 2 and 4 ranks print the same losses.
+// each rank runs 4 / WORLD_SIZE of them per step, so 1, 2 and 4 ranks print the same training
+// losses. Not the same eval loss: BatchNorm's running statistics are buffers, which each rank
+// updates from its own micro-batches only (rank 0's are printed), so they depend on the world size.
 #include <ATen/ATen.h>
 #include <fsdp/fsdp.h>
 #include <torch/nn/modules/activation.h>
@@ -95,7 +97,8 @@ int train(const Args& args) {
   state.step = std::max(start, args.steps);
   fsdp::checkpoint::save(args.out, "step-" + std::to_string(state.step), *root, optim.get(), state);
 
-  // Eval mode reads the running statistics (the same on every rank: buffers are broadcast).
+  // Eval mode reads the running statistics: this rank's own (buffers are broadcast once, at
+  // fully_shard, and then each rank updates its copy from its own micro-batches).
   net->eval();
   at::NoGradGuard no_grad;
   auto [x, y] = global_batch(-1);

@@ -155,7 +155,11 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root, const Impo
 ImportReport import_unsharded(const std::string& dir, torch::nn::Module& module);
 
 // Loads the model tensors of a checkpoint into an ordinary, unsharded module (names as in its
-// named_parameters(); tied parameters under their first name).
+// named_parameters(); tied parameters under their first name). A checkpoint saved without the
+// frozen parameters (SaveOptions::frozen_params off, e.g. a LoRA run's adapters) restores the
+// trainable ones and leaves the frozen ones as they are: apply fsdp::lora to the module and import
+// its base first (import_unsharded); fsdp::merge_lora can fold the adapters in after. Onto a module
+// without adapters such a checkpoint is refused, saying so.
 void load_unsharded(const std::string& dir, torch::nn::Module& module);
 
 }  // namespace fsdp::checkpoint

@@ -91,6 +91,10 @@ struct PlanRequest {
   // memory. Defaults are this project's measured figures (the printout says which).
   std::optional<int64_t> process_host_bytes, process_device_bytes;
   PlanBudget budget;
+  // The fraction of the device's memory (on CPU runs the host's) held free when choosing, for what
+  // the plan does not count (the allocator's slack and fragmentation, the data pipeline): a plan
+  // fits when its device total is within budget x (1 - margin). In [0, 0.9].
+  double margin = 0;
   // Choices fixed by the caller (a config's); unset ones the planner makes.
   std::optional<ShardingStrategy> strategy;
   std::optional<OffloadPolicy> offload;     // tiers (and the disk tier's memory budget)
@@ -123,6 +127,7 @@ struct Plan {
   int shard_size = 1;  // ranks one parameter is sharded over
   OffloadTier params = OffloadTier::kNone, grads = OffloadTier::kNone, optimizer_state = OffloadTier::kNone;
   int64_t disk_memory_budget = 0;  // the disk tier's mapped window (OffloadPolicy::memory_budget_bytes)
+  int64_t margin_bytes = 0;        // of the device's memory, held free (PlanRequest::margin)
   int64_t checkpoint_every = 0;
   int64_t micro_batch = 0, grad_accum_steps = 1;
   // Peak bytes per rank: device memory (on CPU runs the process's RAM, which is also `host`), host
@@ -142,7 +147,8 @@ struct Plan {
 // The plan for `shape` under `request`: fixed choices are kept, the others chosen fastest first
 // (no offload before the host tier before the disk tier; no checkpointing before checkpointing;
 // the largest micro-batch). When nothing fits, the plan of the cheapest choice with `fits` false
-// and the shortfall filled. Throws ConfigError on a malformed request (no ranks, a negative budget).
+// and the shortfall filled. Throws ConfigError on a malformed request (no ranks, a negative budget,
+// a margin outside [0, 0.9]) and on a shape or request whose bytes overflow 64 bits.
 Plan plan(const ModelShape& shape, const PlanRequest& request);
 
 }  // namespace fsdp

@@ -27,6 +27,7 @@ struct IntKey {
   const char* name;
   int64_t LlamaConfig::*field;
   int64_t min;  // smallest valid value
+  int64_t max;  // largest: far beyond any published model, so that sizes stay in 64-bit arithmetic
 };
 struct DoubleKey {
   const char* name;
@@ -42,16 +43,19 @@ struct StringKey {
   const char* allowed;  // comma-separated (model_type: see model_types())
 };
 constexpr IntKey kIntKeys[] = {
-    {"vocab_size", &LlamaConfig::vocab_size, 1},
-    {"hidden_size", &LlamaConfig::hidden_size, 1},
-    {"intermediate_size", &LlamaConfig::intermediate_size, 1},
-    {"num_hidden_layers", &LlamaConfig::num_hidden_layers, 1},
-    {"num_attention_heads", &LlamaConfig::num_attention_heads, 1},
-    {"num_key_value_heads", &LlamaConfig::num_key_value_heads, 1},
-    {"max_position_embeddings", &LlamaConfig::max_position_embeddings, 1},
-    {"head_dim", &LlamaConfig::head_dim_override, 0},
-    {"sliding_window", &LlamaConfig::sliding_window, 0},
+    {"vocab_size", &LlamaConfig::vocab_size, 1, int64_t{1} << 28},
+    {"hidden_size", &LlamaConfig::hidden_size, 1, int64_t{1} << 20},
+    {"intermediate_size", &LlamaConfig::intermediate_size, 1, int64_t{1} << 22},
+    {"num_hidden_layers", &LlamaConfig::num_hidden_layers, 1, int64_t{1} << 16},
+    {"num_attention_heads", &LlamaConfig::num_attention_heads, 1, int64_t{1} << 16},
+    {"num_key_value_heads", &LlamaConfig::num_key_value_heads, 1, int64_t{1} << 16},
+    {"max_position_embeddings", &LlamaConfig::max_position_embeddings, 1, int64_t{1} << 32},
+    {"head_dim", &LlamaConfig::head_dim_override, 0, int64_t{1} << 16},
+    {"sliding_window", &LlamaConfig::sliding_window, 0, int64_t{1} << 32},
 };
+// The most parameters a config may describe (a million billion, about a thousand times the largest
+// published model): its bytes, optimizer state included, stay far inside 64-bit arithmetic.
+constexpr double kMaxParams = 1e15;
 constexpr DoubleKey kDoubleKeys[] = {
     {"rms_norm_eps", &LlamaConfig::rms_norm_eps},
     {"rope_theta", &LlamaConfig::rope_theta},
@@ -171,6 +175,20 @@ void LlamaConfig::validate() const {
   }
   for (const auto& k : kIntKeys) {
     if (this->*k.field < k.min) reject(k.name, this->*k.field, k.min == 0 ? "must be >= 0" : "must be positive");
+    if (this->*k.field > k.max) reject(k.name, this->*k.field, "is out of range: at most " + std::to_string(k.max));
+  }
+  {  // in floating point: the product of the maxima above does not fit 64 bits
+    const double H = static_cast<double>(hidden_size), I = static_cast<double>(intermediate_size);
+    const double heads = static_cast<double>(num_attention_heads + 2 * num_key_value_heads);
+    const double d = static_cast<double>(head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads);
+    const double per_layer = H * heads * d + heads * d * H + 3 * H * I;
+    const double total = static_cast<double>(num_hidden_layers) * per_layer + 2 * static_cast<double>(vocab_size) * H;
+    if (total > kMaxParams) {
+      reject("num_hidden_layers", num_hidden_layers,
+             "with hidden_size=" + std::to_string(hidden_size) + ", intermediate_size=" +
+                 std::to_string(intermediate_size) + " and vocab_size=" + std::to_string(vocab_size) +
+                 " describes about " + show(total) + " parameters, more than the 1e15 this model supports");
+    }
   }
   if (head_dim_override == 0 && hidden_size % num_attention_heads != 0) {
     reject("hidden_size", hidden_size,

@@ -135,7 +135,34 @@ json model_json(const std::string& where, const std::string& family, const json&
   return out;
 }
 
+// The family a document names (model_type), or `fallback` when it names none.
+std::string family_of(const std::string& where, const json& doc, const std::string& fallback) {
+  if (!doc.contains("model_type")) return fallback;
+  const json& type = doc["model_type"];
+  for (const auto& t : model_types()) {
+    if (type == t) return t;
+  }
+  refuse(where, "model_type", type, "is not supported; supported model types: llama, qwen2, qwen3, mistral");
+}
+
 }  // namespace
+
+json model_keys(const json& doc, const std::string& where, const std::string& default_type) {
+  if (!doc.is_object()) throw std::invalid_argument(where + ": expected a JSON object, got " + show(doc));
+  const std::string family = family_of(where, doc, default_type);
+  json rest = doc, own = json::object();
+  // LlamaConfig's keys that no config.json spells: kept as they are.
+  for (const char* key : {"attn_implementation", "sliding_window"}) {
+    const bool qwen = family == "qwen2" || family == "qwen3";  // Qwen's sliding_window: see check_fixed
+    if (rest.contains(key) && !(qwen && std::string(key) == "sliding_window")) {
+      own[key] = rest[key];
+      rest.erase(key);
+    }
+  }
+  json out = model_json(where, family, rest);
+  out.update(own);
+  return out;
+}
 
 std::string architecture(const std::string& model_type) {
   if (model_type == "llama") return "LlamaForCausalLM";
@@ -156,13 +183,16 @@ LlamaConfig config_from_hf_json(const std::string& text, const std::string& wher
   if (!doc.contains("model_type")) {
     throw std::invalid_argument(where + ": has no model_type; supported: llama, qwen2, qwen3, mistral");
   }
-  const json& type = doc["model_type"];
-  std::string family;
-  for (const auto& t : model_types()) {
-    if (type == t) family = t;
-  }
-  if (family.empty()) {
-    refuse(where, "model_type", type, "is not supported; supported model types: llama, qwen2, qwen3, mistral");
+  const std::string family = family_of(where, doc, "");
+  // transformers fills these from its class defaults (a 4096-wide, 32-layer model) when a file leaves
+  // them out; a plan or an import of that guess would describe some other model, so each is required.
+  for (const char* key :
+       {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}) {
+    if (!doc.contains(key) || doc[key].is_null()) {
+      throw std::invalid_argument(where + ": has no " + key +
+                                  "; a model's config.json gives vocab_size, hidden_size, "
+                                  "intermediate_size, num_hidden_layers and num_attention_heads");
+    }
   }
   const json model = model_json(where, family, doc);
   try {

@@ -21,6 +21,13 @@ namespace llama::hf {
 // Throws std::invalid_argument "WHERE: key=value why" naming the first offending key.
 LlamaConfig config_from_hf_json(const std::string& text, const std::string& where);
 
+// The LlamaConfig keys of a model description in config.json's terms (fsdp-train's model section):
+// LlamaConfig's own keys as they are, the rest by config_from_hf_json's rules (reshaped, checked
+// against the one value the model implements, dropped, or refused by name). `default_type`: the
+// family when `doc` has no model_type. Required sizes are not checked: the caller lays `doc` over
+// its defaults. Throws std::invalid_argument "WHERE: key=value why".
+nlohmann::json model_keys(const nlohmann::json& doc, const std::string& where, const std::string& default_type);
+
 // Reads DIR/config.json (config_from_hf_json). Throws std::invalid_argument naming the directory
 // when it has no config.json or cannot be read.
 LlamaConfig read_hf_config(const std::string& dir);

@@ -347,16 +347,41 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
   return saved.state;
 }
 
+// Whether the checkpoint holds the module's frozen parameters. Saved without them
+// (SaveOptions::frozen_params off: a LoRA run's adapters and nothing of its base), load_unsharded,
+// as load() does, restores the trainable ones and leaves the frozen ones (the base, imported into
+// the module beforehand); a module without adapters for such a checkpoint is refused.
+bool holds_frozen_unsharded(const std::string& dir, const FileSet& model, torch::nn::Module& module) {
+  bool adapters_in_file = false, base_in_file = false, frozen_in_file = false, module_has_adapters = false;
+  for (const auto& [name, file] : model.index.weight_map)
+    (is_lora_adapter(name) ? adapters_in_file : base_in_file) = true;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    module_has_adapters |= is_lora_adapter(item.key());
+    if (!item.value().requires_grad() && model.index.weight_map.count(item.key())) frozen_in_file = true;
+  }
+  if (adapters_in_file && !module_has_adapters && !base_in_file) {
+    throw CheckpointError(
+        "fsdp: checkpoint " + dir +
+        " holds a LoRA run's adapters only (saved with SaveOptions::frozen_params off, no base weights), and "
+        "this module has no adapters to take them. Add them first: fsdp::lora(module, the run's LoraOptions) on "
+        "this unsharded module, import the base into it (fsdp::checkpoint::import_unsharded of the pretrained "
+        "model), then load_unsharded restores the adapters; fsdp::merge_lora folds them into the base after");
+  }
+  return frozen_in_file;
+}
+
 void load_unsharded(const std::string& dir, torch::nn::Module& module) {
   if (!exists(join(dir, "train_state.json"))) {
     throw CheckpointError("fsdp: " + dir + " is not a committed checkpoint (no train_state.json)");
   }
   FileSet model = open_file_set(dir, "model");
+  const bool frozen_in_file = holds_frozen_unsharded(dir, model, module);
   std::map<std::string, at::Tensor> params;
   Wanted wanted;
   std::set<const void*> seen;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: first name
+    if (!frozen_in_file && !item.value().requires_grad()) continue;         // not saved: kept as it is
     params[item.key()] = item.value();
     wanted.emplace_back(item.key(), item.value().sizes().vec());
   }

@@ -18,7 +18,7 @@ using planning::Choices;
 
 int64_t ModelShape::numel() const {
   int64_t n = 0;
-  for (const auto& u : units) n += u.numel();
+  for (const auto& u : units) n = planning::add_bytes(n, u.numel(), "the parameter count of " + u.name);
   return n;
 }
 
@@ -31,15 +31,19 @@ int64_t ModelShape::trainable_numel() const {
 namespace {
 int64_t sum(const std::vector<std::pair<std::string, int64_t>>& items) {
   int64_t t = 0;
-  for (const auto& [name, bytes] : items) t += bytes;
+  for (const auto& [name, bytes] : items) t = planning::add_bytes(t, bytes, "the sum of the items up to " + name);
   return t;
 }
 }  // namespace
 
-int64_t PlanTier::total() const { return sum(items) + std::max(sum(at_backward_start), sum(at_backward_end)); }
+int64_t PlanTier::total() const {
+  return planning::add_bytes(sum(items), std::max(sum(at_backward_start), sum(at_backward_end)), "a tier's total");
+}
 
 void PlanTier::add(std::string name, int64_t bytes, Moment when) {
-  if (bytes <= 0) return;
+  // The figures are products of non-negative sizes: a negative one wrapped around.
+  if (bytes < 0) planning::add_bytes(0, bytes, name);
+  if (bytes == 0) return;
   (when == kBackwardStart ? at_backward_start
    : when == kBackwardEnd ? at_backward_end
                           : items)
@@ -94,7 +98,18 @@ namespace {
 
 void check_request(const ModelShape& shape, const PlanRequest& r) {
   auto bad = [](const std::string& what) { throw ConfigError("fsdp::plan: " + what); };
+  for (const auto& u : shape.units) {
+    if (u.trainable_numel < 0 || u.frozen_numel < 0) bad("unit " + u.name + " has a negative parameter count");
+  }
   if (shape.units.empty() || shape.numel() == 0) bad("the model shape has no parameters");
+  // Far beyond any model or batch, and what keeps the byte counts inside 64 bits.
+  if (shape.numel() > int64_t{1} << 50)
+    bad("the model shape has " + std::to_string(shape.numel()) + " parameters, more than 2^50");
+  if (r.seq_len > 0 && r.batch_per_rank > (int64_t{1} << 36) / r.seq_len) {
+    bad("seq_len x batch_per_rank (" + std::to_string(r.seq_len) + " x " + std::to_string(r.batch_per_rank) +
+        ") is more than 2^36 tokens per rank per step");
+  }
+  if (!(r.margin >= 0 && r.margin <= 0.9)) bad("margin must be in [0, 0.9], got " + std::to_string(r.margin));
   if (r.ranks_per_node < 1 || r.nodes < 1) {
     bad("ranks_per_node and nodes must be >= 1, got " + std::to_string(r.ranks_per_node) + " and " +
         std::to_string(r.nodes));
@@ -220,8 +235,8 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
       << ": short by " << gib(t.total() - budget) << "; its largest item is " << big->first << ", "
       << base::mib(big->second, 1) << ". ";
   };
-  check(cpu ? "RAM" : "device memory", p.device, cpu ? r.budget.host_bytes : r.budget.device_bytes,
-        cpu ? "host" : "device");
+  check(cpu ? "RAM" : "device memory", p.device, (cpu ? r.budget.host_bytes : r.budget.device_bytes) - p.margin_bytes,
+        p.margin_bytes > 0 ? (cpu ? "host less the margin" : "device less the margin") : (cpu ? "host" : "device"));
   if (!cpu) check("host memory", p.host, r.budget.host_bytes, "host");
   check("disk", p.disk, r.budget.disk_bytes, "disk");
   const bool fixed = r.offload || r.checkpoint_every || r.micro_batch || r.strategy;
@@ -301,6 +316,10 @@ std::string Plan::to_string() const {
     moment("the end of backward", t.at_backward_end, !start_larger);
   };
   tier(host.items.empty() ? "memory (RAM)" : "device memory", device);
+  if (margin_bytes > 0) {
+    s << "margin held free: " << base::mib(margin_bytes, 1) << " of " << (host.items.empty() ? "RAM" : "device memory")
+      << ", kept out of the budget when choosing\n";
+  }
   tier("host memory", host);
   tier("disk", disk);
   s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step

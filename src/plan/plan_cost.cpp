@@ -30,8 +30,18 @@
 
 #include "offload/placement.h"
 #include "offload/frozen_storage.h"
+#include "fsdp/errors.h"
 
 namespace fsdp::planning {
+
+int64_t add_bytes(int64_t a, int64_t b, const std::string& what) {
+  int64_t r = 0;
+  if (b < 0 || __builtin_add_overflow(a, b, &r)) {
+    throw ConfigError("fsdp::plan: " + what +
+                      " overflows 64-bit bytes: the model shape or the request (seq_len, batch) is too large to plan");
+  }
+  return r;
+}
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -160,13 +170,16 @@ int64_t activations(const ModelShape& shape, const PlanRequest& req, const Choic
     if (!u.activations) continue;
     const bool ckpt = c.checkpoint_every > 0 && u.checkpointable && layer % c.checkpoint_every == 0;
     if (u.checkpointable) ++layer;
-    const int64_t full = u.activations(c.micro_batch, req.seq_len, req.param_dtype, false);
-    kept += ckpt ? u.activations(c.micro_batch, req.seq_len, req.param_dtype, true) : full;
+    const std::string what = "the activations of " + u.name;
+    const int64_t full = add_bytes(0, u.activations(c.micro_batch, req.seq_len, req.param_dtype, false), what);
+    kept = add_bytes(kept, ckpt ? u.activations(c.micro_batch, req.seq_len, req.param_dtype, true) : full, what);
     if (ckpt) rebuilt = std::max(rebuilt, full);
-    extra = std::max(extra, u.backward_peak ? u.backward_peak(c.micro_batch, req.seq_len, req.param_dtype) : full);
+    extra = std::max(extra, u.backward_peak
+                                ? add_bytes(0, u.backward_peak(c.micro_batch, req.seq_len, req.param_dtype), what)
+                                : full);
   }
   *recompute = rebuilt;
-  return kept + extra + rebuilt;
+  return add_bytes(add_bytes(kept, extra, "the activations"), rebuilt, "the activations");
 }
 
 void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, Plan& p) {
@@ -289,7 +302,8 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   p.io_per_step = {s.io.disk_read, s.io.disk_write, s.io.to_device, s.io.to_host};
   add_traffic(shape, req, c, N, p);
   const int64_t device_budget = cpu ? req.budget.host_bytes : req.budget.device_bytes;
-  p.fits = p.device.total() <= device_budget && (cpu || p.host.total() <= req.budget.host_bytes) &&
+  p.margin_bytes = static_cast<int64_t>(static_cast<double>(device_budget) * req.margin);
+  p.fits = p.device.total() <= device_budget - p.margin_bytes && (cpu || p.host.total() <= req.budget.host_bytes) &&
            p.disk.total() <= req.budget.disk_bytes;
   return p;
 }

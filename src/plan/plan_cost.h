@@ -2,6 +2,8 @@
 // shortfall are in plan.cpp.
 #pragma once
 
+#include <string>
+
 #include "fsdp/plan.h"
 
 namespace fsdp::planning {
@@ -21,6 +23,10 @@ int64_t default_process_device_bytes(c10::DeviceType device);
 
 // The ranks one parameter is sharded over under `strategy`.
 int shard_size_of(ShardingStrategy strategy, const PlanRequest& req);
+
+// a + b, or a ConfigError naming `what` when the sum leaves 64 bits (a shape or request too large to
+// plan); a negative `b` (a figure that wrapped around) is refused the same way.
+int64_t add_bytes(int64_t a, int64_t b, const std::string& what);
 
 // Every figure of `choices` for `shape`; `fits` against the request's budgets, without a shortfall text.
 Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& choices);

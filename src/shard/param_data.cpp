@@ -84,6 +84,12 @@ GuardsSeen guards_in(const torch::jit::Stack& stack) {
   return seen;
 }
 
+// How to read a sharded module's weights outside its forward and backward.
+constexpr const char* kReadAdvice =
+    "To read the weights between steps, gather them: unit->unshard() on the FSDPModule fully_shard returned for "
+    "this module (on every rank: it is a collective), read, then unit->reshard(); or save a checkpoint "
+    "(fsdp::save) and read it into an unsharded copy of the model with fsdp::load_unsharded (fsdp/checkpoint.h)";
+
 constexpr const char* kOptimizerAdvice =
     "Build a torch::optim optimizer over the shards with fsdp::TorchOptimizer::make<torch::optim::Adam>(root, "
     "options) (fsdp/torch_optim.h) or use fsdp::AdamW / fsdp::SGD, and clip with fsdp::clip_grad_norm(*root, "
@@ -98,9 +104,9 @@ std::string gradient_message(const std::string& op, const GuardContext& g) {
 
 std::string after_backward_message(const std::string& op, const GuardContext& g) {
   return "fsdp: " + op + " was given parameter '" + param_path(g) + "' of sharded module " + module_of(g) +
-         " after backward, while its parameters are not gathered: a torch::optim optimizer or gradient clipping "
-         "over module->parameters() cannot step a sharded model. " +
-         kOptimizerAdvice + "; a forward runs as fsdp::call(module, args...)";
+         " after backward, while its parameters are not gathered (each rank holds a shard of them, in fsdp's flat "
+         "buffers). " +
+         kReadAdvice + ". To step the model: " + kOptimizerAdvice + "; a forward runs as fsdp::call(module, args...)";
 }
 
 std::string parameter_message(const std::string& op, const GuardContext* g) {
@@ -113,9 +119,10 @@ std::string parameter_message(const std::string& op, const GuardContext* g) {
   }
   return msg +
          "; a sharded block inside a torch::nn::Sequential, ModuleList or AnyModule, which call their children's "
-         "forward themselves, must be wrapped with fsdp::Sharded (docs/WRAPPING.md); outside forward and backward, "
-         "read parameters through the optimizer's shards or a checkpoint, and build a torch::optim optimizer with "
-         "fsdp::TorchOptimizer::make(root, options), not over module->parameters()";
+         "forward themselves, must be wrapped with fsdp::Sharded (docs/WRAPPING.md). " +
+         kReadAdvice +
+         "; build a torch::optim optimizer with fsdp::TorchOptimizer::make(root, options), not over "
+         "module->parameters()";
 }
 
 // What clearing a gradient does (Module::zero_grad, Optimizer::zero_grad): nothing to clear.

@@ -8,6 +8,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <map>
 #include <mutex>
 
 #include "base/file_io.h"
@@ -361,6 +362,46 @@ TEST(LoraSharded, CheckpointsTheAdaptersAloneOrEverything) {
       EXPECT_NE(index.find("b0.q.lora_A.weight"), std::string::npos);
     }
   });
+  // Onto unsharded models: the adapters-only checkpoint restores the adapters of a LoRA model and
+  // leaves its base as it was; the full one gives the same adapters; a model without adapters is
+  // told what the checkpoint holds and what to do.
+  auto lora_model = [](uint64_t seed) {
+    std::lock_guard<std::mutex> lock(g_seed_mutex);
+    at::manual_seed(seed);
+    Net n;
+    lora(*n, lora_options(FrozenStorage::kNF4), 99);
+    return n;
+  };
+  auto state = [](Net& n) {
+    std::map<std::string, at::Tensor> m;
+    for (const auto& p : n->named_parameters()) m[p.key()] = p.value().detach().clone();
+    return m;
+  };
+  Net from_adapters = lora_model(3), from_all = lora_model(3);
+  const auto before = state(from_adapters);
+  checkpoint::load_unsharded(io::join(root_dir, "adapters"), *from_adapters);
+  checkpoint::load_unsharded(io::join(root_dir, "all"), *from_all);
+  const auto got = state(from_adapters), full = state(from_all);
+  int adapters = 0;
+  for (const auto& [name, t] : got) {
+    if (is_lora_adapter(name)) {
+      ++adapters;
+      EXPECT_FALSE(at::equal(t, before.at(name))) << name << ": not restored";
+      EXPECT_TRUE(at::equal(t, full.at(name))) << name;
+    } else {
+      EXPECT_TRUE(at::equal(t, before.at(name))) << name << ": the base changed";
+    }
+  }
+  EXPECT_GT(adapters, 0);
+  Net plain;
+  try {
+    checkpoint::load_unsharded(io::join(root_dir, "adapters"), *plain);
+    ADD_FAILURE() << "an adapters-only checkpoint loaded onto a model without adapters";
+  } catch (const CheckpointError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("adapters only"), std::string::npos) << what;
+    EXPECT_NE(what.find("fsdp::lora("), std::string::npos) << what;
+  }
   io::remove_tree(root_dir);
 }
 

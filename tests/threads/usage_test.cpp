@@ -3,8 +3,9 @@
 // fails on its first use of a gradient, naming fsdp::TorchOptimizer::make / fsdp::clip_grad_norm,
 // on every path (FULL_SHARD, NO_SHARD, one rank in fp32, accumulation without sync), while
 // zero_grad over those parameters stays harmless and correct programs train bit for bit as
-// before; and errors name modules by their paths (a parameter tied across two units, a unit run
-// before its root, a child sharded after its parent).
+// before; reading a weight between steps names unshard/reshard and checkpoints, and the first
+// gives the unsharded model's trained weight; and errors name modules by their paths (a parameter tied across two
+// units, a unit run before its root, a child sharded after its parent).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -168,6 +169,41 @@ TEST(TorchOptimOnParameters, ClipGradNormRefused) {
       EXPECT_NE(what.find("'inp.weight'"), std::string::npos) << what;  // the parameter, by its path
       EXPECT_GT(clip_grad_norm(*root, 1.0), 0.0);
     }
+  });
+}
+
+// Reading a weight between steps is refused with the two ways to read it: gathering its unit
+// (unshard, read, reshard), which gives the trained full weight, equal to the unsharded model's,
+// or a checkpoint.
+TEST(ReadingWeights, BetweenStepsNamesUnshardAndCheckpoints) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    std::shared_ptr<FSDPModule> root;
+    Net net = shard(mesh, root, ShardingStrategy::kFullShard);
+    auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.1));
+    auto [x, y] = batch(dist, 0);
+    at::mse_loss(fsdp::call(net, x), y).backward();
+    optim->step();
+    const std::string what = usage_error_of([&] { (void)net->inp->weight.sum(); });
+    EXPECT_NE(what.find("unshard()"), std::string::npos) << what;
+    EXPECT_NE(what.find("reshard()"), std::string::npos) << what;
+    EXPECT_NE(what.find("fsdp::load_unsharded"), std::string::npos) << what;
+    EXPECT_NE(what.find("'inp.weight'"), std::string::npos) << what;
+
+    root->unshard();
+    const at::Tensor got = net->inp->weight.clone();
+    root->reshard();
+    EXPECT_FALSE(usage_error_of([&] { (void)net->inp->weight.sum(); }).empty());  // sharded again
+
+    Net ref = make_net();  // the same step on the whole batch, unsharded
+    torch::optim::SGD sgd(ref->parameters(), torch::optim::SGDOptions(0.1));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(700);
+    NetOptions o;
+    auto X = at::randn({8, o.in}, gen), Y = at::randn({8, o.out}, gen);
+    at::mse_loss(ref->forward(X), Y).backward();
+    sgd.step();
+    ASSERT_EQ(got.sizes(), ref->inp->weight.sizes());
+    EXPECT_TRUE(at::allclose(got, ref->inp->weight, 1e-5, 1e-6)) << (got - ref->inp->weight).abs().max();
   });
 }
 

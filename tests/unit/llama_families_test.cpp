@@ -168,7 +168,8 @@ TEST(LlamaFamilies, HfConfigReadsTransformers4Forms) {
   EXPECT_EQ(c.dtype, "bfloat16");
   const auto q = llama::hf::config_from_hf_json(
       R"({"model_type": "qwen2", "use_sliding_window": false, "sliding_window": 4096, "max_window_layers": 28,
-          "use_mrope": false, "hidden_size": 64, "num_attention_heads": 4})",
+          "use_mrope": false, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+          "num_hidden_layers": 2, "vocab_size": 100})",
       "q.json");
   EXPECT_EQ(q.sliding_window, 0);
   EXPECT_TRUE(q.qkv_bias());
@@ -184,7 +185,10 @@ std::string hf_error(const std::string& text) {
 }
 
 TEST(LlamaFamilies, HfConfigRefusesWhatIsNotImplementedByName) {
-  const std::string base = R"("hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2)";
+  const std::string base =
+      R"("hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96, )"
+      R"("vocab_size": 100)";
+  const std::string sizes = R"("num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 100)";
   struct Case {
     std::string text, must_contain;
   };
@@ -212,7 +216,22 @@ TEST(LlamaFamilies, HfConfigRefusesWhatIsNotImplementedByName) {
       {R"({"model_type": "llama", "rope_interleaved": true, )" + base + "}", "rope_interleaved=true is not supported"},
       {R"({"model_type": "llama", "use_qk_layernorm": true, )" + base + "}", "use_qk_layernorm=true is not an option"},
       {R"({"model_type": "llama", "dtype": "int8", )" + base + "}", "dtype=\"int8\""},
-      {R"({"model_type": "llama", "hidden_size": 30, "num_attention_heads": 4})", "hidden_size=30"},
+      {R"({"model_type": "llama", "hidden_size": 30, "num_attention_heads": 4, )" + sizes + "}", "hidden_size=30"},
+      // Each size a model needs is required: transformers' defaults would describe another model.
+      {R"({"model_type": "llama", "num_attention_heads": 4, )" + sizes + "}", "has no hidden_size"},
+      {R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+          "intermediate_size": 96, "vocab_size": null})",
+       "has no vocab_size"},
+      // Sizes beyond any model are refused, not planned in overflowing arithmetic.
+      {R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+          "intermediate_size": 96, "vocab_size": 100000000000000000})",
+       "vocab_size=100000000000000000 is out of range"},
+      {R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1099511627776,
+          "intermediate_size": 96, "vocab_size": 100})",
+       "num_hidden_layers=1099511627776 is out of range"},
+      {R"({"model_type": "llama", "hidden_size": 1048576, "num_attention_heads": 8, "num_hidden_layers": 65536,
+          "intermediate_size": 4194304, "vocab_size": 100})",
+       "more than the 1e15 this model supports"},
       {R"({"model_type": "llama", )", "not valid JSON"},
       {"[1, 2]", "expected a JSON object"},
   };

@@ -160,6 +160,60 @@ TEST(Plan, MalformedRequestsAreConfigErrorsNamingTheField) {
   EXPECT_NE(error_of(PlanRequest{}).find("(accepted)"), std::string::npos);  // defaults are valid
   ModelShape empty;
   EXPECT_THROW(plan(empty, request(1 << 30)), ConfigError);
+  r = request(1 << 30);
+  r.margin = 0.95;
+  EXPECT_NE(error_of(r).find("margin must be in [0, 0.9]"), std::string::npos) << error_of(r);
+  r = request(1 << 30);
+  r.seq_len = int64_t{1} << 30, r.batch_per_rank = 1 << 10;
+  EXPECT_NE(error_of(r).find("2^36 tokens"), std::string::npos) << error_of(r);
+}
+
+// A user's shape whose figures leave 64 bits is refused, never printed as a negative fit.
+TEST(Plan, FiguresBeyondSixtyFourBitsAreRefusedNotWrapped) {
+  auto error_of = [](const ModelShape& shape, const PlanRequest& r) -> std::string {
+    try {
+      plan(shape, r);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  ModelShape huge;
+  huge.units.resize(2);
+  huge.units[0].name = "root", huge.units[0].is_root = true, huge.units[0].trainable_numel = int64_t{1} << 51;
+  huge.units[1].name = "layer", huge.units[1].trainable_numel = 1000;
+  EXPECT_NE(error_of(huge, request(1 << 30)).find("more than 2^50"), std::string::npos)
+      << error_of(huge, request(1 << 30));
+  ModelShape acts;
+  acts.units.resize(3);
+  for (int i = 0; i < 3; ++i) {
+    acts.units[i].name = "u" + std::to_string(i), acts.units[i].trainable_numel = 1000, acts.units[i].is_root = i == 0;
+    acts.units[i].activations = [](int64_t, int64_t, at::ScalarType, bool) { return int64_t{1} << 62; };
+  }
+  EXPECT_NE(error_of(acts, request(1 << 30)).find("overflows 64-bit bytes"), std::string::npos)
+      << error_of(acts, request(1 << 30));
+}
+
+// The margin is held free when choosing: a budget that the plain plan fits within, but not within
+// 90% of it, gets a cheaper choice (or no fit) at a 10% margin, and the plan prints the margin.
+TEST(Plan, TheMarginIsHeldFreeWhenChoosing) {
+  const ModelShape shape = llama::plan_shape(qwen_like(true));
+  const int64_t need = plan(shape, request(int64_t{8} << 30)).device.total();
+  PlanRequest r = request(need + need / 20);  // 5% above what the fastest choice needs
+  const Plan plain = plan(shape, r);
+  EXPECT_TRUE(plain.fits);
+  EXPECT_EQ(plain.device.total(), need);
+  EXPECT_EQ(plain.margin_bytes, 0);
+  r.margin = 0.10;
+  const Plan held = plan(shape, r);
+  EXPECT_EQ(held.margin_bytes, static_cast<int64_t>(static_cast<double>(r.budget.host_bytes) * 0.10));
+  if (held.fits) {
+    EXPECT_LE(held.device.total(), r.budget.host_bytes - held.margin_bytes) << held.to_string();
+    EXPECT_LT(held.device.total(), need) << held.to_string();
+  } else {
+    EXPECT_NE(held.shortfall.find("the budget (host less the margin)"), std::string::npos) << held.shortfall;
+  }
+  EXPECT_NE(held.to_string().find("margin held free"), std::string::npos) << held.to_string();
 }
 
 }  // namespace

@@ -147,6 +147,46 @@ TEST(TrainConfig, UnknownKeysAreRejectedNamingTheDottedKey) {
   EXPECT_NE(args_error({"--set", "train.stepz=3"}).find("train.stepz=3: unknown key"), std::string::npos);
 }
 
+// The model section takes a published config.json as it is (Llama-3.2-1B's, less its bulk): the keys
+// every such file carries are accepted when they hold what the model implements, refused by name
+// when they do not.
+TEST(TrainConfig, ModelSectionTakesAPublishedConfigJson) {
+  const json published = json::parse(R"({
+    "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": false,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})");
+  const TrainConfig c = TrainConfig::from_json({{"model", published}});
+  EXPECT_EQ(c.model.hidden_size, 2048);
+  EXPECT_EQ(c.model.num_key_value_heads, 8);
+  EXPECT_EQ(c.model.rope_scaling.rope_type, "llama3");
+  EXPECT_EQ(c.model.rope_scaling.factor, 32.0);
+  EXPECT_EQ(c.model.dtype, "bfloat16");
+  EXPECT_TRUE(c.model.tie_word_embeddings);
+  // What it writes back reads back the same.
+  EXPECT_EQ(TrainConfig::from_json(c.to_json()).model.to_json(), c.model.to_json());
+  // Keys the model does not implement, by name, in the dotted form.
+  json gelu = published;
+  gelu["hidden_act"] = "gelu";
+  EXPECT_NE(config_error({{"model", gelu}}).find("config: model.hidden_act=\"gelu\" is not supported"),
+            std::string::npos)
+      << config_error({{"model", gelu}});
+  json bias = published;
+  bias["mlp_bias"] = true;
+  EXPECT_NE(config_error({{"model", bias}}).find("model.mlp_bias=true"), std::string::npos);
+  json yarn = published;
+  yarn["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  EXPECT_NE(config_error({{"model", yarn}}).find("rope_type=\"yarn\" is not supported"), std::string::npos);
+  // The same through --set.
+  EXPECT_NE(args_error({"--set", "model.hidden_act=relu"}).find("model.hidden_act=\"relu\""), std::string::npos);
+  EXPECT_EQ(from_args({"--set", "model.hidden_act=silu", "--set", "model.mlp_bias=false"}).model.hidden_size, 128);
+}
+
 TEST(TrainConfig, WrongTypesAndInvalidValuesAreRejectedNamingKeyAndValue) {
   struct Case {
     std::string set, expect;
