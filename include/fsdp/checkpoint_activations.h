@@ -7,8 +7,8 @@
 //
 // `fn` runs again inside backward, after the caller has returned: capture by value what it uses.
 // The recomputation must produce the same values as the first run (no dropout or other RNG use
-// inside `fn`), and `input` must require grad: otherwise nothing would carry the gradient back
-// into the block's parameters, and the call throws rather than silently training nothing.
+// inside `fn`). `input` need not require grad: the first block of a LoRA model, fed by a frozen
+// embedding, is checkpointed like the others, and its adapters get their gradients.
 #pragma once
 
 #include <functional>

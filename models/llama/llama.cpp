@@ -249,7 +249,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
   const auto [cos, sin] = rotary_cos_sin(config_.head_dim(), config_.rope_theta, at::arange(T, tokens.options()),
                                          h.scalar_type(), config_.rope_scaling);
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (checkpoint_every > 0 && static_cast<int64_t>(i) % checkpoint_every == 0 && h.requires_grad()) {
+    if (checkpoint_every > 0 && static_cast<int64_t>(i) % checkpoint_every == 0) {
       // Captured by value: the function runs again inside backward, after this forward returned.
       h = fsdp::checkpoint_activations([layer = layers[i], cos = cos, sin = sin](
                                            const at::Tensor& x) mutable { return fsdp::call(layer, x, cos, sin); },

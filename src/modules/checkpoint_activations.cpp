@@ -9,8 +9,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 
-#include "fsdp/errors.h"
-
 namespace fsdp {
 namespace {
 
@@ -19,10 +17,14 @@ struct BlockFn : torch::CustomClassHolder {
   std::function<at::Tensor(const at::Tensor&)> fn;
 };
 
+// Inputs: the block's input, and an anchor: an empty leaf that requires grad when the input does
+// not (a LoRA model's first block, fed by a frozen embedding), so that autograd records this node
+// and calls its backward, which carries the gradient into the block's trainable parameters.
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& anchor,
                             const c10::intrusive_ptr<BlockFn>& block) {
+    (void)anchor;
     ctx->saved_data["block"] = c10::IValue::make_capsule(block);
     ctx->save_for_backward({input});
     return block->fn(input);  // custom Function forwards run with grad off
@@ -38,8 +40,9 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       c10::AutoGradMode grad_on(true);
       out = block->fn(x);
     }
-    torch::autograd::backward({out}, {grad_outputs[0]});
-    return {x.requires_grad() ? x.grad() : at::Tensor(), at::Tensor()};
+    // A block with nothing trainable, fed by an input without grad: nothing to carry back.
+    if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs[0]});
+    return {x.requires_grad() ? x.grad() : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -47,12 +50,9 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
 at::Tensor checkpoint_activations(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input) {
   if (!c10::GradMode::is_enabled()) return fn(input);
-  if (!input.requires_grad()) {
-    throw ConfigError(
-        "fsdp: checkpoint_activations: the input does not require grad, so the block's parameters "
-        "would get no gradient; checkpoint a block whose input comes from earlier trainable layers");
-  }
-  return CheckpointFunction::apply(input, c10::make_intrusive<BlockFn>(fn));
+  // Autograd records every tensor input, so the anchor is always a (0-element) tensor.
+  const at::Tensor anchor = at::empty({0}, input.options().dtype(at::kFloat)).requires_grad_(!input.requires_grad());
+  return CheckpointFunction::apply(input, anchor, c10::make_intrusive<BlockFn>(fn));
 }
 
 }  // namespace fsdp

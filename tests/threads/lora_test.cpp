@@ -45,13 +45,18 @@ class NetImpl : public torch::nn::Module {
         head(register_module("head", torch::nn::Linear(kDim, 4))) {}
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = inp(x);
-    h = fsdp::call(b0, h);
-    h = fsdp::call(b1, h);
+    first_block_input_requires_grad = h.requires_grad();
+    for (Block b : {b0, b1}) {
+      h = checkpoint ? fsdp::checkpoint_activations([b](const at::Tensor& t) mutable { return fsdp::call(b, t); }, h)
+                     : fsdp::call(b, h);
+    }
     return head(h);
   }
   torch::nn::Linear inp;
   Block b0, b1;
   torch::nn::Linear head;
+  bool checkpoint = false;  // each block under activation checkpointing
+  bool first_block_input_requires_grad = false;
 };
 TORCH_MODULE(Net);
 
@@ -301,6 +306,46 @@ TEST(LoraSharded, BFloat16StorageEqualsFp32MastersAtBf16Compute) {
     }
     EXPECT_TRUE(at::equal(logits[0], logits[2]));
     EXPECT_TRUE(at::equal(logits[1], logits[3]));
+  });
+}
+
+// Activation checkpointing on a LoRA model: the first block's input comes from a frozen layer and
+// has no grad, yet the checkpointed blocks' adapters train exactly as without checkpointing.
+TEST(LoraSharded, CheckpointedBlocksWhoseInputHasNoGradTrainTheirAdapters) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    std::vector<at::Tensor> outputs;
+    std::vector<std::vector<double>> losses(2);
+    const auto [x_eval, y_eval] = batch(9, dist->rank(), 2);
+    at::Tensor untrained;
+    for (int ckpt = 0; ckpt < 2; ++ckpt) {
+      Net net = make_net();
+      net->checkpoint = ckpt == 1;
+      const LoraModel lm = lora(*net, lora_options(FrozenStorage::kParamDtype), 7);
+      const auto opts = FullyShardOptions().frozen_storage(lm.frozen_storage());
+      fully_shard(net->b0, mesh, opts);
+      fully_shard(net->b1, mesh, opts);
+      auto root = fully_shard(net, mesh, opts);
+      SGD optim(root, SGDOptions(0.5));
+      if (ckpt == 0) {
+        at::NoGradGuard no_grad;
+        untrained = fsdp::call(net, x_eval).clone();
+      }
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = batch(step, dist->rank(), 2);
+        auto loss = at::mse_loss(fsdp::call(net, x), y);
+        ASSERT_FALSE(net->first_block_input_requires_grad);  // a frozen layer's output
+        losses[ckpt].push_back(loss.item<double>());
+        loss.backward();
+        optim.step();
+        optim.zero_grad();
+      }
+      at::NoGradGuard no_grad;
+      outputs.push_back(fsdp::call(net, x_eval).clone());
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+    EXPECT_TRUE(at::equal(outputs[0], outputs[1])) << (outputs[0] - outputs[1]).abs().max().item<double>();
+    EXPECT_FALSE(at::equal(outputs[1], untrained));  // the adapters did train
   });
 }
 
