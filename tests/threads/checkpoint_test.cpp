@@ -401,6 +401,7 @@ TEST_P(CrashDuringSave, PreviousCheckpointSurvivesAndNewOneIsNeverComplete) {
   EXPECT_EQ(latest, join(dir, "step-00000001"));
   const auto full = full_params(latest);  // and it loads
   EXPECT_FALSE(full.empty());
+  if (!child) io::remove_tree(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Phases, CrashDuringSave, ::testing::Values("prepare", "write", "commit", "rename", "latest"));
