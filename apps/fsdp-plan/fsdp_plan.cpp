@@ -6,9 +6,9 @@
 //
 // Exit status: 0 when the run fits, 1 when it does not (the printout says what is short, by how
 // many bytes, and which lever would fix it), 2 for a usage or config error.
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -162,17 +162,20 @@ Args parse(int argc, char** argv) {
   if (a.device != "cpu" && a.device != "cuda") throw UsageError("--device " + a.device + ": cpu or cuda");
   if (a.device == "cuda" && a.device_memory == 0) throw UsageError("--device cuda needs --device-memory");
   // A --set that a flag would silently overwrite is refused: the flag is the one way to say it.
-  const std::pair<const char*, const char*> by_flag[] = {{"fsdp.device", "--device"},
-                                                         {"train.budget.host_bytes", "--host-memory"},
-                                                         {"train.budget.device_bytes", "--device-memory"},
-                                                         {"train.budget.disk_bytes", "--disk"}};
+  // (--device always has a value, so fsdp.device is always refused.)
+  struct Owned {
+    const char* key;
+    const char* flag;
+    bool given;
+  };
+  const Owned by_flag[] = {{"fsdp.device", "--device", true},
+                           {"train.budget.host_bytes", "--host-memory", a.host_memory > 0},
+                           {"train.budget.device_bytes", "--device-memory", a.device_memory > 0},
+                           {"train.budget.disk_bytes", "--disk", a.disk > 0}};
   for (const auto& [key, value] : a.sets) {
-    for (const auto& [owned, flag] : by_flag) {
-      if (key != owned) continue;
-      const bool flag_given =
-          std::string(flag) == "--device" || (std::string(flag) == "--host-memory" && a.host_memory) ||
-          (std::string(flag) == "--device-memory" && a.device_memory) || (std::string(flag) == "--disk" && a.disk);
-      if (flag_given) throw UsageError("--set " + key + "=" + value + ": give it as " + flag + " instead");
+    for (const auto& o : by_flag) {
+      if (key == o.key && o.given)
+        throw UsageError("--set " + key + "=" + value + ": give it as " + o.flag + " instead");
     }
     if (key == "data.seq_len" && a.seq_len > 0) throw UsageError("--set data.seq_len and --seq-len: give one");
     if (key == "data.batch_size_per_rank" && a.batch > 0) {
@@ -187,12 +190,9 @@ Args parse(int argc, char** argv) {
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
-// Whether a --set names `key` (a trailing '.' names a section).
+// Whether a --set names `key`.
 bool user_set(const Args& a, const char* key) {
-  for (const auto& [k, v] : a.sets) {
-    if (k == key || (key[std::strlen(key) - 1] == '.' && starts_with(k, key))) return true;
-  }
-  return false;
+  return std::any_of(a.sets.begin(), a.sets.end(), [&](const auto& kv) { return kv.first == key; });
 }
 
 // The fsdp-train keys some figure of the plan depends on (train::plan_request and plan_shape read them).
