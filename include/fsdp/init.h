@@ -28,7 +28,8 @@ ParamInitFn constant(double value);
 ParamInitFn by_suffix(std::vector<std::pair<std::string, ParamInitFn>> rules, ParamInitFn fallback);
 
 // Allocates every parameter of `module` on the CPU (fp32) and fills it with `fn`; parameters on
-// the meta device are replaced in place (set_data), keeping identity and requires_grad.
+// the meta device are replaced in place (set_data), keeping identity and requires_grad. Buffers on
+// the meta device (fsdp/meta.h) are filled by `fn` too, under their names, in their own dtype.
 void materialize(torch::nn::Module& module, const ParamInitFn& fn);
 
 }  // namespace fsdp::init

@@ -101,6 +101,15 @@ void materialize(torch::nn::Module& module, const ParamInitFn& fn) {
       p.copy_(full);
     }
   }
+  // Buffers built on the meta device (fsdp/meta.h), as the root's lazy init materialises them.
+  for (auto& item : module.named_buffers(/*recurse=*/true)) {
+    at::Tensor& b = item.value();
+    if (!b.is_meta()) continue;
+    at::Tensor full = at::empty(b.sizes(), at::TensorOptions().dtype(at::kFloat));
+    at::Tensor flat = full.view({-1});
+    fn(item.key(), b.sizes(), 0, flat);
+    fsdp::rebind_param_data(b, full.to(b.scalar_type()));
+  }
 }
 
 }  // namespace fsdp::init

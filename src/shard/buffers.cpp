@@ -128,6 +128,21 @@ void exchange(Communicator& world, std::vector<BufferState>& buffers, bool avera
   }
 }
 
+// A buffer built on the meta device (fsdp/meta.h) is materialised whole, on every rank, by its
+// unit's deferred init under its name relative to the root, in its own dtype.
+void materialize_buffer(const Found& f, const ParamInitFn& init, c10::Device device) {
+  if (!init) {
+    throw ConfigError("fsdp: buffer '" + f.name +
+                      "' is on the meta device and its unit has no FullyShardOptions::init to materialise it: pass "
+                      "an init function that covers buffers too (fsdp/init.h, e.g. init::by_suffix({{\"running_var\", "
+                      "init::constant(1)}, {\"running_mean\", init::constant(0)}}, ...)), or load a checkpoint");
+  }
+  at::Tensor values = at::empty(f.tensor.sizes(), at::TensorOptions().dtype(at::kFloat));
+  at::Tensor flat = values.view({-1});
+  init(f.name, f.tensor.sizes(), 0, flat);
+  rebind_param_data(f.tensor, values.to(at::TensorOptions().dtype(f.tensor.scalar_type()).device(device)));
+}
+
 }  // namespace
 
 void ShardedUnit::init_buffers() {
@@ -152,6 +167,8 @@ void ShardedUnit::init_buffers() {
   rs.buffers.clear();
   c10::NoGradGuard no_grad;
   for (auto& f : found) {
+    if (f.tensor.is_meta())
+      materialize_buffer(f, f.owner->options_.init, f.owner->flat_params_.front()->config().device);
     if (skip.count(f.name)) continue;
     const void* key = f.tensor.unsafeGetTensorImpl();
     auto& dtypes = f.owner->buffer_dtypes_;

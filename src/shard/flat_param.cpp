@@ -93,8 +93,8 @@ at::Tensor FlatParam::build_master(bool meta) const {
     master = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
     const int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
     master.narrow(0, pad, shard_numel_ - pad).zero_();
-    // Values to be quantized: the gaps between parameters share their blocks, so they are zero.
-    if (stored_) master.zero_();
+    // Values to be quantized are zeroed by materialize(), one flat param at a time: zeroed here,
+    // every frozen shard of the model would be resident in fp32 at once.
   } else {
     master = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
   }
@@ -152,6 +152,8 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   }
   const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
   c10::NoGradGuard no_grad;
+  // Values to be quantized: the gaps between parameters share their blocks, so they are zero.
+  if (needs_encode_) residency_->master().zero_();
   // A disk-tier master is filled in host chunks its tier writes (an init gives any range's values
   // alike): written through the mapping, each page would be read in before it is written.
   const at::Tensor& master = residency_->master();
@@ -184,7 +186,7 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
 
 at::Tensor FlatParam::frozen_values() const {
   at::Tensor values = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(config_.device));
-  if (needs_encode_) return values.copy_(residency_->master());
+  if (needs_encode_) return values.zero_();  // not materialised yet
   frozen::decode(config_.storage, residency_->master(), values);
   return values;
 }
@@ -242,6 +244,15 @@ void FlatParam::unshard(KeepMaster keep) {
   }
   gather_handle_ = shard_group_.all_gather(decode ? gathered_stored_ : unsharded_, gather_input_, config_.tag);
   gather_pending_ = true;
+}
+
+void FlatParam::shadow_gather() {
+  if (aliases_master_ || shard_group_.size() == 1) return;  // unshard() would run no collective either
+  wait_for_unshard();                                       // one gather of this flat param at a time on this rank
+  at::Tensor input = residency_->gather_input(KeepMaster::kNo);
+  at::Tensor out = at::empty({input.numel() * shard_group_.size()}, input.options());
+  shard_group_.all_gather(out, input, config_.tag).wait();
+  residency_->gather_done();
 }
 
 void FlatParam::wait_for_unshard() {

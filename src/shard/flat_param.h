@@ -149,6 +149,9 @@ class FlatParam {
   void wait_for_unshard();
   void reshard();
   bool gathering() const { return gather_pending_; }
+  // Takes part in another rank's all-gather of this flat param (Note [Join rounds], join.cpp): sends
+  // this rank's shard, as unshard() would, and drops what arrives; the params stay as they are.
+  void shadow_gather();
 
   // The gradient cycle (shard/grad_cycle.h). Before the unit's backward: the gradient buffer
   // exists and params' .grad are views of it, after collecting a reduction still in flight (Note

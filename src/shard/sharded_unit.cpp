@@ -196,14 +196,15 @@ void ShardedUnit::pre_forward() {
     rs.order.begin_step();
     rs.step_trains = c10::GradMode::is_enabled();
     choose_kept_masters();
-    if (rs.buffers_dirty) sync_buffers();
+    if (rs.buffers_dirty && !rs.joined) sync_buffers();  // inside a Join: at Join::finish
   }
   if (!recompute) rs.order.record(index_);
   if (recompute) rs.recomputed = true;
   forward_begin_ = std::chrono::steady_clock::now();
+  join_round();
   // Our own gather goes first on the communicator's queue, the prefetches behind it.
   unshard();
-  if (!recompute) {
+  if (!recompute && !rs.joined) {
     RootUnits units(rs);
     prefetch::before_forward(rs.order, index_, explicit_targets(forward_prefetch_), prefetch_limits(), units);
   }
@@ -232,7 +233,9 @@ void ShardedUnit::post_forward() {
   const bool in_backward = rs.in_backward;
   const bool grad = c10::GradMode::is_enabled();
   if (!in_backward && rs.step_trains) forward_had_grad_ = grad;
-  if (!prefetch::keeps_params_after_forward(forward_end(rs.order.ran_last(index_), grad, in_backward))) reshard();
+  // Inside a Join every gather is agreed, so none is kept (a unit's next use gathers it again).
+  if (rs.joined || !prefetch::keeps_params_after_forward(forward_end(rs.order.ran_last(index_), grad, in_backward)))
+    reshard();
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
   // Buffers changed by a training forward are synchronised at the end of backward, once the
   // graph that saved them is done (or by the next forward, if no backward comes).
@@ -253,9 +256,12 @@ void ShardedUnit::pre_backward() {
     torch::autograd::Engine::get_default_engine().queue_callback([root] { root->finalize_backward(); });
   }
   if (state_ != TrainingState::kPreBackward) backward_begin_ = std::chrono::steady_clock::now();
+  join_round();
   unshard();
-  RootUnits units(rs);
-  prefetch::before_backward(rs.order, index_, explicit_targets(backward_prefetch_), prefetch_limits(), units);
+  if (!rs.joined) {
+    RootUnits units(rs);
+    prefetch::before_backward(rs.order, index_, explicit_targets(backward_prefetch_), prefetch_limits(), units);
+  }
   wait_for_unshard();
   for (auto& fp : flat_params_) fp->prepare_gradients();
   note_memory();
@@ -279,7 +285,7 @@ void ShardedUnit::on_grad_ready(size_t i, size_t k) {
 void ShardedUnit::post_backward(size_t i) {
   if (post_backward_done_[i]) return;
   post_backward_done_[i] = true;
-  if (requires_gradient_sync_) {
+  if (requires_gradient_sync_ && !root_state().joined) {  // inside a Join: at the end of backward
     // Reductions issued by earlier units have had this unit's backward to finish: collect them now,
     // which frees their gradient buffers, so at most one unit's gradients wait on the wire besides
     // this unit's own. This unit's other flat params' reductions were issued a moment ago (a unit's
@@ -352,11 +358,15 @@ at::Tensor ShardedUnit::track_input(const at::Tensor& t) {
 // reduction nobody collected is collected before its buffer is reused in the next backward.
 void ShardedUnit::finalize_backward() {
   RootState& rs = root_state();
+  // Inside a Join every unit's reduction starts here, together (Note [Join rounds]).
+  if (rs.joined) join_reduce_round();
   // Units whose gradients did not all land (unused params, a skipped unit) are reduced now; the
-  // order is the same on every rank because the unit list is.
+  // order is the same on every rank because the unit list is. Inside a Join, a unit this rank's
+  // forward skipped reduces zeros.
   for (ShardedUnit* unit : rs.units) {
     if (!unit->requires_gradient_sync_) continue;
     for (auto& fp : unit->flat_params_) {
+      if (rs.joined && fp->config().requires_grad && !fp->gradients_prepared()) fp->prepare_gradients();
       if (fp->gradients_prepared()) fp->reduce_scatter_grads();
     }
   }

@@ -87,6 +87,7 @@ struct RootState {
   PostReduceHook* post_reduce_hook = nullptr;
   bool recomputed = false;     // a forward ran inside this backward (activation checkpointing)
   bool buffers_dirty = false;  // a training forward ran since the buffers were last synchronised
+  bool joined = false;         // inside an fsdp::Join (Note [Join rounds], join.cpp)
 
   // The units of a recorded order (indices into `units`).
   std::vector<ShardedUnit*> units_in(const std::vector<prefetch::UnitIndex>& order) const {
@@ -170,6 +171,15 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   DeviceMesh& mesh() { return mesh_; }
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
   std::weak_ptr<torch::nn::Module> module() const { return module_; }
+  bool nested() const { return nested_; }
+
+  // ---- join.cpp: Note [Join rounds]
+  // Before this unit's own gather inside a Join: agrees with the other ranks, taking part in
+  // theirs first. A no-op outside a Join or when the unit is already gathered.
+  void join_round();
+  void join_reduce_round();      // root only: the end of a backward inside a Join
+  void join_finish();            // root only: this rank is done (Join::finish)
+  void set_joined(bool joined);  // root only
 
  private:
   static void verify_collectives(RootState& rs);  // before any optimizer step: sharded_unit.cpp

@@ -35,9 +35,55 @@ launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # Paths under the temporary folder are hashed relative to it, so a later run hits the cache.
 export CCACHE_BASEDIR=$work CCACHE_NOHASHDIR=1
-cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
-  -DCMAKE_PREFIX_PATH="$prefix" -DFSDP_EXAMPLES_DIR="$examples" >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
-cmake --build "$work/build" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+# The consumer is a CPU program on a machine without the CUDA toolkit: nvcc is off PATH and the
+# CUDA variables unset, and a CUDA compiler that does not exist is named, so any
+# enable_language(CUDA) in the package would fail. The package may have been built with CUDA parts.
+# LibTorch is found where the consumer's CMAKE_PREFIX_PATH says (torch's share/cmake, the way
+# LibTorch's own docs set it), here a torch folder of links of its own, not the build's.
+torch_real=$(sed -n 's/^set(FSDP_TORCH_BUILT_WITH "\(.*\)")$/\1/p' "$(find "$prefix" -name fsdpConfig.cmake -print -quit)")
+[[ -f "$torch_real/lib/libtorch_cpu.so" ]] || { echo "run.sh: no LibTorch at '$torch_real' (from fsdpConfig.cmake)" >&2; exit 1; }
+make_torch() {  # DIR VERSION: a torch folder whose libraries and headers are the real one's
+  mkdir -p "$1/share"
+  ln -s "$torch_real/lib" "$1/lib"
+  ln -s "$torch_real/include" "$1/include"
+  ln -s "$torch_real/share/cmake" "$1/share/cmake"
+  echo "__version__ = '$2'" >"$1/version.py"
+  [[ -d "$torch_real/../nvidia" ]] && ln -s "$torch_real/../nvidia" "$1/../nvidia"
+  return 0
+}
+version=$(sed -n "s/^__version__ *= *['\"]\([^'\"]*\)['\"].*/\1/p" "$torch_real/version.py")
+make_torch "$work/site/torch" "$version"
+no_cuda_path=$(tr ':' '\n' <<<"$PATH" | grep -v -i cuda | paste -sd: -)
+cpu_only() {
+  env -u CUDACXX -u CUDA_HOME -u CUDA_PATH -u CUDAToolkit_ROOT PATH="$no_cuda_path" "$@"
+}
+if PATH="$no_cuda_path" command -v nvcc >/dev/null; then
+  echo "run.sh: nvcc is still on PATH after removing the CUDA folders: $(PATH="$no_cuda_path" command -v nvcc)" >&2
+  exit 1
+fi
+cpu_only cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
+  -DCMAKE_CUDA_COMPILER=/nonexistent/nvcc \
+  -DCMAKE_PREFIX_PATH="$prefix;$work/site/torch/share/cmake" -DFSDP_EXAMPLES_DIR="$examples" >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+grep -q "fsdp: LibTorch $version from $work/site/torch" "$work/configure.log" || {
+  echo "run.sh: the package did not take LibTorch from CMAKE_PREFIX_PATH ($work/site/torch):" >&2
+  cat "$work/configure.log" >&2
+  exit 1
+}
+if grep -q "Warning" "$work/configure.log"; then
+  echo "run.sh: a plain configure of the consumer printed warnings:" >&2
+  cat "$work/configure.log" >&2
+  exit 1
+fi
+# A LibTorch of another version is refused at configure, naming both versions.
+make_torch "$work/other/torch" "0.0.1"
+if cpu_only cmake -S "$src" -B "$work/build-other" -G Ninja -DCMAKE_PREFIX_PATH="$prefix;$work/other/torch" \
+     -DFSDP_EXAMPLES_DIR="$examples" >"$work/other.log" 2>&1; then
+  echo "run.sh: a LibTorch of another version (0.0.1) was accepted" >&2
+  exit 1
+fi
+grep -q "built against LibTorch $version" "$work/other.log" || { cat "$work/other.log" >&2; exit 1; }
+echo "cpu-only consumer configure ok: LibTorch $version from CMAKE_PREFIX_PATH, no CUDA compiler, no warnings"
+cpu_only cmake --build "$work/build" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 env -u RANK -u WORLD_SIZE "$work/build/consumer"
 # The example trains, saves and resumes on one rank.
 env -u RANK -u WORLD_SIZE "$work/build/sequential_example" --steps 2 --out "$work/seq" >/dev/null

@@ -1,0 +1,124 @@
+// fsdp::measure_activations (fsdp/plan.h): a unit's activation bytes from two short runs of it.
+#include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "fsdp/errors.h"
+#include "fsdp/plan.h"
+
+namespace fsdp {
+namespace {
+
+// Counts the CPU allocator's bytes on this thread while installed: LibTorch's CPU allocator
+// reports each allocation and free to the thread's memory-reporting hook when it is enabled.
+class AllocationCounter final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void*, int64_t bytes, size_t, size_t, c10::Device device) override {
+    if (device.type() != c10::kCPU) return;
+    live_ += bytes;
+    peak_ = std::max(peak_, live_);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  int64_t live() const { return live_; }
+  int64_t peak() const { return peak_; }
+  void reset_peak() { peak_ = live_; }
+
+ private:
+  int64_t live_ = 0, peak_ = 0;
+};
+
+struct Probe {
+  int64_t kept = 0;      // alive after forward, its output excluded
+  int64_t output = 0;    // the output's bytes
+  int64_t backward = 0;  // the backward's highest point beyond the kept bytes
+};
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+Probe probe(torch::nn::Module& block, const UnitForwardFn& forward, int64_t seq_len, at::ScalarType dtype) {
+  auto counter = std::make_shared<AllocationCounter>();
+  Probe p;
+  {
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, counter);
+    at::Tensor out = forward(1, seq_len, dtype);
+    if (!out.defined()) throw ConfigError("fsdp::measure_activations: the unit's forward returned no tensor");
+    p.output = tensor_bytes(out);
+    p.kept = std::max<int64_t>(0, counter->live() - p.output);
+    if (out.requires_grad()) {
+      // The parameters' gradients exist before the backward (fsdp's gradient buffer): accumulating
+      // into them allocates only the transient a gradient buffer's copy-in has too.
+      for (auto& param : block.parameters()) {
+        if (param.requires_grad()) param.mutable_grad() = at::zeros_like(param);
+      }
+      const int64_t before = counter->live();
+      counter->reset_peak();
+      out.backward(at::ones_like(out));
+      p.backward = std::max<int64_t>(0, counter->peak() - before);
+    }
+  }
+  for (auto& param : block.parameters()) param.mutable_grad() = at::Tensor();
+  return p;
+}
+
+// bytes(s) = a s + b s^2 through two probes at s and 2s (batch 1), evaluated at (batch, seq_len).
+int64_t fit(int64_t at_s, int64_t at_2s, int64_t s, int64_t batch, int64_t seq_len) {
+  const double b = std::max(0.0, (static_cast<double>(at_2s) - 2.0 * static_cast<double>(at_s)) /
+                                     (2.0 * static_cast<double>(s) * static_cast<double>(s)));
+  const double a = std::max(0.0, (static_cast<double>(at_s) - b * static_cast<double>(s) * static_cast<double>(s)) /
+                                     static_cast<double>(s));
+  const double x = static_cast<double>(seq_len);
+  return static_cast<int64_t>(static_cast<double>(batch) * (a * x + b * x * x) + 0.5);
+}
+
+// The probes of one unit, run once per dtype when the plan first asks.
+class Measured {
+ public:
+  Measured(std::shared_ptr<torch::nn::Module> block, UnitForwardFn forward, int64_t s)
+      : block_(std::move(block)), forward_(std::move(forward)), s_(s) {}
+  std::pair<Probe, Probe> at(at::ScalarType dtype) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(dtype);
+    if (it == cache_.end()) it = cache_.emplace(dtype, std::make_pair(probe(*block_, forward_, s_, dtype), probe(*block_, forward_, 2 * s_, dtype))).first;
+    return it->second;
+  }
+  int64_t s() const { return s_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> block_;
+  UnitForwardFn forward_;
+  int64_t s_;
+  std::mutex mu_;
+  std::map<at::ScalarType, std::pair<Probe, Probe>> cache_;
+};
+
+}  // namespace
+
+void measure_activations(UnitShape& unit, std::shared_ptr<torch::nn::Module> block, UnitForwardFn forward,
+                         int64_t probe_seq_len) {
+  if (!block) throw ConfigError("fsdp::measure_activations: unit '" + unit.name + "' has no block to run");
+  if (!forward) throw ConfigError("fsdp::measure_activations: unit '" + unit.name + "' has no forward to run");
+  if (probe_seq_len < 1) {
+    throw ConfigError("fsdp::measure_activations: probe_seq_len must be at least 1, got " +
+                      std::to_string(probe_seq_len));
+  }
+  auto m = std::make_shared<Measured>(std::move(block), std::move(forward), probe_seq_len);
+  unit.activations = [m](int64_t batch, int64_t seq_len, at::ScalarType dtype, bool checkpointed) {
+    const auto [one, two] = m->at(dtype);
+    if (checkpointed) return fit(one.output, two.output, m->s(), batch, seq_len);
+    return fit(one.kept, two.kept, m->s(), batch, seq_len);
+  };
+  unit.backward_peak = [m](int64_t batch, int64_t seq_len, at::ScalarType dtype) {
+    const auto [one, two] = m->at(dtype);
+    return fit(one.backward, two.backward, m->s(), batch, seq_len);
+  };
+}
+
+}  // namespace fsdp

@@ -1,0 +1,197 @@
+// Uneven inputs under fsdp::Join (fsdp/join.h): generation of different lengths per rank, an eval
+// set that does not divide evenly, and a unit one rank's batch skips in training, each against the
+// unsharded model; a finished rank while another trains is a UsageError on every rank; and the
+// same divergence without a Join still fails at once.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <mutex>
+
+#include "fsdp/fsdp.h"
+#include "support/ranks.h"
+#include "support/usage_error.h"
+
+namespace fsdp {
+namespace {
+
+std::mutex g_seed_mutex;
+
+struct ExpertImpl : torch::nn::Module {
+  explicit ExpertImpl(int64_t d) : fc1(register_module("fc1", torch::nn::Linear(d, 2 * d))),
+                                   fc2(register_module("fc2", torch::nn::Linear(2 * d, d))) {}
+  at::Tensor forward(const at::Tensor& h) { return fc2(at::tanh(fc1(h))); }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Expert);
+
+// Tokens in, logits out; `experts` picks which expert blocks this forward reaches (a router's
+// decision, made per rank by its batch).
+struct NetImpl : torch::nn::Module {
+  NetImpl() : embed(register_module("embed", torch::nn::Embedding(20, 8))),
+              experts(register_module("experts", torch::nn::ModuleList())),
+              head(register_module("head", torch::nn::Linear(8, 20))) {
+    for (int i = 0; i < 3; ++i) experts->push_back(Expert(8));
+  }
+  at::Tensor forward(const at::Tensor& tokens, std::vector<int64_t> route) {
+    at::Tensor h = embed(tokens);
+    for (int64_t e : route) h = h + fsdp::call(experts->ptr<ExpertImpl>(e), h);
+    return head(h);
+  }
+  torch::nn::Embedding embed;
+  torch::nn::ModuleList experts;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Net);
+
+Net make_net() {
+  std::lock_guard<std::mutex> lock(g_seed_mutex);
+  at::manual_seed(9);
+  return Net();
+}
+
+// The root's handle last, after the experts'.
+std::vector<std::shared_ptr<FSDPModule>> shard_all(Net& net, DeviceMesh& mesh) {
+  std::vector<std::shared_ptr<FSDPModule>> units;
+  for (size_t i = 0; i < net->experts->size(); ++i) units.push_back(fully_shard(net->experts->ptr<ExpertImpl>(i), mesh));
+  units.push_back(fully_shard(net, mesh));
+  return units;
+}
+
+std::shared_ptr<FSDPModule> shard(Net& net, DeviceMesh& mesh) { return shard_all(net, mesh).back(); }
+
+const std::vector<int64_t> kAll = {0, 1, 2};
+
+// Greedy generation, the whole sequence each step: rank r generates 2 + 3r tokens.
+TEST(Join, GenerationOfDifferentLengthsPerRank) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net ref = make_net(), net = make_net();
+    auto root = shard(net, mesh);
+    c10::NoGradGuard no_grad;
+    at::Tensor seq = at::tensor(std::vector<int64_t>{3 + dist->rank(), 7}).view({1, 2});
+    at::Tensor ref_seq = seq.clone();
+    Join join(*root);
+    for (int step = 0; step < 2 + 3 * dist->rank(); ++step) {
+      at::Tensor logits = fsdp::call(net, seq, kAll);
+      at::Tensor ref_logits = ref->forward(ref_seq, kAll);
+      EXPECT_TRUE(at::allclose(logits, ref_logits, 1e-6, 1e-7)) << "step " << step;
+      seq = at::cat({seq, logits.select(1, -1).argmax(-1).view({1, 1})}, 1);
+      ref_seq = at::cat({ref_seq, ref_logits.select(1, -1).argmax(-1).view({1, 1})}, 1);
+    }
+    join.finish();
+    EXPECT_TRUE(at::equal(seq, ref_seq));
+    EXPECT_EQ(seq.size(1), 2 + 2 + 3 * dist->rank());
+    // After the Join every rank runs in step again, without agreement rounds.
+    at::Tensor again = fsdp::call(net, seq.narrow(1, 0, 2), kAll);
+    EXPECT_TRUE(at::allclose(again, ref->forward(seq.narrow(1, 0, 2), kAll), 1e-6, 1e-7));
+  });
+}
+
+// 5 eval batches over 2 ranks: rank 0 takes 3, rank 1 takes 2; a batch's route differs by batch.
+TEST(Join, EvalSetThatDoesNotDivideEvenly) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net ref = make_net(), net = make_net();
+    auto root = shard(net, mesh);
+    net->eval();
+    c10::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+    const at::Tensor data = at::randint(20, {5, 2, 6}, gen);
+    Join join(*root);
+    int batches = 0;
+    for (int64_t b = dist->rank(); b < 5; b += 2, ++batches) {
+      const std::vector<int64_t> route = b % 2 == 0 ? kAll : std::vector<int64_t>{2};
+      at::Tensor logits = fsdp::call(net, data[b], route);
+      EXPECT_TRUE(at::allclose(logits, ref->forward(data[b], route), 1e-6, 1e-7)) << "batch " << b;
+    }
+    join.finish();
+    EXPECT_EQ(batches, dist->rank() == 0 ? 3 : 2);
+  });
+}
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& tokens) {
+  return at::cross_entropy_loss(logits.reshape({-1, 20}), tokens.reshape({-1}));
+}
+
+// Training: rank 1's batch never reaches expert 1 (nor expert 2 in odd steps). Inside a Join each
+// step equals the unsharded model's step on the whole batch: the skipped units reduce zeros.
+TEST(Join, TrainingStepsWhereOneRanksBatchSkipsAUnit) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net ref = make_net(), net = make_net();
+    const auto units = shard_all(net, mesh);
+    auto root = units.back();
+    auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.5));
+    torch::optim::SGD ref_optim(ref->parameters(), torch::optim::SGDOptions(0.5));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+    const at::Tensor data = at::randint(20, {2, 3, 5}, gen);
+    auto route_of = [](int rank, int step) {
+      return rank == 0 ? kAll : (step % 2 == 0 ? std::vector<int64_t>{0, 2} : std::vector<int64_t>{0});
+    };
+    Join join(*root);
+    for (int step = 0; step < 3; ++step) {
+      at::Tensor loss = lm_loss(fsdp::call(net, data[dist->rank()], route_of(dist->rank(), step)), data[dist->rank()]);
+      loss.backward();
+      optim->step();
+      optim->zero_grad();
+      std::vector<at::Tensor> ref_losses;
+      for (int r = 0; r < 2; ++r) ref_losses.push_back(lm_loss(ref->forward(data[r], route_of(r, step)), data[r]));
+      ref_optim.zero_grad();
+      ((ref_losses[0] + ref_losses[1]) / 2).backward();
+      ref_optim.step();
+      EXPECT_NEAR(loss.item<double>(), ref_losses[dist->rank()].item<double>(), 1e-5) << "step " << step;
+    }
+    join.finish();
+    for (auto& unit : units) unit->unshard();
+    auto ref_params = ref->named_parameters();
+    for (const auto& p : net->named_parameters()) {
+      EXPECT_TRUE(at::allclose(p.value().detach(), ref_params[p.key()].detach(), 1e-5, 1e-6)) << p.key();
+    }
+    for (auto& unit : units) unit->reshard();
+  });
+}
+
+// A rank that finished while the other runs a backward: a UsageError on both, naming the fix.
+TEST(Join, FinishedRankWhileAnotherTrainsIsAUsageErrorOnEveryRank) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net net = make_net();
+    auto root = shard(net, mesh);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+    const at::Tensor tokens = at::randint(20, {2, 4}, gen);
+    Join join(*root);
+    const std::string msg = testing::usage_error_of([&] {
+      if (dist->rank() == 1) {
+        join.finish();
+      } else {
+        lm_loss(fsdp::call(net, tokens, kAll), tokens).backward();
+      }
+    });
+    EXPECT_NE(msg.find("same number of training steps"), std::string::npos) << msg;
+  });
+}
+
+// Without a Join, a unit one rank skips is a divergence: every rank fails at once, as before.
+TEST(Join, WithoutAJoinASkippedUnitStillFailsAtOnce) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Net net = make_net();
+    auto root = shard(net, mesh);
+    c10::NoGradGuard no_grad;
+    const at::Tensor tokens = at::zeros({1, 3}, at::kLong);
+    try {
+      const std::vector<int64_t> route = dist->rank() == 0 ? kAll : std::vector<int64_t>{0, 2};
+      fsdp::call(net, tokens, route);
+      ADD_FAILURE() << "no error";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("experts.1"), std::string::npos) << e.what();
+    }
+  }, std::chrono::seconds(30));
+}
+
+}  // namespace
+}  // namespace fsdp
