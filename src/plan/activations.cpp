@@ -1,10 +1,11 @@
-// fsdp::measure_activations (fsdp/plan.h): a unit's activation bytes from two short runs of it.
+// fsdp::measure_activations (fsdp/plan.h): a unit's activation bytes from three short runs of it.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -68,14 +69,18 @@ Probe probe(torch::nn::Module& block, const UnitForwardFn& forward, int64_t seq_
   return p;
 }
 
-// bytes(s) = a s + b s^2 through two probes at s and 2s (batch 1), evaluated at (batch, seq_len).
-int64_t fit(int64_t at_s, int64_t at_2s, int64_t s, int64_t batch, int64_t seq_len) {
-  const double b = std::max(0.0, (static_cast<double>(at_2s) - 2.0 * static_cast<double>(at_s)) /
-                                     (2.0 * static_cast<double>(s) * static_cast<double>(s)));
-  const double a = std::max(0.0, (static_cast<double>(at_s) - b * static_cast<double>(s) * static_cast<double>(s)) /
-                                     static_cast<double>(s));
-  const double x = static_cast<double>(seq_len);
-  return static_cast<int64_t>(static_cast<double>(batch) * (a * x + b * x * x) + 0.5);
+// bytes(batch, s) = c + batch (a s + b s^2) through probes at s, 2s and 3s (batch 1): c is what
+// does not grow with the input (a parameter-sized transient, e.g. an embedding's dense gradient),
+// a the per-token bytes, b attention's per-token-pair bytes.
+int64_t fit(const int64_t at[3], int64_t s, int64_t batch, int64_t seq_len) {
+  const double y1 = static_cast<double>(at[0]), y2 = static_cast<double>(at[1]), y3 = static_cast<double>(at[2]);
+  const double x = static_cast<double>(s);
+  // Second differences give b, first differences a, then c.
+  const double b = std::max(0.0, (y3 - 2.0 * y2 + y1) / (2.0 * x * x));
+  const double a = std::max(0.0, (y2 - y1) / x - 3.0 * b * x);
+  const double c = std::max(0.0, y1 - a * x - b * x * x);
+  const double t = static_cast<double>(seq_len);
+  return static_cast<int64_t>(c + static_cast<double>(batch) * (a * t + b * t * t) + 0.5);
 }
 
 // The probes of one unit, run once per dtype when the plan first asks.
@@ -83,10 +88,15 @@ class Measured {
  public:
   Measured(std::shared_ptr<torch::nn::Module> block, UnitForwardFn forward, int64_t s)
       : block_(std::move(block)), forward_(std::move(forward)), s_(s) {}
-  std::pair<Probe, Probe> at(at::ScalarType dtype) {
+  // The probes at s, 2s and 3s for `dtype`.
+  std::array<Probe, 3> at(at::ScalarType dtype) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = cache_.find(dtype);
-    if (it == cache_.end()) it = cache_.emplace(dtype, std::make_pair(probe(*block_, forward_, s_, dtype), probe(*block_, forward_, 2 * s_, dtype))).first;
+    if (it == cache_.end()) {
+      std::array<Probe, 3> probes;
+      for (int k = 0; k < 3; ++k) probes[k] = probe(*block_, forward_, (k + 1) * s_, dtype);
+      it = cache_.emplace(dtype, probes).first;
+    }
     return it->second;
   }
   int64_t s() const { return s_; }
@@ -96,8 +106,25 @@ class Measured {
   UnitForwardFn forward_;
   int64_t s_;
   std::mutex mu_;
-  std::map<at::ScalarType, std::pair<Probe, Probe>> cache_;
+  std::map<at::ScalarType, std::array<Probe, 3>> cache_;
 };
+
+// A backward's peak is the largest of its moments: at small inputs a parameter-sized transient can
+// be the largest, at larger ones what grows with the input. So a line through the two larger runs:
+// c + batch x a x seq_len.
+int64_t fit_peak(const std::array<Probe, 3>& probes, int64_t s, int64_t batch, int64_t seq_len) {
+  const double y2 = static_cast<double>(probes[1].backward), y3 = static_cast<double>(probes[2].backward);
+  const double x = static_cast<double>(s);
+  const double a = std::max(0.0, (y3 - y2) / x);
+  const double c = std::max(0.0, y3 - 3.0 * a * x);
+  return static_cast<int64_t>(c + static_cast<double>(batch) * a * static_cast<double>(seq_len) + 0.5);
+}
+
+template <typename Field>
+int64_t fit_field(const std::array<Probe, 3>& probes, Field field, int64_t s, int64_t batch, int64_t seq_len) {
+  const int64_t at[3] = {probes[0].*field, probes[1].*field, probes[2].*field};
+  return fit(at, s, batch, seq_len);
+}
 
 }  // namespace
 
@@ -111,13 +138,10 @@ void measure_activations(UnitShape& unit, std::shared_ptr<torch::nn::Module> blo
   }
   auto m = std::make_shared<Measured>(std::move(block), std::move(forward), probe_seq_len);
   unit.activations = [m](int64_t batch, int64_t seq_len, at::ScalarType dtype, bool checkpointed) {
-    const auto [one, two] = m->at(dtype);
-    if (checkpointed) return fit(one.output, two.output, m->s(), batch, seq_len);
-    return fit(one.kept, two.kept, m->s(), batch, seq_len);
+    return fit_field(m->at(dtype), checkpointed ? &Probe::output : &Probe::kept, m->s(), batch, seq_len);
   };
   unit.backward_peak = [m](int64_t batch, int64_t seq_len, at::ScalarType dtype) {
-    const auto [one, two] = m->at(dtype);
-    return fit(one.backward, two.backward, m->s(), batch, seq_len);
+    return fit_peak(m->at(dtype), m->s(), batch, seq_len);
   };
 }
 

@@ -21,8 +21,9 @@ namespace {
 std::mutex g_seed_mutex;
 
 struct ExpertImpl : torch::nn::Module {
-  explicit ExpertImpl(int64_t d) : fc1(register_module("fc1", torch::nn::Linear(d, 2 * d))),
-                                   fc2(register_module("fc2", torch::nn::Linear(2 * d, d))) {}
+  explicit ExpertImpl(int64_t d)
+      : fc1(register_module("fc1", torch::nn::Linear(d, 2 * d))),
+        fc2(register_module("fc2", torch::nn::Linear(2 * d, d))) {}
   at::Tensor forward(const at::Tensor& h) { return fc2(at::tanh(fc1(h))); }
   torch::nn::Linear fc1, fc2;
 };
@@ -31,9 +32,10 @@ TORCH_MODULE(Expert);
 // Tokens in, logits out; `experts` picks which expert blocks this forward reaches (a router's
 // decision, made per rank by its batch).
 struct NetImpl : torch::nn::Module {
-  NetImpl() : embed(register_module("embed", torch::nn::Embedding(20, 8))),
-              experts(register_module("experts", torch::nn::ModuleList())),
-              head(register_module("head", torch::nn::Linear(8, 20))) {
+  NetImpl()
+      : embed(register_module("embed", torch::nn::Embedding(20, 8))),
+        experts(register_module("experts", torch::nn::ModuleList())),
+        head(register_module("head", torch::nn::Linear(8, 20))) {
     for (int i = 0; i < 3; ++i) experts->push_back(Expert(8));
   }
   at::Tensor forward(const at::Tensor& tokens, std::vector<int64_t> route) {
@@ -56,7 +58,8 @@ Net make_net() {
 // The root's handle last, after the experts'.
 std::vector<std::shared_ptr<FSDPModule>> shard_all(Net& net, DeviceMesh& mesh) {
   std::vector<std::shared_ptr<FSDPModule>> units;
-  for (size_t i = 0; i < net->experts->size(); ++i) units.push_back(fully_shard(net->experts->ptr<ExpertImpl>(i), mesh));
+  for (size_t i = 0; i < net->experts->size(); ++i)
+    units.push_back(fully_shard(net->experts->ptr<ExpertImpl>(i), mesh));
   units.push_back(fully_shard(net, mesh));
   return units;
 }
@@ -177,20 +180,23 @@ TEST(Join, FinishedRankWhileAnotherTrainsIsAUsageErrorOnEveryRank) {
 
 // Without a Join, a unit one rank skips is a divergence: every rank fails at once, as before.
 TEST(Join, WithoutAJoinASkippedUnitStillFailsAtOnce) {
-  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
-    DeviceMesh mesh(dist);
-    Net net = make_net();
-    auto root = shard(net, mesh);
-    c10::NoGradGuard no_grad;
-    const at::Tensor tokens = at::zeros({1, 3}, at::kLong);
-    try {
-      const std::vector<int64_t> route = dist->rank() == 0 ? kAll : std::vector<int64_t>{0, 2};
-      fsdp::call(net, tokens, route);
-      ADD_FAILURE() << "no error";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("experts.1"), std::string::npos) << e.what();
-    }
-  }, std::chrono::seconds(30));
+  testing::run_threads(
+      2,
+      [](const std::shared_ptr<Dist>& dist) {
+        DeviceMesh mesh(dist);
+        Net net = make_net();
+        auto root = shard(net, mesh);
+        c10::NoGradGuard no_grad;
+        const at::Tensor tokens = at::zeros({1, 3}, at::kLong);
+        try {
+          const std::vector<int64_t> route = dist->rank() == 0 ? kAll : std::vector<int64_t>{0, 2};
+          fsdp::call(net, tokens, route);
+          ADD_FAILURE() << "no error";
+        } catch (const std::exception& e) {
+          EXPECT_NE(std::string(e.what()).find("experts.1"), std::string::npos) << e.what();
+        }
+      },
+      std::chrono::seconds(30));
 }
 
 }  // namespace
