@@ -53,7 +53,21 @@ make_torch() {  # DIR VERSION: a torch folder whose libraries and headers are th
 }
 version=$(sed -n "s/^__version__ *= *['\"]\([^'\"]*\)['\"].*/\1/p" "$torch_real/version.py")
 make_torch "$work/site/torch" "$version"
-no_cuda_path=$(tr ':' '\n' <<<"$PATH" | grep -v -i cuda | paste -sd: -)
+# PATH without nvcc: CUDA folders dropped, any other folder that holds an nvcc (a link in
+# /usr/local/bin) replaced by a folder of links to everything else in it.
+no_cuda_path=""
+shadows=0
+IFS=: read -ra path_dirs <<<"$PATH"
+for dir in "${path_dirs[@]}"; do
+  [[ -z "$dir" || "${dir,,}" == *cuda* ]] && continue
+  if [[ -e "$dir/nvcc" ]]; then
+    shadows=$((shadows + 1))
+    mkdir -p "$work/path/$shadows"
+    for f in "$dir"/*; do [[ "$(basename "$f")" == nvcc ]] || ln -s "$f" "$work/path/$shadows/"; done
+    dir=$work/path/$shadows
+  fi
+  no_cuda_path+="${no_cuda_path:+:}$dir"
+done
 cpu_only() {
   env -u CUDACXX -u CUDA_HOME -u CUDA_PATH -u CUDAToolkit_ROOT PATH="$no_cuda_path" "$@"
 }
