@@ -36,7 +36,7 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # Paths under the temporary folder are hashed relative to it, so a later run hits the cache.
 export CCACHE_BASEDIR=$work CCACHE_NOHASHDIR=1
 # The consumer is a CPU program on a machine without the CUDA toolkit: nvcc is off PATH and the
-# CUDA variables unset, and a CUDA compiler that does not exist is named, so any
+# CUDA variables unset, and a CUDA compiler that does not exist is named (CUDACXX), so any
 # enable_language(CUDA) in the package would fail. The package may have been built with CUDA parts.
 # LibTorch is found where the consumer's CMAKE_PREFIX_PATH says (torch's share/cmake, the way
 # LibTorch's own docs set it), here a torch folder of links of its own, not the build's.
@@ -69,14 +69,13 @@ for dir in "${path_dirs[@]}"; do
   no_cuda_path+="${no_cuda_path:+:}$dir"
 done
 cpu_only() {
-  env -u CUDACXX -u CUDA_HOME -u CUDA_PATH -u CUDAToolkit_ROOT PATH="$no_cuda_path" "$@"
+  env -u CUDA_HOME -u CUDA_PATH -u CUDAToolkit_ROOT CUDACXX=/nonexistent/nvcc PATH="$no_cuda_path" "$@"
 }
 if PATH="$no_cuda_path" command -v nvcc >/dev/null; then
   echo "run.sh: nvcc is still on PATH after removing the CUDA folders: $(PATH="$no_cuda_path" command -v nvcc)" >&2
   exit 1
 fi
 cpu_only cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
-  -DCMAKE_CUDA_COMPILER=/nonexistent/nvcc \
   -DCMAKE_PREFIX_PATH="$prefix;$work/site/torch/share/cmake" -DFSDP_EXAMPLES_DIR="$examples" >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
 grep -q "fsdp: LibTorch $version from $work/site/torch" "$work/configure.log" || {
   echo "run.sh: the package did not take LibTorch from CMAKE_PREFIX_PATH ($work/site/torch):" >&2
