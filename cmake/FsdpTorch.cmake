@@ -60,8 +60,16 @@ if(FSDP_TORCH_FROM_PACKAGE AND FSDP_TORCH_BUILT_VERSION AND FSDP_TORCH_VERSION
                       "against this one.")
 endif()
 
+# The definitions the wheel's torch_cpu target carries; the c10d headers need them.
 set(FSDP_TORCH_DEFINITIONS "USE_DISTRIBUTED;USE_C10D_GLOO;USE_RPC;USE_TENSORPIPE")
-if(FSDP_TORCH_FROM_PACKAGE AND NOT TARGET fsdp_torch)
+if(TARGET fsdp_torch)
+  # Already defined in this configure.
+elseif(FSDP_CUDA_ENABLED AND NOT FSDP_TORCH_FROM_PACKAGE)
+  find_package(Torch REQUIRED PATHS "${FSDP_TORCH_PREFIX}/share/cmake/Torch" NO_DEFAULT_PATH)
+  add_library(fsdp_torch INTERFACE IMPORTED)
+  set_target_properties(fsdp_torch PROPERTIES INTERFACE_LINK_LIBRARIES "${TORCH_LIBRARIES}")
+else()
+  # LibTorch's libraries imported directly: a CPU build, or any consumer of the package.
   set(torch_libs "-Wl,--no-as-needed;${FSDP_TORCH_PREFIX}/lib/libtorch_cpu.so")
   if(FSDP_CUDA_ENABLED)
     # The CUDA runtime LibTorch itself loads: the wheel's (site-packages/nvidia/.../lib), else a
@@ -78,34 +86,16 @@ if(FSDP_TORCH_FROM_PACKAGE AND NOT TARGET fsdp_torch)
                           "torch wheel's CUDA packages, or use an fsdp built without CUDA (-DFSDP_WITH_CUDA=OFF).")
     endif()
     list(GET cudart 0 cudart)
-    list(APPEND torch_libs "${FSDP_TORCH_PREFIX}/lib/libtorch_cuda.so" "${FSDP_TORCH_PREFIX}/lib/libc10_cuda.so" "${cudart}")
+    list(APPEND torch_libs "${FSDP_TORCH_PREFIX}/lib/libtorch_cuda.so" "${FSDP_TORCH_PREFIX}/lib/libc10_cuda.so"
+         "${cudart}" "${FSDP_TORCH_PREFIX}/lib/libtorch.so")
   endif()
-  list(APPEND torch_libs "${FSDP_TORCH_PREFIX}/lib/libtorch.so" "${FSDP_TORCH_PREFIX}/lib/libc10.so" "-Wl,--as-needed")
+  list(APPEND torch_libs "${FSDP_TORCH_PREFIX}/lib/libc10.so" "-Wl,--as-needed")
   add_library(fsdp_torch INTERFACE IMPORTED)
   set_target_properties(fsdp_torch PROPERTIES
     INTERFACE_INCLUDE_DIRECTORIES "${FSDP_TORCH_PREFIX}/include;${FSDP_TORCH_PREFIX}/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "${FSDP_TORCH_DEFINITIONS}"
     INTERFACE_LINK_LIBRARIES "${torch_libs}")
-  message(STATUS "fsdp: LibTorch ${FSDP_TORCH_VERSION} from ${FSDP_TORCH_PREFIX}")
-endif()
-
-if(TARGET fsdp_torch)
-  # Imported above (a consumer of the installed package).
-elseif(FSDP_CUDA_ENABLED)
-  find_package(Torch REQUIRED PATHS "${FSDP_TORCH_PREFIX}/share/cmake/Torch" NO_DEFAULT_PATH)
-  if(NOT TARGET fsdp_torch)
-    add_library(fsdp_torch INTERFACE IMPORTED)
-    set_target_properties(fsdp_torch PROPERTIES INTERFACE_LINK_LIBRARIES "${TORCH_LIBRARIES}")
-  endif()
-else()
-  if(NOT TARGET fsdp_torch)
-    add_library(fsdp_torch INTERFACE IMPORTED)
-    set_target_properties(fsdp_torch PROPERTIES
-      INTERFACE_INCLUDE_DIRECTORIES
-        "${FSDP_TORCH_PREFIX}/include;${FSDP_TORCH_PREFIX}/include/torch/csrc/api/include"
-      # The definitions the wheel's torch_cpu target carries; the c10d headers need them.
-      INTERFACE_COMPILE_DEFINITIONS "${FSDP_TORCH_DEFINITIONS}"
-      INTERFACE_LINK_LIBRARIES
-        "-Wl,--no-as-needed;${FSDP_TORCH_PREFIX}/lib/libtorch_cpu.so;${FSDP_TORCH_PREFIX}/lib/libc10.so;-Wl,--as-needed")
+  if(FSDP_TORCH_FROM_PACKAGE)
+    message(STATUS "fsdp: LibTorch ${FSDP_TORCH_VERSION} from ${FSDP_TORCH_PREFIX}")
   endif()
 endif()

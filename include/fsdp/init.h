@@ -27,9 +27,10 @@ ParamInitFn constant(double value);
 // The first rule whose name suffix matches `name` (e.g. "norm.weight"), else `fallback`.
 ParamInitFn by_suffix(std::vector<std::pair<std::string, ParamInitFn>> rules, ParamInitFn fallback);
 
-// Allocates every parameter of `module` on the CPU (fp32) and fills it with `fn`; parameters on
-// the meta device are replaced in place (set_data), keeping identity and requires_grad. Buffers on
-// the meta device (fsdp/meta.h) are filled by `fn` too, under their names, in their own dtype.
+// Fills every parameter of `module` with `fn` (computed in fp32, stored in the parameter's dtype);
+// parameters on the meta device are allocated on the CPU and replaced in place (set_data),
+// keeping identity and requires_grad. Buffers on the meta device (fsdp/meta.h) are filled too,
+// under their names.
 void materialize(torch::nn::Module& module, const ParamInitFn& fn);
 
 }  // namespace fsdp::init

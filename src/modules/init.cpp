@@ -92,23 +92,18 @@ void materialize(torch::nn::Module& module, const ParamInitFn& fn) {
   for (auto& item : module.named_parameters(/*recurse=*/true)) {
     at::Tensor& p = item.value();
     if (!done.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (p.is_meta()) {
+      fsdp::materialize_whole(p, item.key(), fn);
+      continue;
+    }
     at::Tensor full = at::empty(p.sizes(), at::TensorOptions().dtype(at::kFloat));
     at::Tensor flat = full.view({-1});
     fn(item.key(), p.sizes(), 0, flat);
-    if (p.is_meta()) {
-      fsdp::rebind_param_data(p, full);
-    } else {
-      p.copy_(full);
-    }
+    p.copy_(full);
   }
   // Buffers built on the meta device (fsdp/meta.h), as the root's lazy init materialises them.
   for (auto& item : module.named_buffers(/*recurse=*/true)) {
-    at::Tensor& b = item.value();
-    if (!b.is_meta()) continue;
-    at::Tensor full = at::empty(b.sizes(), at::TensorOptions().dtype(at::kFloat));
-    at::Tensor flat = full.view({-1});
-    fn(item.key(), b.sizes(), 0, flat);
-    fsdp::rebind_param_data(b, full.to(b.scalar_type()));
+    if (item.value().is_meta()) fsdp::materialize_whole(item.value(), item.key(), fn);
   }
 }
 

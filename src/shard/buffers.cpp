@@ -137,10 +137,7 @@ void materialize_buffer(const Found& f, const ParamInitFn& init, c10::Device dev
                       "an init function that covers buffers too (fsdp/init.h, e.g. init::by_suffix({{\"running_var\", "
                       "init::constant(1)}, {\"running_mean\", init::constant(0)}}, ...)), or load a checkpoint");
   }
-  at::Tensor values = at::empty(f.tensor.sizes(), at::TensorOptions().dtype(at::kFloat));
-  at::Tensor flat = values.view({-1});
-  init(f.name, f.tensor.sizes(), 0, flat);
-  rebind_param_data(f.tensor, values.to(at::TensorOptions().dtype(f.tensor.scalar_type()).device(device)));
+  materialize_whole(f.tensor, f.name, init, device);
 }
 
 }  // namespace

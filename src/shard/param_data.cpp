@@ -22,6 +22,14 @@ void rebind_param_data(const at::Tensor& param, const at::Tensor& data) {
   param.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
 }
 
+void materialize_whole(const at::Tensor& tensor, const std::string& name, const ParamInitFn& init, c10::Device device) {
+  c10::NoGradGuard no_grad;
+  at::Tensor values = at::empty(tensor.sizes(), at::TensorOptions().dtype(at::kFloat));
+  at::Tensor flat = values.view({-1});
+  init(name, tensor.sizes(), 0, flat);
+  rebind_param_data(tensor, values.to(at::TensorOptions().dtype(tensor.scalar_type()).device(device)));
+}
+
 namespace {
 
 // A guard's storage holds no bytes; its DataPtr's context says what the guard stands for, which

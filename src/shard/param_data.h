@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "fsdp/options.h"
+
 namespace fsdp {
 
 // C++'s `param.data = data`: the parameter keeps its TensorImpl (so every module handle to it
@@ -14,6 +16,11 @@ namespace fsdp {
 // parameter off the meta device, which deferred init needs: set_data refuses meta -> CPU because
 // the two are not "shallow-copy compatible", though the metadata copy itself is well defined.
 void rebind_param_data(const at::Tensor& param, const at::Tensor& data);
+
+// Deferred init of a whole tensor (a meta parameter of an unsharded model, a meta buffer): its
+// values from `init` under `name` (fp32, then its own dtype, on `device`), rebound in place.
+void materialize_whole(const at::Tensor& tensor, const std::string& name, const ParamInitFn& init,
+                       c10::Device device = c10::Device(c10::kCPU));
 
 // Note [Guarded parameters]
 // While a flat param is sharded its parameters' data is a guard: a tensor with the parameter's

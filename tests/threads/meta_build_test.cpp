@@ -75,6 +75,23 @@ StockNet build_on_meta(int64_t vocab, int64_t d, int64_t n_blocks) {
   return StockNet(vocab, d, n_blocks);
 }
 
+// Every block a unit, then the root; the handles in that order (the root's last).
+std::vector<std::shared_ptr<FSDPModule>> shard_stock(StockNet& net, DeviceMesh& mesh, const FullyShardOptions& opts) {
+  std::vector<std::shared_ptr<FSDPModule>> units;
+  for (size_t i = 0; i < net->blocks->size(); ++i)
+    units.push_back(fully_shard(net->blocks->ptr<BlockImpl>(i), mesh, opts));
+  units.push_back(fully_shard(net, mesh, opts));
+  return units;
+}
+
+LoraOptions nf4_lora() { return LoraOptions().targets({"up", "down"}).r(8).alpha(16).base_dtype(FrozenStorage::kNF4); }
+
+// A rank of run_processes: one intra-op thread (two ranks share two cores).
+std::shared_ptr<Dist> process_rank() {
+  at::set_num_threads(1);
+  return init_from_env(InitOptions().timeout(std::chrono::seconds(120)));
+}
+
 bool is_block(const std::string& name, torch::nn::Module&) {
   return name.rfind("blocks.", 0) == 0 && name.find('.', 7) == std::string::npos;
 }
@@ -119,11 +136,8 @@ TEST(MetaBuild, StockModulesShardedOnMetaMatchTheUnshardedModel) {
     EXPECT_TRUE(at::equal(ref->bn->running_var, at::ones({16})));
     StockNet net = build_on_meta(50, 16, 3);
     const auto opts = FullyShardOptions().init(stock_init());
-    std::vector<std::shared_ptr<FSDPModule>> units;
-    for (size_t i = 0; i < net->blocks->size(); ++i)
-      units.push_back(fully_shard(net->blocks->ptr<BlockImpl>(i), mesh, opts));
-    auto root = fully_shard(net, mesh, opts);
-    units.push_back(root);
+    const auto units = shard_stock(net, mesh, opts);
+    auto root = units.back();
     net->eval();  // BatchNorm on its running statistics: the same on a rank's rows as on the whole batch
     ref->eval();
     auto optim = TorchOptimizer::make<torch::optim::SGD>(root, torch::optim::SGDOptions(0.5));
@@ -176,16 +190,12 @@ TEST(MetaBuildProcesses, ModelSeveralTimesEachRanksPeakIsBuiltShardedAndTrains) 
   auto results = testing::run_processes(
       2,
       [&](int rank) {
-        at::set_num_threads(1);
-        auto dist = init_from_env(InitOptions().timeout(std::chrono::seconds(120)));
-        DeviceMesh mesh(dist);
+        DeviceMesh mesh(process_rank());
         StockNet net = build_on_meta(kVocab, kD, kBlocks);
-        auto adapted = lora(*net, LoraOptions().targets({"up", "down"}).r(8).alpha(16).base_dtype(FrozenStorage::kNF4));
+        auto adapted = lora(*net, nf4_lora());
         const auto opts =
             FullyShardOptions().frozen_storage(adapted.frozen_storage()).init(adapted.init(stock_init(), /*seed=*/0));
-        for (size_t i = 0; i < net->blocks->size(); ++i) fully_shard(net->blocks->ptr<BlockImpl>(i), mesh, opts);
-        auto root = fully_shard(net, mesh, opts);
-        AdamW optim(root, AdamWOptions(1e-3));
+        AdamW optim(shard_stock(net, mesh, opts).back(), AdamWOptions(1e-3));
         const at::Tensor tokens = batch_tokens(kVocab, 2, 16).narrow(0, rank, 1);
         std::vector<double> losses;
         for (int step = 0; step < 2; ++step) {
@@ -224,21 +234,17 @@ void expect_plan_near_the_peak(bool lora_nf4) {
   auto results = testing::run_processes(
       2,
       [&](int rank) {
-        at::set_num_threads(1);
-        auto dist = init_from_env(InitOptions().timeout(std::chrono::seconds(120)));
-        DeviceMesh mesh(dist);
+        DeviceMesh mesh(process_rank());
         StockNet net = build_on_meta(kVocab, kD, kBlocks);
         std::optional<LoraModel> adapted;
-        const LoraOptions lora_options =
-            LoraOptions().targets({"up", "down"}).r(8).alpha(16).base_dtype(FrozenStorage::kNF4);
-        if (lora_nf4) adapted = lora(*net, lora_options);
+        if (lora_nf4) adapted = lora(*net, nf4_lora());
         ModelShape shape = model_shape(*net, is_block, adapted ? adapted->frozen_storage() : nullptr);
         // One real block and one real root (the model without blocks), their parameters trainable or
         // frozen as in the model, probed at small sizes.
         Block block(kD);
         StockNet root_layers(kVocab, kD, 0);
         if (lora_nf4) {
-          lora(*block, lora_options);
+          lora(*block, nf4_lora());
           for (auto& p : root_layers->parameters()) p.set_requires_grad(false);
         }
         for (auto& unit : shape.units) {
@@ -273,9 +279,7 @@ void expect_plan_near_the_peak(bool lora_nf4) {
         auto opts = FullyShardOptions().init(stock_init());
         if (adapted)
           opts = FullyShardOptions().frozen_storage(adapted->frozen_storage()).init(adapted->init(stock_init(), 0));
-        for (size_t i = 0; i < net->blocks->size(); ++i) fully_shard(net->blocks->ptr<BlockImpl>(i), mesh, opts);
-        auto root = fully_shard(net, mesh, opts);
-        AdamW optim(root, AdamWOptions(1e-3));
+        AdamW optim(shard_stock(net, mesh, opts).back(), AdamWOptions(1e-3));
         auto gen = at::make_generator<at::CPUGeneratorImpl>(10 + rank);
         const at::Tensor tokens = at::randint(kVocab, {kBatch, kSeq}, gen);
         for (int step = 0; step < 2; ++step) {
