@@ -44,7 +44,8 @@ std::string thread_default_note(int nproc_per_node) {
          " rank(s) (the cores this launcher may use, divided among its ranks); set OMP_NUM_THREADS to choose";
 }
 
-std::vector<std::string> rank_environment(const LaunchOptions& options, int rank, int master_port, int listen_fd) {
+std::vector<std::string> rank_environment(const LaunchOptions& options, int rank, int master_port, int listen_fd,
+                                          const std::string& plan_file) {
   const std::string world = std::to_string(options.nproc_per_node);
   std::vector<std::pair<std::string, std::string>> overrides = {
       {"RANK", std::to_string(rank)},
@@ -59,6 +60,7 @@ std::vector<std::string> rank_environment(const LaunchOptions& options, int rank
       {"TORCHELASTIC_RUN_ID", kRunId},
   };
   if (rank == 0 && listen_fd >= 0) overrides.push_back({kListenFdVariable, std::to_string(listen_fd)});
+  if (!plan_file.empty()) overrides.push_back({kPlanFileVariable, plan_file});
   const char* threads = std::getenv("OMP_NUM_THREADS");
   if (threads == nullptr || *threads == '\0') {
     overrides.push_back({"OMP_NUM_THREADS", std::to_string(threads_per_rank(options.nproc_per_node))});

@@ -127,6 +127,11 @@ for several workers; it prints the value it chose. SIGINT and SIGTERM are forwar
 period to finish (e.g. save a checkpoint) before SIGKILL. Every line a rank prints is forwarded
 with a "[rank K] " prefix (stdout to stdout, stderr to stderr). The first rank that fails stops
 the job: the other ranks' process groups get SIGTERM, then SIGKILL after the grace period.
+A rank that dies of a SIGKILL fsdp-run did not send (the kernel's out-of-memory killer, most
+often) is explained: whether the OOM killer's counters moved (/proc/vmstat, the memory cgroup)
+and the kernel log's line when readable, the rank's last sampled resident memory (sampled every
+0.25 s), the machine's and the cgroup's memory, and the plan the rank wrote to the file named by
+FSDP_RUN_PLAN_FILE, which fsdp-run sets for each rank (fsdp-train writes its plan there).
 
 options:
   --nproc-per-node N   number of ranks to start, 1..1024 (required)

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -38,6 +39,8 @@ constexpr int kReadsPerWakeup = 4;
 constexpr std::chrono::milliseconds kDrainAfterKill(1000);
 // poll() never sleeps longer than this, so deadlines are re-checked even if a wake-up were lost.
 constexpr std::chrono::milliseconds kMaxPollWait(1000);
+// How often each rank's resident memory is sampled (Note [A rank killed without a word]).
+constexpr std::chrono::milliseconds kMemorySamplePeriod(250);
 
 // ---- the job ---------------------------------------------------------------------------------
 
@@ -77,6 +80,10 @@ class LocalJob {
     for (auto& stream : streams_) {
       if (stream.fd >= 0) ::close(stream.fd);
     }
+    if (!plan_dir_.empty()) {
+      for (const auto& rank : ranks_) ::unlink(plan_file(rank.rank).c_str());
+      ::rmdir(plan_dir_.c_str());
+    }
   }
 
   LocalJob(const LocalJob&) = delete;
@@ -88,6 +95,8 @@ class LocalJob {
     try {
       set_fd_flag(null_fd, F_GETFD, F_SETFD, FD_CLOEXEC);
       if (const std::string threads = thread_default_note(options_.nproc_per_node); !threads.empty()) note(threads);
+      oom_before_ = read_oom_counters();
+      make_plan_dir();
       for (int rank = 0; rank < options_.nproc_per_node; ++rank) spawn_rank(rank, null_fd);
     } catch (...) {
       ::close(null_fd);
@@ -101,6 +110,7 @@ class LocalJob {
     const Clock::time_point job_deadline = Clock::now() + to_duration(options_.timeout_s);
     std::vector<pollfd> fds;
     while (true) {
+      sample_ranks();
       check_ranks();
       const Clock::time_point now = Clock::now();
       if (!shutting_down_ && has_timeout && now >= job_deadline) {
@@ -118,6 +128,7 @@ class LocalJob {
       if (!shutting_down_ && has_timeout) wake = std::min(wake, job_deadline);
       if (shutting_down_ && !killed_) wake = std::min(wake, kill_deadline_);
       if (killed_) wake = std::min(wake, drain_deadline_);
+      if (!all_exited()) wake = std::min(wake, next_sample_);
       const auto wait = std::chrono::ceil<std::chrono::milliseconds>(wake - now).count();
 
       fds.clear();
@@ -151,7 +162,7 @@ class LocalJob {
     streams_.push_back({err_pipe[0], rank, STDERR_FILENO, {}});
 
     // Everything the child needs is built before fork, so that the child only makes syscalls.
-    std::vector<std::string> env = rank_environment(options_, rank, master_port_, listen_fd_);
+    std::vector<std::string> env = rank_environment(options_, rank, master_port_, listen_fd_, plan_file(rank));
     std::vector<char*> envp;
     for (auto& entry : env) envp.push_back(&entry[0]);
     envp.push_back(nullptr);
@@ -183,6 +194,41 @@ class LocalJob {
     process.rank = rank;
     process.pid = pid;
     ranks_.push_back(process);
+    memory_.emplace_back();
+  }
+
+  // A private folder for the ranks' plans; without one (no writable TMPDIR) the ranks get none.
+  void make_plan_dir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string path = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdp-run-XXXXXX";
+    if (::mkdtemp(&path[0]) != nullptr) plan_dir_ = path;
+  }
+
+  std::string plan_file(int rank) const {
+    return plan_dir_.empty() ? "" : plan_dir_ + "/rank" + std::to_string(rank) + ".plan";
+  }
+
+  void sample_ranks() {
+    const Clock::time_point now = Clock::now();
+    if (now < next_sample_) return;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      if (!ranks_[i].exited) sample_memory(ranks_[i].pid, &memory_[i]);
+    }
+    next_sample_ = now + kMemorySamplePeriod;
+  }
+
+  // Note [A rank killed without a word]
+  void explain_if_killed_from_outside(const RankProcess& rank) {
+    if (rank.term_signal != SIGKILL || killed_) return;
+    KillReport report;
+    report.rank = rank.rank;
+    report.pid = rank.pid;
+    report.died = Clock::now();
+    report.memory = memory_[static_cast<size_t>(rank.rank)];
+    for (const auto& m : memory_) report.all_ranks_rss += std::max<int64_t>(m.rss, 0);
+    report.before = oom_before_;
+    report.plan_file = plan_file(rank.rank);
+    for (const std::string& line : explain_external_kill(report)) note(line);
   }
 
   // A rank's stdout and stderr pipes, read ends non-blocking. On failure none of them stays open.
@@ -246,6 +292,7 @@ class LocalJob {
         stop_reason_ = StopReason::kRankFailed;
         failed_rank_ = rank.rank;
         note("rank " + std::to_string(rank.rank) + " failed (" + describe_exit(rank) + "); stopping all ranks");
+        explain_if_killed_from_outside(rank);
         begin_shutdown(SIGTERM);
       }
     }
@@ -391,6 +438,10 @@ class LocalJob {
   const int listen_fd_;  // -1: the user chose the port
   SignalPipe& signals_;
   std::vector<RankProcess> ranks_;
+  std::vector<RankMemory> memory_;  // one per rank, by rank
+  Clock::time_point next_sample_{};
+  OomCounters oom_before_;
+  std::string plan_dir_;  // "" when none could be made
   std::vector<OutputStream> streams_;
   std::vector<char> buffer_;
   StopReason stop_reason_ = StopReason::kNone;

@@ -6,6 +6,7 @@
 // stderr as "fsdp-train: error: <what>".
 #include <ATen/Parallel.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -32,12 +33,48 @@ int print_plan(const TrainConfig& config) {
   return plan.fits ? 0 : 2;
 }
 
-// Before the job joins and before anything is allocated: a run that cannot fit is refused on every rank.
+// The plan in one line: its totals per rank and its choices (the first line of Plan::to_string).
+std::string plan_summary(const fsdp::Plan& plan) {
+  auto mib = [](int64_t bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+    return std::string(buf);
+  };
+  std::string line = "plan per rank for the training step: " + std::string(plan.host.items.empty() ? "" : "device ") +
+                     "memory " + mib(plan.device.total());
+  if (!plan.host.items.empty()) line += ", host memory " + mib(plan.host.total());
+  if (!plan.disk.items.empty()) line += ", disk " + mib(plan.disk.total());
+  const std::string text = plan.to_string();
+  return line + "; " + text.substr(0, text.find('\n'));
+}
+
+// Before the job joins and before anything is allocated: a run that cannot fit is refused on every
+// rank. A run that goes on prints its plan first (rank 0) and leaves it where a launcher looks
+// after a rank that died without a word (FSDP_RUN_PLAN_FILE, set by fsdp-run).
 void check_plan(const TrainConfig& config) {
-  const fsdp::Plan plan = plan_run(config);
-  if (plan.fits) return;
-  throw std::invalid_argument("the run does not fit this machine's budgets (train.budget): " + plan.shortfall +
-                              " fsdp-train --plan prints the whole plan; train.budget.check=false runs it anyway.");
+  fsdp::Plan plan;
+  if (config.train.check_budget) {
+    plan = plan_run(config);
+  } else {
+    try {  // unchecked: a config the planner cannot take still runs, without a plan to print
+      plan = plan_run(config);
+    } catch (const std::exception&) {
+      return;
+    }
+  }
+  if (!plan.fits && config.train.check_budget) {
+    throw std::invalid_argument("the run does not fit this machine's budgets (train.budget): " + plan.shortfall +
+                                " fsdp-train --plan prints the whole plan; train.budget.check=false runs it anyway.");
+  }
+  const std::string summary = plan_summary(plan);
+  const char* rank = std::getenv("RANK");
+  if (rank == nullptr || std::string(rank) == "0") std::printf("%s\n", summary.c_str());
+  if (const char* file = std::getenv("FSDP_RUN_PLAN_FILE"); file != nullptr && *file != '\0') {
+    if (std::FILE* f = std::fopen(file, "w")) {
+      std::fprintf(f, "%s\n", summary.c_str());
+      std::fclose(f);
+    }
+  }
 }
 
 }  // namespace
@@ -46,6 +83,9 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
   Flags flags;
   TrainConfig config;
   std::optional<Dataset> data;
+  // Every line goes out as it is written, also into a launcher's pipe: a rank killed from outside
+  // (the OOM killer) has printed all it got to.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   try {
     flags = parse_flags(argc, argv);
     if (flags.help) {
@@ -57,7 +97,7 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     // rendezvous.
     data.emplace(config.data, config.model.vocab_size, config.train.seed);
     if (flags.plan) return print_plan(config);
-    if (config.train.check_budget && !flags.init_only) check_plan(config);
+    if (!flags.init_only) check_plan(config);
   } catch (const std::exception& e) {
     // Every rank reports: a launcher may stop rank 0 before it prints when another rank exits first.
     std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
