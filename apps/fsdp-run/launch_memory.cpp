@@ -64,9 +64,9 @@ std::string cgroup_oom_file() {
     for (std::string name; std::getline(names, name, ',');)
       if (name == "memory") v1 = path;
   }
-  const std::vector<std::string> candidates = {
-      "/sys/fs/cgroup" + v2 + "/memory.events", "/sys/fs/cgroup/unified" + v2 + "/memory.events",
-      "/sys/fs/cgroup/memory" + v1 + "/memory.oom_control"};
+  const std::vector<std::string> candidates = {"/sys/fs/cgroup" + v2 + "/memory.events",
+                                               "/sys/fs/cgroup/unified" + v2 + "/memory.events",
+                                               "/sys/fs/cgroup/memory" + v1 + "/memory.oom_control"};
   for (size_t i = 0; i < candidates.size(); ++i) {
     if ((i < 2 && v2.empty()) || (i == 2 && v1.empty())) continue;
     std::string text;
@@ -145,15 +145,15 @@ std::vector<std::string> explain_external_kill(const KillReport& r) {
   const std::string who = "rank " + std::to_string(r.rank);
   const OomCounters now = read_oom_counters();
   const bool system_rose = r.before.system >= 0 && now.system > r.before.system;
-  const bool cgroup_rose = r.before.cgroup >= 0 && now.cgroup > r.before.cgroup &&
-                           now.cgroup_file == r.before.cgroup_file;
+  const bool cgroup_rose =
+      r.before.cgroup >= 0 && now.cgroup > r.before.cgroup && now.cgroup_file == r.before.cgroup_file;
   const bool readable = r.before.system >= 0 || r.before.cgroup >= 0;
   std::string counters;
   if (r.before.system >= 0)
     counters += "/proc/vmstat oom_kill " + std::to_string(r.before.system) + " -> " + std::to_string(now.system);
   if (r.before.cgroup >= 0)
-    counters += (counters.empty() ? "" : ", ") + r.before.cgroup_file + " oom_kill " +
-                std::to_string(r.before.cgroup) + " -> " + std::to_string(now.cgroup);
+    counters += (counters.empty() ? "" : ", ") + r.before.cgroup_file + " oom_kill " + std::to_string(r.before.cgroup) +
+                " -> " + std::to_string(now.cgroup);
   // An old record of a reused pid must not speak for this run: the log is read only when a counter
   // rose or there is none to read.
   const std::string log = system_rose || cgroup_rose || !readable ? kernel_log_oom_record(r.pid) : "";

@@ -2,8 +2,10 @@
 #include "support/ranks.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -12,8 +14,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 #include <stdexcept>
 #include <utility>
 #include <fstream>
@@ -62,8 +66,53 @@ void HeldPort::close() {
   if (fd_ >= 0) ::close(std::exchange(fd_, -1));
 }
 
+// The paths temp_path handed out (a fresh name under TMPDIR or /tmp), with the process that asked
+// for each: removed (files and
+// folders, whatever the test left there) when that process exits normally. A forked rank runs the
+// same exit handler but removes only its own paths, never its parent's.
+struct HandedOut {
+  std::mutex mu;
+  std::vector<std::pair<pid_t, std::string>> paths;
+};
+HandedOut& handed_out() {
+  static auto* paths = new HandedOut();  // never destroyed: the exit handler runs after statics die
+  return *paths;
+}
+// PATH itself, and its siblings named PATH-..., PATH.... or PATH_... (tests add a suffix: "-a.bin",
+// ".json"); no other handed-out name has such a prefix, each ends in its own counter.
+void remove_handed_out_path(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = path.substr(0, slash), name = path.substr(slash + 1);
+  std::vector<std::string> doomed;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string entry = e->d_name;
+      if (entry.compare(0, name.size(), name) != 0) continue;
+      if (entry.size() == name.size() || std::strchr("-._", entry[name.size()]) != nullptr)
+        doomed.push_back(dir + "/" + entry);
+    }
+    ::closedir(d);
+  }
+  // nftw, not std::filesystem::remove_all: the test binaries link LibTorch, whose copy of that
+  // symbol is the one resolved, and it crashed at exit.
+  for (const std::string& p : doomed)
+    ::nftw(
+        p.c_str(), [](const char* f, const struct stat*, int, struct FTW*) { return ::remove(f); }, 16,
+        FTW_DEPTH | FTW_PHYS);
+}
+
+void remove_handed_out_paths() {
+  HandedOut& h = handed_out();
+  std::lock_guard<std::mutex> lock(h.mu);
+  for (const auto& [pid, path] : h.paths) {
+    if (pid == ::getpid()) remove_handed_out_path(path);
+  }
+}
+
 std::string temp_path(const std::string& stem) {
   static std::atomic<int> counter{0};
+  static std::once_flag registered;
+  std::call_once(registered, [] { std::atexit(remove_handed_out_paths); });
   // pid + counter alone repeats: pids wrap (pid_max is often 32768) over a full test run, and a
   // FileStore file left by a killed test would hand a later process with the same pid the old
   // ranks' Gloo addresses ("Connection closed by peer" while creating a group). The start time
@@ -72,6 +121,9 @@ std::string temp_path(const std::string& stem) {
   const char* dir = std::getenv("TMPDIR");
   std::ostringstream p;
   p << (dir ? dir : "/tmp") << "/fsdp-test-" << stem << "-" << ::getpid() << "-" << started << "-" << counter++;
+  HandedOut& h = handed_out();
+  std::lock_guard<std::mutex> lock(h.mu);
+  h.paths.emplace_back(::getpid(), p.str());
   return p.str();
 }
 
