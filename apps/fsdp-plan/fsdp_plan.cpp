@@ -203,7 +203,7 @@ bool plan_reads(const std::string& key) {
   }
   for (const char* k : {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype",
                         "fsdp.reduce_dtype", "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps",
-                        "train.activation_checkpointing", "train.async_save"}) {
+                        "train.activation_checkpointing", "train.loss_chunk_tokens", "train.async_save"}) {
     if (key == k) return true;
   }
   return false;

@@ -108,6 +108,9 @@ struct RunConfig {
   int64_t grad_accum_steps = 1;
   // Activation checkpointing: 0 ("none"), 1 ("every": every layer) or n (layers 0, n, 2n, ...).
   int64_t activation_checkpointing = 0;
+  // The head and the loss over this many tokens at a time (fsdp::chunked_cross_entropy): the
+  // [tokens, vocab] logits never exist whole. 0: whole logits.
+  int64_t loss_chunk_tokens = 0;
   bool async_save = false;  // write checkpoints in the background (one in flight)
   // train.budget: per-rank budgets the run's plan (fsdp/plan.h) must fit before anything is
   // allocated; 0: this machine's (host: MemAvailable / ranks on the node; disk: free space under

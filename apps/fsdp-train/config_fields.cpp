@@ -401,6 +401,9 @@ std::vector<ConfigField> train_fields() {
           "train", "grad_accum_steps", [](auto& c) -> auto& { return c.train.grad_accum_steps; }, 1,
           "micro-batches per optimizer step"),
       activation_checkpointing(),
+      integer(
+          "train", "loss_chunk_tokens", [](auto& c) -> auto& { return c.train.loss_chunk_tokens; }, 0,
+          "the head and the loss over this many tokens at a time, so the whole logits never exist (0: whole)"),
       boolean(
           "train", "async_save", [](auto& c) -> auto& { return c.train.async_save; },
           "write checkpoints in the background (one in flight)"),

@@ -91,10 +91,11 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
 }
 
 fsdp::ModelShape plan_shape(const TrainConfig& cfg) {
-  if (!cfg.lora.enabled) return llama::plan_shape(cfg.model);
+  const int64_t chunk = cfg.train.loss_chunk_tokens;
+  if (!cfg.lora.enabled) return llama::plan_shape(cfg.model, nullptr, chunk);
   const fsdp::LoraOptions lora = cfg.lora.options();
   try {
-    return llama::plan_shape(cfg.model, &lora);
+    return llama::plan_shape(cfg.model, &lora, chunk);
   } catch (const fsdp::ConfigError& e) {
     throw std::invalid_argument("config: lora.targets=" + nlohmann::json(cfg.lora.targets).dump() + ": " + e.what());
   }
@@ -126,8 +127,8 @@ MemoryPlan plan_memory(const PlanInputs& in) {
     p.checkpointed_layers = n > 0 ? (L + n - 1) / n : 0;  // layers 0, n, 2n, ...
     // A checkpointed layer keeps only its output (its input is the previous layer's output).
     const int64_t kept = elem * B * T * m.hidden_size;
-    p.activations = llama::root_activation_bytes(m, B, T, in.param_dtype) + (L - p.checkpointed_layers) * full +
-                    p.checkpointed_layers * kept;
+    p.activations = llama::root_activation_bytes(m, B, T, in.param_dtype, in.loss_chunk_tokens) +
+                    (L - p.checkpointed_layers) * full + p.checkpointed_layers * kept;
     p.recompute = p.checkpointed_layers > 0 ? full : 0;
   }
   // No-sync accumulation keeps every unit's unsharded gradient buffer (param_dtype).

@@ -33,6 +33,7 @@ struct PlanInputs {
   int64_t seq_len = 0;
   int64_t checkpoint_every = 0;  // train.activation_checkpointing: 0 none, n every n-th layer
   int64_t grad_accum_steps = 1;
+  int64_t loss_chunk_tokens = 0;  // train.loss_chunk_tokens
   bool async_save = false;
 };
 

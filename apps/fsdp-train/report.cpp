@@ -145,6 +145,7 @@ MemoryPlan memory_plan(const Session& s) {
   in.micro_batch = cfg.data.batch_size_per_rank;
   in.seq_len = cfg.data.seq_len;
   in.checkpoint_every = cfg.train.activation_checkpointing;
+  in.loss_chunk_tokens = cfg.train.loss_chunk_tokens;
   in.grad_accum_steps = cfg.train.grad_accum_steps;
   in.async_save = cfg.train.async_save && !s.flags.save_dir.empty();
   return plan_memory(in);

@@ -129,6 +129,7 @@ void Session::build() {
     load_peft_adapter(cfg.lora.adapter_from, *root, cfg.lora, rank);
   }
   model->model->checkpoint_every = cfg.train.activation_checkpointing;
+  model->set_loss_chunk_tokens(cfg.train.loss_chunk_tokens);
 
   const auto& o = cfg.optim;
   optim = std::make_unique<fsdp::AdamW>(root, o.adamw());

@@ -110,15 +110,20 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   {
     fsdp::Tracer::Scope s(tracer, "train::forward", "train", "");
     PhaseTimer t(phases.forward, peak_of(phases.peak_forward));
-    at::Tensor logits = fsdp::call(model_, batch.inputs.to(device_));
-    if (inject && micro == 0) {
-      logits.register_hook([](const at::Tensor& g) {
-        at::Tensor h = g.clone();
-        h.view(-1)[0] = std::numeric_limits<double>::infinity();
-        return h;
-      });
+    // A test's injected inf goes into the first logit's gradient, or the loss's when chunked.
+    auto poison = [](const at::Tensor& g) {
+      at::Tensor h = g.clone();
+      h.view(-1)[0] = std::numeric_limits<double>::infinity();
+      return h;
+    };
+    if (model_->loss_chunk_tokens() > 0) {
+      loss = fsdp::call(model_, batch.inputs.to(device_), batch.targets.to(device_));
+      if (inject && micro == 0) loss.register_hook(poison);
+    } else {
+      at::Tensor logits = fsdp::call(model_, batch.inputs.to(device_));
+      if (inject && micro == 0) logits.register_hook(poison);
+      loss = llama::loss(logits, batch.targets.to(device_));
     }
-    loss = llama::loss(logits, batch.targets.to(device_));
     if (accum > 1) loss = loss / static_cast<double>(accum);
   }
   if (measure) {

@@ -16,9 +16,11 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint_activations.h"
+#include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/init.h"
 #include "fsdp/lora.h"
+#include "fsdp/loss.h"
 
 namespace llama {
 namespace {
@@ -271,6 +273,30 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, at::Device
 }
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) { return lm_head(fsdp::call(model, tokens)); }
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens, const at::Tensor& targets) {
+  const at::Tensor h = fsdp::call(model, tokens);
+  if (loss_chunk_tokens_ == 0) return loss(lm_head(h), targets);
+  TORCH_CHECK(targets.dim() == 2 && targets.sizes() == tokens.sizes(), "LlamaForCausalLM expects targets of the ",
+              "tokens' shape ", tokens.sizes(), ", got ", targets.sizes());
+  return fsdp::chunked_cross_entropy(h, lm_head->weight, targets, loss_chunk_tokens_);
+}
+
+void LlamaForCausalLMImpl::set_loss_chunk_tokens(int64_t tokens) {
+  if (tokens < 0) {
+    throw fsdp::ConfigError("LlamaForCausalLM: loss_chunk_tokens must be 0 (whole logits) or positive, got " +
+                            std::to_string(tokens));
+  }
+  // The chunked loss multiplies by lm_head.weight itself: adapters on the head would be skipped.
+  if (tokens > 0 && lm_head->named_parameters().size() != 1) {
+    throw fsdp::ConfigError("LlamaForCausalLM: a chunked loss (loss_chunk_tokens " + std::to_string(tokens) +
+                            ") needs lm_head to be a plain weight, but it has " +
+                            std::to_string(lm_head->named_parameters().size()) +
+                            " parameters (LoRA on lm_head?); leave lm_head out of the adapters' targets or "
+                            "set loss_chunk_tokens to 0");
+  }
+  loss_chunk_tokens_ = tokens;
+}
 
 void LlamaForCausalLMImpl::init_weights() {
   at::NoGradGuard no_grad;

@@ -250,6 +250,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   explicit LlamaForCausalLMImpl(const LlamaConfig& config, at::Device device = at::kCPU);
   // tokens [B, T] int64 -> logits [B, T, vocab_size].
   at::Tensor forward(const at::Tensor& tokens);
+  // tokens and targets [B, T] int64 -> the mean loss (llama::loss), without the logits when
+  // loss_chunk_tokens > 0: the head and the cross-entropy then run that many tokens at a time
+  // (fsdp::chunked_cross_entropy, fsdp/loss.h), so the [B * T, vocab] logits never exist whole.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& targets);
+  void set_loss_chunk_tokens(int64_t tokens);
+  int64_t loss_chunk_tokens() const { return loss_chunk_tokens_; }
   // Norm weights to 1, biases to 0, every other weight from N(0, initializer_range^2), using torch's default
   // generator (torch::manual_seed). For rank-independent values use llama_init_fn instead.
   void init_weights();
@@ -260,6 +266,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
  private:
   LlamaConfig config_;
+  int64_t loss_chunk_tokens_ = 0;  // 0: whole logits
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -39,17 +39,29 @@ int64_t layer_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_
   return 2 * norm_bytes(N, H, e) + 2 * e * N * H + 4 * e * N * q + qk_norms + attn_kernel + window_mask + 4 * e * N * I;
 }
 
-int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
+int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype,
+                              int64_t loss_chunk_tokens) {
   const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t N = batch * seq_len;
-  return e * N * m.hidden_size + norm_bytes(N, m.hidden_size, e) + 4 * N * m.vocab_size;
+  const int64_t loss = loss_chunk_tokens > 0 ? 4 * N : 4 * N * m.vocab_size;  // log-sum-exp, or log-probabilities
+  return e * N * m.hidden_size + norm_bytes(N, m.hidden_size, e) + loss;
 }
 
-int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype) {
-  // The gradient of the log-probabilities and the log-softmax's gradient, both fp32, at once, and
-  // the logits' gradient cast to the compute dtype for the head's backward.
+int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype,
+                            int64_t loss_chunk_tokens, bool head_trained) {
   const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
-  return (8 + (e == 4 ? 0 : e)) * batch * seq_len * m.vocab_size;
+  const int64_t N = batch * seq_len;
+  if (loss_chunk_tokens <= 0) {
+    // The gradient of the log-probabilities and the log-softmax's gradient, both fp32, at once, and
+    // the logits' gradient cast to the compute dtype for the head's backward.
+    return (8 + (e == 4 ? 0 : e)) * N * m.vocab_size;
+  }
+  // Note [Chunked cross-entropy] (src/modules/loss.cpp): one chunk's fp32 logits turned into their
+  // gradient in place and its cast to the compute dtype; the head's gradient summed in fp32 (in a
+  // narrower dtype a tensor of its own beside the one it is cast into).
+  const int64_t rows = std::min(loss_chunk_tokens, N);
+  const int64_t head_sum = head_trained && e != 4 ? 4 * m.vocab_size * m.hidden_size : 0;
+  return (4 + (e == 4 ? 0 : e)) * rows * m.vocab_size + head_sum;
 }
 
 namespace {
@@ -76,7 +88,7 @@ void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, fsdp::
 
 }  // namespace
 
-fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora) {
+fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora, int64_t loss_chunk_tokens) {
   const ParamCounts counts = param_counts(config);
   fsdp::ModelShape shape;
   shape.name = config.model_type;
@@ -86,11 +98,12 @@ fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* 
   root.checkpointable = false;
   root.trainable_numel = counts.root;
   root.largest_param_numel = config.vocab_size * config.hidden_size;
-  root.activations = [config](int64_t b, int64_t t, at::ScalarType d, bool) {
-    return root_activation_bytes(config, b, t, d);
+  root.activations = [config, loss_chunk_tokens](int64_t b, int64_t t, at::ScalarType d, bool) {
+    return root_activation_bytes(config, b, t, d, loss_chunk_tokens);
   };
-  root.backward_peak = [config](int64_t b, int64_t t, at::ScalarType d) {
-    return loss_backward_bytes(config, b, t, d);
+  const bool head_trained = lora == nullptr;
+  root.backward_peak = [config, loss_chunk_tokens, head_trained](int64_t b, int64_t t, at::ScalarType d) {
+    return loss_backward_bytes(config, b, t, d, loss_chunk_tokens, head_trained);
   };
   shape.units.push_back(root);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {

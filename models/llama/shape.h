@@ -15,14 +15,21 @@ namespace llama {
 
 // `lora`: the model with fsdp::lora's adapters (trainable) on a frozen base stored as its
 // base_dtype says; null: every parameter trained.
-fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora = nullptr);
+// `loss_chunk_tokens` > 0: the head and the loss run that many tokens at a time
+// (LlamaForCausalLM::set_loss_chunk_tokens), and the root keeps no logits.
+fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora = nullptr,
+                            int64_t loss_chunk_tokens = 0);
 
 // Bytes kept for backward by one layer's forward over `batch` x `seq_len` tokens in `dtype`, and
 // by the rest of the model (embedding output, final norm, the logits and the loss's log-probabilities).
 int64_t layer_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
-int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
+// With loss_chunk_tokens > 0 the root keeps one fp32 log-sum-exp per token instead of the logits.
+int64_t root_activation_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype,
+                              int64_t loss_chunk_tokens = 0);
 // The loss's backward beyond what the forward kept: the gradients of the log-probabilities and of
-// the fp32 logits, and the logits' gradient in the compute dtype.
-int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype);
+// the fp32 logits, and the logits' gradient in the compute dtype; chunked, the same for one chunk,
+// plus the head's fp32 gradient sum when the head trains in a narrower dtype.
+int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype,
+                            int64_t loss_chunk_tokens = 0, bool head_trained = true);
 
 }  // namespace llama

@@ -8,7 +8,8 @@
 #    scaling: the scale halves) and training goes on; K skips in a row stop the run (status 1)
 #    without a checkpoint of the failing step;
 #  - gradient accumulation gives the losses of the run with the larger batch and reduce-scatters
-#    once per step; activation checkpointing (every layer, every 2nd) leaves the losses unchanged;
+#    once per step; activation checkpointing (every layer, every 2nd) leaves the losses unchanged,
+#    and so does a loss chunked over the tokens (train.loss_chunk_tokens, to fp32 rounding);
 #    async saves commit every checkpoint before exit and resume like synchronous ones; the memory
 #    plan's figure for each lever is within 10% of the measured one.
 # Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/train_levers_e2e_test.sh
@@ -188,6 +189,15 @@ for n in every 2; do
   record "activation checkpointing ($n): same losses, activations within 10% of the plan \
 ($(lever_error "$TMP/ac$n.out" activations)%)" $ok "$TMP/ac$n.out" "$TMP/ac$n.err" "$TMP/py.log"
 done
+
+# The loss chunked over 100 of each rank's 512 tokens: the same losses to fp32 rounding, and the
+# activations (no logits kept) within 10% of the plan.
+train 2 "$TMP/chunk" "${SMALL[@]}" --steps 4 --set train.loss_chunk_tokens=100 --metrics "$TMP/chunk.jsonl"
+ok=0
+if [ "$RC" -eq 0 ] && "$PY" "$TMP/same.py" "$TMP/base.jsonl" "$TMP/chunk.jsonl" 1e-5 >"$TMP/py.log" 2>&1 &&
+   within10 "$TMP/chunk.out" activations; then ok=1; fi
+record "loss chunked by 100 tokens: same losses, activations within 10% of the plan \
+($(lever_error "$TMP/chunk.out" activations)%)" $ok "$TMP/chunk.out" "$TMP/chunk.err" "$TMP/py.log"
 
 train 2 "$TMP/big" "${SMALL[@]}" --steps 4 --set data.batch_size_per_rank=8 --metrics "$TMP/big.jsonl"
 train 2 "$TMP/acc" "${SMALL[@]}" --steps 4 --set data.batch_size_per_rank=2 --set train.grad_accum_steps=4 \

@@ -24,7 +24,10 @@ llama::LlamaConfig tiny_config(bool tied, const std::string& family = "llama") {
   return c;
 }
 
-void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::string& family = "llama") {
+// loss_chunk > 0: the sharded model's loss is chunked (LlamaForCausalLM::forward(tokens, targets),
+// fsdp::chunked_cross_entropy); the reference's stays the whole-logits llama::loss.
+void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::string& family = "llama",
+                  int64_t loss_chunk = 0) {
   const auto cfg = tiny_config(tied, family);
   constexpr int64_t kBatch = 12, kSeq = 9;  // global batch: 12 sequences, divisible by 1-4
   testing::run_threads(world, [&](const std::shared_ptr<Dist>& dist) {
@@ -34,6 +37,7 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
     llama::LlamaForCausalLM ref(cfg, at::kMeta);
     init::materialize(*ref, init);
     llama::LlamaForCausalLM model(cfg, at::kMeta);  // never allocated whole
+    model->set_loss_chunk_tokens(loss_chunk);
     auto opts = FullyShardOptions().strategy(strategy).init(init);
     for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
     auto root = fully_shard(model, mesh, opts);
@@ -46,8 +50,9 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
       auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + step);
       auto tokens = at::randint(cfg.vocab_size, {kBatch, kSeq + 1}, gen);
       auto in = tokens.narrow(1, 0, kSeq), tgt = tokens.narrow(1, 1, kSeq);
-      auto loss = llama::loss(fsdp::call(model, in.narrow(0, dist->rank() * local, local)),
-                              tgt.narrow(0, dist->rank() * local, local));
+      const at::Tensor my_in = in.narrow(0, dist->rank() * local, local),
+                       my_tgt = tgt.narrow(0, dist->rank() * local, local);
+      auto loss = loss_chunk > 0 ? fsdp::call(model, my_in, my_tgt) : llama::loss(fsdp::call(model, my_in), my_tgt);
       loss.backward();
       auto ref_loss = llama::loss(ref->forward(in), tgt);
       ref_loss.backward();
@@ -96,6 +101,12 @@ TEST(ParityLlama, EveryFamilyFullShardWorld2) {
   }
 }
 TEST(ParityLlama, TiedShardGradOpWorld3) { llama_parity(3, true, ShardingStrategy::kShardGradOp); }
+// The chunked loss through the sharded root: chunks of 5 rows over each rank's 6 x 9 tokens (the
+// last chunk short), the tied head's gradient joining the embedding's, and an untied head.
+TEST(ParityLlama, ChunkedLossTiedAndUntiedWorld2) {
+  llama_parity(2, true, ShardingStrategy::kFullShard, "llama", 5);
+  llama_parity(2, false, ShardingStrategy::kFullShard, "qwen2", 16);
+}
 
 }  // namespace
 }  // namespace fsdp

@@ -69,6 +69,35 @@ llama::LlamaConfig mid() {
   return c;
 }
 
+// A chunked loss (fsdp::chunked_cross_entropy) keeps one fp32 log-sum-exp per token instead of the
+// [tokens, vocab] log-probabilities, and its backward holds one chunk's logits and their gradient;
+// the head's fp32 gradient sum is counted only where the head trains in a narrower dtype.
+TEST(Plan, AChunkedLossKeepsNoLogitsAndItsBackwardHoldsOneChunk) {
+  const auto c = qwen_like(false);
+  const int64_t b = 4, t = 64, n = b * t, v = c.vocab_size, h = c.hidden_size;
+  const int64_t whole = llama::root_activation_bytes(c, b, t, at::kFloat);
+  EXPECT_EQ(whole - llama::root_activation_bytes(c, b, t, at::kFloat, 32), 4 * n * v - 4 * n);
+  EXPECT_EQ(llama::loss_backward_bytes(c, b, t, at::kFloat), 8 * n * v);
+  EXPECT_EQ(llama::loss_backward_bytes(c, b, t, at::kFloat, 32), 4 * 32 * v);
+  EXPECT_EQ(llama::loss_backward_bytes(c, b, t, at::kBFloat16, 32), 6 * 32 * v + 4 * v * h);
+  EXPECT_EQ(llama::loss_backward_bytes(c, b, t, at::kBFloat16, 32, /*head_trained=*/false), 6 * 32 * v);
+  EXPECT_EQ(llama::loss_backward_bytes(c, b, t, at::kFloat, 100000), 4 * n * v) << "a chunk of more than the tokens";
+  // Through the shape: the root's figures, and a plan that is smaller by the difference at least.
+  const ModelShape chunked = llama::plan_shape(c, nullptr, 32), plain = llama::plan_shape(c);
+  EXPECT_EQ(chunked.units[0].activations(b, t, at::kFloat, false),
+            llama::root_activation_bytes(c, b, t, at::kFloat, 32));
+  EXPECT_EQ(chunked.units[0].backward_peak(b, t, at::kFloat), 4 * 32 * v);
+  PlanRequest req;
+  req.seq_len = t;
+  req.batch_per_rank = b;
+  req.micro_batch = b;
+  req.strategy = ShardingStrategy::kFullShard;
+  req.offload = OffloadPolicy();
+  req.checkpoint_every = 0;
+  req.budget = {int64_t{64} << 30, int64_t{64} << 30, 0};
+  EXPECT_LE(plan(chunked, req).device.total(), plan(plain, req).device.total() - (4 * n * v - 4 * n));
+}
+
 TEST(Plan, ChoosesNoOffloadWhenItFitsThenTheDiskTierAndKeepsFixedChoices) {
   const ModelShape shape = llama::plan_shape(mid());
   const Plan roomy = plan(shape, request(int64_t{8} << 30));
