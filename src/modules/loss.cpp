@@ -5,9 +5,10 @@
 // the chunk adds sum(lse - z[target]) over its valid rows. Only lse (fp32, one per row) is saved
 // beside h, W and the targets. Backward, per chunk: z again, p = exp(z - lse), p[target] -= 1, rows
 // of ignored targets zeroed, scaled by grad / valid rows; that is dz, the gradient of the fp32
-// logits. Then, as linear's backward would with dz cast to h's dtype: dh_c = dz @ W, and
-// dW += dz^T @ h_c, summed in fp32 over the chunks and cast to W's dtype at the end. At most one
-// chunk's [C, vocab] logits and their gradient exist at a time.
+// logits. Then dh_c = dz @ W as linear's backward would, with dz cast to h's dtype, written into
+// dh's rows; and dW += dz^T @ h_c in fp32, in place (a product into a temporary would hold a second
+// [vocab, d] tensor), cast to W's dtype at the end (in fp32 the sum is the gradient itself). At most
+// one chunk's [C, vocab] logits and their gradient exist at a time.
 #include "fsdp/loss.h"
 
 #include <ATen/ATen.h>
@@ -65,9 +66,12 @@ class ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntropy
       at::Tensor dz = at::linear(hc, weight).to(at::kFloat).sub_(lse.narrow(0, start, len).unsqueeze(1)).exp_();
       dz.scatter_add_(1, t.clamp_min(0).unsqueeze(1), at::full({len, 1}, -1.0, dz.options()));
       dz.mul_((t.ne(ignore_index).to(at::kFloat) * scale).unsqueeze(1));
-      const at::Tensor g = dz.to(h.scalar_type());
-      if (want_h) dh.narrow(0, start, len).copy_(at::mm(g, weight));
-      if (want_w) dw.add_(at::mm(g.t(), hc));
+      // In place, with no [vocab, d] temporary: the fp32 sum takes the fp32 dz (and h_c in fp32).
+      if (want_h) {
+        at::Tensor rows = dh.narrow(0, start, len);
+        at::mm_out(rows, dz.to(h.scalar_type()), weight);
+      }
+      if (want_w) dw.addmm_(dz.t(), hc.to(at::kFloat));
     }
     return {dh, want_w ? dw.to(weight.scalar_type()) : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -80,23 +84,24 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
   auto shape = [](const at::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : std::string("undefined"); };
   if (!hidden.defined() || !weight.defined() || !targets.defined() || hidden.dim() < 1 || weight.dim() != 2 ||
       hidden.size(-1) != weight.size(1) || targets.sizes() != hidden.sizes().slice(0, hidden.dim() - 1)) {
-    throw UsageError("fsdp::chunked_cross_entropy: expects hidden [..., d], weight [vocab, d] and targets of "
-                     "hidden's leading shape [...]; got hidden " + shape(hidden) + ", weight " + shape(weight) +
-                     ", targets " + shape(targets));
+    throw UsageError(
+        "fsdp::chunked_cross_entropy: expects hidden [..., d], weight [vocab, d] and targets of "
+        "hidden's leading shape [...]; got hidden " +
+        shape(hidden) + ", weight " + shape(weight) + ", targets " + shape(targets));
   }
   if (targets.scalar_type() != at::kLong || !at::isFloatingType(hidden.scalar_type()) ||
       hidden.scalar_type() != weight.scalar_type()) {
-    throw UsageError("fsdp::chunked_cross_entropy: targets must be int64 and hidden and weight of one floating "
-                     "dtype; got targets " + std::string(c10::toString(targets.scalar_type())) + ", hidden " +
-                     c10::toString(hidden.scalar_type()) + ", weight " + c10::toString(weight.scalar_type()));
+    throw UsageError(
+        "fsdp::chunked_cross_entropy: targets must be int64 and hidden and weight of one floating "
+        "dtype; got targets " +
+        std::string(c10::toString(targets.scalar_type())) + ", hidden " + c10::toString(hidden.scalar_type()) +
+        ", weight " + c10::toString(weight.scalar_type()));
   }
   if (chunk_tokens <= 0) {
-    throw UsageError("fsdp::chunked_cross_entropy: chunk_tokens must be positive, got " +
-                     std::to_string(chunk_tokens));
+    throw UsageError("fsdp::chunked_cross_entropy: chunk_tokens must be positive, got " + std::to_string(chunk_tokens));
   }
   const int64_t d = hidden.size(-1);
-  return ChunkedCrossEntropy::apply(hidden.reshape({-1, d}), weight, targets.reshape({-1}), chunk_tokens,
-                                    ignore_index);
+  return ChunkedCrossEntropy::apply(hidden.reshape({-1, d}), weight, targets.reshape({-1}), chunk_tokens, ignore_index);
 }
 
 }  // namespace fsdp
