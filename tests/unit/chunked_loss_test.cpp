@@ -27,9 +27,9 @@ Result run(bool chunked, at::ScalarType dtype, int64_t chunk, bool with_ignored,
   }
   // A product after the loss's input, so that dh comes through a real graph.
   at::Tensor hidden = h * 1.5;
-  at::Tensor loss = chunked ? chunked_cross_entropy(hidden, w, targets, chunk)
-                            : at::cross_entropy_loss(at::linear(hidden, w).to(at::kFloat).reshape({-1, v}),
-                                                     targets.reshape({-1}));
+  at::Tensor loss =
+      chunked ? chunked_cross_entropy(hidden, w, targets, chunk)
+              : at::cross_entropy_loss(at::linear(hidden, w).to(at::kFloat).reshape({-1, v}), targets.reshape({-1}));
   (loss * 2.0).backward();
   return {loss.detach(), h.grad(), w.grad()};
 }
