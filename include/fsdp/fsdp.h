@@ -24,6 +24,7 @@
 #include "fsdp/init.h"
 #include "fsdp/join.h"
 #include "fsdp/lora.h"
+#include "fsdp/loss.h"
 #include "fsdp/memory.h"
 #include "fsdp/meta.h"
 #include "fsdp/mixed_precision.h"
