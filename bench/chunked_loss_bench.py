@@ -28,8 +28,8 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from lora_bench import LORA, train_run  # noqa: E402
-from scale import MODELS, build_model  # noqa: E402
+from lora_bench import LORA, model_and_tokens, train_run  # noqa: E402
+from scale import MODELS  # noqa: E402
 
 
 def commit():
@@ -84,7 +84,6 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
-    import numpy as np
     dtype = ["--set", f"fsdp.param_dtype={args.dtype}"]  # after lora_bench's bfloat16: the last --set wins
     chunk = ["--set", f"train.loss_chunk_tokens={args.chunk}"]
     nf4 = LORA + ["--set", "lora.base_dtype=nf4"]
@@ -92,11 +91,7 @@ def main():
             "lora-nf4-chunked": dtype + nf4 + chunk}
     work = tempfile.mkdtemp(prefix="fsdp-chunked-loss-bench-")
     try:
-        spec, shard_size, drop = MODELS[args.model]
-        hf = os.path.join(work, "hf")
-        params, _, _ = build_model(hf, spec, shard_size, drop, seed=0)
-        tokens = os.path.join(work, "train.bin")
-        np.random.default_rng(0).integers(0, spec["vocab_size"], size=1 << 20, dtype=np.uint32).tofile(tokens)
+        hf, tokens, params = model_and_tokens(work, args.model)
         result = {"model": args.model, "params": params, "steps": args.steps, "seq_len": args.seq_len, "dtype": args.dtype,
                   "chunk": args.chunk, "commit": commit(), "quiet": args.quiet,
                   "command": " ".join(["bench/chunked_loss_bench.py"] + sys.argv[1:]), "runs": {}}

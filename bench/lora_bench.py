@@ -44,6 +44,18 @@ RUNS = {
 GOALS = {"lora-bf16": 0.35, "lora-nf4": 0.15}  # peak RSS per rank against the full fine-tune's
 
 
+def model_and_tokens(work, model):
+    """The model's HF directory (random bf16 weights, bench/scale.py) and a token file of 1M uint32
+    tokens under `work`: (hf, tokens, params)."""
+    import numpy as np
+    spec, shard_size, drop = MODELS[model]
+    hf = os.path.join(work, "hf")
+    params, _, _ = build_model(hf, spec, shard_size, drop, seed=0)
+    tokens = os.path.join(work, "train.bin")
+    np.random.default_rng(0).integers(0, spec["vocab_size"], size=1 << 20, dtype=np.uint32).tofile(tokens)
+    return hf, tokens, params
+
+
 def train_run(args, name, extra, hf, tokens, work):
     metrics = os.path.join(work, f"{name}.jsonl")
     cmd = [os.path.join(args.bin, "fsdp-run"), "--nproc-per-node", "2", "--timeout-s", "3600", "--",
@@ -127,14 +139,9 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
-    import numpy as np
     work = tempfile.mkdtemp(prefix="fsdp-lora-bench-")
     try:
-        spec, shard_size, drop = MODELS[args.model]
-        hf = os.path.join(work, "hf")
-        params, _, _ = build_model(hf, spec, shard_size, drop, seed=0)
-        tokens = os.path.join(work, "train.bin")
-        np.random.default_rng(0).integers(0, spec["vocab_size"], size=1 << 20, dtype=np.uint32).tofile(tokens)
+        hf, tokens, params = model_and_tokens(work, args.model)
         result = {"model": args.model, "params": params, "steps": args.steps, "seq_len": args.seq_len,
                   "command": " ".join(["bench/lora_bench.py"] + sys.argv[1:]), "runs": {}}
         for name in args.runs.split(","):

@@ -139,10 +139,8 @@ void Loop::evaluate() {
   double sum = 0;
   for (int64_t b = 0; b < cfg_.train.eval_batches; ++b) {
     Batch batch = rank_batch(s_.data, b * s_.eval_batch, cfg_.data.batch_size_per_rank, s_.rank, Split::kEval);
-    const at::Tensor inputs = batch.inputs.to(s_.device), targets = batch.targets.to(s_.device);
-    sum += (s_.model->loss_chunk_tokens() > 0 ? fsdp::call(s_.model, inputs, targets)
-                                              : llama::loss(fsdp::call(s_.model, inputs), targets))
-               .item<double>();
+    // The model's loss forward: whole logits or chunked, as train.loss_chunk_tokens says.
+    sum += fsdp::call(s_.model, batch.inputs.to(s_.device), batch.targets.to(s_.device)).item<double>();
   }
   at::Tensor t = at::tensor({sum / static_cast<double>(cfg_.train.eval_batches)}, at::kDouble);
   s_.dist->world().all_reduce(t, fsdp::ReduceOp::kAvg, "train/eval_loss").wait();

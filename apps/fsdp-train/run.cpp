@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "base/strings.h"
 #include "config.h"
 #include "data.h"
 #include "flags.h"
@@ -35,17 +36,12 @@ int print_plan(const TrainConfig& config) {
 
 // The plan in one line: its totals per rank and its choices (the first line of Plan::to_string).
 std::string plan_summary(const fsdp::Plan& plan) {
-  auto mib = [](int64_t bytes) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-    return std::string(buf);
-  };
+  auto mib = [](int64_t bytes) { return fsdp::base::mib(bytes, 1); };
   std::string line = "plan per rank for the training step: " + std::string(plan.host.items.empty() ? "" : "device ") +
                      "memory " + mib(plan.device.total());
   if (!plan.host.items.empty()) line += ", host memory " + mib(plan.host.total());
   if (!plan.disk.items.empty()) line += ", disk " + mib(plan.disk.total());
-  const std::string text = plan.to_string();
-  return line + "; " + text.substr(0, text.find('\n'));
+  return line + "; " + fsdp::base::first_line(plan.to_string());
 }
 
 // Before the job joins and before anything is allocated: a run that cannot fit is refused on every
