@@ -203,7 +203,8 @@ bool plan_reads(const std::string& key) {
   }
   for (const char* k : {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype",
                         "fsdp.reduce_dtype", "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps",
-                        "train.activation_checkpointing", "train.loss_chunk_tokens", "train.async_save"}) {
+                        "train.activation_checkpointing", "train.loss_chunk_tokens", "train.async_save",
+                        "optim.state_dtype", "train.accumulation", "train.keep_gathered"}) {
     if (key == k) return true;
   }
   return false;
@@ -253,6 +254,7 @@ int run(const Args& a) {
     }
     if (!tiers) req.offload.reset();
     if (!user_set(a, "train.activation_checkpointing")) req.checkpoint_every.reset();
+    if (!user_set(a, "train.keep_gathered")) req.keep_gathered.reset();
     if (!user_set(a, "data.batch_size_per_rank") && !user_set(a, "train.grad_accum_steps")) req.micro_batch.reset();
     if (!user_set(a, "fsdp.strategy")) req.strategy.reset();
     if (!user_set(a, "train.async_save")) req.async_save = false;

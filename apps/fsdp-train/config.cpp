@@ -121,6 +121,21 @@ void check_fsdp(const TrainConfig& c) {
   if (c.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && c.fsdp.replicate < 2) {
     reject("fsdp.replicate", json(c.fsdp.replicate), "must be >= 2 with fsdp.strategy=\"HYBRID_SHARD\"");
   }
+  if (c.optim.state_dtype == at::kBFloat16 && c.fsdp.offload.optimizer_state() == fsdp::OffloadTier::kDisk) {
+    reject("optim.state_dtype", json("bfloat16"),
+           "cannot go with fsdp.offload.optimizer_state=\"disk\" (the disk tier streams float32 state): use "
+           "\"none\" or \"host\", or optim.state_dtype=\"float32\"");
+  }
+}
+
+// train.accumulation against the step in backward: there every backward that reduces gradients is
+// an optimizer step, so micro-batches must accumulate without reducing.
+void check_train(const TrainConfig& c) {
+  if (c.optim.step_in_backward && c.train.grad_accum_steps > 1 && c.train.accumulation != fsdp::Accumulation::kNoSync) {
+    reject("train.accumulation", json(fsdp::accumulation_name(c.train.accumulation)),
+           "cannot go with optim.step_in_backward=true and several micro-batches (each backward that reduces "
+           "is an optimizer step there): use \"no_sync\"");
+  }
 }
 
 // Reads one top-level section's rows, then runs `check`.
@@ -188,7 +203,7 @@ TrainConfig TrainConfig::from_json(const json& doc) {
   read_top_section(doc, "data", c, check_data);  // after the model: data.seq_len is checked against it
   read_top_section(doc, "optim", c, check_optim);
   read_top_section(doc, "fsdp", c, check_fsdp);
-  read_top_section(doc, "train", c, [](const TrainConfig&) {});
+  read_top_section(doc, "train", c, check_train);
   // A lora section turns LoRA on unless it says enabled: false.
   const json* lora = section_object(doc, "lora");
   c.lora.enabled = lora != nullptr;

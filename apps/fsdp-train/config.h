@@ -20,6 +20,7 @@
 
 #include "fsdp/dist.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/plan.h"
 #include "fsdp/lora.h"
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
@@ -53,9 +54,17 @@ struct OptimConfig {
   // Step each flat param during backward, as soon as its gradient is reduced
   // (ShardedOptimizer::step_in_backward): needs grad_clip 0 and no loss scaling.
   bool step_in_backward = false;
-  // The library's options for lr, betas, eps and weight_decay (fsdp::check_options validates them).
+  // AdamW's moments in fp32 or bf16 (fsdp::AdamWOptions::state_dtype).
+  at::ScalarType state_dtype = at::kFloat;
+  // The library's options for lr, betas, eps, weight_decay and the state's dtype (fsdp::check_options
+  // validates them).
   fsdp::AdamWOptions adamw() const {
-    return fsdp::AdamWOptions(lr).beta1(betas[0]).beta2(betas[1]).eps(eps).weight_decay(weight_decay);
+    return fsdp::AdamWOptions(lr)
+        .beta1(betas[0])
+        .beta2(betas[1])
+        .eps(eps)
+        .weight_decay(weight_decay)
+        .state_dtype(state_dtype);
   }
 };
 
@@ -103,9 +112,16 @@ struct RunConfig {
   int64_t save_every = 0;    // 0: save only at the end (needs --save-dir)
   int64_t keep_last = 0;     // committed checkpoints to keep; 0 keeps all
   int64_t log_every = 10;    // plain log lines (when stdout is not a terminal)
-  // Micro-batches of data.batch_size_per_rank per optimizer step; gradients are reduced once, on
-  // the last, and the loss equals the run with a batch that many times larger.
+  // Micro-batches of data.batch_size_per_rank per optimizer step; the loss equals the run with a
+  // batch that many times larger.
   int64_t grad_accum_steps = 1;
+  // How they accumulate (fsdp::Accumulation): no_sync (gradients reduced once, on the last), or
+  // reduce_scatter (each reduce-scattered; under HYBRID_SHARD the replicas' all-reduce on the
+  // last only), or reduce (each reduced in full).
+  fsdp::Accumulation accumulation = fsdp::Accumulation::kNoSync;
+  // Every unit keeps its gathered parameters across the micro-batches of a step: one all-gather
+  // per unit per step (FSDPModule::set_reshard_after_forward/_backward), all units gathered at once.
+  bool keep_gathered = false;
   // Activation checkpointing: 0 ("none"), 1 ("every": every layer) or n (layers 0, n, 2n, ...).
   int64_t activation_checkpointing = 0;
   // The head and the loss over this many tokens at a time (fsdp::chunked_cross_entropy): the

@@ -314,6 +314,12 @@ std::vector<ConfigField> optim_fields() {
       boolean(
           "optim", "step_in_backward", [](auto& c) -> auto& { return c.optim.step_in_backward; },
           "step each unit as soon as its gradient is reduced (needs grad_clip 0, no loss scaling)"),
+      choice(
+          "optim", "state_dtype", [](auto& c) -> auto& { return c.optim.state_dtype; }, {"float32", "bfloat16"},
+          [](const std::string& s) { return s == "bfloat16" ? at::kBFloat16 : at::kFloat; },
+          [](at::ScalarType t) { return std::string(t == at::kBFloat16 ? "bfloat16" : "float32"); },
+          "AdamW's moments: float32, or bfloat16 with stochastic rounding (4 bytes less per trainable "
+          "parameter; not with fsdp.offload.optimizer_state \"disk\")"),
   };
 }
 
@@ -400,6 +406,15 @@ std::vector<ConfigField> train_fields() {
       integer(
           "train", "grad_accum_steps", [](auto& c) -> auto& { return c.train.grad_accum_steps; }, 1,
           "micro-batches per optimizer step"),
+      choice(
+          "train", "accumulation", [](auto& c) -> auto& { return c.train.accumulation; },
+          {"no_sync", "reduce_scatter", "reduce"}, fsdp::parse_accumulation, fsdp::accumulation_name,
+          "micro-batches' gradients: kept unreduced until the last (no_sync), reduce-scattered each with "
+          "HYBRID_SHARD's all-reduce on the last only (reduce_scatter), or reduced in full each (reduce)"),
+      boolean(
+          "train", "keep_gathered", [](auto& c) -> auto& { return c.train.keep_gathered; },
+          "keep every unit's gathered parameters across the micro-batches of a step (one all-gather per unit "
+          "per step; every unit gathered at once)"),
       activation_checkpointing(),
       integer(
           "train", "loss_chunk_tokens", [](auto& c) -> auto& { return c.train.loss_chunk_tokens; }, 0,

@@ -97,6 +97,7 @@ void Loop::train_step() {
   mine.loss = outcome.local_loss;
   mine.allgather_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
   mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
+  mine.all_reduce_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllReduce).bytes_sent);
   mine.comm_wait_s = delta.total_wait_s();
   mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
   mine.peak_rss_forward = static_cast<double>(outcome.phases.peak_forward);

@@ -34,6 +34,8 @@ std::string config_key(const std::string& option) {
       {"PlanRequest::checkpoint_every", "train.activation_checkpointing"},
       {"PlanRequest::micro_batch", "data.batch_size_per_rank"},
       {"grad_accum_steps", "train.grad_accum_steps"},
+      {"PlanRequest::accumulation", "train.accumulation"},
+      {"PlanRequest::keep_gathered", "train.keep_gathered"},
   };
   for (const auto& [name, key] : kKeys) {
     if (option == name) return key;
@@ -73,6 +75,9 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.param_dtype = cfg.fsdp.param_dtype;
   r.reduce_dtype = cfg.fsdp.reduce_dtype;
   r.optimizer_state_tensors = 2;  // AdamW
+  r.optimizer_state_dtype = cfg.optim.state_dtype;
+  r.accumulation = cfg.train.accumulation;
+  r.keep_gathered = cfg.train.keep_gathered;
   r.option_name = config_key;
   r.seq_len = cfg.data.seq_len;
   r.batch_per_rank = cfg.data.batch_size_per_rank * cfg.train.grad_accum_steps;
@@ -82,6 +87,14 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.offload = cfg.fsdp.offload;
   r.prefetch_depth = static_cast<int>(cfg.fsdp.prefetch_depth);
   r.async_save = cfg.train.async_save;
+  // HYBRID_SHARD shards over world / fsdp.replicate ranks and replicates across fsdp.replicate rows:
+  // the planner's nodes and ranks per node, wherever the ranks run.
+  const int world = ranks_per_node * nodes;
+  if (cfg.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard && cfg.fsdp.replicate > 1 &&
+      world % cfg.fsdp.replicate == 0) {
+    r.ranks_per_node = world / cfg.fsdp.replicate;
+    r.nodes = cfg.fsdp.replicate;
+  }
   const int64_t local = ranks_per_node;
   r.budget.host_bytes = cfg.train.budget_host_bytes > 0 ? cfg.train.budget_host_bytes : host_available_bytes() / local;
   r.budget.device_bytes = cfg.train.budget_device_bytes > 0 ? cfg.train.budget_device_bytes : int64_t{1} << 60;
@@ -132,9 +145,15 @@ MemoryPlan plan_memory(const PlanInputs& in) {
     p.recompute = p.checkpointed_layers > 0 ? full : 0;
   }
   // No-sync accumulation keeps every unit's unsharded gradient buffer (param_dtype).
-  if (in.grad_accum_steps > 1) p.accum_grads = elem * p.num_params;
-  // The snapshot copies this rank's fp32 params and AdamW state (not the gradients): 12 bytes each.
-  if (in.async_save) p.async_snapshot = 12 * ((p.num_params + in.shard_size - 1) / in.shard_size);
+  if (in.grad_accum_steps > 1 && in.accumulation == fsdp::Accumulation::kNoSync) p.accum_grads = elem * p.num_params;
+  // Note [Accumulation without the all-reduce]: an fp32 partial sum of each trainable shard.
+  if (in.grad_accum_steps > 1 && in.accumulation == fsdp::Accumulation::kReduceScatter && in.replicas > 1) {
+    const int64_t trainable = in.trainable_params >= 0 ? in.trainable_params : p.num_params;
+    p.partial_grads = 4 * ((trainable + in.shard_size - 1) / in.shard_size);
+  }
+  // The snapshot copies this rank's fp32 params and AdamW's two moments (not the gradients).
+  if (in.async_save)
+    p.async_snapshot = (4 + 2 * in.state_element_bytes) * ((p.num_params + in.shard_size - 1) / in.shard_size);
   return p;
 }
 
@@ -148,6 +167,7 @@ nlohmann::json lever_report(const MemoryPlan& plan, const MeasuredLevers& got) {
   };
   add("activations", plan.activations, got.activations);
   add("accumulated_gradients", plan.accum_grads, got.accum_grads);
+  add("partial_gradient_sums", plan.partial_grads, got.partial_grads);
   add("async_snapshot", plan.async_snapshot, got.async_snapshot);
   return j;
 }

@@ -33,8 +33,12 @@ struct PlanInputs {
   int64_t seq_len = 0;
   int64_t checkpoint_every = 0;  // train.activation_checkpointing: 0 none, n every n-th layer
   int64_t grad_accum_steps = 1;
-  int64_t loss_chunk_tokens = 0;  // train.loss_chunk_tokens
+  fsdp::Accumulation accumulation = fsdp::Accumulation::kNoSync;  // train.accumulation
+  int replicas = 1;                                               // fsdp.replicate
+  int64_t trainable_params = -1;                                  // -1: every parameter (no LoRA)
+  int64_t loss_chunk_tokens = 0;                                  // train.loss_chunk_tokens
   bool async_save = false;
+  int state_element_bytes = 4;  // AdamW's moments: 4 (float32) or 2 (optim.state_dtype bfloat16)
 };
 
 // The levers' figures per rank, bytes.
@@ -44,6 +48,7 @@ struct MemoryPlan {
   int64_t recompute = 0;    // checkpointing: one layer's activations rebuilt during backward
   int64_t checkpointed_layers = 0;
   int64_t accum_grads = 0;     // unreduced gradients kept across micro-batches
+  int64_t partial_grads = 0;   // reduce-scattered sums awaiting the replicas' all-reduce
   int64_t async_snapshot = 0;  // host copy while a save is in flight
 };
 
@@ -53,6 +58,7 @@ MemoryPlan plan_memory(const PlanInputs& in);
 struct MeasuredLevers {
   int64_t activations = -1;
   int64_t accum_grads = -1;
+  int64_t partial_grads = -1;
   int64_t async_snapshot = -1;
 };
 // {"activations": {"plan": bytes, "measured": bytes, "error": (measured - plan) / plan}, ...} for

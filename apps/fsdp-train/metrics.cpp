@@ -49,12 +49,12 @@ std::string duration(double s) {
 }  // namespace
 
 std::vector<double> RankCounters::values() const {
-  return {loss,           allgather_bytes,  reduce_scatter_bytes, comm_wait_s,
+  return {loss,           allgather_bytes,  reduce_scatter_bytes, all_reduce_bytes,  comm_wait_s,
           peak_rss_bytes, peak_rss_forward, peak_rss_backward,    peak_rss_optimizer};
 }
 
 RankCounters RankCounters::of(const std::vector<double>& v) {
-  return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6), v.at(7)};
+  return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6), v.at(7), v.at(8)};
 }
 
 std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine) {
@@ -159,6 +159,7 @@ void MetricsLog::step(const StepMetrics& m) {
   };
   j["allgather_bytes"] = column(&RankCounters::allgather_bytes, true);
   j["reduce_scatter_bytes"] = column(&RankCounters::reduce_scatter_bytes, true);
+  j["all_reduce_bytes"] = column(&RankCounters::all_reduce_bytes, true);
   j["comm_wait_s"] = column(&RankCounters::comm_wait_s, false);
   j["peak_rss_bytes"] = column(&RankCounters::peak_rss_bytes, true);
   if (!m.ranks.empty() && m.ranks[0].peak_rss_forward > 0) {

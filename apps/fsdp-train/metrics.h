@@ -3,7 +3,8 @@
 //
 // One --metrics line per step, written by rank 0:
 //   {"step": 12, "loss": 2.31, "lr": 0.003, "step_time_s": 0.21, "tokens_per_s": 4876.2,
-//    "allgather_bytes": [r0, r1, ...], "reduce_scatter_bytes": [...], "comm_wait_s": [...],
+//    "allgather_bytes": [r0, r1, ...], "reduce_scatter_bytes": [...], "all_reduce_bytes": [...],
+//    "comm_wait_s": [...],
 //    "peak_rss_bytes": [...], "skipped": false, "skipped_steps": 0, "loss_scale": 1.0[, "grad_norm": 0.8]}
 // and one per evaluation: {"eval": true, "step": 50, "loss": 1.93, "perplexity": 6.89}. "step" counts optimizer steps
 // taken (the first training line is step 1); "loss" is the mean over the global batch; the arrays
@@ -30,6 +31,7 @@ struct RankCounters {
   double loss = 0;  // mean over this rank's slice
   double allgather_bytes = 0;
   double reduce_scatter_bytes = 0;
+  double all_reduce_bytes = 0;  // the replicas' gradient all-reduce (HYBRID_SHARD, NO_SHARD) and small ones
   double comm_wait_s = 0;
   double peak_rss_bytes = 0;
   // The step's peaks by phase (rss_watermark): the forward, the backward, and the rest (checks,

@@ -107,6 +107,7 @@ void report_levers(const Session& s, const LoopResult& r) {
   MeasuredLevers got;
   got.activations = s.stepper->measured().activations;
   got.accum_grads = s.stepper->measured().accum_grads;
+  got.partial_grads = s.stepper->measured().partial_grads;
   if (s.checkpointer->async() && r.last_saved_step >= 0) got.async_snapshot = s.checkpointer->snapshot_bytes();
   const auto report = lever_report(memory_plan(s), got);
   if (report.empty()) return;
@@ -147,6 +148,17 @@ MemoryPlan memory_plan(const Session& s) {
   in.checkpoint_every = cfg.train.activation_checkpointing;
   in.loss_chunk_tokens = cfg.train.loss_chunk_tokens;
   in.grad_accum_steps = cfg.train.grad_accum_steps;
+  in.accumulation = cfg.train.accumulation;
+  in.replicas = cfg.fsdp.strategy == fsdp::ShardingStrategy::kHybridShard ? cfg.fsdp.replicate
+                : cfg.fsdp.strategy == fsdp::ShardingStrategy::kNoShard   ? s.world
+                                                                          : 1;
+  in.state_element_bytes = cfg.optim.state_dtype == at::kBFloat16 ? 2 : 4;
+  if (s.lora_model) {
+    in.trainable_params = 0;
+    for (const auto& p : s.model->parameters()) {
+      if (p.requires_grad()) in.trainable_params += p.numel();
+    }
+  }
   in.async_save = cfg.train.async_save && !s.flags.save_dir.empty();
   return plan_memory(in);
 }

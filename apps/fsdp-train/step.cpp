@@ -135,7 +135,11 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
     PhaseTimer t(phases.backward, peak_of(phases.peak_backward));
     scaler_->scale(loss).backward();
   }
-  if (measure && micro == 0 && accum > 1) measured_.accum_grads = fsdp::memory_report(*root_).unsharded_grads_alive;
+  if (measure && micro == 0 && accum > 1) {
+    const fsdp::MemoryReport r = fsdp::memory_report(*root_);
+    measured_.accum_grads = r.unsharded_grads_alive;
+    measured_.partial_grads = r.partial_grads;
+  }
   return loss.detach();
 }
 
@@ -146,8 +150,19 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
   StepOutcome out;
   at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
   for (int64_t m = 0; m < accum; ++m) {
-    // Gradients stay local and unreduced until the last micro-batch, whose backward reduces the sum.
-    root_->set_requires_gradient_sync(m == accum - 1);
+    // no_sync: gradients stay local and unreduced until the last micro-batch, whose backward reduces
+    // the sum. reduce_scatter: each micro-batch's are reduce-scattered, the replicas' all-reduce
+    // waits for the last. reduce: each micro-batch's are reduced in full.
+    const bool last = m == accum - 1;
+    const fsdp::Accumulation how = cfg_.train.accumulation;
+    root_->set_requires_gradient_sync(last || how != fsdp::Accumulation::kNoSync);
+    root_->set_requires_all_reduce(last || how != fsdp::Accumulation::kReduceScatter);
+    if (cfg_.train.keep_gathered && accum > 1) {
+      // Gathered once per step: kept from forward to backward and, but for the last micro-batch,
+      // after backward too (the next micro-batch finds every unit gathered).
+      root_->set_reshard_after_forward(false);
+      root_->set_reshard_after_backward(last);
+    }
     local += micro_step(first, m, measure && m == 0, inject, tracer, out.phases).to(at::kDouble);
   }
   out.local_loss = local.item<double>();

@@ -38,9 +38,10 @@ struct StepOutcome {
 // Bytes measured on this rank during the second step it trains (the first materialises shards and
 // optimizer state); -1 until then.
 struct LeverMeasurements {
-  int64_t activations = -1;  // growth of the compute device's memory in use over one micro-batch's
-                             // forward, gathered params excluded
-  int64_t accum_grads = -1;  // unreduced gradient buffers alive between micro-batches
+  int64_t activations = -1;    // growth of the compute device's memory in use over one micro-batch's
+                               // forward, gathered params excluded
+  int64_t accum_grads = -1;    // unreduced gradient buffers alive between micro-batches
+  int64_t partial_grads = -1;  // partial sums awaiting the replicas' all-reduce (accumulation reduce_scatter)
 };
 
 // This process's heap in use now (malloc'd arena bytes plus mmapped blocks).

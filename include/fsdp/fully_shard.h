@@ -73,6 +73,28 @@ class FSDPModule {
   // communication; the next backward with sync on reduces the sum. Applies to every unit under
   // this one.
   void set_requires_gradient_sync(bool sync);
+  // Hybrid sharding (kHybridShard): whether a backward that reduces gradients also all-reduces
+  // them across the replicas. With it off, each micro-batch's gradients are reduce-scattered
+  // within the replica (so no unsharded gradient stays behind) and their sum waits, in a
+  // partial-sum shard, for the next backward with it on, which all-reduces the sum once: one
+  // cross-replica all-reduce per step instead of one per micro-batch. The gradient shards the
+  // optimizer reads are unchanged until then. Without replicas it changes nothing. Applies to
+  // every unit under this one; not with an optimizer that steps in backward (UsageError).
+  void set_requires_all_reduce(bool all_reduce);
+
+  // Keeping gathered parameters (FSDP2's names). With reshard_after_forward false, a unit keeps its
+  // gathered parameters from its forward to its backward (overrides
+  // FullyShardOptions::reshard_after_forward); with reshard_after_backward false, it keeps them
+  // after its backward too, so the next forward and backward gather nothing. Both false for every
+  // micro-batch but the last of a step: one all-gather per unit per step instead of one or two per
+  // micro-batch, at the cost of the unit's gathered parameters held throughout (Note [Kept
+  // gathers] in src/shard/sharded_unit.cpp). A kept gather is never stale: once the optimizer has
+  // stepped a flat param (or a checkpoint load wrote it), its next use gathers it again; a frozen
+  // one stays. `recurse`: every unit under this one too, else this unit only. Once set, the
+  // forward's default (the root and the last unit to run keep their params for backward) gives way
+  // to the value set, true included.
+  void set_reshard_after_forward(bool reshard, bool recurse = true);
+  void set_reshard_after_backward(bool reshard, bool recurse = true);
 
   // Explicit control of gathering: unshard() issues this unit's all-gather (and waits unless
   // async); reshard() frees the gathered params. The lists below replace the recorded-order

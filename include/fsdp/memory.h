@@ -11,8 +11,11 @@ namespace fsdp {
 class ShardedOptimizer;
 
 struct MemoryReport {
-  int64_t sharded_params = 0;   // fp32 master shards
-  int64_t sharded_grads = 0;    // fp32 gradient shards
+  int64_t sharded_params = 0;  // fp32 master shards
+  int64_t sharded_grads = 0;   // fp32 gradient shards
+  // fp32 sums of reduce-scattered gradients waiting for the replicas' all-reduce
+  // (FSDPModule::set_requires_all_reduce(false) under hybrid sharding)
+  int64_t partial_grads = 0;
   int64_t optimizer_state = 0;  // e.g. AdamW exp_avg + exp_avg_sq shards
   int64_t unsharded_alive = 0;  // gathered param and gradient buffers alive now
   int64_t peak_unsharded = 0;   // the most gathered bytes alive at once so far

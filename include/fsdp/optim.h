@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
 #include "fsdp/fully_shard.h"
@@ -34,9 +35,17 @@ struct AdamWOptions {
   TORCH_ARG(double, beta2) = 0.999;
   TORCH_ARG(double, eps) = 1e-8;
   TORCH_ARG(double, weight_decay) = 1e-2;
+  // The dtype of the moments exp_avg and exp_avg_sq: at::kFloat, or at::kBFloat16 (half the
+  // bytes: 4 per trainable parameter instead of 8). In bf16 the update is computed in fp32 from the
+  // stored moments and each new moment is rounded back stochastically (unbiased, reproducible);
+  // the master shard stays fp32. Kept in RAM or the host tier (the disk tier streams fp32 state:
+  // ConfigError). Checkpoints hold the moments in fp32 either way, so a run resumes with either
+  // dtype. See Note [AdamW's moments in bfloat16] in src/optim/optim.cpp.
+  TORCH_ARG(at::ScalarType, state_dtype) = at::kFloat;
 };
 // Throws ConfigError naming the first invalid option (lr >= 0, betas in [0, 1), eps >= 0,
-// weight_decay >= 0). AdamW's constructor calls it; a config parser calls it to check early.
+// weight_decay >= 0, state_dtype float32 or bfloat16). AdamW's constructor calls it; a config parser calls it to check
+// early.
 void check_options(const AdamWOptions& options);
 
 struct SGDOptions {
@@ -56,6 +65,9 @@ struct ShardState {
   std::string tag;
   std::map<std::string, at::Tensor> tensors;
   int64_t step = 0;
+  // The element of the shard that tensors' first element is: 0, or a chunk's start when the step
+  // streams the shard in chunks (the disk tier).
+  int64_t offset = 0;
 };
 
 class ShardedOptimizer {
@@ -105,6 +117,8 @@ class ShardedOptimizer {
     if (state.tensors.empty()) init_state(state);
   }
   virtual std::string type_name() const = 0;
+  // The dtype of its state tensors (all of them): the planner's and the memory report's bytes.
+  virtual at::ScalarType state_dtype() const { return at::kFloat; }
   int64_t state_bytes() const;
 
  protected:
@@ -112,8 +126,9 @@ class ShardedOptimizer {
   virtual void step_shard(ShardState& state, at::Tensor& param, const at::Tensor& grad, double lr,
                           double weight_decay) = 0;
   // Zeros shaped like the master shard in the flat param's optimizer-state tier (fsdp/offload.h);
-  // init_state allocates its tensors with it. step_shard must update them in place.
-  at::Tensor zeros_state(ShardState& state, const std::string& name) const;
+  // init_state allocates its tensors with it. step_shard must update them in place. `dtype`:
+  // fp32, or bf16 outside the disk tier (ConfigError there).
+  at::Tensor zeros_state(ShardState& state, const std::string& name, at::ScalarType dtype = at::kFloat) const;
   // The weight decay of group 0 when set_group_options gives it none (every other group's is 0
   // then): AdamW and SGD set their options' here.
   void set_default_weight_decay(double weight_decay);
@@ -123,8 +138,12 @@ class ShardedOptimizer {
   // optimizer group and whether its optimizer state is offloaded.
   at::Tensor& master_shard(const ShardState& state) const;
   at::Tensor collect_grad(const ShardState& state) const;
+  // UsageError when a gradient holds sums never all-reduced across the replicas
+  // (FSDPModule::set_requires_all_reduce(false) on the last micro-batch too): before a step.
+  void check_gradients_all_reduced() const;
   int group_of(const ShardState& state) const;
   bool state_offloaded(const ShardState& state) const;
+  OffloadTier state_tier(const ShardState& state) const;
   double group_lr(int group) const;
   // The group's weight decay set with set_group_options, if any.
   std::optional<double> group_weight_decay_override(int group) const;
@@ -144,6 +163,7 @@ class AdamW : public ShardedOptimizer {
   AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options);
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
   std::string type_name() const override { return "AdamW"; }
+  at::ScalarType state_dtype() const override { return options_.state_dtype(); }
   const AdamWOptions& options() const { return options_; }
 
  protected:

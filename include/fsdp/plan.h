@@ -98,15 +98,33 @@ struct PlanBudget {
   int64_t disk_bytes = 0;    // per rank: free space for the disk tier under its directory
 };
 
+// How the micro-batches of a step accumulate their gradients (when grad_accum_steps > 1).
+enum class Accumulation {
+  // Unreduced until the last micro-batch (FSDPModule::set_requires_gradient_sync(false)): no
+  // traffic until then, but every unit's unsharded gradient stays alive between micro-batches.
+  kNoSync,
+  // Each micro-batch reduce-scattered; under hybrid sharding the replicas' all-reduce only on the
+  // last (FSDPModule::set_requires_all_reduce(false)): an fp32 partial-sum shard per trainable
+  // flat param meanwhile.
+  kReduceScatter,
+  // Each micro-batch reduced in full (reduce-scatter and all-reduce).
+  kReduce,
+};
+const char* accumulation_name(Accumulation a);             // "no_sync", "reduce_scatter", "reduce"
+Accumulation parse_accumulation(const std::string& name);  // throws ConfigError naming it
+
 struct PlanRequest {
   int ranks_per_node = 1;
   int nodes = 1;
   c10::DeviceType device = c10::kCPU;        // on kCPU the device's memory is the host's (budget.host_bytes)
   at::ScalarType param_dtype = at::kFloat;   // compute (the gathered params' dtype)
   at::ScalarType reduce_dtype = at::kFloat;  // gradient reduction
-  int optimizer_state_tensors = 2;           // fp32 tensors per trainable parameter (AdamW: 2)
+  int optimizer_state_tensors = 2;           // state tensors per trainable parameter (AdamW: 2)
+  // Their dtype (AdamWOptions::state_dtype): fp32, or bf16, which the disk tier does not hold.
+  at::ScalarType optimizer_state_dtype = at::kFloat;
   int64_t seq_len = 0;
   int64_t batch_per_rank = 1;  // samples per rank per optimizer step (micro-batch x accumulation)
+  Accumulation accumulation = Accumulation::kNoSync;
   int prefetch_depth = 1;
   // The process without a model (libraries, communicator, threads); on CUDA the context's device
   // memory. Defaults are this project's measured figures (the printout says which).
@@ -121,7 +139,12 @@ struct PlanRequest {
   std::optional<OffloadPolicy> offload;     // tiers (and the disk tier's memory budget)
   std::optional<int64_t> checkpoint_every;  // 0 none, n: every n-th checkpointable unit
   std::optional<int64_t> micro_batch;       // samples per rank per micro-batch
-  bool async_save = false;                  // a host snapshot of params and state while saving
+  // Every unit keeps its gathered parameters across the micro-batches of a step
+  // (FSDPModule::set_reshard_after_forward/_backward(false) on all but the last): one all-gather per
+  // unit per step, every unit gathered at once. Unset: chosen when there are several micro-batches
+  // and it fits.
+  std::optional<bool> keep_gathered;
+  bool async_save = false;  // a host snapshot of params and state while saving
   // How the plan names an option in its settings and its shortfall. The planner speaks in library
   // option names ("FullyShardOptions::strategy", "OffloadPolicy::params", "OffloadPolicy::grads",
   // "OffloadPolicy::optimizer_state", "MixedPrecisionPolicy::reduce_dtype",
@@ -151,12 +174,13 @@ struct Plan {
   int64_t margin_bytes = 0;        // of the device's memory, held free (PlanRequest::margin)
   int64_t checkpoint_every = 0;
   int64_t micro_batch = 0, grad_accum_steps = 1;
+  bool keep_gathered = false;  // PlanRequest::keep_gathered, as chosen
   // Peak bytes per rank: device memory (on CPU runs the process's RAM, which is also `host`), host
   // RAM, and disk-tier files.
   PlanTier device, host, disk;
   // Per rank per step: bytes each rank sends in all-gathers and in reductions, and the disk tier's I/O.
   int64_t all_gather_bytes = 0, reduce_bytes = 0;
-  int64_t gathers_per_step = 0;  // all-gathers of units per micro-batch
+  int64_t gathers_per_step = 0;  // all-gathers of units per micro-batch (per step with keep_gathered)
   OffloadIo io_per_step;
   std::vector<std::string> assumptions;
   // The settings this plan stands for, "NAME=VALUE" with NAME from PlanRequest::option_name, e.g.

@@ -105,10 +105,15 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
     const auto& header = set.headers.at(file);
     const auto* entry = header.find(t.name);
     const int64_t at_byte = header.data_start() + entry->begin + span->tensor_begin * sizeof(float);
-    if (!dst.is_cpu()) {  // a device shard: one tensor's part at a time through host memory
-      at::Tensor host = at::empty({span->count}, at::kFloat);
-      it->second.pread_all(host.data_ptr<float>(), span->count * sizeof(float), at_byte);
-      dst.narrow(0, span->shard_begin, span->count).copy_(host);
+    if (!dst.is_cpu() || dst.scalar_type() != at::kFloat) {
+      // A device shard, or a state kept in bf16: in chunks through fp32 host memory.
+      constexpr int64_t kChunk = 4 << 20;
+      at::Tensor host = at::empty({std::min(kChunk, span->count)}, at::kFloat);
+      for (int64_t a = 0; a < span->count; a += kChunk) {
+        const int64_t n = std::min(kChunk, span->count - a);
+        it->second.pread_all(host.data_ptr<float>(), n * sizeof(float), at_byte + a * sizeof(float));
+        dst.narrow(0, span->shard_begin + a, n).copy_(host.narrow(0, 0, n));
+      }
       continue;
     }
     if (shard.in_file()) {  // a disk-tier state: written by its tier, not paged in through its mapping

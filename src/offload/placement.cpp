@@ -72,7 +72,7 @@ TierBytes state_bytes(const StateTiers& where, FlatParamKind kind, const FlatPar
   if (where.working_copy) b[OffloadTier::kNone] += f.compute_bytes;
   if (kind.trainable) {
     b[where.grads] += f.master_bytes;
-    b[where.optimizer_state] += f.state_tensors * f.master_bytes;
+    b[where.optimizer_state] += f.state_tensors * (f.master_bytes / 4) * f.state_element_bytes;  // fp32 master
   }
   return b;
 }

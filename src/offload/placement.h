@@ -52,12 +52,13 @@ struct TierBytes {
 
 // One flat param's sizes and the step's shape around it.
 struct FlatParamIo {
-  int64_t master_bytes = 0;   // the master shard as kept (fp32, or a frozen shard's stored form)
-  int64_t compute_bytes = 0;  // the shard in the compute dtype (the gather's input, the working copy)
-  int64_t reduced_bytes = 0;  // the reduced gradient shard in reduce_dtype
-  int state_tensors = 2;      // fp32 optimizer state tensors per element (AdamW: 2)
-  int gathers = 2;            // all-gathers per step: 2, or 1 when the unit keeps its params for backward
-  bool forward_kept = true;   // a disk-tier master's forward read is kept for the backward gather
+  int64_t master_bytes = 0;     // the master shard as kept (fp32, or a frozen shard's stored form)
+  int64_t compute_bytes = 0;    // the shard in the compute dtype (the gather's input, the working copy)
+  int64_t reduced_bytes = 0;    // the reduced gradient shard in reduce_dtype
+  int state_tensors = 2;        // optimizer state tensors per element (AdamW: 2)
+  int state_element_bytes = 4;  // their element size: 4 (fp32), or 2 (AdamW's moments in bf16)
+  int gathers = 2;              // all-gathers per step: 2, or 1 when the unit keeps its params for backward
+  bool forward_kept = true;     // a disk-tier master's forward read is kept for the backward gather
   bool step_in_backward = false;
   bool device_is_cpu = true;
   bool gathers_at_all = true;  // sharded, a cast, or offloaded: a gather reads the master

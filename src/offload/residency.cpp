@@ -6,6 +6,7 @@
 
 #include <chrono>
 
+#include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
 #include "offload/device_stager.h"
@@ -60,9 +61,24 @@ void Residency::move_master_to_state_tier(bool materialized) {
   if (materialized) refresh_working(0, master_.numel(), master_);
 }
 
-at::Tensor Residency::new_state_tensor(const std::string& what) {
-  return zeros_in(placement_, placement_.optimizer_state, master_.numel(),
-                  at::TensorOptions().dtype(at::kFloat).device(master_.device()), what + " of " + config_.tag);
+at::Tensor Residency::new_state_tensor(const std::string& what, at::ScalarType dtype) {
+  const int64_t numel = master_.numel();
+  if (dtype == at::kFloat) {
+    return zeros_in(placement_, placement_.optimizer_state, numel,
+                    at::TensorOptions().dtype(at::kFloat).device(master_.device()), what + " of " + config_.tag);
+  }
+  switch (placement_.optimizer_state) {
+    case OffloadTier::kDisk:
+      throw ConfigError("fsdp: " + what + " of " + config_.tag + " is kept in " + c10::toString(dtype) +
+                        ", which the disk tier does not hold (it streams fp32 state); keep the optimizer state in " +
+                        "RAM or the host tier (OffloadPolicy::optimizer_state), or in float32");
+    case OffloadTier::kHost: {  // the stager's host memory (pinned on a device) holds bytes of any dtype
+      const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+      return placement_.stager->host_zeros((bytes + 3) / 4).view(at::kByte).narrow(0, 0, bytes).view(dtype);
+    }
+    case OffloadTier::kNone: break;
+  }
+  return at::zeros({numel}, at::TensorOptions().dtype(dtype).device(master_.device()));
 }
 
 bool Residency::crosses_to_device(OffloadTier tier) const {

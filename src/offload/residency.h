@@ -71,8 +71,9 @@ class Residency {
             follows_};
   }
   const at::Tensor& working() const { return working_; }
-  // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
-  at::Tensor new_state_tensor(const std::string& what);
+  // A zero-filled tensor of `dtype` (fp32, or bf16 in RAM or the host tier) shaped like the master
+  // shard, in the optimizer state's tier.
+  at::Tensor new_state_tensor(const std::string& what, at::ScalarType dtype = at::kFloat);
 
   // ---- the gather
   // The all-gather's input: the shard in compute dtype on the compute device (a kept read, a read

@@ -64,6 +64,7 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
       r.sharded_grads += f.grad.numel() * f.grad.element_size();
       count_in_tier(r, f.grad, f.where.grads);
     }
+    r.partial_grads += f.partial_grad_bytes;  // in memory, whatever the gradient shard's tier
     r.unsharded_alive += f.gathered_bytes + f.grad_buffer_bytes;
     r.unsharded_grads_alive += f.grad_buffer_bytes;
   }
@@ -83,6 +84,7 @@ OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
   OffloadPlan plan;
   for (FlatFigures f : model_figures(root).flats) {
     f.io.state_tensors = static_cast<int>(optimizer.state_names().size());
+    f.io.state_element_bytes = static_cast<int>(c10::elementSize(optimizer.state_dtype()));
     f.io.step_in_backward = optimizer.steps_in_backward();
     const offload::TierBytes held = offload::state_bytes(f.where, f.kind, f.io);
     plan.device_bytes += held[OffloadTier::kNone];

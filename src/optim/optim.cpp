@@ -11,10 +11,12 @@
 #include <cmath>
 #include <map>
 #include <unordered_map>
+#include <utility>
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
+#include "optim/bf16_round.h"
 #include "offload/tier_tensors.h"
 #include "optim/optimizer_impl.h"
 #include "optim/streamed_step.h"
@@ -75,9 +77,13 @@ at::Tensor ShardedOptimizer::collect_grad(const ShardState& s) const { return im
 
 int ShardedOptimizer::group_of(const ShardState& s) const { return impl_->shard_of(s).group(); }
 
-bool ShardedOptimizer::state_offloaded(const ShardState& s) const {
-  return impl_->shard_of(s).state_tier() != OffloadTier::kNone;
+bool ShardedOptimizer::state_offloaded(const ShardState& s) const { return state_tier(s) != OffloadTier::kNone; }
+
+void ShardedOptimizer::check_gradients_all_reduced() const {
+  for (auto& s : impl_->states) impl_->shard_of(s).check_all_reduced("an optimizer step");
 }
+
+OffloadTier ShardedOptimizer::state_tier(const ShardState& s) const { return impl_->shard_of(s).state_tier(); }
 
 std::optional<double> ShardedOptimizer::group_weight_decay_override(int group) const {
   auto it = impl_->groups.find(group);
@@ -170,6 +176,8 @@ void ShardedOptimizer::step() {
 }
 
 void ShardedOptimizer::Impl::step_after_backward(Tracer* tracer) {
+  // Before anything steps: a half-stepped model would match no checkpoint.
+  self.check_gradients_all_reduced();
   settle_writes();  // the last step's, drained under this step's forward and backward
   reserve_offloaded_state();
   // Backward reduces the last units first: step in that order, collecting each flat param's
@@ -234,7 +242,8 @@ void ShardedOptimizer::Impl::reserve_offloaded_state() {
     const GradShard& shard = shard_of(s);
     if (!s.tensors.empty() || shard.state_tier() != OffloadTier::kDisk) continue;
     tier = shard.disk_tier();
-    disk_bytes += shard.numel() * static_cast<int64_t>(sizeof(float) * self.state_names().size());
+    disk_bytes +=
+        shard.numel() * static_cast<int64_t>(c10::elementSize(self.state_dtype()) * self.state_names().size());
   }
   if (tier != nullptr) tier->check_free_space(disk_bytes, self.type_name() + " state");
   for (auto& s : states) {
@@ -249,8 +258,8 @@ void ShardedOptimizer::Impl::reserve_offloaded_state() {
   }
 }
 
-at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name) const {
-  return impl_->shard_of(s).new_state_tensor(type_name() + " " + name);
+at::Tensor ShardedOptimizer::zeros_state(ShardState& s, const std::string& name, at::ScalarType dtype) const {
+  return impl_->shard_of(s).new_state_tensor(type_name() + " " + name, dtype);
 }
 
 void ShardedOptimizer::zero_grad() {
@@ -278,19 +287,70 @@ void check_options(const AdamWOptions& options) {
   if (!(options.weight_decay() >= 0)) {
     throw ConfigError("fsdp: invalid weight_decay: " + std::to_string(options.weight_decay()));
   }
+  if (options.state_dtype() != at::kFloat && options.state_dtype() != at::kBFloat16) {
+    throw ConfigError(std::string("fsdp: invalid AdamW state_dtype: ") + c10::toString(options.state_dtype()) +
+                      " (must be Float or BFloat16)");
+  }
 }
+
+namespace {
+
+// Note [AdamW's moments in bfloat16]
+// With AdamWOptions::state_dtype bf16, exp_avg and exp_avg_sq are stored in bf16 and the master
+// shard stays fp32. Each chunk of the shard is widened to fp32, stepped by the same fused AdamW as
+// fp32 state (so the parameter update is the fp32 arithmetic on the stored moments), and the new
+// moments are rounded back to bf16 stochastically (optim/bf16_round.h): up with probability equal
+// to the fraction of the way to the next bf16 value. Rounding to nearest would be biased where it
+// matters most: exp_avg_sq's decay by beta2 = 0.999 changes a bf16 value by less than half its
+// last place, so v * beta2 would round back to v and the second moment would never decay. The
+// random bits are a hash of (flat param, step, moment, element), so a run is reproducible and the
+// same whatever chunks the step streams in. A bf16 master (with stochastic rounding or a
+// compensated sum) is not offered: updates of lr x ~1 fall far below a bf16 master's last place at
+// fine-tuning learning rates, and a compensated bf16 pair costs the fp32 master's 4 bytes anyway.
+void step_bf16_moments(ShardState& s, const at::Tensor& p, const at::Tensor& g, const kernels::AdamWArgs& args) {
+  at::Tensor& m = s.tensors["exp_avg"];
+  at::Tensor& v = s.tensors["exp_avg_sq"];
+  constexpr int64_t kChunk = 1 << 20;  // elements widened at a time: 8 MiB of fp32 moments
+  const int64_t n = p.numel();
+  const at::Tensor m32 = at::empty({std::min(n, kChunk)}, p.options());
+  const at::Tensor v32 = at::empty({std::min(n, kChunk)}, p.options());
+  const uint32_t seed_m = bf16_round_seed(s.flat_index, s.step, 0);
+  const uint32_t seed_v = bf16_round_seed(s.flat_index, s.step, 1);
+  for (int64_t a = 0; a < n; a += kChunk) {
+    const int64_t c = std::min(kChunk, n - a);
+    const at::Tensor mc = m32.narrow(0, 0, c), vc = v32.narrow(0, 0, c);
+    const at::Tensor ms = m.narrow(0, a, c), vs = v.narrow(0, a, c);
+    mc.copy_(ms);
+    vc.copy_(vs);
+    kernels::fused_adamw(args, p.narrow(0, a, c), g.narrow(0, a, c), mc, vc);
+    round_to_bf16_stochastic(mc, ms, seed_m, s.offset + a);
+    round_to_bf16_stochastic(vc, vs, seed_v, s.offset + a);
+  }
+}
+
+}  // namespace
 
 AdamW::AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options)
     : ShardedOptimizer(root), options_(options) {
   check_options(options);
   set_lr(options.lr());
   set_default_weight_decay(options.weight_decay());
+  if (options.state_dtype() == at::kFloat) return;
+  // Where the tiers are placed already (a root initialised before the optimizer); otherwise the
+  // state's first allocation refuses it (Residency::new_state_tensor), before any step.
+  for (const ShardState& s : std::as_const(*this).states()) {
+    if (state_tier(s) != OffloadTier::kDisk) continue;
+    throw ConfigError(std::string("fsdp: AdamW's state_dtype ") + c10::toString(options.state_dtype()) + " and " +
+                      s.tag + "'s optimizer state in the disk tier do not go together (the disk tier streams fp32 " +
+                      "state): keep the optimizer state in RAM or the host tier (OffloadPolicy::optimizer_state), " +
+                      "or the state in Float");
+  }
 }
 
 void AdamW::init_state(ShardState& s) {
   // In the flat param's optimizer-state tier (RAM, host or disk).
-  s.tensors["exp_avg"] = zeros_state(s, "exp_avg");
-  s.tensors["exp_avg_sq"] = zeros_state(s, "exp_avg_sq");
+  s.tensors["exp_avg"] = zeros_state(s, "exp_avg", options_.state_dtype());
+  s.tensors["exp_avg_sq"] = zeros_state(s, "exp_avg_sq", options_.state_dtype());
 }
 
 void AdamW::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& g, double lr, double wd) {
@@ -304,6 +364,7 @@ void AdamW::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& g, double
   args.eps = options_.eps();
   args.weight_decay = wd;
   args.step = s.step;
+  if (s.tensors["exp_avg"].scalar_type() == at::kBFloat16) return step_bf16_moments(s, p, g, args);
   kernels::fused_adamw(args, p, g, s.tensors["exp_avg"], s.tensors["exp_avg_sq"]);
 }
 

@@ -176,6 +176,7 @@ class Pipeline {
     view.flat_index = job.state->flat_index;
     view.tag = job.state->tag;
     view.step = job.state->step;
+    view.offset = job.state->offset + a;
     for (const auto& [name, t] : job.state->tensors) {
       at::Tensor buf = buffer_of(name);
       view.tensors[name] = buf.defined() ? buf : t.narrow(0, a, b - a);

@@ -202,8 +202,10 @@ void TorchOptimizer::pull_state() {
 
 void TorchOptimizer::step() {
   c10::NoGradGuard no_grad;
-  // Collect the last reductions first (backward finished them last).
+  // Collect the last reductions first (backward finished them last), once every gradient is known
+  // to be whole: a refusal must come before any state changes.
   auto& all = states();
+  check_gradients_all_reduced();
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     at::Tensor grad = collect_grad(*it);
     master_shard(*it).mutable_grad() = grad;  // undefined: the optimizer skips the shard

@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "base/named.h"
 #include "base/strings.h"
 #include "fsdp/errors.h"
 #include "offload/placement.h"
@@ -29,12 +30,26 @@ int64_t ModelShape::trainable_numel() const {
 }
 
 namespace {
+
+constexpr base::Named<Accumulation> kAccumulations[] = {
+    {Accumulation::kNoSync, "no_sync"},
+    {Accumulation::kReduceScatter, "reduce_scatter"},
+    {Accumulation::kReduce, "reduce"},
+};
+
 int64_t sum(const std::vector<std::pair<std::string, int64_t>>& items) {
   int64_t t = 0;
   for (const auto& [name, bytes] : items) t = planning::add_bytes(t, bytes, "the sum of the items up to " + name);
   return t;
 }
 }  // namespace
+
+const char* accumulation_name(Accumulation a) { return base::name_of(kAccumulations, a, "unknown"); }
+
+Accumulation parse_accumulation(const std::string& name) {
+  if (auto a = base::value_of(kAccumulations, name)) return *a;
+  throw ConfigError("fsdp: unknown accumulation '" + name + "' (expected " + base::names_text(kAccumulations) + ")");
+}
 
 int64_t PlanTier::total() const {
   return planning::add_bytes(sum(items), std::max(sum(at_backward_start), sum(at_backward_end)), "a tier's total");
@@ -119,6 +134,13 @@ void check_request(const ModelShape& shape, const PlanRequest& r) {
   if (r.seq_len < 0 || r.prefetch_depth < 0 || r.optimizer_state_tensors < 0) {
     bad("seq_len, prefetch_depth and optimizer_state_tensors must be >= 0");
   }
+  if (r.optimizer_state_dtype != at::kFloat && r.optimizer_state_dtype != at::kBFloat16) {
+    bad(std::string("optimizer_state_dtype must be Float or BFloat16, got ") + c10::toString(r.optimizer_state_dtype));
+  }
+  if (r.optimizer_state_dtype != at::kFloat && r.offload && r.offload->optimizer_state() == OffloadTier::kDisk) {
+    bad("optimizer state in " + std::string(c10::toString(r.optimizer_state_dtype)) +
+        " cannot go to the disk tier (it streams fp32 state): keep it in RAM or the host tier, or in Float");
+  }
   if (r.micro_batch && (*r.micro_batch < 1 || *r.micro_batch > r.batch_per_rank)) {
     bad("micro_batch must be in [1, batch_per_rank], got " + std::to_string(*r.micro_batch));
   }
@@ -133,8 +155,18 @@ using Tiers = std::array<OffloadTier, 3>;  // params, grads, optimizer state
 std::vector<Tiers> offload_choices(const PlanRequest& r) {
   if (r.offload) return {{r.offload->params(), r.offload->grads(), r.offload->optimizer_state()}};
   constexpr auto N = OffloadTier::kNone, H = OffloadTier::kHost, D = OffloadTier::kDisk;
-  if (r.device == c10::kCPU) return {{N, N, N}, {N, N, D}, {D, N, D}, {D, D, D}};  // the host is the device
-  return {{N, N, N}, {N, N, H}, {H, H, H}, {N, N, D}, {D, H, D}, {D, D, D}};
+  std::vector<Tiers> all;
+  if (r.device == c10::kCPU) {
+    all = {{N, N, N}, {N, N, D}, {D, N, D}, {D, D, D}};  // the host is the device
+  } else {
+    all = {{N, N, N}, {N, N, H}, {H, H, H}, {N, N, D}, {D, H, D}, {D, D, D}};
+  }
+  // The disk tier holds fp32 state only (AdamWOptions::state_dtype).
+  if (r.optimizer_state_dtype != at::kFloat) {
+    all.erase(std::remove_if(all.begin(), all.end(), [](const Tiers& t) { return t[2] == OffloadTier::kDisk; }),
+              all.end());
+  }
+  return all;
 }
 
 std::vector<Choices> candidates(const PlanRequest& r) {
@@ -160,7 +192,15 @@ std::vector<Choices> candidates(const PlanRequest& r) {
       for (int64_t ck : ckpts) {
         for (int64_t m : micros) {
           Choices c{s, t[0], t[1], t[2], r.offload ? r.offload->memory_budget_bytes() : 0, ck, m};
-          out.push_back(c);
+          // Keeping gathers saves all-gathers only across micro-batches: tried first when there are several.
+          const bool several = (std::max<int64_t>(r.batch_per_rank, 1) + m - 1) / m > 1;
+          const std::vector<bool> keeps = r.keep_gathered ? std::vector<bool>{*r.keep_gathered}
+                                          : several       ? std::vector<bool>{true, false}
+                                                          : std::vector<bool>{false};
+          for (bool keep : keeps) {
+            c.keep_gathered = keep;
+            out.push_back(c);
+          }
         }
       }
     }
@@ -184,6 +224,10 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
                 setting(r, "PlanRequest::checkpoint_every", std::to_string(p.checkpoint_every)),
                 setting(r, "PlanRequest::micro_batch", std::to_string(p.micro_batch)),
                 setting(r, "grad_accum_steps", std::to_string(p.grad_accum_steps))};
+  if (r.accumulation != Accumulation::kNoSync) {
+    p.settings.push_back(setting(r, "PlanRequest::accumulation", accumulation_name(r.accumulation)));
+  }
+  if (p.keep_gathered) p.settings.push_back(setting(r, "PlanRequest::keep_gathered", "true"));
   auto& a = p.assumptions;
   const std::string process = base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device)));
   a.push_back("process: " + process + " of host memory" +
@@ -200,8 +244,8 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
                        : "activations: none given (UnitShape::activations unset): not counted");
   a.push_back("prefetch_depth " + std::to_string(r.prefetch_depth) +
               "; the root and the last layer keep their params from forward to backward");
-  a.push_back("optimizer: " + std::to_string(r.optimizer_state_tensors) +
-              " fp32 state tensor(s) per trainable parameter");
+  a.push_back("optimizer: " + std::to_string(r.optimizer_state_tensors) + " " +
+              (r.optimizer_state_dtype == at::kFloat ? "fp32" : "bf16") + " state tensor(s) per trainable parameter");
   a.push_back("collectives: rings; each rank sends (N - 1) shards per gathered unit and per reduced gradient");
   a.push_back("not counted: the allocator's slack and fragmentation, the data pipeline, the page cache");
 }
@@ -323,8 +367,8 @@ std::string Plan::to_string() const {
   tier("host memory", host);
   tier("disk", disk);
   s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step
-    << " unit gathers per micro-batch), reductions send " << base::mib(reduce_bytes, 1) << "; disk tier "
-    << io_per_step.to_string() << "\n";
+    << (keep_gathered ? " unit gathers per step, kept across micro-batches" : " unit gathers per micro-batch")
+    << "), reductions send " << base::mib(reduce_bytes, 1) << "; disk tier " << io_per_step.to_string() << "\n";
   s << "settings:";
   for (const auto& k : settings) s << " " << k;
   s << "\nassumptions:\n";

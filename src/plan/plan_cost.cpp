@@ -128,6 +128,7 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     f.compute_bytes = e * shard_numel;
     f.reduced_bytes = r * shard_numel;
     f.state_tensors = req.optimizer_state_tensors;
+    f.state_element_bytes = static_cast<int>(elem(req.optimizer_state_dtype));
     f.gathers = gathers;
     f.device_is_cpu = cpu;
     f.gathers_at_all = N > 1 || req.param_dtype != at::kFloat || where.master != OffloadTier::kNone;
@@ -138,7 +139,7 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     if (where.working_copy) s.working += f.compute_bytes;
     if (kind.trainable) {
       s.grads += master_bytes;
-      s.optimizer += f.state_tensors * master_bytes;
+      s.optimizer += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
     }
   };
   for (size_t i = 0; i < shape.units.size(); ++i) {
@@ -190,20 +191,30 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
     const int64_t s = ceil_div(u.trainable_numel, N) * e + frozen_bytes(u, req.param_dtype, N);
-    // The root and the last unit to run forward keep their params for backward.
+    // The root and the last unit to run forward keep their params for backward; kept across the
+    // micro-batches (Choices::keep_gathered), every unit is gathered once per step.
     const int times = keeps_all || u.is_root || i == last_layer ? 1 : 2;
+    const int64_t per_step = c.keep_gathered && p.grad_accum_steps > 1 ? 1 : times * p.grad_accum_steps;
     gathers += times;
-    gathered += times * s;  // frozen shards move in their stored form
+    gathered += per_step * s;  // frozen shards move in their stored form
     reduced += ceil_div(u.trainable_numel, N) * r;
   }
   const int64_t hops = N - 1;
-  p.gathers_per_step = c.strategy == ShardingStrategy::kNoShard ? 0 : gathers;
-  p.all_gather_bytes = c.strategy == ShardingStrategy::kNoShard ? 0 : hops * gathered * p.grad_accum_steps;
-  p.reduce_bytes = hops * reduced;
+  const bool kept = c.keep_gathered && p.grad_accum_steps > 1;
+  p.gathers_per_step = c.strategy == ShardingStrategy::kNoShard ? 0
+                       : kept                                   ? static_cast<int64_t>(shape.units.size())
+                                                                : gathers;
+  p.all_gather_bytes = c.strategy == ShardingStrategy::kNoShard ? 0 : hops * gathered;
+  // Reductions per step: once with no-sync accumulation, per micro-batch otherwise; the replicas'
+  // all-reduce once unless every micro-batch reduces in full.
+  const int64_t accum = p.grad_accum_steps;
+  const int64_t scatters = req.accumulation == Accumulation::kNoSync ? 1 : accum;
+  const int64_t all_reduces = req.accumulation == Accumulation::kReduce ? accum : 1;
+  p.reduce_bytes = scatters * hops * reduced;
   if (c.strategy == ShardingStrategy::kNoShard || c.strategy == ShardingStrategy::kHybridShard) {
     // An all-reduce across the replicas: twice the shard, scaled by (replicas - 1) / replicas.
     const int replicas = req.ranks_per_node * req.nodes / N;
-    if (replicas > 1) p.reduce_bytes += 2 * reduced * (replicas - 1) / replicas;
+    if (replicas > 1) p.reduce_bytes += all_reduces * (2 * reduced * (replicas - 1) / replicas);
   }
 }
 
@@ -218,6 +229,8 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const int64_t layers_alive = std::min<int64_t>(1 + req.prefetch_depth, std::max<int64_t>(z.units - 1, 0));
   if (keeps_all) {
     if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
+  } else if (gathers && c.keep_gathered && p.grad_accum_steps > 1) {
+    ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
   } else if (gathers) {
     ram.add("gathered params (root + " + std::to_string(layers_alive) + " layer(s))",
             e * (z.root + layers_alive * z.layer_max));
@@ -246,9 +259,16 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
     ram.add("activations", kept - recompute, PlanTier::kBackwardStart);
     if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
   }
-  if (p.grad_accum_steps > 1 && !keeps_all) {
+  if (p.grad_accum_steps > 1 && !keeps_all && req.accumulation == Accumulation::kNoSync) {
     ram.add("unreduced gradients across micro-batches",
             e * (shape.trainable_numel() - z.root_trainable - grad_layers * z.layer_max_trainable));
+  }
+  const int replicas = req.ranks_per_node * req.nodes / N;
+  if (p.grad_accum_steps > 1 && replicas > 1 && req.accumulation == Accumulation::kReduceScatter) {
+    // Note [Accumulation without the all-reduce] (shard/grad_cycle.cpp): an fp32 shard per trainable flat param.
+    int64_t shards = 0;
+    for (const auto& u : shape.units) shards += ceil_div(u.trainable_numel, N);
+    ram.add("partial gradient sums awaiting the replicas' all-reduce", 4 * shards);
   }
 }
 
@@ -283,6 +303,7 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   p.optimizer_state = c.optimizer_state;
   p.checkpoint_every = c.checkpoint_every;
   p.micro_batch = c.micro_batch;
+  p.keep_gathered = c.keep_gathered;
   p.grad_accum_steps = ceil_div(std::max<int64_t>(req.batch_per_rank, 1), c.micro_batch);
   p.disk_memory_budget = disk_window(c, req.optimizer_state_tensors);
   const States s = sharded_states(shape, req, c, N);

@@ -15,6 +15,7 @@ struct Choices {
   int64_t disk_memory_budget = 0;
   int64_t checkpoint_every = 0;
   int64_t micro_batch = 1;
+  bool keep_gathered = false;  // PlanRequest::keep_gathered
 };
 
 // The process's own memory when the request leaves it unset (this project's measured figures).

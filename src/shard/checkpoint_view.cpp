@@ -27,14 +27,15 @@ void ShardTensor::copy_from(const ShardTensor& src) const { offload::copy_stream
 void ShardTensor::read(int64_t begin, int64_t end,
                        const std::function<void(const float* data, int64_t at, int64_t count)>& fn,
                        const std::string& what) const {
-  if (t_.is_cpu()) {
+  if (t_.is_cpu() && t_.scalar_type() == at::kFloat) {
     offload::read_streamed(t_, begin, end, what, fn);
     return;
   }
+  // A device state, or one kept in bf16 (AdamW's moments): fp32 copies in host memory.
   constexpr int64_t kDeviceChunk = 16 << 20;  // elements per copy to the host (64 MiB)
   for (int64_t a = begin; a < end; a += kDeviceChunk) {
     const int64_t n = std::min(end - a, kDeviceChunk);
-    const at::Tensor host = t_.narrow(0, a, n).to(at::kCPU).contiguous();
+    const at::Tensor host = t_.narrow(0, a, n).to(at::kCPU).to(at::kFloat).contiguous();
     fn(host.data_ptr<float>(), a, n);
   }
 }

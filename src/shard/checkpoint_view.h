@@ -33,8 +33,9 @@ class ShardTensor {
   explicit ShardTensor(at::Tensor t) : t_(std::move(t)) {}
   bool defined() const { return t_.defined(); }
   int64_t numel() const { return t_.defined() ? t_.numel() : 0; }
-  // The 1-D fp32 elements. Writes land in the state itself (not a copy). Host-addressable
-  // (data_ptr) unless is_device().
+  // The 1-D elements: fp32, or bf16 for an optimizer state kept in bf16 (read() and the
+  // checkpoint's reads give fp32 either way). Writes land in the state itself (not a copy).
+  // Host-addressable (data_ptr) unless is_device().
   const at::Tensor& values() const { return t_; }
   bool is_device() const { return t_.defined() && !t_.is_cpu(); }
   // Elements [begin, end) were read or written: a disk tier writes them back and drops their pages

@@ -222,7 +222,13 @@ void FlatParam::unshard(KeepMaster keep) {
                       "' was never materialised: run the root's lazy init "
                       "(a forward through fsdp::call on the root) before using it");
   }
+  // Note [Kept gathers]: a gather kept since before an optimizer step holds old values.
+  if (state_ == ShardedState::kUnsharded && !aliases_master_ &&
+      gathered_version_ != master_version_.load(std::memory_order_relaxed)) {
+    reshard();
+  }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
+  gathered_version_ = master_version_.load(std::memory_order_relaxed);
   offload::set_storage_alive(unsharded_, true);
   gather_input_ = residency_->gather_input(keep);
   const bool decode = stored_ && frozen::stored_dtype(config_.storage) != config_.compute_dtype;
@@ -284,7 +290,9 @@ const OffloadPlacement& FlatParam::offload() const { return residency_->placemen
 bool FlatParam::master_follows_state() const { return residency_->master_follows_state(); }
 offload::StateTiers FlatParam::state_tiers() const { return residency_->tiers(); }
 const at::Tensor& FlatParam::working_shard() const { return residency_->working(); }
-at::Tensor FlatParam::new_state_tensor(const std::string& what) { return residency_->new_state_tensor(what); }
+at::Tensor FlatParam::new_state_tensor(const std::string& what, at::ScalarType dtype) {
+  return residency_->new_state_tensor(what, dtype);
+}
 at::Tensor FlatParam::take_master_for_step() { return residency_->take_master_for_step(); }
 void FlatParam::master_written() {
   residency_->master_written();
@@ -304,7 +312,16 @@ std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimi
 
 at::Tensor FlatParam::optimizer_grad() {
   finalize_grads();
+  check_no_partial_grads("an optimizer step");
+  master_will_change();
   return residency_->grad_for_step(grads_.shard());
+}
+
+void FlatParam::check_no_partial_grads(const std::string& what) const {
+  if (!grads_.holds_partial()) return;
+  throw UsageError("fsdp: " + what + " read the gradient of " + config_.tag +
+                   ", whose last reductions ran with set_requires_all_reduce(false) and were never all-reduced " +
+                   "across the replicas; call set_requires_all_reduce(true) before the last micro-batch's backward");
 }
 
 void FlatParam::set_offload(OffloadPlacement placement) {

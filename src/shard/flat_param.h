@@ -14,6 +14,7 @@
 // AccumulateGrad adds into them in place, and reduce-scattered without a copy.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -86,8 +87,9 @@ class FlatParam {
   // Where the sharded states live and how they move (offload/residency.h): the one owner of that.
   const Residency& residency() const { return *residency_; }
   const OffloadPlacement& offload() const;
-  // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
-  at::Tensor new_state_tensor(const std::string& what);
+  // A zero-filled tensor of `dtype` (fp32, or bf16 in RAM or the host tier) shaped like the master
+  // shard, in the optimizer state's tier.
+  at::Tensor new_state_tensor(const std::string& what, at::ScalarType dtype = at::kFloat);
   // Note [The master follows the optimizer state]: optimizer state offloaded, params and grads
   // not. The fp32 master then lives with the state (host or disk tier) and the compute device
   // keeps a working copy of the shard in param_dtype, which the all-gather reads.
@@ -167,6 +169,23 @@ class FlatParam {
   void unguard_grads() { grads_.unguard(); }
   // Issues the reduction of the gradient buffer (reduce-scatter over the shard group).
   void reduce_scatter_grads() { grads_.reduce_scatter(); }
+  // FSDPModule::set_requires_all_reduce: read when the reduce-scatter is issued.
+  void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  // Gradient sums reduce-scattered but not yet all-reduced across the replicas, and their bytes.
+  bool holds_partial_grads() const { return grads_.holds_partial(); }
+  int64_t partial_grad_bytes() const { return grads_.partial_bytes(); }
+  void flush_partial_grads() { grads_.flush_partial(); }
+  // UsageError when partial sums wait for an all-reduce that never came, naming `what` read them.
+  void check_no_partial_grads(const std::string& what) const;
+  // An optimizer is about to step the master: a gather kept from before is stale from now on.
+  void master_will_change() { master_version_.fetch_add(1, std::memory_order_relaxed); }
+  // Gathered (or gathering) from the master's current values: what a prefetch need not redo.
+  bool holds_current_gather() const {
+    return gather_pending_ ||
+           (state_ == ShardedState::kUnsharded &&
+            (aliases_master_ || gathered_version_ == master_version_.load(std::memory_order_relaxed)));
+  }
   // Waits for the reduction, all-reduces across replicas when hybrid, and adds the result to the
   // fp32 gradient shard, then frees the gradient buffer.
   void finalize_grads() { grads_.finalize(); }
@@ -188,6 +207,7 @@ class FlatParam {
   std::vector<FlatParamEntry> entries_;
   FlatParamConfig config_;
   Communicator& shard_group_;
+  bool requires_all_reduce_ = true;
   Communicator& replicate_group_;
   int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, shard_offset_ = 0;
   bool needs_materialize_ = false;
@@ -205,6 +225,11 @@ class FlatParam {
   at::Tensor gather_input_;               // the shard in compute dtype, kept alive during the all-gather
   CommHandle gather_handle_;
   bool gather_pending_ = false;
+  // Note [Kept gathers] (sharded_unit.cpp): bumped when an optimizer takes the gradient to step the
+  // master (on the optimizer's thread with the step in backward); a kept gather older than it is
+  // gathered again.
+  std::atomic<uint64_t> master_version_{0};
+  uint64_t gathered_version_ = 0;
 
   GradCycle grads_{*this};
 

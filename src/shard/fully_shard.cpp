@@ -45,6 +45,22 @@ void FSDPModule::set_requires_gradient_sync(bool sync) {
   for (ShardedUnit* unit : unit_->subtree_units()) unit->set_requires_gradient_sync(sync);
 }
 
+void FSDPModule::set_reshard_after_forward(bool reshard, bool recurse) {
+  if (!recurse) return unit_->set_reshard_after_forward(reshard);
+  for (ShardedUnit* unit : unit_->subtree_units()) unit->set_reshard_after_forward(reshard);
+}
+
+void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
+  if (!recurse) return unit_->set_reshard_after_backward(reshard);
+  for (ShardedUnit* unit : unit_->subtree_units()) unit->set_reshard_after_backward(reshard);
+}
+
+void FSDPModule::set_requires_all_reduce(bool all_reduce) {
+  for (ShardedUnit* unit : unit_->subtree_units()) {
+    for (auto& fp : unit->flat_params()) fp->set_requires_all_reduce(all_reduce);
+  }
+}
+
 void FSDPModule::set_tracer(std::shared_ptr<Tracer> tracer) {
   if (unit_->root() != unit_.get()) unit_->lazy_init();
   unit_->root_state().tracer = tracer;

@@ -136,16 +136,74 @@ void GradCycle::reduce_scatter() {
     reduce_output_ = at::empty({fp_.shard_numel_}, reduce_input_.options());
     reduce_handle_ = fp_.shard_group_.reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, fp_.config_.tag);
   }
+  defer_all_reduce_ = fp_.replicate_group_.size() > 1 && !fp_.requires_all_reduce_;
   reduce_issued_ = true;
+}
+
+// Note [Accumulation without the all-reduce]
+// Under hybrid sharding a gradient is reduce-scattered within the replica, then all-reduced
+// across the replicas. With FSDPModule::set_requires_all_reduce(false) a micro-batch's reduction
+// stops after the reduce-scatter: its output (averaged over the replica) is added into partial_,
+// an fp32 shard of its own, and the gradient shard is left alone. The next reduction with the
+// all-reduce on adds its own output to partial_, all-reduces that sum (averaging over the
+// replicas), and adds the result into the gradient shard as every reduction does. The gradient
+// shard thus receives avg_replicas(sum of micro-batches) where all-reducing each micro-batch gives
+// sum of avg_replicas(micro-batch): the same value, the sums associated differently (equal to fp32
+// rounding; bit for bit for one micro-batch). The all-reduce runs in the reduce dtype, as always;
+// partial_ is fp32 whatever the reduce dtype, so bf16 reductions are not summed in bf16.
+// zero() drops partial_, as it zeroes the gradient shard.
+void GradCycle::finalize_deferred() {
+  if (partial_.defined()) {
+    partial_.add_(reduce_output_);
+  } else {
+    partial_ = reduce_output_.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  }
+}
+
+int64_t GradCycle::partial_bytes() const {
+  if (partial_.defined()) return partial_.numel() * 4;
+  return reduce_issued_ && defer_all_reduce_ ? fp_.shard_numel_ * 4 : 0;  // its sums, once collected
+}
+
+void GradCycle::flush_partial() {
+  if (reduce_issued_ || !partial_.defined()) return;
+  at::Tensor sums =
+      partial_.scalar_type() == fp_.config_.reduce_dtype ? partial_ : partial_.to(fp_.config_.reduce_dtype);
+  fp_.replicate_group_.all_reduce(sums, ReduceOp::kAvg, fp_.config_.tag).wait();
+  partial_ = at::Tensor();
+  sums = fp_.residency_->stage_reduced(sums);
+  if (shard_.defined()) {
+    kernels::copy_out(sums, shard_, {/*divide_by=*/1.0, /*accumulate=*/true});
+  } else {
+    shard_ = at::empty({sums.numel()}, sums.options().dtype(at::kFloat));
+    kernels::copy_out(sums, shard_);
+  }
+  fp_.residency_->place_grad(shard_);
 }
 
 void GradCycle::finalize() {
   if (!reduce_issued_) return;
   reduce_handle_.wait();
   reduce_handle_ = CommHandle();
+  if (defer_all_reduce_) {
+    finalize_deferred();
+    reduce_input_ = at::Tensor();
+    reduce_output_ = at::Tensor();
+    if (!aliases_shard_) offload::set_storage_alive(buffer_, false);
+    reduce_issued_ = false;
+    prepared_ = false;
+    return;
+  }
+  const bool with_partial = partial_.defined();
+  if (with_partial) {  // Note [Accumulation without the all-reduce]: the sum, all-reduced once
+    partial_.add_(reduce_output_);
+    reduce_output_ =
+        partial_.scalar_type() == reduce_output_.scalar_type() ? partial_ : partial_.to(reduce_output_.scalar_type());
+  }
   if (fp_.replicate_group_.size() > 1) {
     fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag).wait();
   }
+  if (with_partial) partial_ = at::Tensor();
   // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
   reduce_output_ = fp_.residency_->stage_reduced(reduce_output_);
   if (aliases_shard_) {
@@ -165,6 +223,7 @@ void GradCycle::finalize() {
 }
 
 void GradCycle::zero() {
+  partial_ = at::Tensor();
   if (shard_.defined()) shard_.zero_();
   fp_.residency_->grad_written(shard_);
 }

@@ -31,11 +31,19 @@ class GradCycle {
   void zero();
   at::Tensor& shard() { return shard_; }  // fp32 gradient shard, undefined until the first reduction
   int64_t buffer_bytes() const;
+  // Partial sums, or a reduction in flight that will add to them.
+  // (A reduction in flight decides: a deferred one adds to the sums, another all-reduces them.)
+  bool holds_partial() const { return reduce_issued_ ? defer_all_reduce_ : partial_.defined(); }
+  int64_t partial_bytes() const;
+  // Sums left waiting by micro-batches whose last one did not reduce this flat param (it got no
+  // gradient): all-reduced and added into the gradient shard now.
+  void flush_partial();
 
  private:
   bool can_alias_shard() const;
   void point_at_buffer();
-  void fill_uncopied();  // zeroes what no gradient reached, and the padding
+  void finalize_deferred();  // Note [Accumulation without the all-reduce]
+  void fill_uncopied();      // zeroes what no gradient reached, and the padding
 
   FlatParam& fp_;
   at::Tensor shard_;
@@ -46,6 +54,10 @@ class GradCycle {
   at::Tensor reduce_output_;  // [shard] reduce dtype
   CommHandle reduce_handle_;
   bool reduce_issued_ = false;
+  // Note [Accumulation without the all-reduce]: this reduction skips the replicas' all-reduce, and
+  // the fp32 sum of the reductions that skipped it so far (undefined when none did).
+  bool defer_all_reduce_ = false;
+  at::Tensor partial_;
   bool prepared_ = false;
   bool guarded_ = false;  // the parameters' .grad are guards_
   // Note [The first gradient is copied]: per entry, whether its part of the buffer holds its

@@ -24,10 +24,16 @@ at::Tensor GradShard::take_master_for_step() { return flat_->take_master_for_ste
 std::function<void(int64_t, int64_t, const at::Tensor&)> GradShard::after_update() {
   return flat_->after_optimizer_update();
 }
-at::Tensor GradShard::new_state_tensor(const std::string& what) { return flat_->new_state_tensor(what); }
+at::Tensor GradShard::new_state_tensor(const std::string& what, at::ScalarType dtype) {
+  return flat_->new_state_tensor(what, dtype);
+}
+
+void GradShard::check_all_reduced(const std::string& what) const { flat_->check_no_partial_grads(what); }
 
 at::Tensor GradShard::collect_grad() {
   flat_->finalize_grads();
+  flat_->check_no_partial_grads("the optimizer");
+  flat_->master_will_change();  // TorchOptimizer steps what it collects
   return flat_->sharded_grad();
 }
 

@@ -59,12 +59,16 @@ class GradShard {
   // Null, or what brings derived copies (the working copy) up to date after the optimizer updated
   // elements [a, b) of the master; `updated` holds their new values (host memory).
   std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after_update();
-  // A zero-filled fp32 tensor shaped like the master shard, in the optimizer state's tier.
-  at::Tensor new_state_tensor(const std::string& what);
+  // A zero-filled tensor of `dtype` (fp32, or bf16 in RAM or the host tier) shaped like the master
+  // shard, in the optimizer state's tier.
+  at::Tensor new_state_tensor(const std::string& what, at::ScalarType dtype = at::kFloat);
 
   // Collects the gradient's reduction (if still in flight) and returns the fp32 gradient shard,
   // undefined when the flat param has no gradient yet.
   at::Tensor collect_grad();
+  // UsageError when its gradient holds sums never all-reduced across the replicas
+  // (FSDPModule::set_requires_all_reduce), naming `what` would read them.
+  void check_all_reduced(const std::string& what) const;
   // The gradient shard as it is (after GradShards::collect_all), undefined before its first reduction.
   at::Tensor& grad();
   // Collects it and returns what the optimizer reads: the gradient shard, or its host copy when

@@ -28,6 +28,7 @@ struct FlatFigures {
   offload::FlatParamIo io;
   at::Tensor master, working, grad;                   // working: when the master follows its state; grad: once reduced
   int64_t gathered_bytes = 0, grad_buffer_bytes = 0;  // alive now
+  int64_t partial_grad_bytes = 0;  // sums waiting for the replicas' all-reduce (set_requires_all_reduce)
 };
 
 struct ModelFigures {

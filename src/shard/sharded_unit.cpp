@@ -123,10 +123,23 @@ void ShardedUnit::reshard() {
 
 bool ShardedUnit::is_gathered_or_gathering() const {
   for (const auto& fp : flat_params_) {
-    if (fp->state() == ShardedState::kUnsharded || fp->gathering()) return true;
+    if (fp->holds_current_gather()) return true;  // a stale kept gather is gathered again (Note [Kept gathers])
   }
   return false;
 }
+
+// Note [Kept gathers]
+// FSDPModule::set_reshard_after_forward(false) keeps a unit's gathered params from its forward to
+// its backward; set_reshard_after_backward(false) keeps them after its backward too
+// (maybe_end_backward and finalize_backward skip the reshard), so the next micro-batch's forward
+// and backward find them gathered and issue no all-gather. Gradients are unaffected: the gradient
+// buffer follows the backward as always. A kept gather must not outlive the values it was gathered
+// from. Each FlatParam counts the optimizer's takes of its gradient (master_will_change: the step
+// is about to write the master) and records the count when it issues a gather; unshard() drops a
+// gather whose count is old and gathers again, and a checkpoint load drops it (drop_stale_gather).
+// Frozen flat params are never stepped, so their kept gather survives the steps. Prefetching sees
+// a stale gather as not gathered. The planner counts the kept units' gathered bytes
+// (PlanRequest::keep_gathered).
 
 namespace {
 
@@ -285,6 +298,14 @@ void ShardedUnit::on_grad_ready(size_t i, size_t k) {
 void ShardedUnit::post_backward(size_t i) {
   if (post_backward_done_[i]) return;
   post_backward_done_[i] = true;
+  FlatParam& flat = *flat_params_[i];
+  if (requires_gradient_sync_ && !flat.requires_all_reduce() && flat.replicate_group().size() > 1 &&
+      steps_in_backward()) {
+    throw UsageError(
+        "fsdp: " + name() + " reduces its gradients with set_requires_all_reduce(false) while the " +
+        "optimizer steps in backward, which would apply a gradient not yet all-reduced across the " +
+        "replicas; accumulate with set_requires_gradient_sync(false) instead, or turn off step_in_backward");
+  }
   if (requires_gradient_sync_ && !root_state().joined) {  // inside a Join: at the end of backward
     // Reductions issued by earlier units have had this unit's backward to finish: collect them now,
     // which frees their gradient buffers, so at most one unit's gradients wait on the wire besides
@@ -301,7 +322,8 @@ void ShardedUnit::post_backward(size_t i) {
         continue;
       }
       fp->finalize_grads();
-      if (rs.post_reduce_hook != nullptr) {  // Note [The step in backward]
+      // Note [The step in backward]; sums still waiting for the replicas' all-reduce are no gradient yet.
+      if (rs.post_reduce_hook != nullptr && !fp->holds_partial_grads()) {
         GradShard shard(fp);
         rs.post_reduce_hook->gradient_reduced(shard);
       }
@@ -330,7 +352,7 @@ void ShardedUnit::maybe_end_backward() {
     all_done = post_backward_done_[k] || !flat_params_[k]->config().requires_grad;
   }
   if (!all_done || (!trainable && inputs_seen_ == 0)) return;
-  reshard();
+  if (reshard_after_backward_ || root_state().joined) reshard();  // Note [Kept gathers]; a Join keeps none
   state_ = TrainingState::kPostBackward;
   if (Tracer* t = tracer())
     t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
@@ -367,7 +389,11 @@ void ShardedUnit::finalize_backward() {
     if (!unit->requires_gradient_sync_) continue;
     for (auto& fp : unit->flat_params_) {
       if (rs.joined && fp->config().requires_grad && !fp->gradients_prepared()) fp->prepare_gradients();
-      if (fp->gradients_prepared()) fp->reduce_scatter_grads();
+      if (fp->gradients_prepared()) {
+        fp->reduce_scatter_grads();
+      } else if (fp->requires_all_reduce()) {
+        fp->flush_partial_grads();  // Note [Accumulation without the all-reduce]: no gradient this time
+      }
     }
   }
   rs.pending_reduces.clear();
@@ -377,8 +403,8 @@ void ShardedUnit::finalize_backward() {
     if (t != nullptr && unit->state_ == TrainingState::kPreBackward) {
       t->span("fsdp::backward", "compute", unit->backward_begin_, std::chrono::steady_clock::now(), unit->name());
     }
-    unit->reshard();
-    for (auto& fp : unit->flat_params_) fp->guard_grads();  // Note [Guarded gradients] in param_data.h
+    if (unit->reshard_after_backward_ || rs.joined) unit->reshard();  // Note [Kept gathers]; a Join keeps none
+    for (auto& fp : unit->flat_params_) fp->guard_grads();            // Note [Guarded gradients] in param_data.h
     unit->reset_after_backward();
   }
   rs.callback_queued = false;

@@ -170,6 +170,13 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   const ResolvedOptions& options() const { return options_; }
   DeviceMesh& mesh() { return mesh_; }
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
+  // FSDPModule::set_reshard_after_forward / _backward (Note [Kept gathers] in sharded_unit.cpp).
+  void set_reshard_after_forward(bool reshard) {
+    options_.reshard_after_forward = reshard;
+    options_.reshard_after_forward_explicit = true;
+  }
+  void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
+  bool reshard_after_backward() const { return reshard_after_backward_; }
   std::weak_ptr<torch::nn::Module> module() const { return module_; }
   bool nested() const { return nested_; }
 
@@ -227,6 +234,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   FullyShardOptions requested_;
   ResolvedOptions options_;
   bool requires_gradient_sync_ = true;
+  bool reshard_after_backward_ = true;
   Communicator* shard_group_ = nullptr;
   Communicator* replicate_group_ = nullptr;
   std::shared_ptr<Communicator> no_shard_group_;  // kNoShard: a one-rank shard group

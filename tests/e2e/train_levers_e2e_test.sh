@@ -10,7 +10,10 @@
 #  - gradient accumulation gives the losses of the run with the larger batch and reduce-scatters
 #    once per step; activation checkpointing (every layer, every 2nd) leaves the losses unchanged,
 #    and so does a loss chunked over the tokens (train.loss_chunk_tokens, to fp32 rounding);
-#    async saves commit every checkpoint before exit and resume like synchronous ones; the memory
+#    async saves commit every checkpoint before exit and resume like synchronous ones; AdamW's
+#    moments in bf16 halve the optimizer's bytes and keep the losses within 1%; HYBRID_SHARD's
+#    micro-batches accumulate each way train.accumulation offers with the same losses and the
+#    replicas' all-reduce once per step unless every micro-batch reduces in full; the memory
 #    plan's figure for each lever is within 10% of the measured one.
 # Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train tests/e2e/train_levers_e2e_test.sh
 #        (ctest sets both; about 40 s on 2 cores; "N passed, M failed")
@@ -207,6 +210,50 @@ if [ "$RC" -eq 0 ] && "$PY" "$TMP/same.py" "$TMP/big.jsonl" "$TMP/acc.jsonl" 1e-
    within10 "$TMP/acc.out" accumulated_gradients; then ok=1; fi
 record "4 micro-batches of 2: the losses and reduce-scatter bytes of batch 8, accumulated gradients within 10% \
 ($(lever_error "$TMP/acc.out" accumulated_gradients)%)" $ok "$TMP/acc.out" "$TMP/acc.err" "$TMP/py.log"
+
+# AdamW's moments in bf16: half the optimizer's bytes, the losses within 1% of fp32 moments.
+train 2 "$TMP/bf16s" "${SMALL[@]}" --steps 4 --set optim.state_dtype=bfloat16 --metrics "$TMP/bf16s.jsonl"
+ok=0
+optimizer_mib() { sed -n 's/.*params [0-9.]* MiB, grads [0-9.]* MiB, optimizer \([0-9.]*\) MiB.*/\1/p' "$1" | head -1; }
+if [ "$RC" -eq 0 ] && "$PY" "$TMP/same.py" "$TMP/base.jsonl" "$TMP/bf16s.jsonl" 1e-2 >"$TMP/py.log" 2>&1 &&
+   awk -v a="$(optimizer_mib "$TMP/base.out")" -v b="$(optimizer_mib "$TMP/bf16s.out")" \
+     'BEGIN { exit !(a > 0 && b > 0 && b / a > 0.49 && b / a < 0.51) }'; then ok=1; fi
+record "optim.state_dtype=bfloat16: losses within 1% of fp32 moments, optimizer state $(optimizer_mib "$TMP/bf16s.out") \
+vs $(optimizer_mib "$TMP/base.out") MiB" $ok "$TMP/bf16s.out" "$TMP/bf16s.err" "$TMP/py.log"
+
+# HYBRID_SHARD on 4 ranks as 2 replicas of 2, 4 micro-batches of 2, each way of accumulating: the
+# same losses; the replicas' all-reduce once per step unless every micro-batch reduces in full;
+# reduce_scatter's partial sums within 10% of the plan.
+HSDP=(--set fsdp.strategy=HYBRID_SHARD --set fsdp.replicate=2 --set data.batch_size_per_rank=2
+      --set train.grad_accum_steps=4)
+for a in no_sync reduce_scatter reduce; do
+  train 4 "$TMP/hsdp-$a" "${SMALL[@]}" "${HSDP[@]}" --steps 3 --set train.accumulation=$a --metrics "$TMP/hsdp-$a.jsonl"
+  eval "rc_$a=\$RC"
+done
+cat >"$TMP/hsdp.py" <<'EOF'
+import json, sys
+def steps(p):
+    return [j for j in map(json.loads, open(p)) if not j.get("eval")]
+ns, rs, full = (steps(p) for p in sys.argv[1:4])
+assert len(ns) == len(rs) == len(full) > 0
+for x, y, z in zip(ns, rs, full):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]) and abs(x["loss"] - z["loss"]) <= 1e-5 * abs(x["loss"])
+    # The gradient all-reduce: once per step with no_sync and reduce_scatter, four times with reduce.
+    assert x["all_reduce_bytes"] == y["all_reduce_bytes"], (x["all_reduce_bytes"], y["all_reduce_bytes"])
+    ratio = (z["all_reduce_bytes"][0] - y["all_reduce_bytes"][0]) / y["all_reduce_bytes"][0]
+    assert 2.9 <= ratio <= 3.0, ratio
+    # Reduce-scatters: once per step with no_sync, per micro-batch otherwise.
+    assert y["reduce_scatter_bytes"] == z["reduce_scatter_bytes"]
+    assert y["reduce_scatter_bytes"][0] == 4 * x["reduce_scatter_bytes"][0], (x, y)
+print("ok", [x["all_reduce_bytes"][0] for x in (ns[-1], rs[-1], full[-1])])
+EOF
+ok=0
+if [ $rc_no_sync -eq 0 ] && [ $rc_reduce_scatter -eq 0 ] && [ $rc_reduce -eq 0 ] &&
+   check "$TMP/hsdp.py" "$TMP/hsdp-no_sync.jsonl" "$TMP/hsdp-reduce_scatter.jsonl" "$TMP/hsdp-reduce.jsonl" &&
+   within10 "$TMP/hsdp-reduce_scatter.out" partial_gradient_sums; then ok=1; fi
+record "HYBRID_SHARD 2x2, train.accumulation no_sync / reduce_scatter / reduce: same losses, one all-reduce per step \
+unless reduce, partial sums within 10% ($(lever_error "$TMP/hsdp-reduce_scatter.out" partial_gradient_sums)%)" $ok \
+  "$TMP/hsdp-reduce_scatter.out" "$TMP/hsdp-reduce_scatter.err" "$TMP/py.log"
 
 # A constant schedule after warmup: a run to step 4 then resumed to 6 is one run to step 6.
 train 2 "$TMP/sync" "${SMALL[@]}" --set optim.schedule=constant --steps 6 --set train.save_every=2 --save-dir "$TMP/sync-ckpt" \

@@ -27,7 +27,8 @@ struct ParityConfig {
   std::optional<at::ScalarType> reduce_dtype;
   int steps = 10;
   int microbatches = 1;
-  int skip_block_first_micro = -1;  // this block reaches the loss in every micro-batch but the first
+  Accumulation accumulation = Accumulation::kNoSync;  // how the micro-batches accumulate
+  int skip_block_first_micro = -1;                    // this block reaches the loss in every micro-batch but the first
   double clip = 0;
   bool freeze_first = false;
   bool sgd = false;
@@ -134,7 +135,9 @@ void parity_on_rank(const std::shared_ptr<Dist>& dist, const ParityConfig& cfg) 
         auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step * 10 + micro);
         auto x = at::randn({kGlobalBatch, cfg.net.in}, gen);
         auto y = at::randn({kGlobalBatch, cfg.net.out}, gen);
-        root->set_requires_gradient_sync(micro == cfg.microbatches - 1);
+        const bool last = micro == cfg.microbatches - 1;
+        root->set_requires_gradient_sync(last || cfg.accumulation != Accumulation::kNoSync);
+        root->set_requires_all_reduce(last || cfg.accumulation != Accumulation::kReduceScatter);
         auto xs = x.narrow(0, dist->rank() * local, local), ys = y.narrow(0, dist->rank() * local, local);
         auto loss = at::mse_loss(fsdp::call(model, xs), ys) / cfg.microbatches;
         loss.backward();
@@ -239,6 +242,13 @@ std::vector<NamedConfig> grid() {
   hybrid.replicate = 2;
   hybrid.strategy = ShardingStrategy::kHybridShard;
   out.push_back({"HYBRID_SHARD_w4_2x2", hybrid});
+  // Three micro-batches under hybrid sharding, each way of accumulating them.
+  for (auto a : {Accumulation::kNoSync, Accumulation::kReduceScatter, Accumulation::kReduce}) {
+    ParityConfig c = hybrid;
+    c.microbatches = 3;
+    c.accumulation = a;
+    out.push_back({std::string("HYBRID_SHARD_w4_2x2_accum3_") + accumulation_name(a), c});
+  }
   return out;
 }
 

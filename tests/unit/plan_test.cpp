@@ -5,6 +5,7 @@
 // ConfigError naming the field.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 
 #include "fsdp/errors.h"
@@ -124,6 +125,7 @@ TEST(Plan, ChoosesNoOffloadWhenItFitsThenTheDiskTierAndKeepsFixedChoices) {
   smallest.offload = OffloadPolicy();
   smallest.checkpoint_every = 1;
   smallest.micro_batch = 1;
+  smallest.keep_gathered = false;
   const Plan tight = plan(shape, request(plan(shape, smallest).device.total() - (1 << 20)));
   ASSERT_TRUE(tight.fits) << tight.to_string();
   EXPECT_EQ(tight.optimizer_state, OffloadTier::kDisk);
@@ -141,6 +143,132 @@ TEST(Plan, ChoosesNoOffloadWhenItFitsThenTheDiskTierAndKeepsFixedChoices) {
   EXPECT_EQ(kept.checkpoint_every, 1);
   EXPECT_EQ(kept.micro_batch, 2);
   EXPECT_EQ(kept.grad_accum_steps, 2);
+}
+
+// AdamW's moments in bf16: the state item is half the fp32 one, the rest unchanged; the disk tier
+// (fp32 state only) is neither chosen nor accepted.
+TEST(Plan, Bf16MomentsHalveTheStateAndStayOffTheDiskTier) {
+  const ModelShape shape = llama::plan_shape(mid());
+  const PlanRequest fp32 = request(int64_t{8} << 30);
+  PlanRequest bf16 = fp32;
+  bf16.optimizer_state_dtype = at::kBFloat16;
+  const Plan a = plan(shape, fp32), b = plan(shape, bf16);
+  ASSERT_TRUE(a.fits && b.fits);
+  auto item = [](const PlanTier& t, const std::string& prefix) {
+    for (const auto& [n, bytes] : t.items) {
+      if (n.rfind(prefix, 0) == 0) return bytes;
+    }
+    return int64_t{-1};
+  };
+  // Two moments of 2 bytes instead of 4: 4 bytes less per trainable element of this rank's shard.
+  const int64_t saved = item(a.device, "sharded states not offloaded") - item(b.device, "sharded states not offloaded");
+  EXPECT_EQ(a.device.total() - b.device.total(), saved);
+  const double per_rank = static_cast<double>(shape.trainable_numel()) / a.shard_size;
+  EXPECT_NEAR(static_cast<double>(saved), 4 * per_rank, 0.01 * 4 * per_rank);
+  // Tight enough that fp32 state would go to disk: bf16 state fits in RAM instead, or not at all.
+  PlanRequest smallest = fp32;
+  smallest.offload = OffloadPolicy();
+  smallest.checkpoint_every = 1;
+  smallest.micro_batch = 1;
+  smallest.keep_gathered = false;
+  PlanRequest tight = request(plan(shape, smallest).device.total() - (1 << 20));
+  const Plan tight_fp32 = plan(shape, tight);
+  ASSERT_EQ(tight_fp32.optimizer_state, OffloadTier::kDisk);
+  tight.optimizer_state_dtype = at::kBFloat16;
+  const Plan tight_bf16 = plan(shape, tight);
+  EXPECT_TRUE(tight_bf16.fits) << tight_bf16.to_string();
+  EXPECT_EQ(tight_bf16.optimizer_state, OffloadTier::kNone);
+  tight.offload = OffloadPolicy().optimizer_state(OffloadTier::kDisk);
+  try {
+    plan(shape, tight);
+    ADD_FAILURE() << "bf16 state in the disk tier was planned";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("disk tier"), std::string::npos) << e.what();
+  }
+}
+
+// Units kept gathered across micro-batches: one all-gather per unit per step instead of one or two
+// per micro-batch, every unit's gathered parameters held at once; chosen when it fits.
+TEST(Plan, KeptGathersTradeTheGatheredModelForOneGatherPerUnitPerStep) {
+  const ModelShape shape = llama::plan_shape(mid());
+  PlanRequest r = request(int64_t{8} << 30);
+  r.micro_batch = 1;  // 4 micro-batches
+  r.keep_gathered = false;
+  const Plan plain = plan(shape, r);
+  r.keep_gathered = true;
+  const Plan kept = plan(shape, r);
+  ASSERT_TRUE(plain.fits && kept.fits);
+  EXPECT_TRUE(kept.keep_gathered);
+  EXPECT_EQ(kept.gathers_per_step, static_cast<int64_t>(shape.units.size()));
+  // Every unit once per step against (2 per unit but the root and the last layer) x 4.
+  int64_t once = 0, plain_bytes = 0;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const auto& u = shape.units[i];
+    const int64_t s = (u.numel() + 1) / 2 * 2;  // bf16 shard of 2 ranks
+    once += s;
+    plain_bytes += s * ((u.is_root || i + 1 == shape.units.size()) ? 1 : 2) * 4;
+  }
+  EXPECT_EQ(kept.all_gather_bytes, once);  // (N - 1) = 1 hop
+  EXPECT_EQ(plain.all_gather_bytes, plain_bytes);
+  auto item = [](const PlanTier& t, const std::string& prefix) {
+    for (const auto& [n, bytes] : t.items) {
+      if (n.rfind(prefix, 0) == 0) return bytes;
+    }
+    return int64_t{0};
+  };
+  EXPECT_EQ(item(kept.device, "gathered params (all, kept across micro-batches)"), 2 * shape.numel());
+  EXPECT_EQ(item(kept.device, "gathered params (root"), 0);
+  EXPECT_GT(kept.device.total(), plain.device.total());
+  // Unset: chosen when it fits, not when only the plain plan does.
+  r.keep_gathered.reset();
+  EXPECT_TRUE(plan(shape, r).keep_gathered);
+  PlanRequest tight = r;
+  tight.budget.host_bytes = plain.device.total() + (kept.device.total() - plain.device.total()) / 2;
+  tight.offload = OffloadPolicy();
+  tight.checkpoint_every = 0;
+  const Plan chosen = plan(shape, tight);
+  EXPECT_TRUE(chosen.fits);
+  EXPECT_FALSE(chosen.keep_gathered);
+}
+
+// Under hybrid sharding each way of accumulating costs what it moves: no_sync keeps the unsharded
+// gradients and reduces once; reduce_scatter scatters every micro-batch, all-reduces once and
+// holds an fp32 partial sum per shard; reduce does both every micro-batch.
+TEST(Plan, AccumulationUnderHybridShardingCountsItsBytes) {
+  const ModelShape shape = llama::plan_shape(mid());
+  PlanRequest r = request(int64_t{8} << 30);
+  r.ranks_per_node = 2;
+  r.nodes = 2;
+  r.strategy = ShardingStrategy::kHybridShard;
+  r.micro_batch = 1;  // 4 micro-batches
+  r.keep_gathered = false;
+  r.reduce_dtype = at::kFloat;
+  std::map<Accumulation, Plan> p;
+  for (auto a : {Accumulation::kNoSync, Accumulation::kReduceScatter, Accumulation::kReduce}) {
+    r.accumulation = a;
+    p[a] = plan(shape, r);
+    ASSERT_TRUE(p[a].fits) << p[a].to_string();
+  }
+  int64_t shards = 0;
+  for (const auto& u : shape.units) shards += (u.trainable_numel + 1) / 2;
+  const int64_t scatter = 4 * shards;             // one hop of fp32 shards
+  const int64_t all_reduce = 2 * 4 * shards / 2;  // 2 x shard x (replicas - 1) / replicas
+  EXPECT_EQ(p[Accumulation::kNoSync].reduce_bytes, scatter + all_reduce);
+  EXPECT_EQ(p[Accumulation::kReduceScatter].reduce_bytes, 4 * scatter + all_reduce);
+  EXPECT_EQ(p[Accumulation::kReduce].reduce_bytes, 4 * (scatter + all_reduce));
+  auto has = [](const Plan& plan, const std::string& prefix) {
+    for (const auto& [n, bytes] : plan.device.items) {
+      if (n.rfind(prefix, 0) == 0) return bytes;
+    }
+    return int64_t{0};
+  };
+  EXPECT_GT(has(p[Accumulation::kNoSync], "unreduced gradients"), 0);
+  EXPECT_EQ(has(p[Accumulation::kReduceScatter], "unreduced gradients"), 0);
+  EXPECT_EQ(has(p[Accumulation::kReduceScatter], "partial gradient sums"), 4 * shards);
+  EXPECT_EQ(has(p[Accumulation::kReduce], "partial gradient sums"), 0);
+  EXPECT_EQ(has(p[Accumulation::kReduce], "unreduced gradients"), 0);
+  EXPECT_EQ(parse_accumulation("reduce_scatter"), Accumulation::kReduceScatter);
+  EXPECT_THROW(parse_accumulation("sometimes"), ConfigError);
 }
 
 TEST(Plan, WhatFitsNothingSaysWhatIsShortAndByHowMuch) {

@@ -239,6 +239,20 @@ TEST(TrainConfig, WrongTypesAndInvalidValuesAreRejectedNamingKeyAndValue) {
             std::string::npos);
   EXPECT_NE(args_error({"--set", "fsdp.strategy=HYBRID_SHARD"}).find("fsdp.replicate=1: must be >= 2"),
             std::string::npos);
+  EXPECT_NE(args_error({"--set", "optim.state_dtype=float16"}).find("optim.state_dtype=\"float16\": must be one of"),
+            std::string::npos);
+  EXPECT_NE(args_error({"--set", "optim.state_dtype=bfloat16", "--set", "fsdp.offload.optimizer_state=disk", "--set",
+                        "fsdp.offload.dir=/tmp/x"})
+                .find("optim.state_dtype=\"bfloat16\": cannot go with fsdp.offload.optimizer_state=\"disk\""),
+            std::string::npos);
+  EXPECT_EQ(from_args({"--set", "optim.state_dtype=bfloat16"}).optim.adamw().state_dtype(), at::kBFloat16);
+  EXPECT_NE(args_error({"--set", "optim.step_in_backward=true", "--set", "train.grad_accum_steps=2", "--set",
+                        "train.accumulation=reduce"})
+                .find("train.accumulation=\"reduce\": cannot go with optim.step_in_backward=true"),
+            std::string::npos);
+  EXPECT_NE(
+      args_error({"--set", "train.accumulation=sometimes"}).find("train.accumulation=\"sometimes\": must be one of"),
+      std::string::npos);
 }
 
 TEST(TrainConfig, ConfigFileErrorsNameTheFile) {
