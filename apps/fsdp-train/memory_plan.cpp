@@ -145,10 +145,11 @@ MemoryPlan plan_memory(const PlanInputs& in) {
     p.recompute = p.checkpointed_layers > 0 ? full : 0;
   }
   // No-sync accumulation keeps every unit's unsharded gradient buffer (param_dtype).
-  if (in.grad_accum_steps > 1 && in.accumulation == fsdp::Accumulation::kNoSync) p.accum_grads = elem * p.num_params;
+  // Only trainable parameters have gradients (a LoRA run: the adapters').
+  const int64_t trainable = in.trainable_params >= 0 ? in.trainable_params : p.num_params;
+  if (in.grad_accum_steps > 1 && in.accumulation == fsdp::Accumulation::kNoSync) p.accum_grads = elem * trainable;
   // Note [Accumulation without the all-reduce]: an fp32 partial sum of each trainable shard.
   if (in.grad_accum_steps > 1 && in.accumulation == fsdp::Accumulation::kReduceScatter && in.replicas > 1) {
-    const int64_t trainable = in.trainable_params >= 0 ? in.trainable_params : p.num_params;
     p.partial_grads = 4 * ((trainable + in.shard_size - 1) / in.shard_size);
   }
   // The snapshot copies this rank's fp32 params and AdamW's two moments (not the gradients).

@@ -10,7 +10,8 @@
 #  - gradient accumulation gives the losses of the run with the larger batch and reduce-scatters
 #    once per step; activation checkpointing (every layer, every 2nd) leaves the losses unchanged,
 #    and so does a loss chunked over the tokens (train.loss_chunk_tokens, to fp32 rounding);
-#    async saves commit every checkpoint before exit and resume like synchronous ones; AdamW's
+#    async saves commit every checkpoint before exit and resume like synchronous ones; units kept
+#    gathered across micro-batches give the same losses bit for bit with fewer all-gathers; AdamW's
 #    moments in bf16 halve the optimizer's bytes and keep the losses within 1%; HYBRID_SHARD's
 #    micro-batches accumulate each way train.accumulation offers with the same losses and the
 #    replicas' all-reduce once per step unless every micro-batch reduces in full; the memory
@@ -211,6 +212,26 @@ if [ "$RC" -eq 0 ] && "$PY" "$TMP/same.py" "$TMP/big.jsonl" "$TMP/acc.jsonl" 1e-
 record "4 micro-batches of 2: the losses and reduce-scatter bytes of batch 8, accumulated gradients within 10% \
 ($(lever_error "$TMP/acc.out" accumulated_gradients)%)" $ok "$TMP/acc.out" "$TMP/acc.err" "$TMP/py.log"
 
+# Units kept gathered across 4 micro-batches: the losses of gathering per micro-batch, bit for bit,
+# with fewer all-gather bytes per step.
+train 2 "$TMP/keep" "${SMALL[@]}" --steps 4 --set data.batch_size_per_rank=2 --set train.grad_accum_steps=4 \
+  --set train.keep_gathered=true --metrics "$TMP/keep.jsonl"
+cat >"$TMP/keep.py" <<'EOF'
+import json, sys
+def steps(p):
+    return [j for j in map(json.loads, open(p)) if not j.get("eval")]
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+assert len(a) == len(b) > 0
+assert [x["loss"] for x in a] == [y["loss"] for y in b], ([x["loss"] for x in a], [y["loss"] for y in b])
+ratio = b[-1]["allgather_bytes"][0] / a[-1]["allgather_bytes"][0]
+assert ratio < 0.5, ratio
+print("all-gather bytes kept / regathered", ratio)
+EOF
+ok=0
+if [ "$RC" -eq 0 ] && "$PY" "$TMP/keep.py" "$TMP/acc.jsonl" "$TMP/keep.jsonl" >"$TMP/py.log" 2>&1; then ok=1; fi
+record "train.keep_gathered over 4 micro-batches: the same losses bit for bit, $(tail -1 "$TMP/py.log")" $ok \
+  "$TMP/keep.out" "$TMP/keep.err" "$TMP/py.log"
+
 # AdamW's moments in bf16: half the optimizer's bytes, the losses within 1% of fp32 moments.
 train 2 "$TMP/bf16s" "${SMALL[@]}" --steps 4 --set optim.state_dtype=bfloat16 --metrics "$TMP/bf16s.jsonl"
 ok=0
@@ -249,7 +270,8 @@ print("ok", [x["all_reduce_bytes"][0] for x in (ns[-1], rs[-1], full[-1])])
 EOF
 ok=0
 if [ $rc_no_sync -eq 0 ] && [ $rc_reduce_scatter -eq 0 ] && [ $rc_reduce -eq 0 ] &&
-   check "$TMP/hsdp.py" "$TMP/hsdp-no_sync.jsonl" "$TMP/hsdp-reduce_scatter.jsonl" "$TMP/hsdp-reduce.jsonl" &&
+   "$PY" "$TMP/hsdp.py" "$TMP/hsdp-no_sync.jsonl" "$TMP/hsdp-reduce_scatter.jsonl" "$TMP/hsdp-reduce.jsonl" \
+     >"$TMP/py.log" 2>&1 &&
    within10 "$TMP/hsdp-reduce_scatter.out" partial_gradient_sums; then ok=1; fi
 record "HYBRID_SHARD 2x2, train.accumulation no_sync / reduce_scatter / reduce: same losses, one all-reduce per step \
 unless reduce, partial sums within 10% ($(lever_error "$TMP/hsdp-reduce_scatter.out" partial_gradient_sums)%)" $ok \
