@@ -39,16 +39,15 @@ void check_args(const at::Tensor& src, const at::Tensor& dst) {
 uint32_t bf16_round_seed(size_t flat_index, int64_t step, int slot) {
   // splitmix64's finalizer over the three, folded to 32 bits.
   uint64_t z = static_cast<uint64_t>(flat_index) * 0x9e3779b97f4a7c15ULL ^
-               static_cast<uint64_t>(step) * 0xbf58476d1ce4e5b9ULL ^ static_cast<uint64_t>(slot + 1) * 0x94d049bb133111ebULL;
+               static_cast<uint64_t>(step) * 0xbf58476d1ce4e5b9ULL ^
+               static_cast<uint64_t>(slot + 1) * 0x94d049bb133111ebULL;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   z ^= z >> 31;
   return static_cast<uint32_t>(z ^ (z >> 32));
 }
 
-uint32_t bf16_round_bits(uint32_t seed, int64_t index) {
-  return mix(static_cast<uint32_t>(index) + seed) & 0xffffU;
-}
+uint32_t bf16_round_bits(uint32_t seed, int64_t index) { return mix(static_cast<uint32_t>(index) + seed) & 0xffffU; }
 
 void round_to_bf16_stochastic(const at::Tensor& src, const at::Tensor& dst, uint32_t seed, int64_t first) {
   check_args(src, dst);

@@ -106,8 +106,9 @@ TEST(Bf16State, DiskTierIsRefusedNamingTheWayOut) {
       [&](const std::shared_ptr<Dist>& dist) {
         DeviceMesh mesh(dist);
         try {
-          build_with(mesh, at::kBFloat16,
-                     OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(io::join(dir, std::to_string(dist->rank()))));
+          build_with(
+              mesh, at::kBFloat16,
+              OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(io::join(dir, std::to_string(dist->rank()))));
           ADD_FAILURE() << "bf16 state in the disk tier was accepted";
         } catch (const ConfigError& e) {
           const std::string what = e.what();

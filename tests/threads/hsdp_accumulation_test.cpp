@@ -110,8 +110,7 @@ TEST(HsdpAccumulation, EqualsAllReducingEachMicroBatchWithOneAllReducePerStep) {
               auto g = at::make_generator<at::CPUGeneratorImpl>(100 + 10 + m);
               const at::Tensor xm = at::randn({kGlobalBatch, 7}, g), ym = at::randn({kGlobalBatch, 5}, g);
               j.root->set_requires_all_reduce(m == kMicro - 1);
-              (at::mse_loss(fsdp::call(j.model, xm.narrow(0, rank * local, local)),
-                            ym.narrow(0, rank * local, local)) /
+              (at::mse_loss(fsdp::call(j.model, xm.narrow(0, rank * local, local)), ym.narrow(0, rank * local, local)) /
                kMicro)
                   .backward();
             }

@@ -45,8 +45,8 @@ double micro_step(testing::ShardedModel& j, int rank, int step, int m) {
 
 struct RunResult {
   std::vector<std::string> prints{kWorld};
-  std::vector<std::vector<uint64_t>> gather_bytes{kWorld};  // per step
-  std::vector<int64_t> kept_bytes = std::vector<int64_t>(kWorld);                  // gathered bytes alive between micro-batches
+  std::vector<std::vector<uint64_t>> gather_bytes{kWorld};         // per step
+  std::vector<int64_t> kept_bytes = std::vector<int64_t>(kWorld);  // gathered bytes alive between micro-batches
 };
 
 RunResult train(bool keep) {
@@ -69,8 +69,9 @@ RunResult train(bool keep) {
               j.root->set_reshard_after_backward(last);
             }
             losses.push_back(micro_step(j, rank, s, m));
-            if (s == 1 && m == 0) r.kept_bytes[rank] = memory_report(*j.root).unsharded_alive -
-                                                       memory_report(*j.root).unsharded_grads_alive;
+            if (s == 1 && m == 0)
+              r.kept_bytes[rank] =
+                  memory_report(*j.root).unsharded_alive - memory_report(*j.root).unsharded_grads_alive;
           }
           r.gather_bytes[rank].push_back(
               (mesh.shard_group().stats() - before).of(CollectiveKind::kAllGather).bytes_sent);
