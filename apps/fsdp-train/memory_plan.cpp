@@ -36,6 +36,7 @@ std::string config_key(const std::string& option) {
       {"grad_accum_steps", "train.grad_accum_steps"},
       {"PlanRequest::accumulation", "train.accumulation"},
       {"PlanRequest::keep_gathered", "train.keep_gathered"},
+      {"PlanRequest::optimizer_state_dtype", "optim.state_dtype"},
   };
   for (const auto& [name, key] : kKeys) {
     if (option == name) return key;

@@ -283,18 +283,29 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
         p.margin_bytes > 0 ? (cpu ? "host less the margin" : "device less the margin") : (cpu ? "host" : "device"));
   if (!cpu) check("host memory", p.host, r.budget.host_bytes, "host");
   check("disk", p.disk, r.budget.disk_bytes, "disk");
-  const bool fixed = r.offload || r.checkpoint_every || r.micro_batch || r.strategy;
+  const bool fixed = r.offload || r.checkpoint_every || r.micro_batch || r.strategy || r.keep_gathered;
   if (fixed) {
     PlanRequest free = r;
     free.offload.reset();
     free.checkpoint_every.reset();
     free.micro_batch.reset();
     free.strategy.reset();
+    free.keep_gathered.reset();
     const Plan q = plan(shape, free);
     if (q.fits) {
       s << "Lever: these settings fit:";
       for (const auto& k : q.settings) s << " " << k;
       return s.str();
+    }
+  }
+  if (r.optimizer_state_dtype == at::kFloat && r.optimizer_state_tensors > 0 &&
+      !(r.offload && r.offload->optimizer_state() == OffloadTier::kDisk)) {
+    PlanRequest half = r;
+    half.optimizer_state_dtype = at::kBFloat16;
+    if (plan(shape, half).fits) {
+      return s.str() + "Lever: the optimizer's state in bf16 (" +
+             setting(r, "PlanRequest::optimizer_state_dtype", "bfloat16") +
+             ", AdamWOptions::state_dtype: within a tolerance of fp32 state, not bit for bit) would fit.";
     }
   }
   if (r.reduce_dtype != r.param_dtype && r.reduce_dtype == at::kFloat) {

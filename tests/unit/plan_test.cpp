@@ -178,6 +178,18 @@ TEST(Plan, Bf16MomentsHalveTheStateAndStayOffTheDiskTier) {
   const Plan tight_bf16 = plan(shape, tight);
   EXPECT_TRUE(tight_bf16.fits) << tight_bf16.to_string();
   EXPECT_EQ(tight_bf16.optimizer_state, OffloadTier::kNone);
+  // Nothing fits with fp32 state in RAM and no disk: the shortfall names the bf16 lever.
+  PlanRequest no_disk = tight;
+  no_disk.optimizer_state_dtype = at::kFloat;
+  no_disk.budget.disk_bytes = 0;
+  no_disk.offload = OffloadPolicy();
+  no_disk.checkpoint_every = 1;
+  no_disk.micro_batch = 1;
+  no_disk.keep_gathered = false;
+  const Plan short_fp32 = plan(shape, no_disk);
+  ASSERT_FALSE(short_fp32.fits);
+  EXPECT_NE(short_fp32.shortfall.find("PlanRequest::optimizer_state_dtype=bfloat16"), std::string::npos)
+      << short_fp32.shortfall;
   tight.offload = OffloadPolicy().optimizer_state(OffloadTier::kDisk);
   try {
     plan(shape, tight);
