@@ -265,6 +265,29 @@ std::string with_more_ranks(const ModelShape& shape, const PlanRequest& r) {
   return "";
 }
 
+// A narrower dtype that would make the plan fit: the optimizer's state in bf16, then gradients
+// reduced in the compute dtype. Empty when neither would.
+std::string narrower_dtype_lever(const ModelShape& shape, const PlanRequest& r) {
+  if (r.optimizer_state_dtype == at::kFloat && r.optimizer_state_tensors > 0 &&
+      !(r.offload && r.offload->optimizer_state() == OffloadTier::kDisk)) {
+    PlanRequest half = r;
+    half.optimizer_state_dtype = at::kBFloat16;
+    if (plan(shape, half).fits) {
+      return "Lever: the optimizer's state in bf16 (" + setting(r, "PlanRequest::optimizer_state_dtype", "bfloat16") +
+             ", AdamWOptions::state_dtype: within a tolerance of fp32 state, not bit for bit) would fit.";
+    }
+  }
+  if (r.reduce_dtype != r.param_dtype && r.reduce_dtype == at::kFloat) {
+    PlanRequest narrow = r;
+    narrow.reduce_dtype = r.param_dtype;
+    if (plan(shape, narrow).fits) {
+      return "Lever: reducing gradients in the compute dtype (" +
+             setting(r, "MixedPrecisionPolicy::reduce_dtype", c10::toString(r.param_dtype)) + ") would fit.";
+    }
+  }
+  return "";
+}
+
 std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan& p) {
   const bool cpu = r.device == c10::kCPU;
   std::ostringstream s;
@@ -298,24 +321,8 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
       return s.str();
     }
   }
-  if (r.optimizer_state_dtype == at::kFloat && r.optimizer_state_tensors > 0 &&
-      !(r.offload && r.offload->optimizer_state() == OffloadTier::kDisk)) {
-    PlanRequest half = r;
-    half.optimizer_state_dtype = at::kBFloat16;
-    if (plan(shape, half).fits) {
-      return s.str() + "Lever: the optimizer's state in bf16 (" +
-             setting(r, "PlanRequest::optimizer_state_dtype", "bfloat16") +
-             ", AdamWOptions::state_dtype: within a tolerance of fp32 state, not bit for bit) would fit.";
-    }
-  }
-  if (r.reduce_dtype != r.param_dtype && r.reduce_dtype == at::kFloat) {
-    PlanRequest narrow = r;
-    narrow.reduce_dtype = r.param_dtype;
-    if (plan(shape, narrow).fits) {
-      return s.str() + "Lever: reducing gradients in the compute dtype (" +
-             setting(r, "MixedPrecisionPolicy::reduce_dtype", c10::toString(r.param_dtype)) + ") would fit.";
-    }
-  }
+  const std::string narrower = narrower_dtype_lever(shape, r);
+  if (!narrower.empty()) return s.str() + narrower;
   const auto root = std::find_if(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.is_root; });
   if (root != shape.units.end() && shape.units.size() > 1 &&
       root->numel() > 2 * (shape.numel() / static_cast<int64_t>(shape.units.size()))) {
