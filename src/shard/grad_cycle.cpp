@@ -13,6 +13,20 @@
 #include "shard/flat_param.h"
 
 namespace fsdp {
+namespace {
+
+// Adds a reduced (already averaged) gradient into the fp32 gradient shard, which the first
+// reduction creates: the copy-out of kernels/ops.h with divide_by 1.
+void add_into_shard(const at::Tensor& reduced, at::Tensor& shard) {
+  if (shard.defined()) {
+    kernels::copy_out(reduced, shard, {/*divide_by=*/1.0, /*accumulate=*/true});
+  } else {
+    shard = at::empty({reduced.numel()}, reduced.options().dtype(at::kFloat));
+    kernels::copy_out(reduced, shard);
+  }
+}
+
+}  // namespace
 
 void GradCycle::guard() {
   for (size_t i = 0; i < guards_.size(); ++i) fp_.entries_[i].param.mutable_grad() = guards_[i];
@@ -171,13 +185,7 @@ void GradCycle::flush_partial() {
       partial_.scalar_type() == fp_.config_.reduce_dtype ? partial_ : partial_.to(fp_.config_.reduce_dtype);
   fp_.replicate_group_.all_reduce(sums, ReduceOp::kAvg, fp_.config_.tag).wait();
   partial_ = at::Tensor();
-  sums = fp_.residency_->stage_reduced(sums);
-  if (shard_.defined()) {
-    kernels::copy_out(sums, shard_, {/*divide_by=*/1.0, /*accumulate=*/true});
-  } else {
-    shard_ = at::empty({sums.numel()}, sums.options().dtype(at::kFloat));
-    kernels::copy_out(sums, shard_);
-  }
+  add_into_shard(fp_.residency_->stage_reduced(sums), shard_);
   fp_.residency_->place_grad(shard_);
 }
 
@@ -204,16 +212,9 @@ void GradCycle::finalize() {
     fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag).wait();
   }
   if (with_partial) partial_ = at::Tensor();
-  // Copy-out (kernels/ops.h) with divide_by 1: the collectives already averaged (ReduceOp::kAvg).
+  // The collectives already averaged (ReduceOp::kAvg).
   reduce_output_ = fp_.residency_->stage_reduced(reduce_output_);
-  if (aliases_shard_) {
-    // Already in place (Note [One-rank gradients]).
-  } else if (shard_.defined()) {
-    kernels::copy_out(reduce_output_, shard_, {/*divide_by=*/1.0, /*accumulate=*/true});
-  } else {
-    shard_ = at::empty({reduce_output_.numel()}, reduce_output_.options().dtype(at::kFloat));
-    kernels::copy_out(reduce_output_, shard_);
-  }
+  if (!aliases_shard_) add_into_shard(reduce_output_, shard_);  // else already in place (Note [One-rank gradients])
   fp_.residency_->place_grad(shard_);
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
