@@ -22,6 +22,15 @@ levers-*.json there.
                (the replicas' all-reduce, the reduce-scatters), the partial sums' bytes against the
                plan, step time, peak RSS; the losses must agree within 1e-5.
 
+  replicated-adapters  the adapters whole on every rank and all-reduced (lora.replicate_adapters)
+               against sharded adapters: QLoRA (NF4 base) of --model, 2 ranks, fp32 compute: step
+               time, peak RSS, all-gather and reduction bytes, each against the plan; the losses must
+               agree within 1e-5 (the reductions sum in another order).
+  reshard-group  fsdp.reshard_after_forward_group=2 on 4 ranks as 2 simulated nodes of 2, against
+               resharding to nothing (0) and keeping everything (1): all-gather bytes across the whole
+               group and inside the node groups, peak RSS, each against the plan, step time; the
+               losses must be the same bits.
+
 Usage: .venv/bin/python bench/levers_bench.py bf16-state [--model qwen2.5-0.5b] [--seq-len 128]
        .venv/bin/python bench/levers_bench.py hsdp-accum
 """
@@ -247,6 +256,139 @@ def keep_gathered_md(r):
     return lines
 
 
+# ---- replicated-adapters
+
+def plan_figures(args, nproc, argv):
+    """fsdp-plan's per-step bytes and memory total for a run's settings."""
+    plan = subprocess.run([os.path.join(args.bin, "fsdp-plan"), "--nproc-per-node", str(nproc), *argv],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    num = lambda pattern: (lambda m: float(m.group(1)) if m else None)(re.search(pattern, plan.stdout))
+    return {"plan_allgather_mib": num(r"all-gathers send ([\d.]+) MiB"),
+            "plan_group_allgather_mib": num(r"([\d.]+) MiB of it inside post-forward groups") or 0.0,
+            "plan_reduce_mib": num(r"reductions send ([\d.]+) MiB"),
+            "plan_total_mib": num(r"memory (?:\(RAM\) )?per rank: ([\d.]+) MiB")}
+
+
+def replicated_adapters(args, work):
+    from lora_bench import LORA, model_and_tokens
+    result = {"lever": "replicated-adapters", "commit": commit(), "quiet": args.quiet,
+              "command": " ".join(["bench/levers_bench.py"] + sys.argv[1:]), "model": args.model,
+              "seq_len": args.seq_len, "steps": args.steps, "runs": {}}
+    hf, tokens, params = model_and_tokens(work, args.model)
+    result["params"] = params
+    base = ["--init-from", hf, "--steps", str(args.steps), "--set", "data.source=file", "--set", f"data.path={tokens}",
+            "--set", "data.token_dtype=uint32", "--set", f"data.seq_len={args.seq_len}",
+            "--set", "data.batch_size_per_rank=1", "--set", "fsdp.param_dtype=float32",
+            "--set", "fsdp.reduce_dtype=float32", *LORA, "--set", "lora.base_dtype=nf4"]
+    sets = [x for i in range(len(base) - 1) if base[i] == "--set" for x in base[i:i + 2]]
+    for name, on in (("sharded", "false"), ("replicated", "true")):
+        run = fsdp_train(args, work, name, 2, base + ["--set", f"lora.replicate_adapters={on}"])
+        run.update(plan_figures(args, 2, ["--hf-config", hf, *sets, "--set", f"lora.replicate_adapters={on}"]))
+        result["runs"][name] = run
+        print(json.dumps(run), flush=True)
+    a, b = result["runs"]["sharded"], result["runs"]["replicated"]
+    result["loss_rel_gap"] = rel_gap(b["losses"], a["losses"])
+    return result
+
+
+def bytes_row(run):
+    sent = lambda key: run[key][-1] / MIB if run.get(key) else 0.0
+    return sent("allgather_bytes"), sent("reduce_scatter_bytes") + sent("all_reduce_bytes")
+
+
+def replicated_md(r):
+    lines = ["## Adapters replicated instead of sharded (`lora.replicate_adapters`, "
+             "`FullyShardOptions::replicate_params`)", "",
+             f"- Commit: {r['commit']}. Machine: this one, 2 cores, no GPU. Threads: `OMP_NUM_THREADS=1` per rank. "
+             f"Transport: shared memory. Page cache: warm. Quiet: {r['quiet']}.", f"- Command: `{r['command']}`", "",
+             f"QLoRA of {r['model']} ({r['params'] / 1e6:.1f}M parameters: NF4 base, r=16 alpha=32 on the seven "
+             f"projections), 2 ranks, fp32 compute and reduction, AdamW with clipping, seq_len {r['seq_len']}, 1 "
+             f"sample per rank per step, {r['steps']} steps. What differs: only `lora.replicate_adapters`. Bytes: what "
+             "rank 0 sent in the last step; reductions are reduce-scatters plus all-reduces (the small ones of "
+             "clipping and the finite check included); the plan's from fsdp-plan with the same settings.", "",
+             "| adapters | all-gather sent (MiB/step) | planned | reductions sent (MiB/step) | planned | peak RSS per "
+             "rank, process (MiB) | plan per rank (MiB) | step time (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, run in r["runs"].items():
+        gathered, reduced = bytes_row(run)
+        lines.append(f"| {name} | {gathered:.2f} | {run['plan_allgather_mib']} | {reduced:.2f} | "
+                     f"{run['plan_reduce_mib']} | {' / '.join(f'{x:,.0f}' for x in run['peak_rss_process_mib'])} | "
+                     f"{run['plan_device_mib']:,.0f} | {run['step_time_s']:.2f} |")
+    a, b = r["runs"]["sharded"], r["runs"]["replicated"]
+    extra_plan = b["plan_device_mib"] - a["plan_device_mib"]
+    extra = max(b["peak_rss_process_mib"]) - max(a["peak_rss_process_mib"])
+    lines += ["", f"- Step time: {b['step_time_s'] / a['step_time_s']:.3f}x the sharded adapters'.",
+              f"- Memory: the process's peak {extra:+,.0f} MiB per rank against {extra_plan:+,.0f} MiB planned "
+              "(the adapters' master, gradient and moments whole, 16 bytes per element, less their shards).",
+              f"- Losses: largest relative difference {r['loss_rel_gap']:.1e} (rounding: the all-reduce sums in "
+              "another order than the reduce-scatter).", ""]
+    return lines
+
+
+# ---- reshard-group
+
+def reshard_group(args, work):
+    model = ["--set", "model.vocab_size=2048", "--set", "model.hidden_size=512", "--set", "model.intermediate_size=1536",
+             "--set", "model.num_hidden_layers=8", "--set", "model.num_attention_heads=8",
+             "--set", "model.num_key_value_heads=8", "--set", "data.seq_len=128"]
+    setup = ["--steps", str(args.steps), "--set", "data.batch_size_per_rank=2"]
+    result = {"lever": "reshard-group", "commit": commit(), "quiet": args.quiet,
+              "command": " ".join(["bench/levers_bench.py"] + sys.argv[1:]), "steps": args.steps, "runs": {}}
+    empty = os.path.join(work, "config.json")
+    with open(empty, "w") as f:
+        f.write("{}\n")
+    for group in ("0", "2", "1"):
+        name = {"0": "reshard (0)", "2": "groups of 2", "1": "keep (1)"}[group]
+        sets = model + ["--set", f"fsdp.reshard_after_forward_group={group}"]
+        run = fsdp_train(args, work, f"group{group}", 4, sets + setup)
+        metrics = [json.loads(line) for line in open(os.path.join(work, f"group{group}.jsonl")) if '"eval' not in line]
+        run["group_allgather_bytes"] = [m.get("group_allgather_bytes", [0])[0] for m in metrics]
+        run.update(plan_figures(args, 4, ["--config", empty, *sets, "--set", "data.batch_size_per_rank=2"]))
+        result["runs"][name] = run
+        print(json.dumps(run), flush=True)
+    ref = result["runs"]["reshard (0)"]["losses"]
+    for run in result["runs"].values():
+        run["loss_rel_diff"] = rel_gap(run["losses"], ref)
+    return result
+
+
+def reshard_group_md(r):
+    lines = ["## Resharding after forward to a node's group (`fsdp.reshard_after_forward_group`, "
+             "`FullyShardOptions::reshard_after_forward_group`)", "",
+             f"- Commit: {r['commit']}. Machine: this one, 2 cores, no GPU; 4 ranks (two per core) as 2 simulated "
+             "nodes of 2: the groups of 2 are ranks {0, 1} and {2, 3}, so what the whole shard group's all-gather "
+             "sends stands for inter-node traffic. Threads: `OMP_NUM_THREADS=1` per rank. Transport: shared memory. "
+             f"Quiet: {r['quiet']}.", f"- Command: `{r['command']}`", "",
+             "A Llama of hidden size 512, 8 layers and a vocabulary of 2048, fp32, FULL_SHARD over 4 ranks, AdamW with "
+             f"clipping, seq_len 128, 2 samples per rank per step, {r['steps']} steps. What differs: only the "
+             "layers' `fsdp.reshard_after_forward_group` (0: reshard to nothing, 1: keep the gathered layer, as "
+             "reshard_after_forward false). Bytes: what rank 0 sent in the last step.", "",
+             "| layers after forward | all-gather, whole group (MiB/step) | inside the node group (MiB/step) | "
+             "planned (whole / node) | peak RSS per rank, process (MiB) | plan per rank (MiB) | step time (s) | "
+             "max relative loss difference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, run in r["runs"].items():
+        group = run["group_allgather_bytes"][-1] / MIB
+        whole = run["allgather_bytes"][-1] / MIB - group
+        pg = run["plan_group_allgather_mib"]
+        lines.append(f"| {name} | {whole:.2f} | {group:.2f} | {run['plan_allgather_mib'] - pg:.2f} / {pg:.2f} | "
+                     f"{' / '.join(f'{x:,.0f}' for x in run['peak_rss_process_mib'])} | {run['plan_device_mib']:,.0f} | "
+                     f"{run['step_time_s']:.3f} | {run['loss_rel_diff']:.1e} |")
+    a, g, k = r["runs"]["reshard (0)"], r["runs"]["groups of 2"], r["runs"]["keep (1)"]
+    cross = lambda run: run["allgather_bytes"][-1] - run["group_allgather_bytes"][-1]
+    lines += ["",
+              f"- Whole-group (inter-node) all-gather bytes: {cross(g) / cross(a):.3f}x resharding to nothing, the "
+              f"same as keeping ({cross(k) / cross(a):.3f}x); backward's gathers run inside the node instead.",
+              f"- Memory, plan per rank: {g['plan_device_mib'] - a['plan_device_mib']:+,.0f} MiB against resharding "
+              f"to nothing, {g['plan_device_mib'] - k['plan_device_mib']:+,.0f} MiB against keeping; measured peak "
+              f"(rank 0): {g['peak_rss_process_mib'][0] - a['peak_rss_process_mib'][0]:+,.0f} and "
+              f"{g['peak_rss_process_mib'][0] - k['peak_rss_process_mib'][0]:+,.0f} MiB.",
+              f"- Step time: {g['step_time_s'] / a['step_time_s']:.2f}x resharding to nothing (one machine: the node "
+              "link and the inter-node link are the same shared memory here, so the time saved on a real network "
+              "is not shown).", ""]
+    return lines
+
+
 # ---- hsdp-accum
 
 def hsdp_accum(args, work):
@@ -314,7 +456,8 @@ def write_md(out_dir):
     parts = ["# Levers against the run without them", "",
              "Each section: one lever of the library (and its fsdp-train key) against the same run without it, on "
              "this machine, with the command that measured it (bench/levers_bench.py) and its conditions.", ""]
-    for lever, fn in (("bf16-state", bf16_state_md), ("keep-gathered", keep_gathered_md), ("hsdp-accum", hsdp_md)):
+    for lever, fn in (("bf16-state", bf16_state_md), ("keep-gathered", keep_gathered_md), ("hsdp-accum", hsdp_md),
+                      ("replicated-adapters", replicated_md), ("reshard-group", reshard_group_md)):
         path = os.path.join(out_dir, f"levers-{lever}.json")
         if os.path.exists(path):
             parts += fn(json.load(open(path)))
@@ -324,7 +467,8 @@ def write_md(out_dir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("lever", choices=["bf16-state", "keep-gathered", "hsdp-accum", "report"])
+    ap.add_argument("lever", choices=["bf16-state", "keep-gathered", "hsdp-accum", "replicated-adapters",
+                                      "reshard-group", "report"])
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "bin"))
     ap.add_argument("--steps", type=int, default=3)
@@ -338,8 +482,8 @@ def main():
     if args.lever != "report":
         work = tempfile.mkdtemp(prefix="fsdp-levers-bench-")
         try:
-            result = {"bf16-state": bf16_state, "keep-gathered": keep_gathered, "hsdp-accum": hsdp_accum}[args.lever](
-                args, work)
+            result = {"bf16-state": bf16_state, "keep-gathered": keep_gathered, "hsdp-accum": hsdp_accum,
+                      "replicated-adapters": replicated_adapters, "reshard-group": reshard_group}[args.lever](args, work)
         finally:
             subprocess.run(["rm", "-rf", work], check=False)
         os.makedirs(args.out_dir, exist_ok=True)
@@ -349,6 +493,12 @@ def main():
         raise SystemExit(f"levers_bench: bf16 moments' losses differ by {result['loss_rel_gap']:.2e} > {args.tol}")
     if args.lever == "keep-gathered" and result["loss_rel_gap"] > 0:
         raise SystemExit(f"levers_bench: kept gathers changed the losses ({result['loss_rel_gap']:.2e})")
+    if args.lever == "replicated-adapters" and result["loss_rel_gap"] > 1e-5:
+        raise SystemExit(f"levers_bench: replicated adapters' losses differ by {result['loss_rel_gap']:.2e}: not the same work")
+    if args.lever == "reshard-group":
+        bad = [n for n, r in result["runs"].items() if r["loss_rel_diff"] > 0]
+        if bad:
+            raise SystemExit(f"levers_bench: {bad} changed the losses: resharding to a group must be exact")
     if args.lever == "hsdp-accum":
         bad = [h for h, r in result["runs"].items() if r["loss_rel_diff"] > 1e-5]
         if bad:

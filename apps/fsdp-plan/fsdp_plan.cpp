@@ -201,10 +201,11 @@ bool plan_reads(const std::string& key) {
     if (starts_with(key, k) && key != "lora.adapter_from" && key != "lora.save_base" && key != "train.budget.check")
       return true;
   }
-  for (const char* k : {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype",
-                        "fsdp.reduce_dtype", "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps",
-                        "train.activation_checkpointing", "train.loss_chunk_tokens", "train.async_save",
-                        "optim.state_dtype", "train.accumulation", "train.keep_gathered"}) {
+  for (const char* k :
+       {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype", "fsdp.reduce_dtype",
+        "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps", "train.activation_checkpointing",
+        "train.loss_chunk_tokens", "train.async_save", "optim.state_dtype", "train.accumulation", "train.keep_gathered",
+        "fsdp.reshard_after_forward_group"}) {
     if (key == k) return true;
   }
   return false;

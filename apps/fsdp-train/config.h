@@ -82,6 +82,8 @@ struct FsdpConfig {
   int64_t prefetch_depth = 1;                // units whose all-gather is issued ahead (0: off)
   double timeout_s = 60;                     // rendezvous and every collective
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
+  // The layers' FullyShardOptions::reshard_after_forward_group (0: off).
+  int64_t reshard_after_forward_group = 0;
   // fsdp.offload, set on the root unit (the layers inherit it); validated by the library.
   fsdp::OffloadPolicy offload;
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions
@@ -149,7 +151,9 @@ struct LoraConfig {
   // How the frozen base is kept: bfloat16, float16, float32 (every frozen parameter), int8 or nf4
   // (the targets' weights; the other frozen parameters in fsdp.param_dtype).
   fsdp::FrozenStorage base_dtype = fsdp::FrozenStorage::kBFloat16;
-  bool save_base = false;    // checkpoints hold the base too (else adapters and their state only)
+  bool save_base = false;  // checkpoints hold the base too (else adapters and their state only)
+  // The adapters whole on every rank, all-reduced (FullyShardOptions::replicate_params), not sharded.
+  bool replicate_adapters = false;
   std::string adapter_from;  // a PEFT adapter directory the adapters start from
   fsdp::LoraOptions options() const {
     return fsdp::LoraOptions().targets(targets).r(r).alpha(alpha).dropout(dropout).base_dtype(base_dtype);

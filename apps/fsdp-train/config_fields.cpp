@@ -323,6 +323,13 @@ std::vector<ConfigField> optim_fields() {
   };
 }
 
+ConfigField reshard_after_forward_group() {
+  return integer(
+      "fsdp", "reshard_after_forward_group", [](auto& c) -> auto& { return c.fsdp.reshard_after_forward_group; }, 0,
+      "after forward each layer stays sharded over groups of this many consecutive ranks (one node's), so "
+      "backward's all-gather runs inside the group; 0: off; must divide the shard group's size");
+}
+
 std::vector<ConfigField> fsdp_fields() {
   return {
       strategy(),
@@ -340,6 +347,7 @@ std::vector<ConfigField> fsdp_fields() {
       integer(
           "fsdp", "replicate", [](auto& c) -> auto& { return c.fsdp.replicate; }, 1,
           "HYBRID_SHARD: replicas (rows of the mesh); must divide the world size"),
+      reshard_after_forward_group(),
       choice(
           "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
           [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
@@ -465,6 +473,9 @@ std::vector<ConfigField> lora_fields() {
       boolean(
           "lora", "save_base", [](auto& c) -> auto& { return c.lora.save_base; },
           "checkpoints hold the frozen base too (else the adapters and their optimizer state only)"),
+      boolean(
+          "lora", "replicate_adapters", [](auto& c) -> auto& { return c.lora.replicate_adapters; },
+          "keep the adapters whole on every rank and all-reduce their gradients, instead of sharding them"),
       string(
           "lora", "adapter_from", [](auto& c) -> auto& { return c.lora.adapter_from; },
           "a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from"),

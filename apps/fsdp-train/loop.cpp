@@ -86,9 +86,10 @@ void Loop::train_step() {
   const double lr = s_.sched->lr_at(r_.step);
   s_.sched->apply(*s_.optim, r_.step);
   // Snapshots around the step's own work only: the metrics gather below is not step traffic.
-  const auto before = s_.comm->snapshot();
+  const auto before = s_.comm->snapshot(), groups_before = s_.comm->made_on_use_snapshot();
   const StepOutcome outcome = s_.stepper->run(samples_seen_, r_.step + 1, s_.tracer.get());
   const auto delta = s_.comm->snapshot() - before;
+  const auto groups_delta = s_.comm->made_on_use_snapshot() - groups_before;
   ++r_.step;
   samples_seen_ += s_.global_batch;
 
@@ -98,6 +99,7 @@ void Loop::train_step() {
   mine.allgather_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
   mine.reduce_scatter_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kReduceScatter).bytes_sent);
   mine.all_reduce_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllReduce).bytes_sent);
+  mine.group_allgather_bytes = static_cast<double>(groups_delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
   mine.comm_wait_s = delta.total_wait_s();
   mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
   mine.peak_rss_forward = static_cast<double>(outcome.phases.peak_forward);

@@ -37,6 +37,8 @@ std::string config_key(const std::string& option) {
       {"PlanRequest::accumulation", "train.accumulation"},
       {"PlanRequest::keep_gathered", "train.keep_gathered"},
       {"PlanRequest::optimizer_state_dtype", "optim.state_dtype"},
+      {"PlanRequest::reshard_after_forward_group", "fsdp.reshard_after_forward_group"},
+      {"PlanRequest::replicate_adapters", "lora.replicate_adapters"},
   };
   for (const auto& [name, key] : kKeys) {
     if (option == name) return key;
@@ -79,6 +81,8 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.optimizer_state_dtype = cfg.optim.state_dtype;
   r.accumulation = cfg.train.accumulation;
   r.keep_gathered = cfg.train.keep_gathered;
+  r.reshard_after_forward_group = static_cast<int>(cfg.fsdp.reshard_after_forward_group);
+  r.replicate_adapters = cfg.lora.enabled && cfg.lora.replicate_adapters;
   r.option_name = config_key;
   r.seq_len = cfg.data.seq_len;
   r.batch_per_rank = cfg.data.batch_size_per_rank * cfg.train.grad_accum_steps;

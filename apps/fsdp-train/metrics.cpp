@@ -49,12 +49,12 @@ std::string duration(double s) {
 }  // namespace
 
 std::vector<double> RankCounters::values() const {
-  return {loss,           allgather_bytes,  reduce_scatter_bytes, all_reduce_bytes,  comm_wait_s,
-          peak_rss_bytes, peak_rss_forward, peak_rss_backward,    peak_rss_optimizer};
+  return {loss,        allgather_bytes, reduce_scatter_bytes, all_reduce_bytes,  group_allgather_bytes,
+          comm_wait_s, peak_rss_bytes,  peak_rss_forward,     peak_rss_backward, peak_rss_optimizer};
 }
 
 RankCounters RankCounters::of(const std::vector<double>& v) {
-  return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6), v.at(7), v.at(8)};
+  return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6), v.at(7), v.at(8), v.at(9)};
 }
 
 std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankCounters& mine) {
@@ -71,14 +71,20 @@ std::vector<RankCounters> gather_counters(fsdp::Communicator& world, const RankC
 }
 
 CommCounter::CommCounter(fsdp::DeviceMesh& mesh) {
-  for (fsdp::Communicator* c : {&mesh.dist().world(), &mesh.shard_group(), &mesh.replicate_group()}) {
+  made_on_use_ = mesh.groups_made_on_use();
+  std::vector<fsdp::Communicator*> all{&mesh.dist().world(), &mesh.shard_group(), &mesh.replicate_group()};
+  for (fsdp::Communicator* c : made_on_use_) all.push_back(c);
+  for (fsdp::Communicator* c : all) {
     if (std::find(comms_.begin(), comms_.end(), c) == comms_.end()) comms_.push_back(c);
   }
 }
 
-fsdp::CommStats CommCounter::snapshot() const {
+fsdp::CommStats CommCounter::snapshot() const { return sum(comms_); }
+fsdp::CommStats CommCounter::made_on_use_snapshot() const { return sum(made_on_use_); }
+
+fsdp::CommStats CommCounter::sum(const std::vector<fsdp::Communicator*>& comms) {
   fsdp::CommStats total;
-  for (const fsdp::Communicator* c : comms_) {
+  for (const fsdp::Communicator* c : comms) {
     const auto s = c->stats();
     for (int k = 0; k < fsdp::kNumCollectiveKinds; ++k) {
       total.ops[k].calls += s.ops[k].calls;
@@ -160,6 +166,9 @@ void MetricsLog::step(const StepMetrics& m) {
   j["allgather_bytes"] = column(&RankCounters::allgather_bytes, true);
   j["reduce_scatter_bytes"] = column(&RankCounters::reduce_scatter_bytes, true);
   j["all_reduce_bytes"] = column(&RankCounters::all_reduce_bytes, true);
+  const bool grouped =
+      std::any_of(m.ranks.begin(), m.ranks.end(), [](const RankCounters& r) { return r.group_allgather_bytes > 0; });
+  if (grouped) j["group_allgather_bytes"] = column(&RankCounters::group_allgather_bytes, true);
   j["comm_wait_s"] = column(&RankCounters::comm_wait_s, false);
   j["peak_rss_bytes"] = column(&RankCounters::peak_rss_bytes, true);
   if (!m.ranks.empty() && m.ranks[0].peak_rss_forward > 0) {

@@ -4,7 +4,7 @@
 // One --metrics line per step, written by rank 0:
 //   {"step": 12, "loss": 2.31, "lr": 0.003, "step_time_s": 0.21, "tokens_per_s": 4876.2,
 //    "allgather_bytes": [r0, r1, ...], "reduce_scatter_bytes": [...], "all_reduce_bytes": [...],
-//    "comm_wait_s": [...],
+//    "comm_wait_s": [...], ["group_allgather_bytes": [...] with fsdp.reshard_after_forward_group,]
 //    "peak_rss_bytes": [...], "skipped": false, "skipped_steps": 0, "loss_scale": 1.0[, "grad_norm": 0.8]}
 // and one per evaluation: {"eval": true, "step": 50, "loss": 1.93, "perplexity": 6.89}. "step" counts optimizer steps
 // taken (the first training line is step 1); "loss" is the mean over the global batch; the arrays
@@ -32,6 +32,9 @@ struct RankCounters {
   double allgather_bytes = 0;
   double reduce_scatter_bytes = 0;
   double all_reduce_bytes = 0;  // the replicas' gradient all-reduce (HYBRID_SHARD, NO_SHARD) and small ones
+  // Of allgather_bytes, what backward's gathers sent inside the post-forward groups
+  // (fsdp.reshard_after_forward_group); the rest crossed the whole shard group.
+  double group_allgather_bytes = 0;
   double comm_wait_s = 0;
   double peak_rss_bytes = 0;
   // The step's peaks by phase (rss_watermark): the forward, the backward, and the rest (checks,
@@ -68,9 +71,12 @@ class CommCounter {
  public:
   explicit CommCounter(fsdp::DeviceMesh& mesh);
   fsdp::CommStats snapshot() const;
+  // Of snapshot(), the groups the mesh made on first use (post-forward groups, replicated params).
+  fsdp::CommStats made_on_use_snapshot() const;
 
  private:
-  std::vector<fsdp::Communicator*> comms_;
+  static fsdp::CommStats sum(const std::vector<fsdp::Communicator*>& comms);
+  std::vector<fsdp::Communicator*> comms_, made_on_use_;
 };
 
 // This process's peak resident set size so far (getrusage's ru_maxrss, and the marks that

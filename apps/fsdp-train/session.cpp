@@ -93,6 +93,9 @@ fsdp::FullyShardOptions Session::shard_options(bool import) const {
   if (lora_model) {  // the adapters' init (an import never holds them); the base's storage
     init = lora_model->init(init, cfg.train.seed);
     opts.frozen_storage(lora_model->frozen_storage());
+    if (cfg.lora.replicate_adapters) {
+      opts.replicate_params([](const std::string& name, const at::Tensor&) { return fsdp::is_lora_adapter(name); });
+    }
   }
   opts.init(init);
   const bool mixed = cfg.fsdp.param_dtype != at::kFloat;
@@ -113,7 +116,9 @@ void Session::build() {
   const std::string base = import_source(resuming);
   const bool import = !base.empty();
   const auto opts = shard_options(import);
-  for (auto& layer : model->model->layers) fsdp::fully_shard(layer, *mesh, opts);
+  auto layer_opts = opts;
+  layer_opts.reshard_after_forward_group(static_cast<int>(cfg.fsdp.reshard_after_forward_group));
+  for (auto& layer : model->model->layers) fsdp::fully_shard(layer, *mesh, layer_opts);
   auto root_opts = opts;
   // The loss is computed in fp32 whatever the compute dtype.
   if (cfg.fsdp.param_dtype != at::kFloat) root_opts.mp_policy().output_dtype(at::kFloat);

@@ -3,7 +3,10 @@
 // parameters are sharded within a row of `shard_size` ranks and replicated across rows.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "fsdp/comm.h"
 #include "fsdp/dist.h"
@@ -29,8 +32,20 @@ class DeviceMesh {
   Communicator& shard_group() const { return *shard_group_; }
   // The ranks holding the same shard (size 1 on a 1-D mesh).
   Communicator& replicate_group() const { return *replicate_group_; }
+  // The `size` consecutive ranks of this rank's shard group that it belongs to (`size` divides
+  // shard_size()): where a unit resharded to a group gathers in backward
+  // (FullyShardOptions::reshard_after_forward_group). Made on first use, which every rank of the
+  // job must reach at the same point (fully_shard does); copies of a mesh share it.
+  Communicator& shard_subgroup(int size) const;
+  // Every rank of the job, on a communicator of its own: the all-reduce of parameters kept whole
+  // on every rank (FullyShardOptions::replicate_params), which must not queue behind gathers.
+  // Made on first use, as shard_subgroup.
+  Communicator& replicated_params_group() const;
+  // The groups of the two above made so far (for counting their traffic).
+  std::vector<Communicator*> groups_made_on_use() const;
 
  private:
+  std::shared_ptr<Communicator> lazy_group(const std::string& name, const std::vector<int>& ranks) const;
   std::shared_ptr<Dist> dist_;
   int replicate_size_ = 1;
   int shard_size_ = 1;
@@ -38,6 +53,9 @@ class DeviceMesh {
   int shard_rank_ = 0;
   std::shared_ptr<Communicator> shard_group_;
   std::shared_ptr<Communicator> replicate_group_;
+  // The groups made on first use, by name; shared by copies.
+  std::shared_ptr<std::map<std::string, std::shared_ptr<Communicator>>> lazy_groups_ =
+      std::make_shared<std::map<std::string, std::shared_ptr<Communicator>>>();
 };
 
 }  // namespace fsdp

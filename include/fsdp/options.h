@@ -45,6 +45,9 @@ using ParamInitFn =
 // How each frozen parameter is stored, by its name (relative to the unit's module) and tensor.
 using FrozenStorageFn = std::function<FrozenStorage(const std::string& name, const at::Tensor& param)>;
 
+// Picks parameters by their name (relative to the unit's module) and tensor.
+using ParamPredicate = std::function<bool(const std::string& name, const at::Tensor& param)>;
+
 // How persistent buffers (BatchNorm's running statistics and the like) are kept consistent across
 // the ranks of the job, as DDP's broadcast_buffers does: once at the root's lazy init, then at the
 // end of each backward after a training forward of the root (or at its next forward when no
@@ -73,6 +76,20 @@ struct FullyShardOptions {
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::kFullShard;
   // Default: true for kFullShard and kHybridShard, false for kShardGradOp and kNoShard.
   TORCH_ARG(std::optional<bool>, reshard_after_forward) = std::nullopt;
+  // reshard_after_forward as a group size (FSDP2's int; ZeRO++'s hpZ): after forward, the unit's
+  // params stay sharded over groups of this many consecutive ranks of its shard group (the ranks
+  // of one node), each rank keeping 1/group of them in the compute dtype, so that backward's
+  // all-gather runs inside the group. 0: off (reshard_after_forward alone decides). 1 keeps the
+  // params whole, as reshard_after_forward false; the shard group's size is reshard_after_forward
+  // true. Any other value must divide the shard group's size, and needs reshard_after_forward
+  // true or unset. Exact: backward computes with the same values. Note [Resharding to a group].
+  TORCH_ARG(int, reshard_after_forward_group) = 0;
+  // Parameters kept whole on every rank instead of sharded, their gradients all-reduced over every
+  // rank as DDP does, in a flat param of their own (e.g. LoRA's adapters:
+  // [](const std::string& n, const at::Tensor&) { return fsdp::is_lora_adapter(n); }). Small
+  // trainable parameters beside a large frozen base cost more in the latency of their gathers and
+  // reductions than they save in memory. Null: none. Checkpoints hold them like any parameter.
+  TORCH_ARG(ParamPredicate, replicate_params) = nullptr;
   // Mixed precision (fsdp/mixed_precision.h): the dtypes this unit computes, reduces and returns
   // in. Master shards stay fp32.
   TORCH_ARG(MixedPrecisionPolicy, mp_policy) = MixedPrecisionPolicy();

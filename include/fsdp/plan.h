@@ -144,6 +144,13 @@ struct PlanRequest {
   // unit per step, every unit gathered at once. Unset: chosen when there are several micro-batches
   // and it fits.
   std::optional<bool> keep_gathered;
+  // FullyShardOptions::reshard_after_forward_group on every unit but the root (0: off): each keeps
+  // 1/group of its params in the compute dtype from forward to backward, whose all-gather runs
+  // within the group.
+  int reshard_after_forward_group = 0;
+  // FullyShardOptions::replicate_params for the trainable parameters of every unit that also holds
+  // frozen ones (LoRA's adapters): whole on every rank, their gradients all-reduced over every rank.
+  bool replicate_adapters = false;
   bool async_save = false;  // a host snapshot of params and state while saving
   // How the plan names an option in its settings and its shortfall. The planner speaks in library
   // option names ("FullyShardOptions::strategy", "OffloadPolicy::params", "OffloadPolicy::grads",
@@ -180,6 +187,9 @@ struct Plan {
   PlanTier device, host, disk;
   // Per rank per step: bytes each rank sends in all-gathers and in reductions, and the disk tier's I/O.
   int64_t all_gather_bytes = 0, reduce_bytes = 0;
+  // Of all_gather_bytes, what backward's gathers send inside groups of
+  // PlanRequest::reshard_after_forward_group (the rest crosses the whole shard group).
+  int64_t group_all_gather_bytes = 0;
   int64_t gathers_per_step = 0;  // all-gathers of units per micro-batch (per step with keep_gathered)
   OffloadIo io_per_step;
   std::vector<std::string> assumptions;

@@ -261,7 +261,7 @@ void fill_grown(const CheckpointLayout& layout, const ShardedTensorView& t, int6
   const auto span = shard_span(flat, t);
   at::Tensor sums = at::zeros({row}, at::kDouble);
   // Replicas of a shard (HSDP, NO_SHARD) hold the same elements: only the writer's count.
-  if (span && layout.writer && span->tensor_begin < src_numel) {
+  if (span && flat.writer && span->tensor_begin < src_numel) {
     Span old = *span;
     old.count = std::min(old.count, src_numel - old.tensor_begin);
     add_column_sums(flat.master.values(), old, row, sums);

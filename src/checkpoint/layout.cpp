@@ -26,7 +26,6 @@ CheckpointLayout make_layout(const ModelView& model, ShardedOptimizer* optimizer
   for (size_t f = 0; f < model.flats.size(); ++f) layout.flats.push_back({model.flats[f], states[f]});
   layout.tensors = model.tensors;
   layout.buffers = model.buffers;
-  layout.writer = model.writer;
   return layout;
 }
 

@@ -35,7 +35,6 @@ struct CheckpointLayout {
   std::vector<FlatSlot> flats;
   std::vector<ShardedTensorView> tensors;  // model registration order, tied tensors once
   std::vector<BufferView> buffers;         // persistent buffers, saved whole by rank 0
-  bool writer = true;                      // replicas of a shard (HSDP, NO_SHARD): only the first writes
 };
 
 CheckpointLayout make_layout(const ModelView& model, ShardedOptimizer* optimizer);

@@ -140,6 +140,7 @@ std::vector<Run> runs_for(const SaveJob& job, const std::string& kind, const saf
   std::vector<Run> runs;
   for (const auto& t : job.layout.tensors) {
     if (kind != "model" && job.layout.flats[t.flat].optim_state == nullptr) continue;  // not in the file
+    if (!job.layout.flats[t.flat].shard.writer) continue;                              // a replica's
     const auto span = shard_span(job.layout.flats[t.flat].shard, t);
     if (!span) continue;
     const int64_t at = static_cast<int64_t>(plan.header.data_start() + plan.header.find(t.name)->begin) +
@@ -162,11 +163,12 @@ std::vector<Run> runs_for(const SaveJob& job, const std::string& kind, const saf
 // mapping, whose faults would read it a page at a time.
 void write_shards(SaveJob& job, const std::string& tmp) {
   write_buffers(job, tmp);
-  if (!job.layout.writer) return;
   for (const auto& kind : file_kinds(job)) {
     const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
+    const std::vector<Run> runs = runs_for(job, kind, plan);
+    if (runs.empty()) continue;  // every shard here is a replica another rank writes
     DirectWriter out(join(tmp, kind + ".safetensors"));
-    for (const Run& run : runs_for(job, kind, plan)) {
+    for (const Run& run : runs) {
       ShardTensor src = source_for(job, kind, run.flat);
       int64_t from = run.shard_begin;
       if (!src.defined()) {  // state not created yet: zeros

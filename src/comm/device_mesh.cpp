@@ -66,4 +66,35 @@ DeviceMesh::DeviceMesh(std::shared_ptr<Dist> dist, int replicate_size, int shard
   }
 }
 
+std::shared_ptr<Communicator> DeviceMesh::lazy_group(const std::string& name, const std::vector<int>& ranks) const {
+  auto it = lazy_groups_->find(name);
+  if (it != lazy_groups_->end()) return it->second;
+  auto group = ranks.size() == 1 ? self_group(dist_->rank(), name, dist_->options()) : dist_->new_group(ranks, name);
+  lazy_groups_->emplace(name, group);
+  return group;
+}
+
+Communicator& DeviceMesh::shard_subgroup(int size) const {
+  if (size < 1 || shard_size_ % size != 0) {
+    throw ConfigError("fsdp: a group of " + std::to_string(size) + " ranks does not divide the shard group of " +
+                      std::to_string(shard_size_) + " ranks: give a divisor of it (e.g. the ranks of one node)");
+  }
+  const int first = replicate_rank_ * shard_size_ + (shard_rank_ / size) * size;
+  std::vector<int> ranks;
+  for (int i = 0; i < size; ++i) ranks.push_back(first + i);
+  return *lazy_group("shard_by" + std::to_string(size) + "/" + std::to_string(first), ranks);
+}
+
+std::vector<Communicator*> DeviceMesh::groups_made_on_use() const {
+  std::vector<Communicator*> out;
+  for (const auto& [name, group] : *lazy_groups_) out.push_back(group.get());
+  return out;
+}
+
+Communicator& DeviceMesh::replicated_params_group() const {
+  std::vector<int> all;
+  for (int r = 0; r < dist_->world_size(); ++r) all.push_back(r);
+  return *lazy_group("replicated_params", all);
+}
+
 }  // namespace fsdp

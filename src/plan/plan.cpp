@@ -134,6 +134,17 @@ void check_request(const ModelShape& shape, const PlanRequest& r) {
   if (r.seq_len < 0 || r.prefetch_depth < 0 || r.optimizer_state_tensors < 0) {
     bad("seq_len, prefetch_depth and optimizer_state_tensors must be >= 0");
   }
+  const int k = r.reshard_after_forward_group;
+  if (k < 0 || (k > 1 && r.ranks_per_node * r.nodes % k != 0)) {
+    bad("reshard_after_forward_group must be 0 or divide the ranks (" + std::to_string(r.ranks_per_node * r.nodes) +
+        "), got " + std::to_string(k));
+  }
+  if (k > 0 && r.strategy == ShardingStrategy::kNoShard)
+    bad("reshard_after_forward_group with NO_SHARD: nothing to reshard");
+  if (k > 1 && r.strategy == ShardingStrategy::kHybridShard && r.ranks_per_node % k != 0) {
+    bad("reshard_after_forward_group " + std::to_string(k) + " must divide HYBRID_SHARD's shard group (" +
+        std::to_string(r.ranks_per_node) + " ranks)");
+  }
   if (r.optimizer_state_dtype != at::kFloat && r.optimizer_state_dtype != at::kBFloat16) {
     bad(std::string("optimizer_state_dtype must be Float or BFloat16, got ") + c10::toString(r.optimizer_state_dtype));
   }
@@ -174,7 +185,8 @@ std::vector<Choices> candidates(const PlanRequest& r) {
   if (r.strategy) {
     strategies = {*r.strategy};
   } else {
-    if (r.nodes > 1) strategies.push_back(ShardingStrategy::kHybridShard);
+    const int k = r.reshard_after_forward_group;  // must divide the shard group
+    if (r.nodes > 1 && (k <= 1 || r.ranks_per_node % k == 0)) strategies.push_back(ShardingStrategy::kHybridShard);
     strategies.push_back(ShardingStrategy::kFullShard);
   }
   std::vector<int64_t> ckpts =
@@ -228,6 +240,11 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
     p.settings.push_back(setting(r, "PlanRequest::accumulation", accumulation_name(r.accumulation)));
   }
   if (p.keep_gathered) p.settings.push_back(setting(r, "PlanRequest::keep_gathered", "true"));
+  if (r.reshard_after_forward_group > 0) {
+    p.settings.push_back(
+        setting(r, "PlanRequest::reshard_after_forward_group", std::to_string(r.reshard_after_forward_group)));
+  }
+  if (r.replicate_adapters) p.settings.push_back(setting(r, "PlanRequest::replicate_adapters", "true"));
   auto& a = p.assumptions;
   const std::string process = base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device)));
   a.push_back("process: " + process + " of host memory" +
@@ -385,8 +402,10 @@ std::string Plan::to_string() const {
   tier("host memory", host);
   tier("disk", disk);
   s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step
-    << (keep_gathered ? " unit gathers per step, kept across micro-batches" : " unit gathers per micro-batch")
-    << "), reductions send " << base::mib(reduce_bytes, 1) << "; disk tier " << io_per_step.to_string() << "\n";
+    << (keep_gathered ? " unit gathers per step, kept across micro-batches" : " unit gathers per micro-batch") << ")"
+    << (group_all_gather_bytes > 0 ? ", " + base::mib(group_all_gather_bytes, 1) + " of it inside post-forward groups"
+                                   : "")
+    << ", reductions send " << base::mib(reduce_bytes, 1) << "; disk tier " << io_per_step.to_string() << "\n";
   s << "settings:";
   for (const auto& k : settings) s << " " << k;
   s << "\nassumptions:\n";

@@ -112,13 +112,45 @@ int64_t frozen_bytes(const UnitShape& u, at::ScalarType param_dtype, int N) {
   return bytes;
 }
 
+bool replicated_trainable(const UnitShape& u, const PlanRequest& req) {
+  return req.replicate_adapters && u.trainable_numel > 0 && u.frozen_numel > 0;
+}
+
+// What a unit holds between its forward and its backward, by the runtime's rules (Note [The last
+// unit keeps its params]; resolve_group_size in shard/unit_init.cpp for
+// PlanRequest::reshard_after_forward_group, given to every unit but the root): its params gathered
+// whole, nothing, or its part for a group (the group size). Kept across micro-batches
+// (Choices::keep_gathered) is decided apart.
+struct AfterForward {
+  bool keeps = false;
+  int group = 0;
+};
+AfterForward after_forward(const UnitShape& u, bool last, const PlanRequest& req, const Choices& c, int N) {
+  const int k = u.is_root ? 0 : req.reshard_after_forward_group;
+  if (c.strategy == ShardingStrategy::kNoShard || k == 1) return {true, 0};
+  if (k > 1) return k < N ? AfterForward{false, k} : AfterForward{false, 0};  // the shard size: true, the last too
+  return {c.strategy == ShardingStrategy::kShardGradOp || u.is_root || last, 0};
+}
+
+// Bytes of a unit's whole gathered buffers as they travel (the compute dtype, an int8 / NF4 frozen
+// part in its stored form), replicated adapters aside: what its parts for a group add up to.
+int64_t gathered_bytes(const UnitShape& u, const PlanRequest& req, int N) {
+  const int64_t e = elem(req.param_dtype);
+  int64_t bytes = replicated_trainable(u, req) ? 0 : e * ceil_div(u.trainable_numel, N) * N;
+  for (const auto& [storage, numel] : frozen_parts(u, req.param_dtype)) {
+    const bool decoded = storage == FrozenStorage::kInt8 || storage == FrozenStorage::kNF4 ||
+                         (storage != FrozenStorage::kFloat32 && frozen::bytes_per_value(storage) != e);
+    bytes += decoded ? stored_bytes(storage, numel, N) * N : e * ceil_div(numel, N) * N;
+  }
+  return bytes;
+}
+
 // Each unit's flat params placed and their I/O counted by the runtime's rules (offload/placement.h).
 States sharded_states(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N) {
   States s;
   const auto policy = OffloadPolicy().params(c.params).grads(c.grads).optimizer_state(c.optimizer_state);
   const bool cpu = req.device == c10::kCPU;
   const bool stager = offload::needs_stager(policy, cpu);
-  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
   const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
   const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
   auto add = [&](offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes, int gathers) {
@@ -144,9 +176,12 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
   };
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
-    // The root and the last unit to run forward keep their params for backward.
-    const int gathers = keeps_all || u.is_root || i == last_layer ? 1 : 2;
-    const int64_t st = ceil_div(u.trainable_numel, N);
+    // The root and the last unit to run forward keep their params for backward; a unit resharded to
+    // a group gathers its parts in backward, reading no master.
+    const AfterForward after = after_forward(u, i == last_layer, req, c, N);
+    const int gathers = after.keeps || after.group > 0 ? 1 : 2;
+    // Replicated adapters (PlanRequest::replicate_adapters): whole on every rank, never gathered.
+    const int64_t st = replicated_trainable(u, req) ? u.trainable_numel : ceil_div(u.trainable_numel, N);
     if (st > 0) add({true, false}, st, 4 * st, gathers);
     for (const auto& [storage, numel] : frozen_parts(u, req.param_dtype)) {
       add({false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N), gathers);
@@ -185,26 +220,30 @@ int64_t activations(const ModelShape& shape, const PlanRequest& req, const Choic
 
 void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, Plan& p) {
   const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
-  const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
-  int64_t gathers = 0, gathered = 0, reduced = 0;
+  int64_t gathers = 0, gathered = 0, reduced = 0, in_groups = 0, replicated = 0;
+  const bool kept = c.keep_gathered && p.grad_accum_steps > 1;
   const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
-    const int64_t s = ceil_div(u.trainable_numel, N) * e + frozen_bytes(u, req.param_dtype, N);
-    // The root and the last unit to run forward keep their params for backward; kept across the
-    // micro-batches (Choices::keep_gathered), every unit is gathered once per step.
-    const int times = keeps_all || u.is_root || i == last_layer ? 1 : 2;
-    const int64_t per_step = c.keep_gathered && p.grad_accum_steps > 1 ? 1 : times * p.grad_accum_steps;
+    const bool whole = replicated_trainable(u, req);
+    const int64_t s = (whole ? 0 : ceil_div(u.trainable_numel, N) * e) + frozen_bytes(u, req.param_dtype, N);
+    // after_forward: the units that keep their params gather once per micro-batch; kept across the
+    // micro-batches (Choices::keep_gathered), every unit is gathered once per step. Resharded to a
+    // group, backward gathers the parts within it.
+    const AfterForward after = after_forward(u, i == last_layer, req, c, N);
+    const int k = kept ? 0 : after.group;
+    const int times = after.keeps ? 1 : 2;
     gathers += times;
-    gathered += per_step * s;  // frozen shards move in their stored form
-    reduced += ceil_div(u.trainable_numel, N) * r;
+    gathered += (kept ? 1 : (k > 0 ? 1 : times) * p.grad_accum_steps) * s;  // frozen shards in their stored form
+    if (k > 0) in_groups += p.grad_accum_steps * (k - 1) * (gathered_bytes(u, req, N) / k);
+    (whole ? replicated : reduced) += (whole ? u.trainable_numel : ceil_div(u.trainable_numel, N)) * r;
   }
   const int64_t hops = N - 1;
-  const bool kept = c.keep_gathered && p.grad_accum_steps > 1;
+  p.group_all_gather_bytes = in_groups;
   p.gathers_per_step = c.strategy == ShardingStrategy::kNoShard ? 0
                        : kept                                   ? static_cast<int64_t>(shape.units.size())
                                                                 : gathers;
-  p.all_gather_bytes = c.strategy == ShardingStrategy::kNoShard ? 0 : hops * gathered;
+  p.all_gather_bytes = c.strategy == ShardingStrategy::kNoShard ? 0 : hops * gathered + in_groups;
   // Reductions per step: once with no-sync accumulation, per micro-batch otherwise; the replicas'
   // all-reduce once unless every micro-batch reduces in full.
   const int64_t accum = p.grad_accum_steps;
@@ -216,6 +255,29 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
     const int replicas = req.ranks_per_node * req.nodes / N;
     if (replicas > 1) p.reduce_bytes += all_reduces * (2 * reduced * (replicas - 1) / replicas);
   }
+  // Replicated adapters: an all-reduce over every rank, each reduction (the replicas' rule).
+  const int world = req.ranks_per_node * req.nodes;
+  if (world > 1) p.reduce_bytes += all_reduces * (2 * replicated * (world - 1) / world);
+}
+
+// Note [Resharding to a group] (shard/sharded_unit.cpp): each unit's 1/k of its gathered buffers,
+// held from its forward to its backward.
+int64_t post_forward_parts(const ModelShape& shape, const PlanRequest& req, const Choices& c, int64_t accum, int N) {
+  if (c.keep_gathered && accum > 1) return 0;
+  int64_t parts = 0;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const AfterForward after = after_forward(shape.units[i], i + 1 == shape.units.size(), req, c, N);
+    if (after.group > 0) parts += gathered_bytes(shape.units[i], req, N) / after.group;
+  }
+  return parts;
+}
+
+// Whether every unit keeps its gathered params from forward to backward.
+bool keeps_all_after_forward(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N) {
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    if (!after_forward(shape.units[i], i + 1 == shape.units.size(), req, c, N).keeps) return false;
+  }
+  return true;
 }
 
 // What the step itself allocates beyond the sharded states (Note [The planner's arithmetic]).
@@ -227,13 +289,18 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
   const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || working_copy;
   const int64_t layers_alive = std::min<int64_t>(1 + req.prefetch_depth, std::max<int64_t>(z.units - 1, 0));
-  if (keeps_all) {
+  if (keeps_all_after_forward(shape, req, c, N)) {
     if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
   } else if (gathers && c.keep_gathered && p.grad_accum_steps > 1) {
     ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
   } else if (gathers) {
     ram.add("gathered params (root + " + std::to_string(layers_alive) + " layer(s))",
             e * (z.root + layers_alive * z.layer_max));
+  }
+  const int64_t parts = post_forward_parts(shape, req, c, p.grad_accum_steps, N);
+  if (parts > 0) {
+    ram.add("parts kept after forward (groups of " + std::to_string(req.reshard_after_forward_group) + ")", parts,
+            PlanTier::kBackwardStart);
   }
   const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
   if (shape.trainable_numel() > 0) {

@@ -110,7 +110,7 @@ ModelView model_view(FSDPModule& root, bool frozen_values) {
                               index});
       }
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
-      if (fp->replicate_group().rank() != 0) view.writer = false;
+      view.flats.back().writer = fp->replicate_group().rank() == 0;
     }
   }
   // The model's own registration order gives files that read like the model.

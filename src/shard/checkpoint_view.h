@@ -102,6 +102,9 @@ struct FlatShardView {
   // with its current values: before writing part of it.
   std::function<void()> read_values;
   size_t index = 0;  // position in the root's flat-param order (units pre-order, then each unit's)
+  // Whether this rank writes the shard: replicas of a shard (HSDP, NO_SHARD, parameters kept
+  // whole on every rank) hold the same elements, and only the first of them writes.
+  bool writer = true;
 };
 
 // A persistent buffer (FullyShardOptions::buffers): replicated, saved whole by the job's rank 0.
@@ -115,7 +118,6 @@ struct ModelView {
   std::vector<FlatShardView> flats;        // the root's flat-param order
   std::vector<ShardedTensorView> tensors;  // model registration order, tied tensors once
   std::vector<BufferView> buffers;         // after the parameters in the model file
-  bool writer = true;                      // replicas of a shard (HSDP, NO_SHARD): only the first writes
   Dist* dist = nullptr;                    // the job the model is sharded over
   std::string strategy;                    // the root's sharding strategy, e.g. "FULL_SHARD"
 };

@@ -211,7 +211,8 @@ void FlatParam::decode_gathered() {
     frozen::decode(config_.storage, gathered_stored_.narrow(0, r * per_rank, per_rank),
                    unsharded_.narrow(0, r * shard_numel_, shard_numel_));
   }
-  gathered_stored_ = at::Tensor();
+  // Note [Resharding to a group]: the part kept after forward is cut from the stored form.
+  if (post_forward_group_ == nullptr) gathered_stored_ = at::Tensor();
 }
 
 void FlatParam::unshard() { unshard(KeepMaster::kNo); }
@@ -228,6 +229,10 @@ void FlatParam::unshard(KeepMaster keep) {
     reshard();
   }
   if (aliases_master_ || state_ == ShardedState::kUnsharded || gather_pending_) return;
+  if (post_forward_part_.defined()) {
+    if (gathered_version_ == master_version_.load(std::memory_order_relaxed)) return gather_in_group();
+    post_forward_part_ = at::Tensor();  // stale: gathered anew from the master
+  }
   gathered_version_ = master_version_.load(std::memory_order_relaxed);
   offload::set_storage_alive(unsharded_, true);
   gather_input_ = residency_->gather_input(keep);
@@ -268,7 +273,8 @@ void FlatParam::wait_for_unshard() {
   gather_handle_ = CommHandle();
   gather_input_ = at::Tensor();
   if (gathered_stored_.defined()) decode_gathered();
-  residency_->gather_done();
+  if (!gathering_in_group_) residency_->gather_done();
+  gathering_in_group_ = false;
   state_ = ShardedState::kUnsharded;
   use_unsharded_views();
 }
@@ -276,9 +282,39 @@ void FlatParam::wait_for_unshard() {
 void FlatParam::reshard() {
   if (aliases_master_) return;
   wait_for_unshard();  // never free memory a collective is still writing
+  post_forward_part_ = at::Tensor();
+  gathered_stored_ = at::Tensor();
   offload::set_storage_alive(unsharded_, false);
   use_guards();
   state_ = ShardedState::kSharded;
+}
+
+void FlatParam::reshard_to_group() {
+  wait_for_unshard();
+  if (post_forward_group_ == nullptr || aliases_master_ || state_ != ShardedState::kUnsharded) return reshard();
+  // A stored form (int8, NF4) keeps its part as gathered: the group moves those bytes and decodes them.
+  const bool stored = gathered_stored_.defined();
+  const at::Tensor& from = stored ? gathered_stored_ : unsharded_;
+  const int64_t part = from.numel() / post_forward_group_->size();
+  at::Tensor kept = from.narrow(0, part * post_forward_group_->rank(), part).clone();
+  reshard();
+  post_forward_part_ = std::move(kept);
+  part_stored_ = stored;
+}
+
+// The gathered params again from the parts the post-forward group's ranks kept (compute dtype, or
+// the stored form, decoded once gathered): no master read.
+void FlatParam::gather_in_group() {
+  offload::set_storage_alive(unsharded_, true);
+  gather_input_ = std::move(post_forward_part_);
+  post_forward_part_ = at::Tensor();
+  if (part_stored_) {
+    gathered_stored_ = at::empty({gather_input_.numel() * post_forward_group_->size()}, gather_input_.options());
+  }
+  gather_handle_ =
+      post_forward_group_->all_gather(part_stored_ ? gathered_stored_ : unsharded_, gather_input_, config_.tag);
+  gather_pending_ = true;
+  gathering_in_group_ = true;
 }
 
 // ---- where the states live: forwarded to the residency ---------------------------------------------
@@ -302,6 +338,7 @@ void FlatParam::master_written() {
 // The master was written outside a step (a load): a gather kept since the last forward (the root
 // keeps its params until its backward) holds the old values; it goes, the next use gathers anew.
 void FlatParam::drop_stale_gather() {
+  post_forward_part_ = at::Tensor();
   if (aliases_master_ || (state_ != ShardedState::kUnsharded && !gather_pending_)) return;
   reshard();
 }
@@ -346,12 +383,16 @@ void FlatParam::set_offload(OffloadPlacement placement) {
 }
 
 void FlatParam::read_ahead() {
-  if (state_ == ShardedState::kUnsharded || gather_pending_) return;
+  if (state_ == ShardedState::kUnsharded || gather_pending_ || post_forward_part_.defined()) return;
   residency_->read_ahead();
 }
 
 int64_t FlatParam::unsharded_bytes() const {
-  return aliases_master_ ? 0 : static_cast<int64_t>(unsharded_.storage().nbytes());
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; };
+  // A stored form kept beside the gathered buffer for its part (Note [Resharding to a group]) counts too.
+  return aliases_master_ ? 0
+                         : static_cast<int64_t>(unsharded_.storage().nbytes()) + bytes(post_forward_part_) +
+                               (post_forward_group_ != nullptr ? bytes(gathered_stored_) : 0);
 }
 
 }  // namespace fsdp

@@ -65,6 +65,9 @@ struct FlatParamConfig {
   // their gradients live, and the master shard unless offloaded. Parameters must already be on
   // it, or on the meta device (deferred init materialises the shard on it).
   c10::Device device = c10::Device(c10::kCPU);
+  // FullyShardOptions::replicate_params: whole on every rank (a one-rank shard group), its
+  // gradient's all-reduce issued as soon as backward is done with it.
+  bool replicated = false;
 };
 
 enum class ShardedState { kSharded, kUnsharded };
@@ -150,6 +153,12 @@ class FlatParam {
   ~FlatParam();
   void wait_for_unshard();
   void reshard();
+  // Note [Resharding to a group] (sharded_unit.cpp): where a reshard after forward keeps this
+  // rank's part of the gathered params (null: nowhere, reshard() frees them all).
+  void set_post_forward_group(Communicator* group) { post_forward_group_ = group; }
+  // Reshards after forward: with a post-forward group, keeps this rank's 1/group of the gathered
+  // params, which the next unshard() gathers within the group (if the master has not changed since).
+  void reshard_to_group();
   bool gathering() const { return gather_pending_; }
   // Takes part in another rank's all-gather of this flat param (Note [Join rounds], join.cpp): sends
   // this rank's shard, as unshard() would, and drops what arrives; the params stay as they are.
@@ -199,6 +208,7 @@ class FlatParam {
  private:
   at::Tensor build_master(bool meta) const;
   void decode_gathered();
+  void gather_in_group();  // Note [Resharding to a group]
   void drop_stale_gather();
   void use_unsharded_views();
   void make_guards();
@@ -230,6 +240,12 @@ class FlatParam {
   // gathered again.
   std::atomic<uint64_t> master_version_{0};
   uint64_t gathered_version_ = 0;
+  // Note [Resharding to a group]: the group, the part kept (compute dtype; undefined when none),
+  // and whether the gather in flight is the group's (it read no master: no gather_done).
+  Communicator* post_forward_group_ = nullptr;
+  at::Tensor post_forward_part_;
+  bool part_stored_ = false;  // the part is in the stored form (a frozen int8 / NF4 flat param)
+  bool gathering_in_group_ = false;
 
   GradCycle grads_{*this};
 

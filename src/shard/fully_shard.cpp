@@ -57,7 +57,12 @@ void FSDPModule::set_reshard_after_backward(bool reshard, bool recurse) {
 
 void FSDPModule::set_requires_all_reduce(bool all_reduce) {
   for (ShardedUnit* unit : unit_->subtree_units()) {
-    for (auto& fp : unit->flat_params()) fp->set_requires_all_reduce(all_reduce);
+    for (auto& fp : unit->flat_params()) {
+      // Parameters kept whole on every rank have no replicas' all-reduce to skip without a replica
+      // dimension: their all-reduce is their whole reduction.
+      if (fp->config().replicated && unit->mesh().replicate_size() == 1) continue;
+      fp->set_requires_all_reduce(all_reduce);
+    }
   }
 }
 
@@ -70,6 +75,7 @@ void FSDPModule::set_tracer(std::shared_ptr<Tracer> tracer) {
       fp->shard_group().set_tracer(tracer);
       fp->replicate_group().set_tracer(tracer);
     }
+    for (Communicator* g : unit->mesh().groups_made_on_use()) g->set_tracer(tracer);
   }
 }
 

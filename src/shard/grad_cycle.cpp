@@ -151,6 +151,13 @@ void GradCycle::reduce_scatter() {
     reduce_handle_ = fp_.shard_group_.reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, fp_.config_.tag);
   }
   defer_all_reduce_ = fp_.replicate_group_.size() > 1 && !fp_.requires_all_reduce_;
+  // Replicated params (FullyShardOptions::replicate_params): the all-reduce is the whole reduction,
+  // on a communicator of their own; issued now, it overlaps the rest of backward.
+  all_reduce_issued_ =
+      fp_.config_.replicated && fp_.replicate_group_.size() > 1 && !defer_all_reduce_ && !partial_.defined();
+  if (all_reduce_issued_) {
+    reduce_handle_ = fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag);
+  }
   reduce_issued_ = true;
 }
 
@@ -208,9 +215,10 @@ void GradCycle::finalize() {
     reduce_output_ =
         partial_.scalar_type() == reduce_output_.scalar_type() ? partial_ : partial_.to(reduce_output_.scalar_type());
   }
-  if (fp_.replicate_group_.size() > 1) {
+  if (fp_.replicate_group_.size() > 1 && !all_reduce_issued_) {
     fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag).wait();
   }
+  all_reduce_issued_ = false;
   if (with_partial) partial_ = at::Tensor();
   // The collectives already averaged (ReduceOp::kAvg).
   reduce_output_ = fp_.residency_->stage_reduced(reduce_output_);

@@ -57,6 +57,7 @@ class GradCycle {
   // Note [Accumulation without the all-reduce]: this reduction skips the replicas' all-reduce, and
   // the fp32 sum of the reductions that skipped it so far (undefined when none did).
   bool defer_all_reduce_ = false;
+  bool all_reduce_issued_ = false;  // a replicated flat param's all-reduce went with the reduce-scatter
   at::Tensor partial_;
   bool prepared_ = false;
   bool guarded_ = false;  // the parameters' .grad are guards_

@@ -13,6 +13,9 @@ namespace fsdp {
 // | strategy                               | per unit                                     | fully_shard          |
 // | reshard_after_forward (+ _explicit)    | per unit (unset: true for FULL_SHARD and     | fully_shard          |
 // |                                        | HYBRID_SHARD, else false; NO_SHARD: false)   |                      |
+// | reshard_after_forward_group            | per unit (0: none; 1 and the shard size      | fully_shard          |
+// |                                        | become reshard_after_forward false and true) |                      |
+// | replicate_params                       | per unit (ignored under NO_SHARD)            | fully_shard          |
 // | mp_policy                              | per unit                                     | fully_shard          |
 // | param_group                            | per unit                                     | fully_shard          |
 // | init                                   | per unit                                     | fully_shard          |
@@ -30,6 +33,9 @@ struct ResolvedOptions {
   bool reshard_after_forward = true;
   // Set explicitly by the user: Note [The last unit keeps its params] guesses only when it was not.
   bool reshard_after_forward_explicit = false;
+  // Note [Resharding to a group] (sharded_unit.cpp): 0, or a divisor of the shard size between 1 and it.
+  int reshard_after_forward_group = 0;
+  ParamPredicate replicate_params;
   MixedPrecisionPolicy mp_policy;
   ParamGroupFn param_group = default_param_group;
   ParamInitFn init;

@@ -69,6 +69,7 @@ prefetch::ForwardEnd ShardedUnit::forward_end(bool ran_last, bool backward_follo
 }
 
 bool ShardedUnit::gathers_in_backward(bool ran_last) const {
+  if (post_forward_group_ != nullptr && forward_had_grad_) return false;
   return !prefetch::keeps_params_after_forward(forward_end(ran_last, forward_had_grad_, /*recomputing=*/false));
 }
 
@@ -119,6 +120,24 @@ void ShardedUnit::wait_for_unshard() {
 
 void ShardedUnit::reshard() {
   for (auto& fp : flat_params_) fp->reshard();
+}
+
+// Note [Resharding to a group]
+// FullyShardOptions::reshard_after_forward_group = k (FSDP2's reshard_after_forward as an int,
+// ZeRO++'s hpZ). The shard group of N ranks is cut into N/k groups of k consecutive ranks
+// (DeviceMesh::shard_subgroup; with ranks numbered node by node, a group is a node's ranks). After
+// a forward that a backward will follow, each rank keeps, instead of nothing, the k-th part of the
+// gathered flat buffer that its place in the group names (padded_numel / k elements of the compute
+// dtype; for a frozen int8 / NF4 flat param, the stored forms of N / k ranks, cut from the gathered
+// stored bytes, which are kept beside the decoded buffer through the forward for this), and frees
+// the rest. The backward's gather all-gathers those parts within the group (and decodes a stored
+// form), which rebuilds the same buffer bit for bit: no master is read and no byte crosses the
+// group. The cost is the parts held from forward to backward: 1/k of each unit's gathered bytes
+// as they travel (the planner's "parts kept after forward"). A part is dropped by any other
+// reshard and when the master it came from changes (the unit then gathers from the master as
+// usual); a forward without gradients, a recomputation and a forward inside a Join reshard in full.
+void ShardedUnit::reshard_to_group() {
+  for (auto& fp : flat_params_) fp->reshard_to_group();
 }
 
 bool ShardedUnit::is_gathered_or_gathering() const {
@@ -247,8 +266,14 @@ void ShardedUnit::post_forward() {
   const bool grad = c10::GradMode::is_enabled();
   if (!in_backward && rs.step_trains) forward_had_grad_ = grad;
   // Inside a Join every gather is agreed, so none is kept (a unit's next use gathers it again).
-  if (rs.joined || !prefetch::keeps_params_after_forward(forward_end(rs.order.ran_last(index_), grad, in_backward)))
-    reshard();
+  if (rs.joined || !prefetch::keeps_params_after_forward(forward_end(rs.order.ran_last(index_), grad, in_backward))) {
+    // Note [Resharding to a group]: only when a backward will gather again (not inside a Join).
+    if (!rs.joined && grad && !in_backward) {
+      reshard_to_group();
+    } else {
+      reshard();
+    }
+  }
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
   // Buffers changed by a training forward are synchronised at the end of backward, once the
   // graph that saved them is done (or by the next forward, if no backward comes).
@@ -423,8 +448,8 @@ void ShardedUnit::verify_collectives(RootState& rs) {
     std::vector<Communicator*> groups;
     for (ShardedUnit* unit : rs.units) {
       for (auto& fp : unit->flat_params_) {
-        for (Communicator* g : {&fp->shard_group(), &fp->replicate_group()}) {
-          if (g->checks_ids_in_queue() && std::find(groups.begin(), groups.end(), g) == groups.end()) {
+        for (Communicator* g : {&fp->shard_group(), &fp->replicate_group(), unit->post_forward_group_}) {
+          if (g != nullptr && g->checks_ids_in_queue() && std::find(groups.begin(), groups.end(), g) == groups.end()) {
             groups.push_back(g);
           }
         }

@@ -139,6 +139,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void unshard();
   void wait_for_unshard();
   void reshard();
+  // After forward: reshard, or keep a group's shard (Note [Resharding to a group]).
+  void reshard_to_group();
   bool is_gathered_or_gathering() const;
   // Its index in the root's unit list (RootState::units): how the prefetch layer names it.
   prefetch::UnitIndex index() const { return index_; }
@@ -146,8 +148,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // forward last (ExecutionOrder::ran_last); `backward_follows`, gradients are on in its forward;
   // `recomputing`, its forward runs inside backward.
   prefetch::ForwardEnd forward_end(bool ran_last, bool backward_follows, bool recomputing) const;
-  // Whether the unit gathers again in backward in a training step like the last one (its forward
-  // with gradients on or off as then; `ran_last`: it runs forward last), by the same rule.
+  // Whether the unit gathers again from its masters in backward in a training step like the last
+  // one (its forward with gradients on or off as then; `ran_last`: it runs forward last), by the
+  // same rule; a unit resharded to a group gathers its parts instead (Note [Resharding to a group]).
   bool gathers_in_backward(bool ran_last) const;
   // Whether its forward ran with gradients on in the last training step (true before any): off
   // under activation checkpointing, whose recomputation gathers it again in backward.
@@ -237,7 +240,9 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   bool reshard_after_backward_ = true;
   Communicator* shard_group_ = nullptr;
   Communicator* replicate_group_ = nullptr;
-  std::shared_ptr<Communicator> no_shard_group_;  // kNoShard: a one-rank shard group
+  std::shared_ptr<Communicator> no_shard_group_;  // kNoShard, or replicate_params: a one-rank shard group
+  // Note [Resharding to a group]: where backward gathers after a forward resharded to a group; null: none.
+  Communicator* post_forward_group_ = nullptr;
 
   std::vector<std::unique_ptr<FlatParam>> flat_params_;
   std::vector<size_t> grads_landed_;      // per flat param, this backward

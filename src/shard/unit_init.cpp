@@ -152,6 +152,31 @@ void check_floating(const char* field, const std::optional<at::ScalarType>& dtyp
 
 using offload::master_follows_state;  // Note [Placement rules]
 
+// FullyShardOptions::reshard_after_forward_group: 1 and the shard group's size are the bool modes;
+// any other size must divide the shard group and find the params resharded after forward.
+void resolve_group_size(const FullyShardOptions& options, const DeviceMesh& mesh, ResolvedOptions& r) {
+  const int k = options.reshard_after_forward_group();
+  if (k == 0) return;
+  const std::string what = "fsdp: reshard_after_forward_group=" + std::to_string(k);
+  if (k < 0) throw ConfigError(what + ": must be 0 (off) or a number of ranks");
+  if (r.strategy == ShardingStrategy::kNoShard) {
+    throw ConfigError(what + " with NO_SHARD: every rank keeps every parameter, there is nothing to reshard");
+  }
+  if (options.reshard_after_forward() == std::optional<bool>(false) && k > 1) {
+    throw ConfigError(what +
+                      " with reshard_after_forward false: the group size says how to reshard after "
+                      "forward; leave reshard_after_forward unset or true");
+  }
+  const int n = mesh.shard_size();
+  if (n % k != 0) {
+    throw ConfigError(what + " does not divide the shard group of " + std::to_string(n) +
+                      " ranks: give a divisor of it (e.g. the ranks of one node)");
+  }
+  r.reshard_after_forward_explicit = true;
+  r.reshard_after_forward = k > 1;
+  if (k > 1 && k < n) r.reshard_after_forward_group = k;
+}
+
 }  // namespace
 
 namespace detail {
@@ -174,6 +199,8 @@ ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const Dev
   r.reshard_after_forward = options.reshard_after_forward().value_or(r.strategy == ShardingStrategy::kFullShard ||
                                                                      r.strategy == ShardingStrategy::kHybridShard);
   if (r.strategy == ShardingStrategy::kNoShard) r.reshard_after_forward = false;  // nothing to free
+  resolve_group_size(options, mesh, r);
+  r.replicate_params = r.strategy == ShardingStrategy::kNoShard ? nullptr : options.replicate_params();
   r.mp_policy = options.mp_policy();
   check_floating("param_dtype", r.mp_policy.param_dtype());
   check_floating("reduce_dtype", r.mp_policy.reduce_dtype());
@@ -213,6 +240,8 @@ ShardedUnit::ShardedUnit(const std::shared_ptr<torch::nn::Module>& module, const
     shard_group_ = &mesh_.shard_group();
     replicate_group_ = &mesh_.replicate_group();
   }
+  if (options_.reshard_after_forward_group > 0)
+    post_forward_group_ = &mesh_.shard_subgroup(options_.reshard_after_forward_group);
 }
 
 ShardedUnit::~ShardedUnit() { forget_owned(); }
@@ -256,10 +285,18 @@ FrozenStorage frozen_storage_of(const FrozenStorageFn& fn, const Found& f, at::S
   }
 }
 
+FlatParamEntry entry_of(const Found& f) {
+  FlatParamEntry e;
+  e.name = f.name;
+  e.aliases = f.aliases;
+  e.param = f.param;
+  return e;
+}
+
 }  // namespace
 
-// One flat param per (dtype, requires_grad, optimizer group, frozen storage) of the unit's own
-// parameters, in first-seen order.
+// One flat param per (dtype, requires_grad, optimizer group, frozen storage, replicated or not) of
+// the unit's own parameters, in first-seen order.
 void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   NestedOwners nested;
   collect_nested_params(module, "", weak_from_this(), nested, /*top=*/true);
@@ -267,7 +304,7 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
   std::unordered_map<const void*, size_t> index;
   collect_own_params(module, "", /*top=*/true, found, index);
 
-  std::map<std::tuple<int, bool, int, int>, size_t> slot;
+  std::map<std::tuple<int, bool, int, int, bool>, size_t> slot;
   std::vector<std::vector<FlatParamEntry>> groups;
   std::vector<FlatParamConfig> configs;
   const auto& mp = options_.mp_policy;
@@ -279,8 +316,9 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
     const int group = options_.param_group(f.name, f.param);
     const at::ScalarType compute = mp.param_dtype().value_or(f.param.scalar_type());
     const FrozenStorage storage = frozen_storage_of(options_.frozen_storage, f, compute);
+    const bool replicated = options_.replicate_params && options_.replicate_params(f.name, f.param);
     const auto key = std::make_tuple(static_cast<int>(f.param.scalar_type()), f.param.requires_grad(), group,
-                                     static_cast<int>(storage));
+                                     static_cast<int>(storage), replicated);
     auto it = slot.find(key);
     if (it == slot.end()) {
       it = slot.emplace(key, groups.size()).first;
@@ -293,18 +331,25 @@ void ShardedUnit::make_flat_params(const torch::nn::Module& module) {
       c.group = group;
       c.device = mesh_.dist().compute_device();
       c.module_type = module.name();
+      c.replicated = replicated;
       configs.push_back(c);
     }
-    FlatParamEntry e;
-    e.name = f.name;
-    e.aliases = f.aliases;
-    e.param = f.param;
-    groups[it->second].push_back(std::move(e));
+    groups[it->second].push_back(entry_of(f));
   }
   for (size_t i = 0; i < groups.size(); ++i) {
     configs[i].tag = "unit/" + std::to_string(i);
-    flat_params_.push_back(
-        std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *shard_group_, *replicate_group_));
+    if (configs[i].replicated) {  // whole on every rank: a one-rank shard group, all-reduced over every rank
+      if (!no_shard_group_) {
+        const int rank = mesh_.dist().rank();
+        no_shard_group_ = make_local_group("replicated/" + std::to_string(rank), rank);
+      }
+      flat_params_.push_back(std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *no_shard_group_,
+                                                         mesh_.replicated_params_group()));
+    } else {
+      flat_params_.push_back(
+          std::make_unique<FlatParam>(std::move(groups[i]), configs[i], *shard_group_, *replicate_group_));
+      flat_params_.back()->set_post_forward_group(post_forward_group_);
+    }
     has_frozen_ = has_frozen_ || !configs[i].requires_grad;
   }
   grads_landed_.assign(flat_params_.size(), 0);

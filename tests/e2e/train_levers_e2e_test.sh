@@ -277,6 +277,55 @@ record "HYBRID_SHARD 2x2, train.accumulation no_sync / reduce_scatter / reduce: 
 unless reduce, partial sums within 10% ($(lever_error "$TMP/hsdp-reduce_scatter.out" partial_gradient_sums)%)" $ok \
   "$TMP/hsdp-reduce_scatter.out" "$TMP/hsdp-reduce_scatter.err" "$TMP/py.log"
 
+# fsdp.reshard_after_forward_group=2 on 4 ranks (2 simulated nodes of 2): the losses of resharding
+# to nothing bit for bit; backward's all-gathers counted inside the groups, the whole group's fewer.
+train 4 "$TMP/rg0" "${SMALL[@]}" --steps 3 --metrics "$TMP/rg0.jsonl"
+rc_rg0=$RC
+train 4 "$TMP/rg2" "${SMALL[@]}" --steps 3 --set fsdp.reshard_after_forward_group=2 --metrics "$TMP/rg2.jsonl"
+cat >"$TMP/rg.py" <<'EOF'
+import json, sys
+def steps(p):
+    return [j for j in map(json.loads, open(p)) if not j.get("eval")]
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+assert len(a) == len(b) > 0
+for x, y in zip(a, b):
+    assert x["loss"] == y["loss"], (x["step"], x["loss"], y["loss"])
+    assert "group_allgather_bytes" not in x and min(y["group_allgather_bytes"]) > 0, y
+    whole = [t - g for t, g in zip(y["allgather_bytes"], y["group_allgather_bytes"])]
+    assert all(w < t for w, t in zip(whole, x["allgather_bytes"])), (whole, x["allgather_bytes"])
+print("whole-group all-gather", whole[0], "vs", a[-1]["allgather_bytes"][0], "in the node", b[-1]["group_allgather_bytes"][0])
+EOF
+ok=0
+if [ $rc_rg0 -eq 0 ] && [ "$RC" -eq 0 ] && "$PY" "$TMP/rg.py" "$TMP/rg0.jsonl" "$TMP/rg2.jsonl" >"$TMP/py.log" 2>&1 &&
+   grep -q "of it inside post-forward groups" "$TMP/rg2.out"; then ok=1; fi
+record "fsdp.reshard_after_forward_group=2 on 4 ranks: the same losses bit for bit, $(tail -1 "$TMP/py.log")" $ok \
+  "$TMP/rg2.out" "$TMP/rg2.err" "$TMP/py.log"
+
+# lora.replicate_adapters: the adapters whole on every rank, all-reduced: the sharded adapters'
+# losses within 1e-5, no adapter gathered.
+LORA_SMALL=(--set lora.r=4 --set lora.alpha=8 --set lora.base_dtype=nf4)
+train 2 "$TMP/ra0" "${SMALL[@]}" "${LORA_SMALL[@]}" --steps 4 --metrics "$TMP/ra0.jsonl"
+rc_ra0=$RC
+train 2 "$TMP/ra1" "${SMALL[@]}" "${LORA_SMALL[@]}" --steps 4 --set lora.replicate_adapters=true --metrics "$TMP/ra1.jsonl"
+cat >"$TMP/ra.py" <<'EOF'
+import json, sys
+def steps(p):
+    return [j for j in map(json.loads, open(p)) if not j.get("eval")]
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+assert len(a) == len(b) > 0
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+    assert y["allgather_bytes"][0] < x["allgather_bytes"][0], (x["allgather_bytes"], y["allgather_bytes"])
+    assert y["all_reduce_bytes"][0] > x["all_reduce_bytes"][0], (x["all_reduce_bytes"], y["all_reduce_bytes"])
+print("all-gather", a[-1]["allgather_bytes"][0], "->", b[-1]["allgather_bytes"][0])
+EOF
+ok=0
+if [ $rc_ra0 -eq 0 ] && [ "$RC" -eq 0 ] && "$PY" "$TMP/ra.py" "$TMP/ra0.jsonl" "$TMP/ra1.jsonl" >"$TMP/py.log" 2>&1; then
+  ok=1
+fi
+record "lora.replicate_adapters: the sharded adapters' losses within 1e-5, $(tail -1 "$TMP/py.log")" $ok \
+  "$TMP/ra1.out" "$TMP/ra1.err" "$TMP/py.log"
+
 # A constant schedule after warmup: a run to step 4 then resumed to 6 is one run to step 6.
 train 2 "$TMP/sync" "${SMALL[@]}" --set optim.schedule=constant --steps 6 --set train.save_every=2 --save-dir "$TMP/sync-ckpt" \
   --metrics "$TMP/sync.jsonl"

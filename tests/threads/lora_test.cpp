@@ -15,6 +15,8 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "offload/frozen_storage.h"
+#include "shard/checkpoint_view.h"
+#include "shard/testing.h"
 #include "support/ranks.h"
 
 namespace fsdp {
@@ -448,6 +450,143 @@ TEST(LoraSharded, CheckpointsTheAdaptersAloneOrEverything) {
     EXPECT_NE(what.find("fsdp::lora("), std::string::npos) << what;
   }
   io::remove_tree(root_dir);
+}
+
+// FullyShardOptions::replicate_params: the adapters kept whole on every rank and all-reduced (on a
+// communicator of their own), the base sharded. Against sharded adapters: the same losses and
+// parameters within fp32 rounding (the reductions sum in another order), no all-gather of an
+// adapter, and checkpoints that load either way.
+struct Adapted {
+  Net net{nullptr};
+  std::shared_ptr<FSDPModule> root;
+  std::unique_ptr<AdamW> optim;
+};
+
+Adapted adapted(DeviceMesh& mesh, bool replicate, ShardingStrategy strategy) {
+  Adapted t;
+  {
+    std::lock_guard<std::mutex> lock(g_seed_mutex);
+    at::manual_seed(3);
+    t.net = Net();
+  }
+  const LoraModel lm = lora(*t.net, lora_options(FrozenStorage::kNF4), 7);
+  auto opts = FullyShardOptions().strategy(strategy).frozen_storage(lm.frozen_storage());
+  if (replicate) opts.replicate_params([](const std::string& n, const at::Tensor&) { return is_lora_adapter(n); });
+  fully_shard(t.net->b0, mesh, opts);
+  fully_shard(t.net->b1, mesh, opts);
+  t.root = fully_shard(t.net, mesh, opts);
+  t.optim = std::make_unique<AdamW>(t.root, AdamWOptions(1e-2));
+  return t;
+}
+
+struct AdaptedRun {
+  std::vector<double> losses;
+  at::Tensor out;            // on a fixed batch after training
+  uint64_t gathered = 0;     // all-gather bytes sent over the mesh's groups
+  uint64_t all_reduced = 0;  // over the replicated parameters' communicator
+};
+
+// The counters of the mesh's groups (the world's is shared by every mesh of the job).
+std::pair<uint64_t, uint64_t> traffic(DeviceMesh& mesh) {
+  uint64_t gathered = 0, all_reduced = 0;
+  for (Communicator* c : {&mesh.shard_group(), &mesh.replicate_group()}) {
+    gathered += c->stats().of(CollectiveKind::kAllGather).bytes_sent;
+  }
+  for (Communicator* c : mesh.groups_made_on_use()) all_reduced += c->stats().of(CollectiveKind::kAllReduce).bytes_sent;
+  return {gathered, all_reduced};
+}
+
+AdaptedRun train_adapted(DeviceMesh& mesh, Adapted& t, int rank, int world) {
+  AdaptedRun r;
+  const auto before = traffic(mesh);
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = batch(step, rank, world);
+    const at::Tensor loss = at::mse_loss(fsdp::call(t.net, x), y);
+    loss.backward();
+    clip_grad_norm(*t.root, 0.05);
+    t.optim->step();
+    t.optim->zero_grad();
+    r.losses.push_back(loss.item<double>());
+  }
+  const auto after = traffic(mesh);
+  r.gathered = after.first - before.first;
+  r.all_reduced = after.second - before.second;
+  r.out = fsdp::call(t.net, batch(9, rank, world).first).detach();
+  return r;
+}
+
+void expect_close(const AdaptedRun& a, const AdaptedRun& b) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(a.losses[i], b.losses[i], 1e-6 * std::abs(b.losses[i]));
+  EXPECT_TRUE(at::allclose(a.out, b.out, 1e-5, 1e-6)) << (a.out - b.out).abs().max().item<double>();
+}
+
+TEST(LoraSharded, ReplicatedAdaptersTrainAsShardedOnesWithoutGatheringThem) {
+  const std::string root_dir = testing::temp_path("lora-replicated");
+  io::make_dirs(root_dir);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    at::set_num_threads(1);
+    const int rank = dist->rank();
+    DeviceMesh sharded_mesh(dist), replicated_mesh(dist);
+    Adapted s = adapted(sharded_mesh, false, ShardingStrategy::kFullShard);
+    Adapted r = adapted(replicated_mesh, true, ShardingStrategy::kFullShard);
+    int64_t adapter_numel = 0;
+    for (FlatParam* fp : testing::flat_params(*r.root)) {
+      if (!fp->config().replicated) continue;
+      EXPECT_TRUE(fp->config().requires_grad);
+      EXPECT_EQ(fp->shard_numel(), fp->numel()) << "whole on every rank";
+      EXPECT_EQ(fp->shard_group().size(), 1);
+      EXPECT_EQ(fp->replicate_group().size(), 2);
+      for (const auto& e : fp->entries()) EXPECT_TRUE(is_lora_adapter(e.name)) << e.name;
+      adapter_numel += fp->numel();
+    }
+    // r = 4 on q (32 -> 32), up (32 -> 64) and down (64 -> 32) of two blocks.
+    EXPECT_EQ(adapter_numel, 2 * (4 * kDim + kDim * 4 + 4 * kDim + 2 * kDim * 4 + 4 * 2 * kDim + kDim * 4));
+    // A checkpoint writes a replicated flat param from rank 0 alone, a sharded one from every rank.
+    const std::vector<FlatParam*> flats = testing::flat_params(*r.root);
+    const ModelView view = model_view(*r.root, /*frozen_values=*/false);
+    ASSERT_EQ(view.flats.size(), flats.size());
+    for (size_t i = 0; i < flats.size(); ++i) {
+      EXPECT_EQ(view.flats[i].writer, !flats[i]->config().replicated || rank == 0) << flats[i]->config().tag;
+    }
+    const AdaptedRun a = train_adapted(sharded_mesh, s, rank, 2);
+    const AdaptedRun b = train_adapted(replicated_mesh, r, rank, 2);
+    expect_close(b, a);
+    EXPECT_EQ(a.all_reduced, 0u);
+    EXPECT_GT(b.all_reduced, 0u) << "the adapters' gradients are all-reduced";
+    EXPECT_LT(b.gathered, a.gathered) << "no adapter is gathered";
+    // Checkpoints: saved replicated (rank 0 alone writes the adapters), loaded into either layout.
+    checkpoint::save(root_dir, "rep", *r.root, r.optim.get(), {});
+    checkpoint::save(root_dir, "sh", *s.root, s.optim.get(), {});
+    const at::Tensor x = batch(9, rank, 2).first;
+    const at::Tensor want_r = fsdp::call(r.net, x).detach(), want_s = fsdp::call(s.net, x).detach();
+    DeviceMesh m1(dist), m2(dist);
+    Adapted fresh_s = adapted(m1, false, ShardingStrategy::kFullShard);
+    checkpoint::load(io::join(root_dir, "rep"), *fresh_s.root, fresh_s.optim.get());
+    EXPECT_TRUE(at::equal(fsdp::call(fresh_s.net, x).detach(), want_r));
+    Adapted fresh_r = adapted(m2, true, ShardingStrategy::kFullShard);
+    checkpoint::load(io::join(root_dir, "sh"), *fresh_r.root, fresh_r.optim.get());
+    EXPECT_TRUE(at::equal(fsdp::call(fresh_r.net, x).detach(), want_s));
+    // Training on from the loaded state agrees too (the optimizer state came along).
+    const AdaptedRun c = train_adapted(m2, fresh_r, rank, 2);
+    const AdaptedRun d = train_adapted(sharded_mesh, s, rank, 2);
+    expect_close(c, d);
+  });
+  io::remove_tree(root_dir);
+}
+
+// Under HYBRID_SHARD (2 replicas of 2) the adapters are all-reduced over all four ranks.
+TEST(LoraSharded, ReplicatedAdaptersUnderHybridSharding) {
+  testing::run_threads(4, [&](const std::shared_ptr<Dist>& dist) {
+    at::set_num_threads(1);
+    DeviceMesh a_mesh(dist, 2, 2), b_mesh(dist, 2, 2);
+    Adapted s = adapted(a_mesh, false, ShardingStrategy::kHybridShard);
+    Adapted r = adapted(b_mesh, true, ShardingStrategy::kHybridShard);
+    for (FlatParam* fp : testing::flat_params(*r.root)) {
+      if (fp->config().replicated) EXPECT_EQ(fp->replicate_group().size(), 4);
+    }
+    expect_close(train_adapted(b_mesh, r, dist->rank(), 4), train_adapted(a_mesh, s, dist->rank(), 4));
+  });
 }
 
 }  // namespace

@@ -243,6 +243,72 @@ TEST(Plan, KeptGathersTradeTheGatheredModelForOneGatherPerUnitPerStep) {
   EXPECT_FALSE(chosen.keep_gathered);
 }
 
+// Resharding to groups of 2 of 4 ranks: each layer's half held from forward to backward, whose
+// gather runs in the group in the compute dtype; the forward's gather still crosses all 4.
+TEST(Plan, ReshardToAGroupHoldsTheLayersPartsAndGathersThemInTheGroup) {
+  const ModelShape shape = llama::plan_shape(mid());
+  PlanRequest r = request(int64_t{8} << 30);
+  r.ranks_per_node = 4;
+  r.micro_batch = 4;  // one micro-batch
+  r.strategy = ShardingStrategy::kFullShard;
+  const Plan plain = plan(shape, r);
+  r.reshard_after_forward_group = 2;
+  const Plan grouped = plan(shape, r);
+  ASSERT_TRUE(plain.fits && grouped.fits);
+  int64_t parts = 0, in_group = 0, forward = 0, plain_bytes = 0;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const auto& u = shape.units[i];
+    const int64_t s = (u.numel() + 3) / 4 * 2;  // bf16 shard of 4 ranks
+    plain_bytes += 3 * s * ((u.is_root || i + 1 == shape.units.size()) ? 1 : 2);
+    forward += 3 * s;
+    if (u.is_root) continue;
+    const int64_t part = (u.numel() + 3) / 4 * 4 / 2 * 2;  // half the padded bf16 buffer
+    parts += part;
+    in_group += part;  // (2 - 1) parts sent
+  }
+  EXPECT_EQ(plain.all_gather_bytes, plain_bytes);
+  EXPECT_EQ(plain.group_all_gather_bytes, 0);
+  EXPECT_EQ(grouped.group_all_gather_bytes, in_group);
+  EXPECT_EQ(grouped.all_gather_bytes, forward + in_group);
+  int64_t held = 0;
+  for (const auto& [n, bytes] : grouped.device.at_backward_start) {
+    if (n.rfind("parts kept after forward", 0) == 0) held = bytes;
+  }
+  EXPECT_EQ(held, parts);
+  EXPECT_NE(std::find(grouped.settings.begin(), grouped.settings.end(), "PlanRequest::reshard_after_forward_group=2"),
+            grouped.settings.end());
+  r.reshard_after_forward_group = 3;
+  EXPECT_THROW(plan(shape, r), ConfigError);
+}
+
+// Replicated adapters: the trainable elements of every unit with frozen ones whole on every rank
+// (master, gradient and both moments: 16 bytes each), all-reduced over every rank, never gathered.
+TEST(Plan, ReplicatedAdaptersHoldTheirWholeStateAndAreAllReduced) {
+  ModelShape shape;
+  shape.units.push_back({"root", 0, 1000000, {}, nullptr, nullptr, 0, true, false});
+  for (int i = 0; i < 3; ++i) shape.units.push_back({"layers." + std::to_string(i), 4000, 2000000});
+  PlanRequest r = request(int64_t{8} << 30);
+  r.micro_batch = 4;
+  r.strategy = ShardingStrategy::kFullShard;
+  r.offload = OffloadPolicy();
+  const Plan sharded = plan(shape, r);
+  r.replicate_adapters = true;
+  const Plan replicated = plan(shape, r);
+  ASSERT_TRUE(sharded.fits && replicated.fits);
+  auto item = [](const PlanTier& t, const std::string& name) {
+    for (const auto& [n, bytes] : t.items) {
+      if (n == name) return bytes;
+    }
+    return int64_t{0};
+  };
+  const std::string states = "sharded states not offloaded";
+  EXPECT_EQ(item(replicated.device, states) - item(sharded.device, states), 3 * 16 * (4000 - 2000));
+  // bf16 shards gathered (2 bytes), fp32 reductions (4 bytes).
+  EXPECT_EQ(sharded.all_gather_bytes - replicated.all_gather_bytes, 2 * 2000 * (2 * 2 + 1));
+  // 3 reduce-scatters of 1 x 2000 against 3 all-reduces of 2 x 4000 x (2 - 1) / 2.
+  EXPECT_EQ(replicated.reduce_bytes - sharded.reduce_bytes, 3 * 4 * (4000 - 2000));
+}
+
 // Under hybrid sharding each way of accumulating costs what it moves: no_sync keeps the unsharded
 // gradients and reduces once; reduce_scatter scatters every micro-batch, all-reduces once and
 // holds an fp32 partial sum per shard; reduce does both every micro-batch.
