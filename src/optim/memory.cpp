@@ -19,8 +19,6 @@
 namespace fsdp {
 namespace {
 
-std::string bytes(int64_t b) { return base::mib(b, 1); }
-
 // Adds a sharded state's bytes to the tier it lives in (a disk-backed tensor counts as disk
 // whatever `tier` says).
 void count_in_tier(MemoryReport& r, const at::Tensor& t, OffloadTier tier) {
