@@ -316,10 +316,14 @@ def replicated_md(r):
                      f"{run['plan_device_mib']:,.0f} | {run['step_time_s']:.2f} |")
     a, b = r["runs"]["sharded"], r["runs"]["replicated"]
     extra_plan = b["plan_device_mib"] - a["plan_device_mib"]
-    extra = max(b["peak_rss_process_mib"]) - max(a["peak_rss_process_mib"])
+    extra = statistics.mean(b["peak_rss_process_mib"]) - statistics.mean(a["peak_rss_process_mib"])
+    per_rank = [y - x for x, y in zip(a["peak_rss_process_mib"], b["peak_rss_process_mib"])]
     lines += ["", f"- Step time: {b['step_time_s'] / a['step_time_s']:.3f}x the sharded adapters'.",
-              f"- Memory: the process's peak {extra:+,.0f} MiB per rank against {extra_plan:+,.0f} MiB planned "
-              "(the adapters' master, gradient and moments whole, 16 bytes per element, less their shards).",
+              f"- Memory: the process's peak {extra:+,.0f} MiB per rank (the ranks' mean; "
+              f"{', '.join(f'{x:+,.0f}' for x in per_rank)} by rank) against {extra_plan:+,.0f} MiB planned "
+              f"({extra / extra_plan:.2f}x; the adapters' master, gradient and moments whole, 16 bytes per element, "
+              "less their shards). The two ranks' effects differ by more than 10% of it: where the allocator places "
+              "the step's buffers moves a rank's peak by tens of MiB at this size.",
               f"- Losses: largest relative difference {r['loss_rel_gap']:.1e} (rounding: the all-reduce sums in "
               "another order than the reduce-scatter).", ""]
     return lines
@@ -376,13 +380,15 @@ def reshard_group_md(r):
                      f"{run['step_time_s']:.3f} | {run['loss_rel_diff']:.1e} |")
     a, g, k = r["runs"]["reshard (0)"], r["runs"]["groups of 2"], r["runs"]["keep (1)"]
     cross = lambda run: run["allgather_bytes"][-1] - run["group_allgather_bytes"][-1]
+    peak = lambda run: statistics.mean(run["peak_rss_process_mib"])  # the ranks' mean: one rank's is noisier
     lines += ["",
               f"- Whole-group (inter-node) all-gather bytes: {cross(g) / cross(a):.3f}x resharding to nothing, the "
               f"same as keeping ({cross(k) / cross(a):.3f}x); backward's gathers run inside the node instead.",
               f"- Memory, plan per rank: {g['plan_device_mib'] - a['plan_device_mib']:+,.0f} MiB against resharding "
               f"to nothing, {g['plan_device_mib'] - k['plan_device_mib']:+,.0f} MiB against keeping; measured peak "
-              f"(rank 0): {g['peak_rss_process_mib'][0] - a['peak_rss_process_mib'][0]:+,.0f} and "
-              f"{g['peak_rss_process_mib'][0] - k['peak_rss_process_mib'][0]:+,.0f} MiB.",
+              f"(the ranks' mean): {peak(g) - peak(a):+,.0f} and {peak(g) - peak(k):+,.0f} MiB "
+              f"({(peak(g) - peak(a)) / (g['plan_device_mib'] - a['plan_device_mib']):.2f}x the planned effect "
+              "against resharding to nothing, the run without the lever).",
               f"- Step time: {g['step_time_s'] / a['step_time_s']:.2f}x resharding to nothing (one machine: the node "
               "link and the inter-node link are the same shared memory here, so the time saved on a real network "
               "is not shown).", ""]
@@ -452,6 +458,24 @@ def hsdp_md(r):
     return lines
 
 
+def chunked_loss_md(r):
+    """The chunked loss's effect, from bench/chunked_loss_bench.py's results (its own file has the detail)."""
+    lines = ["## A loss chunked over the tokens (`train.loss_chunk_tokens`, `fsdp::chunked_cross_entropy`)", "",
+             f"- From bench/results/chunked_loss-{r['model']}.md (commit {r['commit']}; command "
+             f"`{r['command']}`): {r['model']}, 2 ranks, {r['dtype']} compute, seq_len {r['seq_len']}, chunks of "
+             f"{r['chunk']} tokens, {r['steps']} steps. Conditions as stated there.", "",
+             "| run | peak RSS over the steps, ranks' mean (MiB) | effect (MiB) | planned effect (MiB) | measured / "
+             "planned | step time, chunked / whole |", "| --- | --- | --- | --- | --- | --- |"]
+    for base in ("full", "lora-nf4"):
+        a, b = r["runs"][base], r["runs"][base + "-chunked"]
+        measured = statistics.mean(b["peak_rss_steps_mib"]) - statistics.mean(a["peak_rss_steps_mib"])
+        planned = b["plan_device_mib"] - a["plan_device_mib"]
+        lines.append(f"| {base} | {statistics.mean(a['peak_rss_steps_mib']):,.0f} -> "
+                     f"{statistics.mean(b['peak_rss_steps_mib']):,.0f} | {measured:+,.0f} | {planned:+,.0f} | "
+                     f"{measured / planned:.2f} | {b['step_time_s'] / a['step_time_s']:.2f} |")
+    return lines + [""]
+
+
 def write_md(out_dir):
     parts = ["# Levers against the run without them", "",
              "Each section: one lever of the library (and its fsdp-train key) against the same run without it, on "
@@ -461,6 +485,9 @@ def write_md(out_dir):
         path = os.path.join(out_dir, f"levers-{lever}.json")
         if os.path.exists(path):
             parts += fn(json.load(open(path)))
+    chunked = os.path.join(out_dir, "chunked_loss-qwen2.5-0.5b.json")
+    if os.path.exists(chunked):
+        parts += chunked_loss_md(json.load(open(chunked)))
     open(os.path.join(out_dir, "levers.md"), "w").write("\n".join(parts) + "\n")
     return "\n".join(parts)
 
