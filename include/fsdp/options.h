@@ -79,10 +79,11 @@ struct FullyShardOptions {
   // reshard_after_forward as a group size (FSDP2's int; ZeRO++'s hpZ): after forward, the unit's
   // params stay sharded over groups of this many consecutive ranks of its shard group (the ranks
   // of one node), each rank keeping 1/group of them (in the compute dtype, or a frozen int8 / NF4
-  // base in its stored form), so that backward's all-gather runs inside the group. 0: off (reshard_after_forward alone decides). 1 keeps the
-  // params whole, as reshard_after_forward false; the shard group's size is reshard_after_forward
-  // true. Any other value must divide the shard group's size, and needs reshard_after_forward
-  // true or unset. Exact: backward computes with the same values. Note [Resharding to a group].
+  // base in its stored form), so that backward's all-gather runs inside the group. 0: off
+  // (reshard_after_forward alone decides). 1 keeps the params whole, as reshard_after_forward
+  // false; the shard group's size is reshard_after_forward true. Any other value must divide the
+  // shard group's size, and needs reshard_after_forward true or unset. Exact: backward computes
+  // with the same values. Note [Resharding to a group].
   TORCH_ARG(int, reshard_after_forward_group) = 0;
   // Parameters kept whole on every rank instead of sharded, their gradients all-reduced over every
   // rank as DDP does, in a flat param of their own (e.g. LoRA's adapters:

@@ -164,8 +164,7 @@ TEST(ReshardGroup, RefusesSizesThatDoNotFit) {
     expect_refused(FullyShardOptions().reshard_after_forward_group(-2), "must be 0 (off) or a number of ranks");
     expect_refused(FullyShardOptions().reshard_after_forward(false).reshard_after_forward_group(2),
                    "leave reshard_after_forward unset or true");
-    expect_refused(FullyShardOptions().strategy(ShardingStrategy::kNoShard).reshard_after_forward_group(2),
-                   "NO_SHARD");
+    expect_refused(FullyShardOptions().strategy(ShardingStrategy::kNoShard).reshard_after_forward_group(2), "NO_SHARD");
   });
 }
 
