@@ -56,12 +56,18 @@ int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len
     // the logits' gradient cast to the compute dtype for the head's backward.
     return (8 + (e == 4 ? 0 : e)) * N * m.vocab_size;
   }
-  // Note [Chunked cross-entropy] (src/modules/loss.cpp): one chunk's fp32 logits turned into their
-  // gradient in place and its cast to the compute dtype; the head's gradient summed in fp32 (in a
-  // narrower dtype a tensor of its own beside the one it is cast into).
+  // Note [Chunked cross-entropy] (src/modules/loss.cpp). Backward: one chunk's fp32 logits turned
+  // into their gradient in place and its cast to the compute dtype; the head's gradient summed in
+  // fp32 (in a narrower dtype a tensor of its own beside the one it is cast into). The forward's
+  // end holds more: a chunk's logits (in the compute dtype, then fp32) and logsumexp's fp32
+  // temporary beside them, with every activation kept, so its transient stands for the extra when
+  // it is the larger (measured: the chunked forward is the step's peak with a frozen head).
   const int64_t rows = std::min(loss_chunk_tokens, N);
+  const int64_t narrow = e == 4 ? 0 : e;
   const int64_t head_sum = head_trained && e != 4 ? 4 * m.vocab_size * m.hidden_size : 0;
-  return (4 + (e == 4 ? 0 : e)) * rows * m.vocab_size + head_sum;
+  const int64_t backward = (4 + narrow) * rows * m.vocab_size + head_sum;
+  const int64_t forward_end = (8 + narrow) * rows * m.vocab_size;
+  return std::max(backward, forward_end);
 }
 
 namespace {
