@@ -197,21 +197,32 @@ def bf16_state_md(r):
 
 # ---- keep-gathered
 
+def set_args(argv):
+    """The --set pairs of fsdp-train arguments: what fsdp-plan takes for the same run."""
+    return [x for i in range(len(argv) - 1) if argv[i] == "--set" for x in argv[i:i + 2]]
+
+
+def qlora_args(args, hf, tokens, extra):
+    """fsdp-train's arguments for QLoRA (NF4 base) of the HF directory on the token file: fp32 compute
+    and reduction, 1 sample per rank per micro-batch, and `extra`."""
+    from lora_bench import LORA
+    return ["--init-from", hf, "--steps", str(args.steps), "--set", "data.source=file", "--set", f"data.path={tokens}",
+            "--set", "data.token_dtype=uint32", "--set", f"data.seq_len={args.seq_len}",
+            "--set", "data.batch_size_per_rank=1", *extra, "--set", "fsdp.param_dtype=float32",
+            "--set", "fsdp.reduce_dtype=float32", *LORA, "--set", "lora.base_dtype=nf4"]
+
+
 def keep_gathered(args, work):
-    from lora_bench import LORA, model_and_tokens
+    from lora_bench import model_and_tokens
     result = {"lever": "keep-gathered", "commit": commit(), "quiet": args.quiet,
               "command": " ".join(["bench/levers_bench.py"] + sys.argv[1:]), "model": args.model,
               "seq_len": args.seq_len, "steps": args.steps, "runs": {}}
     hf, tokens, params = model_and_tokens(work, args.model)
     result["params"] = params
-    base = ["--init-from", hf, "--steps", str(args.steps), "--set", "data.source=file", "--set", f"data.path={tokens}",
-            "--set", "data.token_dtype=uint32", "--set", f"data.seq_len={args.seq_len}",
-            "--set", "data.batch_size_per_rank=1", "--set", "train.grad_accum_steps=4",
-            "--set", "fsdp.param_dtype=float32", "--set", "fsdp.reduce_dtype=float32",
-            *LORA, "--set", "lora.base_dtype=nf4"]
+    base = qlora_args(args, hf, tokens, ["--set", "train.grad_accum_steps=4"])
     for name, keep in (("regathered", "false"), ("kept", "true")):
         run = fsdp_train(args, work, name, 2, base + ["--set", f"train.keep_gathered={keep}"])
-        sets = [x for i in range(len(base) - 1) if base[i] == "--set" for x in base[i:i + 2]]
+        sets = set_args(base)
         plan = subprocess.run([os.path.join(args.bin, "fsdp-plan"), "--nproc-per-node", "2", "--hf-config", hf,
                                *sets, "--set", f"train.keep_gathered={keep}"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -270,17 +281,14 @@ def plan_figures(args, nproc, argv):
 
 
 def replicated_adapters(args, work):
-    from lora_bench import LORA, model_and_tokens
+    from lora_bench import model_and_tokens
     result = {"lever": "replicated-adapters", "commit": commit(), "quiet": args.quiet,
               "command": " ".join(["bench/levers_bench.py"] + sys.argv[1:]), "model": args.model,
               "seq_len": args.seq_len, "steps": args.steps, "runs": {}}
     hf, tokens, params = model_and_tokens(work, args.model)
     result["params"] = params
-    base = ["--init-from", hf, "--steps", str(args.steps), "--set", "data.source=file", "--set", f"data.path={tokens}",
-            "--set", "data.token_dtype=uint32", "--set", f"data.seq_len={args.seq_len}",
-            "--set", "data.batch_size_per_rank=1", "--set", "fsdp.param_dtype=float32",
-            "--set", "fsdp.reduce_dtype=float32", *LORA, "--set", "lora.base_dtype=nf4"]
-    sets = [x for i in range(len(base) - 1) if base[i] == "--set" for x in base[i:i + 2]]
+    base = qlora_args(args, hf, tokens, [])
+    sets = set_args(base)
     for name, on in (("sharded", "false"), ("replicated", "true")):
         run = fsdp_train(args, work, name, 2, base + ["--set", f"lora.replicate_adapters={on}"])
         run.update(plan_figures(args, 2, ["--hf-config", hf, *sets, "--set", f"lora.replicate_adapters={on}"]))
