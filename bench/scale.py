@@ -34,8 +34,11 @@ ru_inblock / ru_oublock: reads served from the page cache are not counted, write
 pages are dirtied, including those of files unlinked before writeback); rate = bytes / wall against
 dd's. Results: bench/results/scale-<model>.json and .md.
 
-Usage: bench/scale.py [--model qwen2.5-0.5b|llama-3.2-1b|tiny] [--bin build/bin] [--keep DIR]
-       (the venv's python; scripts/bench scale runs it)
+With --lora nf4 (any model, llama-3.1-8b included) the run is QLoRA's instead: bench/scale_lora.py
+says what it runs; results go to bench/results/scale-<model>-qlora.json and .md.
+
+Usage: bench/scale.py [--model qwen2.5-0.5b|llama-3.2-1b|llama-3.1-8b|tiny] [--lora nf4] [--bin build/bin]
+       [--keep DIR]   (the venv's python; scripts/bench scale runs it)
 """
 import argparse
 import ctypes
@@ -83,6 +86,7 @@ MODELS = {
     "qwen2.5-0.5b": (QWEN25_05B, "300MB", []),  # 4 files: the 272 MB embedding, 3 of layers
     "llama-3.2-1b": (LLAMA32_1B, "350MB", []),  # about 9 files: the 525 MB embedding, 2 layers per file
     "tiny": (TINY, "50KB", []),  # 5 files
+    "llama-3.1-8b": (None, "250MB", []),  # --lora nf4 only: bench/write_model.py writes it (66 files)
 }
 PROMPT_LEN = 16
 FP32_TOL = 1e-3  # same weights, fp32 in both: only the order of operations differs
@@ -356,7 +360,7 @@ def report(r):
         status = "ok" if p["rc"] == 0 else "not run" if p.get("not_run") else f"FAILED ({p['rc']})"
         rows.append(f"| {p['phase']} | {status} | {wall:.1f} | {' / '.join(mib(x) for x in rss)} | {mib(plan)} | "
                     f"{ratio} | {above} | {mib(rd)} / {mib(wr)} | {rates} |")
-    md = [f"# Scale run: {r['model']} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
+    md = [f"# Scale run: {r['model']}{' QLoRA (NF4 base)' if r.get('lora') else ''} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
           f"of bf16 weights in {r['files']} files)", "",
           f"Conditions: {r['conditions']}.", "",
           f"Disk (dd, {dd['bytes'] / MIB:,.0f} MiB, same folder): write {dd['write_Bps'] / 1e6:,.0f} MB/s "
@@ -392,7 +396,9 @@ def report(r):
         elif "error" in p:
             md.append(f"- {p['phase']} failed: `{p['error'][-400:]}`")
     md.append(f"- Sizes: HF dir {mib(s.get('hf_bytes'))} MiB, one checkpoint {mib(s.get('checkpoint_step_bytes'))} "
-              f"MiB, checkpoint dir {mib(s.get('checkpoint_dir_bytes'))} MiB, export {mib(s.get('export_bytes'))} MiB.")
+              f"MiB, checkpoint dir {mib(s.get('checkpoint_dir_bytes'))} MiB, export {mib(s.get('export_bytes'))} MiB"
+              + (f", PEFT adapter {mib(s.get('adapter_bytes'))} MiB, merged bf16 export {mib(s.get('merged_bytes'))} MiB"
+                 if r.get("lora") else "") + ".")
     if r.get("logits"):
         md += ["", "Logits on a fixed prompt of 16 tokens (fsdp-ckpt logits runs LibTorch in fp32):", "",
                "| compared | max abs diff | max abs logit | tolerance | argmax agrees | ok |",
@@ -404,6 +410,8 @@ def report(r):
             md.append(f"| {name} | {c['max_abs_diff']:.3g} | {c['max_abs_logit']:.3g} | {c['tolerance']:.3g} | "
                       f"{c['argmax_agree']:.0%} ({c['clear_positions']}/{c['positions']} clear: "
                       f"{'all agree' if c['argmax_agree_where_clear'] else 'DIFFER'}) | {'yes' if c['ok'] else 'NO'} |")
+        if r.get("lora"):
+            md.append("Both sides run the same bf16 base values and adapters in fp32; tolerance 1e-3 x max |logit|.")
         md.append(f"Tolerances: {FP32_TOL} where both sides run the same bf16-stored weights in fp32 (only the order "
                   f"of operations differs); {BF16_REL_TOL} x max |logit| where one side has the fp32 master weights "
                   "and the other their bf16 export, or computes in bf16 (2^-9 relative rounding per weight or "
@@ -442,6 +450,9 @@ def report(r):
 def main():
     if len(sys.argv) == 6 and sys.argv[1] == "--hf-logits":
         return hf_logits(*sys.argv[2:])
+    if len(sys.argv) == 6 and sys.argv[1] == "--peft-logits":
+        from scale_lora import peft_logits
+        return peft_logits(*sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
     ap.add_argument("--bin", default="build/bin", help="directory of fsdp-run, fsdp-train, fsdp-ckpt")
@@ -451,12 +462,20 @@ def main():
     ap.add_argument("--keep-all-keys", action="store_true",
                     help="keep every config.json key (by default the keys MODELS lists are removed; none now)")
     ap.add_argument("--no-fsdp2", action="store_true")
+    ap.add_argument("--lora", choices=["nf4"], help="QLoRA's run instead (bench/scale_lora.py)")
+    ap.add_argument("--check-layers", type=int, default=2,
+                    help="--lora: decoder layers of the truncated model whose logits are checked against peft")
     ap.add_argument("--mem-floor-mib", type=int, default=1024, help="kill a phase below this MemAvailable")
     ap.add_argument("--tmp-dir", default=os.environ.get("FSDP_BENCH_DIR", tempfile.gettempdir()))
     ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder, removed)")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
     spec, shard_size, refused = MODELS[args.model]
+    if args.lora:
+        from write_model import CONFIGS
+        spec = CONFIGS[args.model]
+    elif spec is None:
+        ap.error(f"--model {args.model} runs with --lora nf4 only (its full fine-tune does not fit this machine)")
     drop = [] if args.keep_all_keys else refused
     bin_dir = os.path.abspath(args.bin)
     if args.keep:
@@ -465,12 +484,16 @@ def main():
     else:
         work = tempfile.mkdtemp(prefix="fsdp-scale-", dir=args.tmp_dir)
     try:
-        result = run_all(args, spec, shard_size, drop, bin_dir, work)
+        if args.lora:
+            from scale_lora import run_lora
+            result = run_lora(args, spec, bin_dir, work)
+        else:
+            result = run_all(args, spec, shard_size, drop, bin_dir, work)
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", work], check=False)
     os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"scale-{args.model}")
+    base = os.path.join(args.out_dir, f"scale-{args.model}" + ("-qlora" if args.lora else ""))
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     md = report(result)

@@ -205,7 +205,7 @@ bool plan_reads(const std::string& key) {
        {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype", "fsdp.reduce_dtype",
         "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps", "train.activation_checkpointing",
         "train.loss_chunk_tokens", "train.async_save", "optim.state_dtype", "train.accumulation", "train.keep_gathered",
-        "fsdp.reshard_after_forward_group"}) {
+        "fsdp.reshard_after_forward_group", "fsdp.split_root"}) {
     if (key == k) return true;
   }
   return false;
@@ -260,7 +260,7 @@ int run(const Args& a) {
     if (!user_set(a, "fsdp.strategy")) req.strategy.reset();
     if (!user_set(a, "train.async_save")) req.async_save = false;
   }
-  const fsdp::Plan plan = fsdp::plan(train::plan_shape(cfg), req);
+  const fsdp::Plan plan = fsdp::plan(train::plan_shape(cfg, req), req);
   const auto& m = cfg.model;
   std::printf(
       "model: %s, %lld layers, hidden %lld, vocab %lld: %.3fB params; %d node(s) x %d rank(s) on %s; "

@@ -84,6 +84,9 @@ struct FsdpConfig {
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
   // The layers' FullyShardOptions::reshard_after_forward_group (0: off).
   int64_t reshard_after_forward_group = 0;
+  // The embedding and the head as units of their own (llama::shard_embedding_and_head): "on",
+  // "off", or "auto": when the head is not tied and the plan's peak is lower that way.
+  std::string split_root = "auto";
   // fsdp.offload, set on the root unit (the layers inherit it); validated by the library.
   fsdp::OffloadPolicy offload;
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions

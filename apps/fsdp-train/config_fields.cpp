@@ -330,6 +330,14 @@ ConfigField reshard_after_forward_group() {
       "backward's all-gather runs inside the group; 0: off; must divide the shard group's size");
 }
 
+ConfigField split_root() {
+  return choice(
+      "fsdp", "split_root", [](auto& c) -> auto& { return c.fsdp.split_root; }, {"auto", "on", "off"},
+      [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
+      "the embedding and the head sharded as units of their own, out of the root (not with tied embeddings); "
+      "auto: when the head is untied and the plan's peak is lower");
+}
+
 std::vector<ConfigField> fsdp_fields() {
   return {
       strategy(),
@@ -348,6 +356,7 @@ std::vector<ConfigField> fsdp_fields() {
           "fsdp", "replicate", [](auto& c) -> auto& { return c.fsdp.replicate; }, 1,
           "HYBRID_SHARD: replicas (rows of the mesh); must divide the world size"),
       reshard_after_forward_group(),
+      split_root(),
       choice(
           "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
           [](const std::string& s) { return s; }, [](const std::string& s) { return s; },

@@ -108,25 +108,54 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   return r;
 }
 
-fsdp::ModelShape plan_shape(const TrainConfig& cfg) {
+namespace {
+
+fsdp::ModelShape shape_of(const TrainConfig& cfg, bool split) {
   const int64_t chunk = cfg.train.loss_chunk_tokens;
-  if (!cfg.lora.enabled) return llama::plan_shape(cfg.model, nullptr, chunk);
+  if (!cfg.lora.enabled) return llama::plan_shape(cfg.model, nullptr, chunk, split);
   const fsdp::LoraOptions lora = cfg.lora.options();
   try {
-    return llama::plan_shape(cfg.model, &lora, chunk);
+    return llama::plan_shape(cfg.model, &lora, chunk, split);
   } catch (const fsdp::ConfigError& e) {
     throw std::invalid_argument("config: lora.targets=" + nlohmann::json(cfg.lora.targets).dump() + ": " + e.what());
   }
 }
 
-fsdp::Plan plan_run(const TrainConfig& cfg) {
+}  // namespace
+
+fsdp::PlanRequest run_request(const TrainConfig& cfg) {
   const int world = env_int("WORLD_SIZE", 1);
   const int local = env_int("LOCAL_WORLD_SIZE", world);
   if (world % local != 0) {
     throw std::invalid_argument("WORLD_SIZE " + std::to_string(world) + " is not a multiple of LOCAL_WORLD_SIZE " +
                                 std::to_string(local));
   }
-  fsdp::Plan p = fsdp::plan(plan_shape(cfg), plan_request(cfg, local, world / local));
+  return plan_request(cfg, local, world / local);
+}
+
+bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req) {
+  const std::string& choice = cfg.fsdp.split_root;
+  if (choice == "off") return false;
+  if (!llama::can_shard_embedding_and_head(cfg.model)) {
+    if (choice == "auto") return false;
+    throw std::invalid_argument(
+        "config: fsdp.split_root=on: the model ties its head to its embedding "
+        "(tie_word_embeddings), so the two are one tensor and stay in the root; set it to "
+        "auto or off");
+  }
+  if (choice == "on") return true;
+  // auto: the lower peak, on every rank alike (no budget, which each rank reads for itself, enters).
+  req.budget.host_bytes = req.budget.device_bytes = req.budget.disk_bytes = int64_t{1} << 60;
+  return fsdp::plan(shape_of(cfg, true), req).device.total() < fsdp::plan(shape_of(cfg, false), req).device.total();
+}
+
+fsdp::ModelShape plan_shape(const TrainConfig& cfg, const fsdp::PlanRequest& req) {
+  return shape_of(cfg, splits_root(cfg, req));
+}
+
+fsdp::Plan plan_run(const TrainConfig& cfg) {
+  const fsdp::PlanRequest req = run_request(cfg);
+  fsdp::Plan p = fsdp::plan(plan_shape(cfg, req), req);
   if (cfg.fsdp.on_cuda() && cfg.train.budget_device_bytes <= 0) {
     p.assumptions.push_back("device memory not checked (train.budget.device_bytes 0)");
   }

@@ -72,8 +72,13 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
 // LOCAL_WORLD_SIZE; none: one rank).
 fsdp::Plan plan_run(const TrainConfig& cfg);
 // The model's shape for the planner: llama::plan_shape, with the lora section's adapters and
-// frozen base when it is on.
-fsdp::ModelShape plan_shape(const TrainConfig& cfg);
+// frozen base when it is on, split as fsdp.split_root resolves for `req`.
+fsdp::ModelShape plan_shape(const TrainConfig& cfg, const fsdp::PlanRequest& req);
+// The request of this run's ranks (WORLD_SIZE, LOCAL_WORLD_SIZE; none: one rank).
+fsdp::PlanRequest run_request(const TrainConfig& cfg);
+// fsdp.split_root resolved: "auto" splits an untied head and embedding out of the root when the
+// plan of `req` peaks lower that way (the same on every rank: no budget enters the comparison).
+bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req);
 
 // This machine: MemAvailable (/proc/meminfo), and the free bytes of the file system holding
 // `path` (or its nearest existing parent). Throw std::runtime_error when they cannot be read.

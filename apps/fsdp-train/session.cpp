@@ -18,6 +18,7 @@
 #include "fsdp/init.h"
 #include "init_from.h"
 #include "lora_setup.h"
+#include "memory_plan.h"
 #include "resume_review.h"
 #include "schedule.h"
 
@@ -119,6 +120,7 @@ void Session::build() {
   auto layer_opts = opts;
   layer_opts.reshard_after_forward_group(static_cast<int>(cfg.fsdp.reshard_after_forward_group));
   for (auto& layer : model->model->layers) fsdp::fully_shard(layer, *mesh, layer_opts);
+  if (splits_root(cfg, run_request(cfg))) llama::shard_embedding_and_head(model, *mesh, opts);
   auto root_opts = opts;
   // The loss is computed in fp32 whatever the compute dtype.
   if (cfg.fsdp.param_dtype != at::kFloat) root_opts.mp_policy().output_dtype(at::kFloat);

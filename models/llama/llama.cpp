@@ -77,7 +77,10 @@ BiasFreeLinearImpl::BiasFreeLinearImpl(int64_t in_features, int64_t out_features
 BiasFreeLinearImpl::BiasFreeLinearImpl(at::Tensor shared_weight)
     : weight(register_parameter("weight", std::move(shared_weight))) {}
 
-at::Tensor BiasFreeLinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight); }
+at::Tensor BiasFreeLinearImpl::forward(const at::Tensor& x, const at::Tensor& targets, int64_t chunk_tokens) {
+  if (chunk_tokens > 0) return fsdp::chunked_cross_entropy(x, weight, targets, chunk_tokens);
+  return at::linear(x, weight);
+}
 
 LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias, at::Device device)
     : weight(register_parameter("weight", at::empty({out_features, in_features}, at::TensorOptions().device(device)))) {
@@ -245,7 +248,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(T <= config_.max_position_embeddings, "Llama got a sequence of length ", T,
               " > max_position_embeddings=", config_.max_position_embeddings,
               "; raise max_position_embeddings in the config to run longer sequences");
-  auto h = embed_tokens(tokens);
+  auto h = fsdp::call(embed_tokens, tokens);
   // One rotary table for all layers, in the activations' dtype (as transformers passes
   // position_embeddings down). Under mixed precision fsdp::call casts it with the activations.
   const auto [cos, sin] = rotary_cos_sin(config_.head_dim(), config_.rope_theta, at::arange(T, tokens.options()),
@@ -272,14 +275,26 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, at::Device
   if (!device.is_meta()) init_weights();
 }
 
-at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) { return lm_head(fsdp::call(model, tokens)); }
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
+  return fsdp::call(lm_head, fsdp::call(model, tokens));
+}
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens, const at::Tensor& targets) {
   const at::Tensor h = fsdp::call(model, tokens);
-  if (loss_chunk_tokens_ == 0) return loss(lm_head(h), targets);
+  if (loss_chunk_tokens_ == 0) return loss(fsdp::call(lm_head, h), targets);
   TORCH_CHECK(targets.dim() == 2 && targets.sizes() == tokens.sizes(), "LlamaForCausalLM expects targets of the ",
               "tokens' shape ", tokens.sizes(), ", got ", targets.sizes());
-  return fsdp::chunked_cross_entropy(h, lm_head->weight, targets, loss_chunk_tokens_);
+  return fsdp::call(lm_head, h, targets, loss_chunk_tokens_);
+}
+
+void shard_embedding_and_head(LlamaForCausalLM& model, fsdp::DeviceMesh& mesh, const fsdp::FullyShardOptions& options) {
+  if (!can_shard_embedding_and_head(model->config())) {
+    throw fsdp::ConfigError(
+        "llama::shard_embedding_and_head: tie_word_embeddings is true, so lm_head.weight is "
+        "model.embed_tokens.weight and the two cannot be units of their own; leave them in the root");
+  }
+  fsdp::fully_shard(model->model->embed_tokens, mesh, options);
+  fsdp::fully_shard(model->lm_head, mesh, options);
 }
 
 void LlamaForCausalLMImpl::set_loss_chunk_tokens(int64_t tokens) {

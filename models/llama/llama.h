@@ -17,7 +17,9 @@
 //   fsdp::fully_shard(model, mesh, opts);
 //   auto loss = llama::loss(fsdp::call(model, tokens), targets);
 //
-// and the same model runs unsharded with no change (fsdp::call is then a plain forward).
+// and the same model runs unsharded with no change (fsdp::call is then a plain forward). The
+// embedding and the head are run through fsdp::call too, so that a model whose head is not tied to
+// its embedding may shard them as units of their own (shard_embedding_and_head), out of the root.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "fsdp/device_mesh.h"
 #include "fsdp/options.h"
 
 namespace llama {
@@ -130,7 +133,10 @@ class BiasFreeLinearImpl : public torch::nn::Module {
   BiasFreeLinearImpl(int64_t in_features, int64_t out_features, at::Device device);
   // Registers an existing tensor as "weight" (used to tie lm_head to the embedding).
   explicit BiasFreeLinearImpl(at::Tensor weight);
-  at::Tensor forward(const at::Tensor& x);
+  // x @ weight^T; with chunk_tokens > 0, the chunked loss of x against `targets` over this head
+  // instead (fsdp::chunked_cross_entropy): one forward, so that a head sharded as a unit of its own
+  // is gathered around it.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& targets = {}, int64_t chunk_tokens = 0);
   at::Tensor weight;
 };
 TORCH_MODULE(BiasFreeLinear);
@@ -269,6 +275,16 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   int64_t loss_chunk_tokens_ = 0;  // 0: whole logits
 };
 TORCH_MODULE(LlamaForCausalLM);
+
+// Shards the embedding and the head as units of their own (fsdp::fully_shard on
+// model.embed_tokens and lm_head), before the root is sharded: the root then holds the final norm
+// only. Each is gathered around its own forward (and backward), not for the whole step as the
+// root's parameters are: a frozen embedding never in backward, the head, the last unit to run,
+// from its forward through its backward. Refused (ConfigError) when tie_word_embeddings makes
+// them one tensor.
+void shard_embedding_and_head(LlamaForCausalLM& model, fsdp::DeviceMesh& mesh, const fsdp::FullyShardOptions& options);
+// Whether shard_embedding_and_head accepts this config (the head is not tied to the embedding).
+inline bool can_shard_embedding_and_head(const LlamaConfig& config) { return !config.tie_word_embeddings; }
 
 // Mean cross-entropy over every token, in fp32: logits [B, T, V], targets [B, T] int64 (a target
 // of -100 is ignored, as in transformers).

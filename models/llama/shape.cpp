@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <string>
 
+#include "fsdp/errors.h"
+
 namespace llama {
 namespace {
 
@@ -74,12 +76,13 @@ namespace {
 
 // The trained and frozen counts of the model with `lora`'s adapters, unit by unit (root first):
 // the model built on the meta device (no memory), adapted, and counted.
-void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, fsdp::ModelShape& shape) {
+void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, bool split_root, fsdp::ModelShape& shape) {
   LlamaForCausalLM meta(config, at::kMeta);
   const fsdp::LoraModel adapted = fsdp::lora(*meta, lora);
   const fsdp::ModelShape counted = fsdp::model_shape(
       *meta,
-      [](const std::string& name, torch::nn::Module&) {
+      [split_root](const std::string& name, torch::nn::Module&) {
+        if (split_root && (name == "model.embed_tokens" || name == "lm_head")) return true;
         return name.rfind("model.layers.", 0) == 0 && name.find('.', 13) == std::string::npos;
       },
       adapted.frozen_storage());
@@ -94,16 +97,25 @@ void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, fsdp::
 
 }  // namespace
 
-fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora, int64_t loss_chunk_tokens) {
+fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora, int64_t loss_chunk_tokens,
+                            bool split_root) {
+  if (split_root && !can_shard_embedding_and_head(config)) {
+    throw fsdp::ConfigError(
+        "llama::plan_shape: split_root with tie_word_embeddings: the embedding and the head are "
+        "one tensor and stay in the root");
+  }
   const ParamCounts counts = param_counts(config);
+  const int64_t table = config.vocab_size * config.hidden_size;
   fsdp::ModelShape shape;
   shape.name = config.model_type;
   fsdp::UnitShape root;
-  root.name = "root (embedding, final norm, lm_head)";
+  root.name = split_root ? "root (final norm)" : "root (embedding, final norm, lm_head)";
   root.is_root = true;
   root.checkpointable = false;
-  root.trainable_numel = counts.root;
-  root.largest_param_numel = config.vocab_size * config.hidden_size;
+  root.trainable_numel = split_root ? config.hidden_size : counts.root;
+  root.largest_param_numel = split_root ? config.hidden_size : table;
+  // What the root keeps and its backward's extra (the loss's) are the model's, whichever unit
+  // holds the head: the plan adds every unit's activations and takes the largest extra.
   root.activations = [config, loss_chunk_tokens](int64_t b, int64_t t, at::ScalarType d, bool) {
     return root_activation_bytes(config, b, t, d, loss_chunk_tokens);
   };
@@ -112,6 +124,14 @@ fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* 
     return loss_backward_bytes(config, b, t, d, loss_chunk_tokens, head_trained);
   };
   shape.units.push_back(root);
+  fsdp::UnitShape table_unit;
+  table_unit.checkpointable = false;
+  table_unit.trainable_numel = table;
+  table_unit.largest_param_numel = table;
+  if (split_root) {
+    table_unit.name = "model.embed_tokens";
+    shape.units.push_back(table_unit);
+  }
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     fsdp::UnitShape layer;
     layer.name = "model.layers." + std::to_string(i);
@@ -128,7 +148,11 @@ fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* 
     };
     shape.units.push_back(std::move(layer));
   }
-  if (lora != nullptr) count_lora(config, *lora, shape);
+  if (split_root) {
+    table_unit.name = "lm_head";
+    shape.units.push_back(table_unit);
+  }
+  if (lora != nullptr) count_lora(config, *lora, split_root, shape);
   return shape;
 }
 

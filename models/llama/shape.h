@@ -17,8 +17,10 @@ namespace llama {
 // base_dtype says; null: every parameter trained.
 // `loss_chunk_tokens` > 0: the head and the loss run that many tokens at a time
 // (LlamaForCausalLM::set_loss_chunk_tokens), and the root keeps no logits.
+// `split_root`: the embedding and the head are units of their own (shard_embedding_and_head): the
+// root (the final norm) first, then the embedding, the layers and the head, in forward order.
 fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora = nullptr,
-                            int64_t loss_chunk_tokens = 0);
+                            int64_t loss_chunk_tokens = 0, bool split_root = false);
 
 // Bytes kept for backward by one layer's forward over `batch` x `seq_len` tokens in `dtype`, and
 // by the rest of the model (embedding output, final norm, the logits and the loss's log-probabilities).

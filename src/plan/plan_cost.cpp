@@ -8,8 +8,9 @@
 //    follows it and the device keeps a working copy in the compute dtype. A frozen parameter is
 //    kept in its stored form (Note [Frozen storage]: the compute dtype by default, 2 bytes for
 //    bf16, 1 + 4/64 for int8, 0.5 + 4/64 for NF4) on the device, and is gathered in that form;
-//  - gathered parameters: the root's, kept from forward to backward, plus one layer computing and
-//    `prefetch_depth` layers prefetched, in the compute dtype;
+//  - gathered parameters, in the compute dtype, at the moment most are alive: the units that keep
+//    theirs from forward to backward (the root, the last unit) once they have run, plus the unit
+//    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak);
 //  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
 //    first, its embedding's last), one layer's is being filled and one is being reduced;
 //  - on the CPU, the two freed gather buffers kept for reuse (Note [Reusing freed host buffers]);
@@ -52,18 +53,25 @@ struct Sizes {
   // The same for gradients: trainable elements only (a frozen base has none).
   int64_t root_trainable = 0, layer_max_trainable = 0, largest_trainable = 0;
   int64_t unit_max = 0, unit_max_trainable = 0;
+  int64_t other_max_trainable = 0;  // the largest unit that is neither the root nor a layer (a head of its own)
   int64_t units = 0;
 };
 
+// The repeated units (the layers): the checkpointable ones when the model has any, beside which a
+// unit of its own for an embedding or a head is no layer.
 Sizes sizes_of(const ModelShape& shape) {
   Sizes s;
+  const bool any_checkpointable =
+      std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.checkpointable; });
   for (const auto& u : shape.units) {
     if (u.is_root) {
       s.root += u.numel();
       s.root_trainable += u.trainable_numel;
-    } else {
+    } else if (u.checkpointable || !any_checkpointable) {
       s.layer_max = std::max(s.layer_max, u.numel());
       s.layer_max_trainable = std::max(s.layer_max_trainable, u.trainable_numel);
+    } else {
+      s.other_max_trainable = std::max(s.other_max_trainable, u.trainable_numel);
     }
     const int64_t largest = u.largest_param_numel > 0 ? u.largest_param_numel : u.numel();
     s.largest_param = std::max(s.largest_param, largest);
@@ -114,6 +122,20 @@ int64_t frozen_bytes(const UnitShape& u, at::ScalarType param_dtype, int N) {
 
 bool replicated_trainable(const UnitShape& u, const PlanRequest& req) {
   return req.replicate_adapters && u.trainable_numel > 0 && u.frozen_numel > 0;
+}
+
+// Whether each unit runs backward: the root, a unit that trains, and every unit after one that
+// does (its input requires grad). A frozen embedding in front of the layers does not, and the
+// backward's prefetch passes it by (prefetch::Units::backward_done).
+std::vector<bool> runs_backward(const ModelShape& shape) {
+  std::vector<bool> out(shape.units.size());
+  bool trained_before = false;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const UnitShape& u = shape.units[i];
+    out[i] = u.is_root || u.trainable_numel > 0 || trained_before;
+    if (!u.is_root) trained_before = trained_before || u.trainable_numel > 0;
+  }
+  return out;
 }
 
 // What a unit holds between its forward and its backward, by the runtime's rules (Note [The last
@@ -174,12 +196,13 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
       s.optimizer += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
     }
   };
+  const std::vector<bool> backward = runs_backward(shape);
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
     // The root and the last unit to run forward keep their params for backward; a unit resharded to
     // a group gathers its parts in backward, reading no master.
     const AfterForward after = after_forward(u, i == last_layer, req, c, N);
-    const int gathers = after.keeps || after.group > 0 ? 1 : 2;
+    const int gathers = after.keeps || after.group > 0 || !backward[i] ? 1 : 2;
     // Replicated adapters (PlanRequest::replicate_adapters): whole on every rank, never gathered.
     const int64_t st = replicated_trainable(u, req) ? u.trainable_numel : ceil_div(u.trainable_numel, N);
     if (st > 0) add({true, false}, st, 4 * st, gathers);
@@ -225,6 +248,7 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
   int64_t gathers = 0, gathered = 0, reduced = 0, in_groups = 0, replicated = 0;
   const bool kept = c.keep_gathered && p.grad_accum_steps > 1;
   const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
+  const std::vector<bool> backward = runs_backward(shape);
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
     const bool whole = replicated_trainable(u, req);
@@ -234,7 +258,7 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
     // group, backward gathers the parts within it.
     const AfterForward after = after_forward(u, i == last_layer, req, c, N);
     const int k = kept ? 0 : after.group;
-    const int times = after.keeps ? 1 : 2;
+    const int times = after.keeps || !backward[i] ? 1 : 2;
     gathers += times;
     gathered += (kept ? 1 : (k > 0 ? 1 : times) * p.grad_accum_steps) * s;  // frozen shards in their stored form
     if (k > 0) in_groups += p.grad_accum_steps * (k - 1) * (gathered_bytes(u, req, N) / k);
@@ -282,6 +306,65 @@ bool keeps_all_after_forward(const ModelShape& shape, const PlanRequest& req, co
   return true;
 }
 
+// The most gathered parameters alive at once, in the compute dtype, and what they are: the units
+// that keep theirs from forward to backward (the root, the last unit) and have run forward, plus
+// the unit computing and the `prefetch_depth` after it, at every moment of forward and backward.
+// Units that run no backward (runs_backward) are not gathered in it.
+std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const PlanRequest& req, const Choices& c,
+                                              int N) {
+  const size_t n = shape.units.size();
+  const int64_t e = elem(req.param_dtype);
+  const std::vector<bool> backward = runs_backward(shape);
+  std::vector<bool> keeps(n);
+  for (size_t i = 0; i < n; ++i) keeps[i] = after_forward(shape.units[i], i + 1 == n, req, c, N).keeps;
+  int64_t best = -1;
+  std::string what;
+  const bool layers_only = std::all_of(shape.units.begin(), shape.units.end(),
+                                       [](const UnitShape& u) { return u.is_root || u.checkpointable; });
+  // The moment unit i computes: `order` lists the units in the direction of travel, from i.
+  auto moment = [&](size_t i, const std::vector<size_t>& order) {
+    int64_t bytes = 0, window = 0;
+    std::string held;
+    for (size_t j = 0; j < i; ++j) {
+      if (!keeps[j]) continue;
+      bytes += e * shape.units[j].numel();
+      held += (held.empty() ? "" : ", ") + (shape.units[j].is_root ? std::string("root") : shape.units[j].name);
+    }
+    int64_t taken = 0;
+    for (size_t j : order) {
+      if (taken > req.prefetch_depth) break;
+      ++taken;
+      bytes += e * shape.units[j].numel();
+      if (keeps[j] && j != i) continue;
+      ++window;
+    }
+    if (bytes > best) {
+      best = bytes;
+      what = (held.empty() ? std::string("") : held + " + ") + std::to_string(window) +
+             (layers_only ? " layer(s)" : " unit(s)");
+    }
+  };
+  for (size_t i = 0; i < n; ++i) {
+    if (shape.units[i].is_root) continue;
+    std::vector<size_t> order;
+    for (size_t j = i; j < n; ++j) order.push_back(j);
+    moment(i, order);
+  }
+  for (size_t i = n; i-- > 0;) {
+    if (shape.units[i].is_root || !backward[i]) continue;
+    std::vector<size_t> order;
+    for (size_t j = i + 1; j-- > 0;) {
+      if (j == i || (backward[j] && !keeps[j] && !shape.units[j].is_root)) order.push_back(j);
+    }
+    moment(i, order);
+  }
+  if (best < 0) {  // the root alone
+    for (size_t i = 0; i < n; ++i) best = std::max<int64_t>(best, 0) + e * shape.units[i].numel();
+    what = "root";
+  }
+  return {best, what};
+}
+
 // What the step itself allocates beyond the sharded states (Note [The planner's arithmetic]).
 void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, bool working_copy,
                      Plan& p) {
@@ -290,14 +373,13 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const int64_t e = elem(req.param_dtype);
   const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
   const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || working_copy;
-  const int64_t layers_alive = std::min<int64_t>(1 + req.prefetch_depth, std::max<int64_t>(z.units - 1, 0));
   if (keeps_all_after_forward(shape, req, c, N)) {
     if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
   } else if (gathers && c.keep_gathered && p.grad_accum_steps > 1) {
     ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
   } else if (gathers) {
-    ram.add("gathered params (root + " + std::to_string(layers_alive) + " layer(s))",
-            e * (z.root + layers_alive * z.layer_max));
+    const auto [bytes, what] = gathered_peak(shape, req, c, N);
+    ram.add("gathered params (" + what + ")", bytes);
   }
   const int64_t parts = post_forward_parts(shape, req, c, p.grad_accum_steps, N);
   if (parts > 0) {
@@ -309,7 +391,7 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const int64_t kept = req.seq_len > 0 ? activations(shape, req, c, &recompute, &extra) : 0;
   if (shape.trainable_numel() > 0) {
     ram.add("gradient buffers (root + " + std::to_string(grad_layers) + " layer(s))",
-            e * (z.root_trainable + grad_layers * z.layer_max_trainable));
+            e * (z.root_trainable + z.other_max_trainable + grad_layers * z.layer_max_trainable));
     // Made once the loss's backward (the root's backward extra) is over, and copied at once: alive
     // with the largest backward extra's moment only beyond it (measured: a 152k-token head, fp32,
     // whole and chunked logits).
@@ -332,8 +414,9 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
     if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
   }
   if (p.grad_accum_steps > 1 && !keeps_all && req.accumulation == Accumulation::kNoSync) {
-    ram.add("unreduced gradients across micro-batches",
-            e * (shape.trainable_numel() - z.root_trainable - grad_layers * z.layer_max_trainable));
+    ram.add(
+        "unreduced gradients across micro-batches",
+        e * (shape.trainable_numel() - z.root_trainable - z.other_max_trainable - grad_layers * z.layer_max_trainable));
   }
   const int replicas = req.ranks_per_node * req.nodes / N;
   if (p.grad_accum_steps > 1 && replicas > 1 && req.accumulation == Accumulation::kReduceScatter) {

@@ -22,7 +22,8 @@ class Units {
   // Starts the disk reads of the master shards the unit's all-gather will need.
   virtual void read_ahead(UnitIndex unit) = 0;
   // Its backward is over in the backward running now: nothing reads its params again this step, so
-  // the backward's prefetch passes it by (a root whose own backward ran first, e.g. a head alone).
+  // the backward's prefetch passes it by (a root whose own backward ran first, e.g. a head alone),
+  // or it will not run one (no output of its forward required grad: a frozen embedding).
   virtual bool backward_done(UnitIndex unit) const { return false; }
 };
 

@@ -139,6 +139,7 @@ at::Tensor ForwardScope::output(const at::Tensor& t) {
   const auto& dtype = unit_.options().mp_policy.output_dtype();
   if (dtype && out.defined() && out.is_floating_point() && out.scalar_type() != *dtype) out = out.to(*dtype);
   if (out.defined() && out.requires_grad()) {
+    unit_.output_hooked();
     std::weak_ptr<ShardedUnit> weak = unit_.weak_from_this();
     out.register_hook([weak](const at::Tensor&) {
       if (auto unit = weak.lock()) unit->pre_backward();

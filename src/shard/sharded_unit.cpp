@@ -175,7 +175,8 @@ class RootUnits final : public prefetch::Units {
     for (auto& fp : rs_.units[unit]->flat_params()) fp->read_ahead();
   }
   bool backward_done(prefetch::UnitIndex unit) const override {
-    return rs_.in_backward && rs_.units[unit]->training_state() == TrainingState::kPostBackward;
+    const ShardedUnit& u = *rs_.units[unit];
+    return rs_.in_backward && (u.training_state() == TrainingState::kPostBackward || !u.awaits_backward());
   }
 
  private:
@@ -468,6 +469,7 @@ void ShardedUnit::reset_after_backward() {
   std::fill(grads_landed_.begin(), grads_landed_.end(), 0);
   std::fill(post_backward_done_.begin(), post_backward_done_.end(), false);
   inputs_pending_ = inputs_seen_ = 0;
+  awaits_backward_ = false;
   state_ = TrainingState::kIdle;
 }
 

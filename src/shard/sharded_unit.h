@@ -156,6 +156,11 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // under activation checkpointing, whose recomputation gathers it again in backward.
   bool forward_had_grad() const { return forward_had_grad_; }
   TrainingState training_state() const { return state_; }
+  // An output of this step's forwards required grad (fsdp::call hooked it): its backward will run.
+  // False for a unit whose forward took no input and no param that requires grad (a frozen
+  // embedding): the backward's prefetch passes it by.
+  bool awaits_backward() const { return awaits_backward_; }
+  void output_hooked() { awaits_backward_ = true; }
   // Host bytes a read of this unit's disk-tier masters takes (0 without any).
   int64_t disk_master_bytes() const;
   // Explicit prefetch lists; when set they replace the recorded-order ones.
@@ -251,6 +256,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // Inputs of this step's forwards that require grad, and those whose gradient is still to come
   // (Note [When a unit's backward ends]).
   int inputs_seen_ = 0, inputs_pending_ = 0;
+  bool awaits_backward_ = false;  // awaits_backward(); cleared at the end of each backward
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // kept alive for the hooks
 
   // The dtype each buffer this unit casts had before the cast (what checkpoints hold).

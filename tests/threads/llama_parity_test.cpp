@@ -26,8 +26,9 @@ llama::LlamaConfig tiny_config(bool tied, const std::string& family = "llama") {
 
 // loss_chunk > 0: the sharded model's loss is chunked (LlamaForCausalLM::forward(tokens, targets),
 // fsdp::chunked_cross_entropy); the reference's stays the whole-logits llama::loss.
+// split: the embedding and the head sharded as units of their own (llama::shard_embedding_and_head).
 void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::string& family = "llama",
-                  int64_t loss_chunk = 0) {
+                  int64_t loss_chunk = 0, bool split = false) {
   const auto cfg = tiny_config(tied, family);
   constexpr int64_t kBatch = 12, kSeq = 9;  // global batch: 12 sequences, divisible by 1-4
   testing::run_threads(world, [&](const std::shared_ptr<Dist>& dist) {
@@ -40,7 +41,9 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
     model->set_loss_chunk_tokens(loss_chunk);
     auto opts = FullyShardOptions().strategy(strategy).init(init);
     for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
+    if (split) llama::shard_embedding_and_head(model, mesh, opts);
     auto root = fully_shard(model, mesh, opts);
+    if (split) ASSERT_EQ(fsdp::testing::units(*root).size(), cfg.num_hidden_layers + 3u);
     AdamW optim(root, AdamWOptions(3e-3).weight_decay(0.1));
 
     auto ref_params = llama::unique_parameters(*ref);
@@ -106,6 +109,52 @@ TEST(ParityLlama, TiedShardGradOpWorld3) { llama_parity(3, true, ShardingStrateg
 TEST(ParityLlama, ChunkedLossTiedAndUntiedWorld2) {
   llama_parity(2, true, ShardingStrategy::kFullShard, "llama", 5);
   llama_parity(2, false, ShardingStrategy::kFullShard, "qwen2", 16);
+}
+
+// The embedding and the head as units of their own, out of the root: the same training, with the
+// whole logits and with the chunked loss run inside the head's unit.
+TEST(ParityLlama, EmbeddingAndHeadAsUnitsWorld2) {
+  llama_parity(2, false, ShardingStrategy::kFullShard, "llama", 0, true);
+  llama_parity(2, false, ShardingStrategy::kFullShard, "qwen2", 16, true);
+}
+
+// A frozen embedding of its own (a LoRA base's) runs no backward: it is gathered once per step,
+// in forward, and the backward's prefetch passes it by; the head, the last unit, keeps its params
+// from forward to backward. All-gathers per step, one per flat param of a unit each time it is
+// gathered: the root, the embedding and the head once, each layer twice (the head runs last). The
+// tied config is refused, naming the tie.
+TEST(ParityLlama, AFrozenEmbeddingOfItsOwnIsGatheredInForwardOnly) {
+  const auto cfg = tiny_config(false);
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    llama::LlamaForCausalLM model(cfg, at::kMeta);
+    model->model->embed_tokens->weight.set_requires_grad(false);
+    auto opts = FullyShardOptions().init(llama::llama_init_fn(cfg, 5));
+    for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
+    llama::shard_embedding_and_head(model, mesh, opts);
+    auto root = fully_shard(model, mesh, opts);
+    const auto units = fsdp::testing::units(*root);
+    ASSERT_EQ(units.size(), cfg.num_hidden_layers + 3u);
+    uint64_t expected = 0;
+    for (const auto& unit : units) {
+      const bool layer = unit->prefix().find("layers.") != std::string::npos;
+      expected += (layer ? 2 : 1) * unit->flat_params().size();
+    }
+    auto tokens = at::randint(cfg.vocab_size, {2, 9}, at::make_generator<at::CPUGeneratorImpl>(7));
+    for (int step = 0; step < 3; ++step) {  // the first records the order the prefetch follows
+      const CommStats before = mesh.shard_group().stats();
+      llama::loss(fsdp::call(model, tokens), tokens).backward();
+      const CommStats d = mesh.shard_group().stats() - before;
+      if (step > 0) EXPECT_EQ(d.of(CollectiveKind::kAllGather).calls, expected) << "step " << step;
+    }
+    llama::LlamaForCausalLM tied(tiny_config(true), at::kMeta);
+    try {
+      llama::shard_embedding_and_head(tied, mesh, opts);
+      ADD_FAILURE() << "a tied head was split";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("tie_word_embeddings"), std::string::npos) << e.what();
+    }
+  });
 }
 
 }  // namespace

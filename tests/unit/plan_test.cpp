@@ -282,6 +282,43 @@ TEST(Plan, ReshardToAGroupHoldsTheLayersPartsAndGathersThemInTheGroup) {
   EXPECT_THROW(plan(shape, r), ConfigError);
 }
 
+// The embedding and the head as units of their own (llama::shard_embedding_and_head): the root
+// keeps the final norm only; the gathered peak is the largest moment, not the root's whole tables
+// beside the layers: in forward the embedding and the layer prefetched after it, in backward the
+// root, the head (the last unit keeps its params) and the layer prefetched. A frozen embedding (a
+// LoRA base) runs no backward: gathered once per step. A tied config cannot split.
+TEST(Plan, AnEmbeddingAndHeadOfTheirOwnAreGatheredAroundTheirOwnWork) {
+  llama::LlamaConfig c = mid();
+  c.tie_word_embeddings = false;
+  PlanRequest r = request(int64_t{8} << 30);
+  r.micro_batch = 4;
+  const LoraOptions lora = LoraOptions().r(8).base_dtype(FrozenStorage::kNF4);
+  for (const LoraOptions* l : {static_cast<const LoraOptions*>(nullptr), &lora}) {
+    const ModelShape whole = llama::plan_shape(c, l), split = llama::plan_shape(c, l, 0, true);
+    ASSERT_EQ(split.units.size(), whole.units.size() + 2);
+    EXPECT_EQ(split.numel(), whole.numel());
+    EXPECT_EQ(split.units.front().numel(), c.hidden_size);  // the final norm
+    EXPECT_EQ(split.units[1].name, "model.embed_tokens");
+    EXPECT_EQ(split.units.back().name, "lm_head");
+    const Plan a = plan(whole, r), b = plan(split, r);
+    auto item = [](const PlanTier& t, const std::string& prefix) {
+      for (const auto& [n, bytes] : t.items) {
+        if (n.rfind(prefix, 0) == 0) return bytes;
+      }
+      return int64_t{-1};
+    };
+    const int64_t e = 2, table = c.vocab_size * c.hidden_size, layer = whole.units[1].numel();
+    EXPECT_EQ(item(a.device, "gathered params (root + 2 layer(s))"), e * (2 * table + c.hidden_size + 2 * layer));
+    EXPECT_EQ(item(b.device, "gathered params (root"), e * (c.hidden_size + table + layer));
+    EXPECT_LT(b.device.total(), a.device.total()) << b.to_string();
+    // Gathers per micro-batch: root 1, embedding 1 (frozen) or 2, each layer 2 (the head runs last), head 1.
+    const int64_t layers = c.num_hidden_layers;
+    EXPECT_EQ(b.gathers_per_step, 1 + (l ? 1 : 2) + 2 * layers + 1);
+    EXPECT_EQ(a.gathers_per_step, 1 + 2 * layers - 1);
+  }
+  EXPECT_THROW(llama::plan_shape(mid(), nullptr, 0, true), ConfigError);
+}
+
 // Replicated adapters: the trainable elements of every unit with frozen ones whole on every rank
 // (master, gradient and both moments: 16 bytes each), all-reduced over every rank, never gathered.
 TEST(Plan, ReplicatedAdaptersHoldTheirWholeStateAndAreAllReduced) {

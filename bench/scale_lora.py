@@ -1,0 +1,162 @@
+"""bench/scale.py --lora nf4: a QLoRA scale run end to end on 2 ranks, at any published shape up to
+Llama-3.1-8B (16 GB of bf16 weights).
+
+The model directory is written one safetensors file at a time (bench/write_model.py: no process
+holds the whole model), the token file and dd's rates as in scale.py. Then, each in fresh processes
+under fsdp-run, OMP_NUM_THREADS=1 per rank, the files evicted from the page cache before each phase:
+  baseline       fsdp-train --init-only (the libraries, no model)
+  import         --init-from HF --steps 0 (the NF4 base stored as each flat param's tensors are read)
+  train          --steps 3 --save-dir CKPT (adapters only: lora.save_base false)
+  resume         --resume latest --steps 4 (the base imported again, the adapters loaded, one step)
+  export-adapter fsdp-ckpt export CKPT/step-00000004 ADAPTER (a PEFT adapter)
+  export-merged  fsdp-ckpt export --merged --dtype bfloat16 CKPT/step-00000004 MERGED (streams the base)
+  peft-check     a truncated copy of the config (--check-layers decoder layers, same tensors per
+                 layer): 2 steps of the same run, its adapter exported, transformers + peft's
+                 PeftModel.from_pretrained on the base in fp32, logits on a fixed prompt against
+                 fsdp-ckpt logits of the checkpoint (an unsharded fp32 reference of the whole 8B model
+                 does not fit this machine).
+LoRA r=16, alpha=32 on q,k,v,o,gate,up,down; the targets' weights in NF4, the rest of the base in the
+compute dtype; fp32 compute (fsdp.param_dtype float32: this CPU has no AVX-512, where LibTorch's bf16
+matmul runs at about a quarter of fp32's), activation checkpointing on every layer, AdamW, seq_len and
+batch per rank as given. fsdp.split_root "auto" (the embedding and the head as units of their own
+where the head is untied).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import scale
+from scale import MIB, dd_bandwidth, dir_bytes, parse_train_log, run_phase, say, warm
+
+LORA = ["--set", "lora.r=16", "--set", "lora.alpha=32", "--set", "lora.base_dtype=nf4"]
+CHECK_TOL = 1e-3  # fp32 on both sides, the same bf16 base values and adapters: only the order of operations differs
+
+
+def write_model(hf, model, layers=0):
+    cmd = [sys.executable, os.path.join(scale.ROOT, "bench", "write_model.py"), "--model", model, hf]
+    if layers:
+        cmd += ["--layers", str(layers)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    index = json.load(open(os.path.join(hf, "model.safetensors.index.json")))
+    return index["metadata"]["total_size"] // 2, len(set(index["weight_map"].values())), dir_bytes(hf)
+
+
+def peft_logits(base, adapter, tokens, out):
+    """(Run as a child: `scale.py --peft-logits BASE ADAPTER TOKENS OUT`) transformers + peft, fp32."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    model.eval()
+    with torch.no_grad():
+        np.save(out, model(input_ids=torch.from_numpy(np.load(tokens))).logits.float().numpy())
+
+
+def run_lora(args, spec, bin_dir, work):
+    import numpy as np
+    hf, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
+    adapter, merged = os.path.join(work, "adapter"), os.path.join(work, "merged")
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    say(f"{args.model}: writing the model from its published config (random bf16), one file at a time, in {hf}")
+    params, files, weights = write_model(hf, args.model)
+    vocab = spec["vocab_size"]
+    tokens = os.path.join(work, "train.bin")
+    np.random.default_rng(0).integers(0, vocab, size=args.tokens, dtype=np.uint32).tofile(tokens)
+    prompt = os.path.join(work, "prompt.npy")
+    np.save(prompt, np.random.default_rng(1).integers(0, vocab, size=(1, scale.PROMPT_LEN), dtype=np.int64))
+    say(f"{params / 1e6:.1f}M parameters, {weights / MIB:,.0f} MiB in {files} files; dd on as many bytes")
+    dd = dd_bandwidth(work, weights)
+    warm(bin_dir)
+    data = [hf, ckpt, adapter, merged, tokens]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    floor = args.mem_floor_mib * MIB
+    run = [os.path.join(bin_dir, "fsdp-run"), "--nproc-per-node", "2", "--timeout-s", "7200", "--"]
+
+    def train_cmd(hf_dir):
+        return [os.path.join(bin_dir, "fsdp-train"), "--init-from", hf_dir, *LORA,
+                "--set", "data.source=file", "--set", f"data.path={tokens}", "--set", "data.token_dtype=uint32",
+                "--set", f"data.seq_len={args.seq_len}", "--set", f"data.batch_size_per_rank={args.batch}",
+                "--set", "fsdp.param_dtype=float32", "--set", "train.activation_checkpointing=1",
+                "--set", "fsdp.timeout_s=900", "--set", "train.eval_every=0", "--set", "train.log_every=1"]
+
+    train = train_cmd(hf)
+    ckpt_tool = os.path.join(bin_dir, "fsdp-ckpt")
+    phases, ok = [], {}
+
+    def phase(name, cmd, metrics=None, trace=None, train_log=False):
+        res, out = run_phase(name, cmd, logs, env, floor, data)
+        if train_log:
+            parse_train_log(out, res, metrics, trace)
+        phases.append(res)
+        ok[name] = res["rc"] == 0
+        return res
+
+    base = phase("baseline", run + train + ["--init-only"], train_log=True)
+    phase("import", run + train + ["--steps", "0"], train_log=True)
+    m_train = os.path.join(work, "train.jsonl")
+    tr = phase("train", run + train + ["--steps", "3", "--save-dir", ckpt, "--metrics", m_train], m_train,
+               train_log=True)
+    m_res = os.path.join(work, "resume.jsonl")
+    if ok["train"]:
+        phase("resume", run + train + ["--steps", "4", "--save-dir", ckpt, "--resume", "latest", "--metrics", m_res],
+              m_res, train_log=True)
+    final = os.path.join(ckpt, "step-00000004" if ok.get("resume") else "step-00000003")
+    sizes = {"hf_bytes": dir_bytes(hf)}
+    if os.path.isdir(final):
+        sizes["checkpoint_step_bytes"] = dir_bytes(final)
+        phase("export-adapter", [ckpt_tool, "export", final, adapter])
+        if ok["export-adapter"]:
+            sizes["adapter_bytes"] = dir_bytes(adapter)
+        phase("export-merged", [ckpt_tool, "export", "--merged", "--dtype", "bfloat16", final, merged])
+        if ok["export-merged"]:
+            sizes["merged_bytes"] = dir_bytes(merged)
+            subprocess.run(["rm", "-rf", merged], check=False)  # 16 GB at 8B
+    logits = peft_check(args, bin_dir, work, env, floor, prompt, tokens, phase)
+    return {
+        "model": args.model, "lora": "nf4", "published_config": spec, "config_keys_dropped": [], "params": params,
+        "files": files, "weights_bytes": weights, "dd": dd, "phases": phases, "fsdp2": None, "sizes": sizes,
+        "logits": logits, "baseline_rss": base.get("peak_rss_bytes"),
+        "train_steps": (tr.get("steps") or []) + [s for p in phases if p["phase"] == "resume"
+                                                  for s in p.get("steps", [])[-1:]],
+        "conditions": (f"2 ranks on {os.cpu_count()} cores, OMP_NUM_THREADS=1; fsdp-run, shared-memory transport, "
+                       f"FULL_SHARD, QLoRA: r=16, alpha=32 on the seven projections, their weights in NF4, fp32 "
+                       f"compute (no AVX-512 here: LibTorch's bf16 matmul is about 4x slower than fp32's), "
+                       f"activation checkpointing on every layer, fsdp.split_root auto, AdamW, adapters-only "
+                       f"checkpoints, seq_len {args.seq_len}, batch {args.batch} per rank, random uint32 tokens; "
+                       f"before each phase the model, checkpoint, export and token files are evicted from the page "
+                       f"cache (posix_fadvise DONTNEED), the programs and their libraries read once before the "
+                       f"phases; nothing else ran on the machine"),
+    }
+
+
+def peft_check(args, bin_dir, work, env, floor, prompt, tokens, phase):
+    """The truncated model: fsdp's logits of a LoRA checkpoint against transformers + peft on its export."""
+    import numpy as np
+    hf = os.path.join(work, "hf-check")
+    ckpt, adapter = os.path.join(work, "ckpt-check"), os.path.join(work, "adapter-check")
+    write_model(hf, args.model, layers=args.check_layers)
+    run = [os.path.join(bin_dir, "fsdp-run"), "--nproc-per-node", "2", "--timeout-s", "3600", "--"]
+    train = [os.path.join(bin_dir, "fsdp-train"), "--init-from", hf, *LORA,
+             "--set", "data.source=file", "--set", f"data.path={tokens}", "--set", "data.token_dtype=uint32",
+             "--set", f"data.seq_len={args.seq_len}", "--set", "data.batch_size_per_rank=1",
+             "--set", "fsdp.param_dtype=float32", "--set", "train.eval_every=0", "--set", "optim.warmup_steps=0"]
+    ckpt_tool = os.path.join(bin_dir, "fsdp-ckpt")
+    phase("check-train", run + train + ["--steps", "2", "--save-dir", ckpt], train_log=True)
+    final = os.path.join(ckpt, "step-00000002")
+    ours, theirs = os.path.join(work, "logits-fsdp.npy"), os.path.join(work, "logits-peft.npy")
+    phase("check-export", [ckpt_tool, "export", final, adapter])
+    phase("check-logits-fsdp", [ckpt_tool, "logits", final, prompt, ours])
+    me = [sys.executable, os.path.join(scale.ROOT, "bench", "scale.py"), "--peft-logits", hf, adapter]
+    phase("check-logits-peft", me + [prompt, theirs])
+    name = (f"fsdp-ckpt logits(LoRA checkpoint, NF4 base decoded) vs transformers + peft fp32 (bf16 base + exported "
+            f"adapter), {args.check_layers} layers")
+    if not (os.path.exists(ours) and os.path.exists(theirs)):
+        return {name: {"error": "a side did not run", "ok": False}}
+    # The checkpoint holds the adapters; fsdp-ckpt logits runs them on the bf16 base it imports (the
+    # run's --init-from), as peft does: both sides have the same weights, in fp32.
+    scale_ = max(1.0, float(np.abs(np.load(ours)).max()))
+    return {name: scale.compare_logits(ours, theirs, CHECK_TOL * scale_)}
