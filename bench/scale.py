@@ -411,7 +411,9 @@ def report(r):
                       f"{c['argmax_agree']:.0%} ({c['clear_positions']}/{c['positions']} clear: "
                       f"{'all agree' if c['argmax_agree_where_clear'] else 'DIFFER'}) | {'yes' if c['ok'] else 'NO'} |")
         if r.get("lora"):
-            md.append("Both sides run the same bf16 base values and adapters in fp32; tolerance 1e-3 x max |logit|.")
+            b = max((c.get("lora_B_abs_max", 0) for c in r["logits"].values()), default=0)
+            md.append("Both sides run the same bf16 base values and the trained adapters (largest |lora_B| "
+                      f"{b:.3g}; it starts at zero) in fp32; tolerance 1e-3 x max |logit|.")
         md.append(f"Tolerances: {FP32_TOL} where both sides run the same bf16-stored weights in fp32 (only the order "
                   f"of operations differs); {BF16_REL_TOL} x max |logit| where one side has the fp32 master weights "
                   "and the other their bf16 export, or computes in bf16 (2^-9 relative rounding per weight or "

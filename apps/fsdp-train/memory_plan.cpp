@@ -70,6 +70,12 @@ int64_t disk_free_bytes(const std::string& path) {
   return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
 }
 
+namespace {
+int64_t pinned_host_budget = 0;  // pin_host_budget(); 0: read the machine each time
+}  // namespace
+
+void pin_host_budget(int64_t bytes) { pinned_host_budget = bytes; }
+
 fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int nodes) {
   fsdp::PlanRequest r;
   r.ranks_per_node = ranks_per_node;
@@ -101,7 +107,9 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
     r.nodes = cfg.fsdp.replicate;
   }
   const int64_t local = ranks_per_node;
-  r.budget.host_bytes = cfg.train.budget_host_bytes > 0 ? cfg.train.budget_host_bytes : host_available_bytes() / local;
+  r.budget.host_bytes = cfg.train.budget_host_bytes > 0 ? cfg.train.budget_host_bytes
+                        : pinned_host_budget > 0        ? pinned_host_budget
+                                                        : host_available_bytes() / local;
   r.budget.device_bytes = cfg.train.budget_device_bytes > 0 ? cfg.train.budget_device_bytes : int64_t{1} << 60;
   r.budget.disk_bytes =
       cfg.train.budget_disk_bytes > 0 ? cfg.train.budget_disk_bytes : disk_free_bytes(cfg.fsdp.offload.dir()) / local;

@@ -68,6 +68,9 @@ nlohmann::json lever_report(const MemoryPlan& plan, const MeasuredLevers& measur
 // The run's request to the library's planner (fsdp/plan.h): the config's choices fixed, the budgets
 // from train.budget (0: this machine's, below), `ranks_per_node` x `nodes` ranks.
 fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int nodes);
+// The host budget of later plans in this process: the one the run was checked against before it
+// allocated (after the load, the machine's available memory no longer includes the run's own).
+void pin_host_budget(int64_t bytes);
 // The plan of `cfg`'s run on the ranks the launcher's environment names (WORLD_SIZE,
 // LOCAL_WORLD_SIZE; none: one rank).
 fsdp::Plan plan_run(const TrainConfig& cfg);

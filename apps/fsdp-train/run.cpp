@@ -62,6 +62,7 @@ void check_plan(const TrainConfig& config) {
     throw std::invalid_argument("the run does not fit this machine's budgets (train.budget): " + plan.shortfall +
                                 " fsdp-train --plan prints the whole plan; train.budget.check=false runs it anyway.");
   }
+  pin_host_budget(run_request(config).budget.host_bytes);
   const std::string summary = plan_summary(plan);
   const char* rank = std::getenv("RANK");
   if (rank == nullptr || std::string(rank) == "0") std::printf("%s\n", summary.c_str());
