@@ -362,7 +362,7 @@ def report(r):
                     f"{ratio} | {above} | {mib(rd)} / {mib(wr)} | {rates} |")
     md = [f"# Scale run: {r['model']}{' QLoRA (NF4 base)' if r.get('lora') else ''} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
           f"of bf16 weights in {r['files']} files)", "",
-          f"Conditions: {r['conditions']}.", "",
+          f"Commit: {r.get('commit', 'not recorded')}. Conditions: {r['conditions']}.", "",
           f"Disk (dd, {dd['bytes'] / MIB:,.0f} MiB, same folder): write {dd['write_Bps'] / 1e6:,.0f} MB/s "
           f"(conv=fdatasync), read {dd['read_Bps'] / 1e6:,.0f} MB/s ({dd['read_cache']}).", "",
           "| phase | status | wall s | peak RSS per rank MiB | plan MiB | RSS / plan | (RSS - baseline) / plan | "
@@ -494,6 +494,10 @@ def main():
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", work], check=False)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    result["commit"] = commit.strip() + (" (with uncommitted changes)" if dirty else "")
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"scale-{args.model}" + ("-qlora" if args.lora else ""))
     with open(base + ".json", "w") as f:

@@ -225,6 +225,7 @@ void ShardedUnit::pre_forward() {
     for (ShardedUnit* unit : rs.units) {
       for (auto& fp : unit->flat_params_) fp->unguard_grads();  // Note [Guarded gradients]
       unit->inputs_pending_ = unit->inputs_seen_ = 0;           // a forward that no backward followed
+      unit->awaits_backward_ = false;
     }
     rs.order.begin_step();
     rs.step_trains = c10::GradMode::is_enabled();
@@ -233,6 +234,9 @@ void ShardedUnit::pre_forward() {
   }
   if (!recompute) rs.order.record(index_);
   if (recompute) rs.recomputed = true;
+  // A forward without gradients may be an activation checkpoint's, recomputed in backward: its
+  // backward may come, and the prefetch should not pass it by.
+  if (!c10::GradMode::is_enabled()) awaits_backward_ = true;
   forward_begin_ = std::chrono::steady_clock::now();
   join_round();
   // Our own gather goes first on the communicator's queue, the prefetches behind it.

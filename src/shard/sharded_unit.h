@@ -156,9 +156,10 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // under activation checkpointing, whose recomputation gathers it again in backward.
   bool forward_had_grad() const { return forward_had_grad_; }
   TrainingState training_state() const { return state_; }
-  // An output of this step's forwards required grad (fsdp::call hooked it): its backward will run.
-  // False for a unit whose forward took no input and no param that requires grad (a frozen
-  // embedding): the backward's prefetch passes it by.
+  // An output of this step's forwards required grad (fsdp::call hooked it), or a forward ran without
+  // gradients (an activation checkpoint's, recomputed in backward): its backward may run. False for
+  // a unit whose forward took no input and no param that requires grad (a frozen embedding): the
+  // backward's prefetch passes it by.
   bool awaits_backward() const { return awaits_backward_; }
   void output_hooked() { awaits_backward_ = true; }
   // Host bytes a read of this unit's disk-tier masters takes (0 without any).
