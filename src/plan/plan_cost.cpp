@@ -321,7 +321,7 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
   std::string what;
   const bool layers_only = std::all_of(shape.units.begin(), shape.units.end(),
                                        [](const UnitShape& u) { return u.is_root || u.checkpointable; });
-  // The moment unit i computes: `order` lists the units in the direction of travel, from i.
+  // The moment unit i computes: `order` lists i and the next prefetch_depth units in the direction of travel.
   auto moment = [&](size_t i, const std::vector<size_t>& order) {
     int64_t bytes = 0, window = 0;
     std::string held;
@@ -330,13 +330,9 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
       bytes += e * shape.units[j].numel();
       held += (held.empty() ? "" : ", ") + (shape.units[j].is_root ? std::string("root") : shape.units[j].name);
     }
-    int64_t taken = 0;
-    for (size_t j : order) {
-      if (taken > req.prefetch_depth) break;
-      ++taken;
+    for (size_t j : order) {  // the unit computing and the prefetched ones
       bytes += e * shape.units[j].numel();
-      if (keeps[j] && j != i) continue;
-      ++window;
+      if (j == i || !keeps[j]) ++window;
     }
     if (bytes > best) {
       best = bytes;
@@ -347,21 +343,18 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
   for (size_t i = 0; i < n; ++i) {
     if (shape.units[i].is_root) continue;
     std::vector<size_t> order;
-    for (size_t j = i; j < n; ++j) order.push_back(j);
+    for (size_t j = i; j < n && order.size() <= static_cast<size_t>(req.prefetch_depth); ++j) order.push_back(j);
     moment(i, order);
   }
   for (size_t i = n; i-- > 0;) {
     if (shape.units[i].is_root || !backward[i]) continue;
     std::vector<size_t> order;
-    for (size_t j = i + 1; j-- > 0;) {
+    for (size_t j = i + 1; j-- > 0 && order.size() <= static_cast<size_t>(req.prefetch_depth);) {
       if (j == i || (backward[j] && !keeps[j] && !shape.units[j].is_root)) order.push_back(j);
     }
     moment(i, order);
   }
-  if (best < 0) {  // the root alone
-    for (size_t i = 0; i < n; ++i) best = std::max<int64_t>(best, 0) + e * shape.units[i].numel();
-    what = "root";
-  }
+  if (best < 0) return {e * shape.numel(), "root"};  // the root alone
   return {best, what};
 }
 
