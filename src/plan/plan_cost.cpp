@@ -124,6 +124,13 @@ bool replicated_trainable(const UnitShape& u, const PlanRequest& req) {
   return req.replicate_adapters && u.trainable_numel > 0 && u.frozen_numel > 0;
 }
 
+// Elements of a unit that a gather makes anew in the compute dtype: replicated adapters computed in
+// fp32 from a master in no tier are their master (a one-rank group's flat param aliases it).
+int64_t gathered_numel(const UnitShape& u, const PlanRequest& req, const Choices& c) {
+  const bool aliased = replicated_trainable(u, req) && req.param_dtype == at::kFloat && c.params == OffloadTier::kNone;
+  return aliased ? u.frozen_numel : u.numel();
+}
+
 // Whether each unit runs backward: the root, a unit that trains, and every unit after one that
 // does (its input requires grad). A frozen embedding in front of the layers does not, and the
 // backward's prefetch passes it by (prefetch::Units::backward_done).
@@ -327,11 +334,11 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
     std::string held;
     for (size_t j = 0; j < i; ++j) {
       if (!keeps[j]) continue;
-      bytes += e * shape.units[j].numel();
+      bytes += e * gathered_numel(shape.units[j], req, c);
       held += (held.empty() ? "" : ", ") + (shape.units[j].is_root ? std::string("root") : shape.units[j].name);
     }
     for (size_t j : order) {  // the unit computing and the prefetched ones
-      bytes += e * shape.units[j].numel();
+      bytes += e * gathered_numel(shape.units[j], req, c);
       if (j == i || !keeps[j]) ++window;
     }
     if (bytes > best) {

@@ -345,6 +345,19 @@ TEST(Plan, ReplicatedAdaptersHoldTheirWholeStateAndAreAllReduced) {
   EXPECT_EQ(sharded.all_gather_bytes - replicated.all_gather_bytes, 2 * 2000 * (2 * 2 + 1));
   // 3 reduce-scatters of 1 x 2000 against 3 all-reduces of 2 x 4000 x (2 - 1) / 2.
   EXPECT_EQ(replicated.reduce_bytes - sharded.reduce_bytes, 3 * 4 * (4000 - 2000));
+  // bf16 compute casts a replicated adapter into a gathered copy; fp32 compute uses its master.
+  auto gathered = [](const Plan& p) {
+    for (const auto& [n, bytes] : p.device.items) {
+      if (n.rfind("gathered params", 0) == 0) return bytes;
+    }
+    return int64_t{-1};
+  };
+  EXPECT_EQ(gathered(replicated), gathered(sharded));
+  r.param_dtype = at::kFloat;
+  const Plan fp32_replicated = plan(shape, r);
+  r.replicate_adapters = false;
+  const Plan fp32_sharded = plan(shape, r);
+  EXPECT_EQ(gathered(fp32_sharded) - gathered(fp32_replicated), 4 * 2 * 4000) << fp32_replicated.to_string();
 }
 
 // Under hybrid sharding each way of accumulating costs what it moves: no_sync keeps the unsharded
