@@ -266,6 +266,17 @@ def parse_train_log(out, res, metrics, trace):
     if m:
         res["plan_bytes"] = float(m.group(1)) * MIB
         res["plan_line"] = "memory (RAM) per rank: " + m.group(1) + " MiB"
+    # The phases (Note [The load and the save]): the load's and a save's totals, and the plan's peak
+    # over them and the step, which a whole process's peak RSS is held to.
+    m = re.search(r"^\[rank 0\] the load \((\w+)\) per rank: ([0-9.]+) MiB", out, re.M)
+    if m:
+        res["plan_load_bytes"], res["plan_load_kind"] = float(m.group(2)) * MIB, m.group(1)
+    m = re.search(r"^\[rank 0\] a save per rank: ([0-9.]+) MiB", out, re.M)
+    if m:
+        res["plan_save_bytes"] = float(m.group(1)) * MIB
+    m = re.search(r"^\[rank 0\] peak per rank: ([0-9.]+) MiB, in the (\w+)", out, re.M)
+    if m:
+        res["plan_peak_bytes"], res["plan_peak_phase"] = float(m.group(1)) * MIB, m.group(2)
     m = re.search(r"^\[rank 0\] settings: (.*)$", out, re.M)
     if m:
         res["plan_settings"] = m.group(1).strip()
@@ -345,12 +356,20 @@ def mib(x):
     return f"{x / MIB:,.0f}" if x >= 100 * MIB else f"{x / MIB:.2g}" if x < MIB else f"{x / MIB:.1f}"
 
 
+def phase_plan(p):
+    """The plan a phase's whole process is held to: a run with no step (import) its load's, one with
+    steps the plan's peak over the load, the steps and a save; the step's alone in older results."""
+    if p.get("phase") == "import" and p.get("plan_load_bytes"):
+        return p["plan_load_bytes"]
+    return p.get("plan_peak_bytes") or p.get("plan_bytes")
+
+
 def report(r):
     dd = r["dd"]
     rows = []
     for p in r["phases"]:
         rss = p.get("peak_rss_bytes") or [p.get("maxrss_bytes")]
-        plan = p.get("plan_bytes")
+        plan = phase_plan(p)
         ratio = " / ".join(f"{x / plan:.2f}" for x in rss) if plan else "-"
         above = (" / ".join(f"{(x - b) / plan:.2f}" for x, b in zip(rss, r["baseline_rss"]))
                  if plan and r.get("baseline_rss") else "-")
@@ -367,7 +386,10 @@ def report(r):
           f"(conv=fdatasync), read {dd['read_Bps'] / 1e6:,.0f} MB/s ({dd['read_cache']}).", "",
           "| phase | status | wall s | peak RSS per rank MiB | plan MiB | RSS / plan | (RSS - baseline) / plan | "
           "read / written MiB | read / write MB/s (fraction of dd) |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+          "The plan column: for import (no step) the plan's load phase; for a run with steps the plan's peak "
+          "over its load, its steps and a save (`peak per rank` in fsdp-train's plan), where fsdp-train printed "
+          "one; before the plan had phases, the step's total.", ""]
     s = r.get("sizes", {})
     for p in r["phases"]:
         if "save_s" in p:

@@ -26,7 +26,7 @@ const char* kUsage =
     "usage: fsdp-plan (--hf-config DIR|FILE | --config FILE) [--set KEY=VALUE]...\n"
     "                 [--nproc-per-node N] [--nnodes M] [--device cpu|cuda] [--device-memory SIZE]\n"
     "                 [--host-memory SIZE] [--disk SIZE] [--seq-len T] [--batch B] [--dtype D] [--choose]\n"
-    "                 [--margin PCT]\n"
+    "                 [--margin PCT] [--load init|import|resume] [--save yes|no]\n"
     "\n"
     "Prints, per rank, the bytes each tier holds (device, host, disk), the bytes the collectives and\n"
     "the disk tier move per step, the assumptions, and whether the run fits the budgets.\n"
@@ -49,7 +49,10 @@ const char* kUsage =
     "  --dtype D           compute dtype, bfloat16 / float16 / float32 (--hf-config: bfloat16)\n"
     "  --choose            with --config: let the planner choose offload, checkpointing and micro-batch\n"
     "  --margin PCT        of the device's memory (on cpu the host's) held free when choosing, for what\n"
-    "                      the plan does not count (the allocator's slack, the data pipeline): 10% unless given\n";
+    "                      the plan does not count (the allocator's slack, the data pipeline): 10% unless given\n"
+    "  --load L            how the model gets its values, planned as a phase of its own: init, import\n"
+    "                      (foreign weights; --hf-config's default) or resume (--config's: init)\n"
+    "  --save yes|no       whether the run saves checkpoints, a phase of its own (yes)\n";
 
 struct Args {
   std::string hf, config;
@@ -59,6 +62,8 @@ struct Args {
   int64_t device_memory = 0, host_memory = 0, disk = 0, seq_len = 0, batch = 0;
   double margin = 0.10;
   bool choose = false;
+  std::string load;  // empty: import with --hf-config, init with --config
+  bool save = true;
 };
 
 struct UsageError : std::invalid_argument {
@@ -156,6 +161,9 @@ Args parse(int argc, char** argv) {
     else if (f == "--batch") a.batch = parse_count(f, v);
     else if (f == "--dtype") a.dtype = v;
     else if (f == "--margin") a.margin = parse_margin(f, v);
+    else if (f == "--load") a.load = v;
+    else if (f == "--save" && (v == "yes" || v == "no")) a.save = v == "yes";
+    else if (f == "--save") throw UsageError("--save " + v + ": yes or no");
     else throw UsageError("unknown flag " + f);
   }
   if (a.hf.empty() == a.config.empty()) throw UsageError("give one of --hf-config and --config");
@@ -245,6 +253,8 @@ int run(const Args& a) {
   if (a.disk > 0) cfg.train.budget_disk_bytes = a.disk;
   fsdp::PlanRequest req = train::plan_request(cfg, a.ranks_per_node, a.nodes);
   req.margin = a.margin;
+  req.load = fsdp::parse_load_kind(a.load.empty() ? (a.hf.empty() ? "init" : "import") : a.load);
+  req.saves = a.save;
   if (!a.hf.empty() || a.choose) {  // the planner chooses what no --set fixed
     const bool tiers = user_set(a, "fsdp.offload.params") || user_set(a, "fsdp.offload.grads") ||
                        user_set(a, "fsdp.offload.optimizer_state");

@@ -71,10 +71,17 @@ int64_t disk_free_bytes(const std::string& path) {
 }
 
 namespace {
-int64_t pinned_host_budget = 0;  // pin_host_budget(); 0: read the machine each time
+int64_t pinned_host_budget = 0;                   // pin_host_budget(); 0: read the machine each time
+fsdp::LoadKind run_load = fsdp::LoadKind::kInit;  // set_run_phases()
+bool run_saves = false;
 }  // namespace
 
 void pin_host_budget(int64_t bytes) { pinned_host_budget = bytes; }
+
+void set_run_phases(fsdp::LoadKind load, bool saves) {
+  run_load = load;
+  run_saves = saves;
+}
 
 fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int nodes) {
   fsdp::PlanRequest r;
@@ -98,6 +105,9 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.offload = cfg.fsdp.offload;
   r.prefetch_depth = static_cast<int>(cfg.fsdp.prefetch_depth);
   r.async_save = cfg.train.async_save;
+  r.load = run_load;
+  r.saves = run_saves;
+  r.save_frozen = !cfg.lora.enabled || cfg.lora.save_base;
   // HYBRID_SHARD shards over world / fsdp.replicate ranks and replicates across fsdp.replicate rows:
   // the planner's nodes and ranks per node, wherever the ranks run.
   const int world = ranks_per_node * nodes;

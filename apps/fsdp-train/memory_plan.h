@@ -71,6 +71,8 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
 // The host budget of later plans in this process: the one the run was checked against before it
 // allocated (after the load, the machine's available memory no longer includes the run's own).
 void pin_host_budget(int64_t bytes);
+// How this run loads its model and whether it saves: the plan's load and save phases.
+void set_run_phases(fsdp::LoadKind load, bool saves);
 // The plan of `cfg`'s run on the ranks the launcher's environment names (WORLD_SIZE,
 // LOCAL_WORLD_SIZE; none: one rank).
 fsdp::Plan plan_run(const TrainConfig& cfg);

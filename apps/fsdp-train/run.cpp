@@ -41,7 +41,10 @@ std::string plan_summary(const fsdp::Plan& plan) {
                      "memory " + mib(plan.device.total());
   if (!plan.host.items.empty()) line += ", host memory " + mib(plan.host.total());
   if (!plan.disk.items.empty()) line += ", disk " + mib(plan.disk.total());
-  return line + "; " + fsdp::base::first_line(plan.to_string());
+  line += "; " + fsdp::base::first_line(plan.to_string());
+  line += "; the load (" + std::string(fsdp::load_kind_name(plan.load_kind)) + ") " + mib(plan.load.total());
+  if (!plan.save.items.empty()) line += ", a save " + mib(plan.save.total());
+  return line + "; peak " + mib(plan.peak()) + " in the " + plan.peak_phase();
 }
 
 // Before the job joins and before anything is allocated: a run that cannot fit is refused on every
@@ -93,6 +96,10 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     // Opened and validated before joining the job: a bad data file fails at once, not after the
     // rendezvous.
     data.emplace(config.data, config.model.vocab_size, config.train.seed);
+    set_run_phases(!flags.resume.empty()      ? fsdp::LoadKind::kResume
+                   : !flags.init_from.empty() ? fsdp::LoadKind::kImport
+                                              : fsdp::LoadKind::kInit,
+                   !flags.save_dir.empty());
     if (flags.plan) return print_plan(config);
     if (!flags.init_only) check_plan(config);
   } catch (const std::exception& e) {

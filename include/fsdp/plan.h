@@ -113,6 +113,12 @@ enum class Accumulation {
 const char* accumulation_name(Accumulation a);             // "no_sync", "reduce_scatter", "reduce"
 Accumulation parse_accumulation(const std::string& name);  // throws ConfigError naming it
 
+// How a run's model gets its values: initialised shard by shard (FullyShardOptions::init), imported
+// from foreign weights (import_weights), or loaded from a checkpoint with its optimizer state.
+enum class LoadKind { kInit, kImport, kResume };
+const char* load_kind_name(LoadKind k);             // "init", "import", "resume"
+LoadKind parse_load_kind(const std::string& name);  // throws ConfigError naming it
+
 struct PlanRequest {
   int ranks_per_node = 1;
   int nodes = 1;
@@ -152,6 +158,11 @@ struct PlanRequest {
   // frozen ones (LoRA's adapters): whole on every rank, their gradients all-reduced over every rank.
   bool replicate_adapters = false;
   bool async_save = false;  // a host snapshot of params and state while saving
+  // The phases around the steps (Note [The load and the save]): how the model gets its values, and
+  // whether the run saves checkpoints, with the frozen parameters (SaveOptions::frozen_params) or not.
+  LoadKind load = LoadKind::kInit;
+  bool saves = false;
+  bool save_frozen = true;
   // How the plan names an option in its settings and its shortfall. The planner speaks in library
   // option names ("FullyShardOptions::strategy", "OffloadPolicy::params", "OffloadPolicy::grads",
   // "OffloadPolicy::optimizer_state", "MixedPrecisionPolicy::reduce_dtype",
@@ -185,6 +196,12 @@ struct Plan {
   // Peak bytes per rank: device memory (on CPU runs the process's RAM, which is also `host`), host
   // RAM, and disk-tier files.
   PlanTier device, host, disk;
+  // The load and the save (Note [The load and the save]), in the device tier's memory (on CPU runs
+  // the process's RAM); `save` is empty when the run saves nothing. fits counts the largest phase.
+  PlanTier load, save;
+  LoadKind load_kind = LoadKind::kInit;  // PlanRequest::load, for the printout
+  int64_t peak() const;                  // the largest of device.total(), load.total(), save.total()
+  const char* peak_phase() const;        // "step", "load" or "save": where peak() comes from
   // Per rank per step: bytes each rank sends in all-gathers and in reductions, and the disk tier's I/O.
   int64_t all_gather_bytes = 0, reduce_bytes = 0;
   // Of all_gather_bytes, what backward's gathers send inside groups of

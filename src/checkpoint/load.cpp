@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -91,14 +92,15 @@ void check_tensors(const std::string& dir, const FileSet& set, const Wanted& wan
 
 // Reads this rank's part of every tensor of the set into `target(flat)`.
 template <typename Target>
-void read_shards(const std::string& dir, const FileSet& set, const CheckpointLayout& layout, Target&& target) {
+void read_shards(const std::string& dir, const FileSet& set, const CheckpointLayout& layout, Target&& target,
+                 const std::function<void(size_t flat)>& tensor_done = nullptr) {
   std::map<std::string, File> files;
-  for (const auto& t : layout.tensors) {
+  auto read = [&](const ShardedTensorView& t) {
     const ShardTensor shard = target(t.flat);
     const at::Tensor& dst = shard.values();
-    if (!dst.defined()) continue;
+    if (!dst.defined()) return;
     const auto span = shard_span(layout.flats[t.flat].shard, t);
-    if (!span) continue;
+    if (!span) return;
     const std::string& file = set.index.weight_map.at(t.name);
     auto it = files.find(file);
     if (it == files.end()) it = files.emplace(file, File::open_read(join(dir, file))).first;
@@ -114,7 +116,7 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
         it->second.pread_all(host.data_ptr<float>(), n * sizeof(float), at_byte + a * sizeof(float));
         dst.narrow(0, span->shard_begin + a, n).copy_(host.narrow(0, 0, n));
       }
-      continue;
+      return;
     }
     if (shard.in_file()) {  // a disk-tier state: written by its tier, not paged in through its mapping
       ShardTensor::Writer out(shard, "the checkpoint load of " + t.name);
@@ -130,6 +132,10 @@ void read_shards(const std::string& dir, const FileSet& set, const CheckpointLay
       it->second.pread_all(dst.data_ptr<float>() + span->shard_begin, span->count * sizeof(float), at_byte);
     }
     shard.done(span->shard_begin, span->shard_begin + span->count);  // a disk tier: read, now on disk
+  };
+  for (const auto& t : layout.tensors) {
+    read(t);
+    if (tensor_done) tensor_done(t.flat);
   }
 }
 
@@ -241,17 +247,42 @@ CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout,
 // Reads into scratch shards first and copies when every read succeeded. The scratch is in the
 // master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
 // the copy lands in the existing storage, so an offloaded state stays offloaded.
+// Flat param by flat param, each copied into the model as soon as its last tensor is read: the
+// load holds one flat param's copy at a time, not a second copy of the model. A master is read
+// into a zeroed copy of its own; a frozen one kept in a stored form shows fresh fp32 memory
+// (FlatShardView::read_values set), which is zeroed and read into directly, then stored again and
+// freed.
 void copy_params(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
-  std::vector<ShardTensor> params;
-  for (const auto& slot : layout.flats) {
-    params.push_back(slot.shard.master.defined() ? slot.shard.master.zeros_like("checkpoint load") : ShardTensor());
-  }
-  read_shards(dir, model, layout, [&](size_t f) { return params[f]; });
-  for (size_t f = 0; f < layout.flats.size(); ++f) {
-    if (!params[f].defined()) continue;  // frozen, not in the checkpoint
-    layout.flats[f].shard.master.copy_from(params[f]);
+  const size_t n = layout.flats.size();
+  std::vector<ShardTensor> params(n);
+  std::vector<int64_t> left(n, 0);
+  for (const auto& t : layout.tensors) ++left[t.flat];
+  auto copy_of = [&](size_t f) {
+    const auto& slot = layout.flats[f].shard;
+    if (!params[f].defined() && slot.master.defined()) {
+      if (slot.read_values) {
+        slot.master.values().zero_();  // the padding too, which the stored form's last block encodes
+        params[f] = slot.master;
+      } else {
+        params[f] = slot.master.zeros_like("checkpoint load");
+      }
+    }
+    return params[f];
+  };
+  auto copy_in = [&](size_t f) {
+    const auto& slot = layout.flats[f].shard;
+    if (!slot.master.defined()) return;  // frozen, not in the checkpoint
+    if (!copy_of(f).values().is_same(slot.master.values())) slot.master.copy_from(params[f]);
     params[f] = ShardTensor();
-    if (layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
+    if (slot.master_written) slot.master_written();
+  };
+  read_shards(dir, model, layout, copy_of, [&](size_t f) {
+    if (--left[f] == 0) copy_in(f);
+  });
+  for (size_t f = 0; f < n; ++f) {
+    if (std::none_of(layout.tensors.begin(), layout.tensors.end(), [f](const auto& t) { return t.flat == f; })) {
+      copy_in(f);  // a flat param without tensors in the layout: zeros, as every element it has none of
+    }
   }
 }
 

@@ -37,6 +37,12 @@ constexpr base::Named<Accumulation> kAccumulations[] = {
     {Accumulation::kReduce, "reduce"},
 };
 
+constexpr base::Named<LoadKind> kLoadKinds[] = {
+    {LoadKind::kInit, "init"},
+    {LoadKind::kImport, "import"},
+    {LoadKind::kResume, "resume"},
+};
+
 int64_t sum(const std::vector<std::pair<std::string, int64_t>>& items) {
   int64_t t = 0;
   for (const auto& [name, bytes] : items) t = planning::add_bytes(t, bytes, "the sum of the items up to " + name);
@@ -49,6 +55,21 @@ const char* accumulation_name(Accumulation a) { return base::name_of(kAccumulati
 Accumulation parse_accumulation(const std::string& name) {
   if (auto a = base::value_of(kAccumulations, name)) return *a;
   throw ConfigError("fsdp: unknown accumulation '" + name + "' (expected " + base::names_text(kAccumulations) + ")");
+}
+
+const char* load_kind_name(LoadKind k) { return base::name_of(kLoadKinds, k, "unknown"); }
+
+LoadKind parse_load_kind(const std::string& name) {
+  if (auto k = base::value_of(kLoadKinds, name)) return *k;
+  throw ConfigError("fsdp: unknown load '" + name + "' (expected " + base::names_text(kLoadKinds) + ")");
+}
+
+int64_t Plan::peak() const { return std::max({device.total(), load.total(), save.total()}); }
+
+const char* Plan::peak_phase() const {
+  const int64_t step = device.total();
+  if (step >= load.total() && step >= save.total()) return "step";
+  return load.total() >= save.total() ? "load" : "save";
 }
 
 int64_t PlanTier::total() const {
@@ -319,7 +340,11 @@ std::string shortfall(const ModelShape& shape, const PlanRequest& r, const Plan&
       << ": short by " << gib(t.total() - budget) << "; its largest item is " << big->first << ", "
       << base::mib(big->second, 1) << ". ";
   };
-  check(cpu ? "RAM" : "device memory", p.device, (cpu ? r.budget.host_bytes : r.budget.device_bytes) - p.margin_bytes,
+  const std::string phase = p.peak_phase();
+  const PlanTier& peak = phase == "load" ? p.load : phase == "save" ? p.save : p.device;
+  const std::string what =
+      std::string(cpu ? "RAM" : "device memory") + (phase == "step" ? "" : " (in the " + phase + ")");
+  check(what.c_str(), peak, (cpu ? r.budget.host_bytes : r.budget.device_bytes) - p.margin_bytes,
         p.margin_bytes > 0 ? (cpu ? "host less the margin" : "device less the margin") : (cpu ? "host" : "device"));
   if (!cpu) check("host memory", p.host, r.budget.host_bytes, "host");
   check("disk", p.disk, r.budget.disk_bytes, "disk");
@@ -399,6 +424,14 @@ std::string Plan::to_string() const {
     s << "margin held free: " << base::mib(margin_bytes, 1) << " of " << (host.items.empty() ? "RAM" : "device memory")
       << ", kept out of the budget when choosing\n";
   }
+  auto phase = [&](const std::string& name, const PlanTier& t) {
+    if (t.items.empty()) return;
+    s << name << ": " << base::mib(t.total(), 1) << "\n";
+    for (const auto& [item, bytes] : t.items) s << "  " << item << ": " << base::mib(bytes, 1) << "\n";
+  };
+  phase(std::string("the load (") + load_kind_name(load_kind) + ") per rank", load);
+  phase("a save per rank", save);
+  s << "peak per rank: " << base::mib(peak(), 1) << ", in the " << peak_phase() << "\n";
   tier("host memory", host);
   tier("disk", disk);
   s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step

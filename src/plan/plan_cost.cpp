@@ -88,7 +88,9 @@ Sizes sizes_of(const ModelShape& shape) {
 // The per-rank bytes of the sharded states, by tier, and the offload I/O per step.
 struct States {
   offload::TierBytes tier;
+  offload::TierBytes loaded;  // what the load leaves (Note [The load and the save])
   int64_t master = 0, working = 0, grads = 0, optimizer = 0;
+  int64_t stored_largest = 0, stored_all = 0;  // stored frozen shards' fp32 values (4 bytes each)
   offload::StepIo io;
 };
 
@@ -195,6 +197,15 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     f.gathers_at_all = N > 1 || req.param_dtype != at::kFloat || where.master != OffloadTier::kNone;
     const offload::TierBytes held = offload::state_bytes(where, kind, f);
     for (int t = 0; t < 3; ++t) s.tier.bytes[t] += held.bytes[t];
+    s.loaded[where.master] += f.master_bytes;
+    if (where.working_copy) s.loaded[OffloadTier::kNone] += f.compute_bytes;
+    if (kind.trainable && req.load == LoadKind::kResume) {
+      s.loaded[where.optimizer_state] += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
+    }
+    if (kind.stored_frozen) {
+      s.stored_largest = std::max(s.stored_largest, 4 * shard_numel);
+      s.stored_all += 4 * shard_numel;
+    }
     s.io += offload::step_io(where, kind, f);
     s.master += master_bytes;
     if (where.working_copy) s.working += f.compute_bytes;
@@ -475,11 +486,21 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   add_working_set(shape, req, c, N, s.working > 0, p);
   host.add("disk tier's mapped window", p.disk_memory_budget);
   if (req.async_save) host.add("async save's snapshot", s.master + s.optimizer);
+  PhaseInputs phases;
+  phases.process = cpu ? req.process_host_bytes.value_or(default_process_host_bytes(req.device))
+                       : req.process_device_bytes.value_or(default_process_device_bytes(req.device));
+  phases.loaded = s.loaded[OffloadTier::kNone];
+  phases.at_rest = s.tier[OffloadTier::kNone];
+  phases.stored_largest = s.stored_largest;
+  phases.stored_all = s.stored_all;
+  phases.disk_window = cpu ? p.disk_memory_budget : 0;
+  phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;
+  add_phases(req, phases, p);
   p.io_per_step = {s.io.disk_read, s.io.disk_write, s.io.to_device, s.io.to_host};
   add_traffic(shape, req, c, N, p);
   const int64_t device_budget = cpu ? req.budget.host_bytes : req.budget.device_bytes;
   p.margin_bytes = static_cast<int64_t>(static_cast<double>(device_budget) * req.margin);
-  p.fits = p.device.total() <= device_budget - p.margin_bytes && (cpu || p.host.total() <= req.budget.host_bytes) &&
+  p.fits = p.peak() <= device_budget - p.margin_bytes && (cpu || p.host.total() <= req.budget.host_bytes) &&
            p.disk.total() <= req.budget.disk_bytes;
   return p;
 }

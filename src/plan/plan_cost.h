@@ -29,6 +29,19 @@ int shard_size_of(ShardingStrategy strategy, const PlanRequest& req);
 // plan); a negative `b` (a figure that wrapped around) is refused the same way.
 int64_t add_bytes(int64_t a, int64_t b, const std::string& what);
 
+// What the load and the save hold (Note [The load and the save], phases.cpp), per rank, in the
+// device tier's memory.
+struct PhaseInputs {
+  int64_t process = 0;         // the process's own memory
+  int64_t loaded = 0;          // the sharded states once loaded
+  int64_t at_rest = 0;         // the step's sharded states
+  int64_t stored_largest = 0;  // the largest stored frozen shard's fp32 values
+  int64_t stored_all = 0;      // every stored frozen shard's fp32 values
+  int64_t disk_window = 0;
+  int64_t snapshot = 0;  // an async save's
+};
+void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p);
+
 // Every figure of `choices` for `shape`; `fits` against the request's budgets, without a shortfall text.
 Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& choices);
 

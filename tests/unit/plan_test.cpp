@@ -502,5 +502,66 @@ TEST(Plan, TheMarginIsHeldFreeWhenChoosing) {
   EXPECT_NE(held.to_string().find("margin held free"), std::string::npos) << held.to_string();
 }
 
+// Note [The load and the save]: the load holds the states as loaded (no gradient, no optimizer
+// state unless resumed), the largest stored frozen shard in fp32 while it is stored, and an
+// import's staging; a save holds the step's states and, with the frozen params in the checkpoint,
+// every stored frozen shard in fp32. fits counts the largest phase, and the shortfall names it.
+TEST(Plan, TheLoadAndTheSaveArePhasesOfTheirOwn) {
+  ModelShape shape;
+  shape.units.push_back({"root", 1000, 0, {}, nullptr, nullptr, 0, true, false});
+  for (int i = 0; i < 3; ++i) {
+    shape.units.push_back({"layers." + std::to_string(i), 4000, 2000000, {{FrozenStorage::kNF4, 2000000}}});
+  }
+  PlanRequest r = request(int64_t{8} << 30);
+  r.param_dtype = at::kFloat;
+  r.micro_batch = 4;
+  r.strategy = ShardingStrategy::kFullShard;
+  r.offload = OffloadPolicy();
+  auto item = [](const PlanTier& t, const std::string& prefix) {
+    for (const auto& [n, bytes] : t.items) {
+      if (n.rfind(prefix, 0) == 0) return bytes;
+    }
+    return int64_t{-1};
+  };
+  const int64_t masters = 4 * (500 + 3 * 2000);
+  const int64_t nf4 = 3 * (500000 + 1000000 * 4 / 64);  // NF4: half a byte per value, an fp32 scale per 64
+  const int64_t window = 4 * 1000000, staging = int64_t{24} << 20;
+
+  r.load = LoadKind::kInit;
+  const Plan init = plan(shape, r);
+  EXPECT_EQ(item(init.load, "sharded states once loaded"), masters + nf4) << init.to_string();
+  EXPECT_EQ(item(init.load, "a stored frozen shard's fp32 values"), window);
+  EXPECT_EQ(init.load.total(), (100 << 20) + masters + nf4 + window);
+  EXPECT_TRUE(init.save.items.empty());  // saves nothing
+
+  r.load = LoadKind::kImport;
+  r.saves = true;
+  const Plan imported = plan(shape, r);
+  EXPECT_EQ(imported.load.total(), init.load.total() + staging);
+  // The save: the step's states (masters, gradients, two moments) and the base decoded whole.
+  EXPECT_EQ(item(imported.save, "sharded states"), item(imported.device, "sharded states not offloaded"));
+  EXPECT_EQ(item(imported.save, "every stored frozen shard's fp32 values"), 3 * window);
+  r.save_frozen = false;
+  EXPECT_EQ(item(plan(shape, r).save, "every stored frozen shard's fp32 values"), -1);
+
+  r.load = LoadKind::kResume;  // the optimizer's state is loaded too
+  EXPECT_EQ(plan(shape, r).load.total(), imported.load.total() + 2 * masters);
+
+  // A small model, whose import's staging outweighs its step: with a budget between the step's
+  // peak and the load's the load does not fit, and the shortfall says so.
+  for (auto& u : shape.units) {
+    if (!u.is_root) u.frozen_numel = u.frozen_by_storage[FrozenStorage::kNF4] = 100000;
+  }
+  r.load = LoadKind::kImport;
+  const Plan small = plan(shape, r);
+  ASSERT_STREQ(small.peak_phase(), "load") << small.to_string();
+  EXPECT_EQ(small.peak(), small.load.total());
+  r.budget.host_bytes = (small.device.total() + small.load.total()) / 2;
+  const Plan short_of_load = plan(shape, r);
+  EXPECT_FALSE(short_of_load.fits);
+  EXPECT_NE(short_of_load.shortfall.find("RAM (in the load)"), std::string::npos) << short_of_load.shortfall;
+  EXPECT_NE(short_of_load.to_string().find("peak per rank: "), std::string::npos);
+}
+
 }  // namespace
 }  // namespace fsdp
