@@ -13,7 +13,12 @@
 //    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak);
 //  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
 //    first, its embedding's last), one layer's is being filled and one is being reduced;
-//  - on the CPU, the two freed gather buffers kept for reuse (Note [Reusing freed host buffers]);
+//  - on the CPU, two freed blocks of a layer's trainable size kept for reuse (Note [Reusing freed
+//    host buffers]): a gradient buffer is freed when its reduction is collected, after the next
+//    gathers have taken what they needed, so blocks that size wait beside the live ones. A frozen
+//    part's gathered block does not: at the moments counted, the prefetch has just taken the one
+//    the unit before it freed. (Counting whole layers made the plan 15-21% too high for QLoRA at
+//    1B and 8B, where a layer's decoded fp32 base is the largest block: bench/results/scale-*.)
 //  - the disk tier's mapped window (its memory budget), which on the CPU counts in the RSS;
 //  - with accumulation, every unit's unreduced gradient buffer; with an async save, the snapshot.
 // Then the larger of two moments that do not overlap. At the start of backward: every unit's
@@ -49,7 +54,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t elem(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
 
 struct Sizes {
-  int64_t root = 0, layer_max = 0, largest_param = 0;
+  int64_t root = 0, largest_param = 0;
   // The same for gradients: trainable elements only (a frozen base has none).
   int64_t root_trainable = 0, layer_max_trainable = 0, largest_trainable = 0;
   int64_t unit_max = 0, unit_max_trainable = 0;
@@ -68,7 +73,6 @@ Sizes sizes_of(const ModelShape& shape) {
       s.root += u.numel();
       s.root_trainable += u.trainable_numel;
     } else if (u.checkpointable || !any_checkpointable) {
-      s.layer_max = std::max(s.layer_max, u.numel());
       s.layer_max_trainable = std::max(s.layer_max_trainable, u.trainable_numel);
     } else {
       s.other_max_trainable = std::max(s.other_max_trainable, u.trainable_numel);
@@ -418,7 +422,7 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
     ram.add("the root's reduction in flight (largest unit)", reducing, PlanTier::kBackwardEnd);
   }
   if (req.device == c10::kCPU && gathers && N > 1) {
-    ram.add("freed gather buffers kept for reuse (2)", 2 * e * z.layer_max);
+    ram.add("freed blocks of a layer's trainable size kept for reuse (2)", 2 * e * z.layer_max_trainable);
   }
   if (req.seq_len > 0) {
     ram.add("activations", kept - recompute, PlanTier::kBackwardStart);
