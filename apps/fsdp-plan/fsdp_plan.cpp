@@ -134,6 +134,11 @@ int parse_count(const std::string& flag, const std::string& v) {
   throw UsageError(flag + " " + v + ": must be a positive integer (at most 2147483647)");
 }
 
+bool parse_yes_no(const std::string& flag, const std::string& v) {
+  if (v != "yes" && v != "no") throw UsageError(flag + " " + v + ": yes or no");
+  return v == "yes";
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -162,8 +167,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--dtype") a.dtype = v;
     else if (f == "--margin") a.margin = parse_margin(f, v);
     else if (f == "--load") a.load = v;
-    else if (f == "--save" && (v == "yes" || v == "no")) a.save = v == "yes";
-    else if (f == "--save") throw UsageError("--save " + v + ": yes or no");
+    else if (f == "--save") a.save = parse_yes_no(f, v);
     else throw UsageError("unknown flag " + f);
   }
   if (a.hf.empty() == a.config.empty()) throw UsageError("give one of --hf-config and --config");

@@ -132,5 +132,17 @@ EOF
 record "the default 10% margin is held free when choosing and printed (plain total $total MiB, rc $rc0 then $rc10)" \
   $ok "$TMP/m0b.out" "$TMP/m10.out"
 
+# The load and the save as phases: --load and --save choose them; a bad value is a usage error.
+"${PLAN[@]}" "${BASE[@]}" --load resume --save no >"$TMP/phases.out" 2>&1
+rc=$?
+"${PLAN[@]}" "${BASE[@]}" --save maybe >"$TMP/phases-bad.out" 2>&1
+rc_bad=$?
+ok=0
+[ $rc -eq 0 ] && grep -q "^the load (resume) per rank: " "$TMP/phases.out" && ! grep -q "^a save per rank" "$TMP/phases.out" &&
+  grep -q "^peak per rank: .* in the step" "$TMP/phases.out" && [ $rc_bad -eq 2 ] &&
+  grep -q "\-\-save maybe: yes or no" "$TMP/phases-bad.out" && ok=1
+record "fsdp-plan --load resume --save no plans a resume and no save; --save maybe is refused" $ok "$TMP/phases.out" \
+  "$TMP/phases-bad.out"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
