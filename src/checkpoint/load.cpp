@@ -244,14 +244,12 @@ CheckedFiles check_files(const std::string& dir, const CheckpointLayout& layout,
 
 // ---- copying: into the live tensors, once everything is validated
 
-// Reads into scratch shards first and copies when every read succeeded. The scratch is in the
-// master shard's tier (a disk-tier file for a disk-tier master: no RAM copy of the state), and
-// the copy lands in the existing storage, so an offloaded state stays offloaded.
 // Flat param by flat param, each copied into the model as soon as its last tensor is read: the
 // load holds one flat param's copy at a time, not a second copy of the model. A master is read
-// into a zeroed copy of its own; a frozen one kept in a stored form shows fresh fp32 memory
-// (FlatShardView::read_values set), which is zeroed and read into directly, then stored again and
-// freed.
+// into a zeroed scratch shard in its own tier (a disk-tier file for a disk-tier master: no RAM
+// copy), copied into the existing storage, so an offloaded state stays offloaded. A frozen one
+// kept in a stored form shows fresh fp32 memory (FlatShardView::read_values set), which is zeroed
+// and read into directly, then stored again and freed.
 void copy_params(const std::string& dir, const FileSet& model, const CheckpointLayout& layout) {
   const size_t n = layout.flats.size();
   std::vector<ShardTensor> params(n);
@@ -276,14 +274,12 @@ void copy_params(const std::string& dir, const FileSet& model, const CheckpointL
     params[f] = ShardTensor();
     if (slot.master_written) slot.master_written();
   };
+  for (size_t f = 0; f < n; ++f) {
+    if (left[f] == 0) copy_in(f);  // no tensor of it in the layout: zeros
+  }
   read_shards(dir, model, layout, copy_of, [&](size_t f) {
     if (--left[f] == 0) copy_in(f);
   });
-  for (size_t f = 0; f < n; ++f) {
-    if (std::none_of(layout.tensors.begin(), layout.tensors.end(), [f](const auto& t) { return t.flat == f; })) {
-      copy_in(f);  // a flat param without tensors in the layout: zeros, as every element it has none of
-    }
-  }
 }
 
 // Every rank reads the buffers whole (they are replicated) and copies them in, cast to the live
