@@ -277,6 +277,9 @@ def parse_train_log(out, res, metrics, trace):
     m = re.search(r"^\[rank 0\] peak per rank: ([0-9.]+) MiB, in the (\w+)", out, re.M)
     if m:
         res["plan_peak_bytes"], res["plan_peak_phase"] = float(m.group(1)) * MIB, m.group(2)
+    m = re.search(r"^\[rank 0\] an export \(fsdp-ckpt export: one process, not a rank\): ([0-9.]+) MiB", out, re.M)
+    if m:
+        res["plan_export_bytes"] = float(m.group(1)) * MIB
     m = re.search(r"^\[rank 0\] settings: (.*)$", out, re.M)
     if m:
         res["plan_settings"] = m.group(1).strip()
@@ -356,20 +359,24 @@ def mib(x):
     return f"{x / MIB:,.0f}" if x >= 100 * MIB else f"{x / MIB:.2g}" if x < MIB else f"{x / MIB:.1f}"
 
 
-def phase_plan(p):
+def phase_plan(p, export_plan=None):
     """The plan a phase's whole process is held to: a run with no step (import) its load's, one with
-    steps the plan's peak over the load, the steps and a save; the step's alone in older results."""
+    steps the plan's peak over the load, the steps and a save; the step's alone in older results; an
+    export (fsdp-ckpt, one process) the plan's export, as the training run printed it."""
     if p.get("phase") == "import" and p.get("plan_load_bytes"):
         return p["plan_load_bytes"]
+    if p.get("phase", "").startswith("export"):
+        return export_plan
     return p.get("plan_peak_bytes") or p.get("plan_bytes")
 
 
 def report(r):
     dd = r["dd"]
     rows = []
+    export_plan = next((p["plan_export_bytes"] for p in r["phases"] if p.get("plan_export_bytes")), None)
     for p in r["phases"]:
         rss = p.get("peak_rss_bytes") or [p.get("maxrss_bytes")]
-        plan = phase_plan(p)
+        plan = phase_plan(p, export_plan)
         ratio = " / ".join(f"{x / plan:.2f}" for x in rss) if plan else "-"
         above = (" / ".join(f"{(x - b) / plan:.2f}" for x, b in zip(rss, r["baseline_rss"]))
                  if plan and r.get("baseline_rss") else "-")

@@ -31,14 +31,20 @@ uint64_t parse_shard_size(const std::string& text);       // Note [Export shards
 void check_out_dir(const std::string& out);
 
 using Shapes = std::map<std::string, std::vector<int64_t>>;
-// A tensor's fp32 values whole, or an undefined tensor to copy it from the checkpoint's F32 model
-// files in chunks.
-using WholeFn = std::function<at::Tensor(const std::string& name)>;
-// Writes `names` as Note [Export shards] splits them into `out`; returns the file names, and the
-// data bytes in `total`.
+// Rows [first, first + count) of a tensor (along its first dimension) as fp32 values, or an
+// undefined tensor to read them from the checkpoint's F32 model files. Export asks for at most
+// fsdp::kExportChunkBytes of fp32 values at a time (one row when a row is larger).
+using RowsFn = std::function<at::Tensor(const std::string& name, int64_t first, int64_t count)>;
+// Writes `names` as Note [Export shards] splits them into `out`, chunk by chunk of rows; returns the
+// file names, and the data bytes in `total`.
 std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::vector<std::string>& names,
                                            const std::string& out, at::ScalarType dtype, uint64_t max_bytes,
-                                           uint64_t& total, const Shapes& shapes, const WholeFn& whole = nullptr);
+                                           uint64_t& total, const Shapes& shapes, const RowsFn& rows = nullptr);
+// The number of elements in one row (first dimension) of `shape`; 1 for a scalar.
+int64_t row_numel(const std::vector<int64_t>& shape);
+// `count` values of `dtype` at `offset` of dir/file, read straight into a tensor of their own.
+at::Tensor read_values(const std::string& dir, const std::string& file, uint64_t offset, int64_t count,
+                       at::ScalarType dtype);
 
 // Note [Tokenizer files]: where they come from ("" for nowhere), and the copy.
 std::string tokenizer_source(const ExportArgs& e, const Checkpoint& ckpt, const llama::LlamaConfig& config);

@@ -13,6 +13,7 @@
 // tokens, and transformers' defaults (1 and 2) would claim otherwise. "dtype" is the export's.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cinttypes>
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include "ckpt_view.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
+#include "fsdp/plan.h"
 #include "hf.h"
 #include "npy.h"
 #include "safetensors/torch_dtypes.h"
@@ -40,10 +42,6 @@ using fsdp::io::join;
 using nlohmann::json;
 namespace st = fsdp::safetensors;
 
-namespace {
-constexpr uint64_t kCopyChunk = 64 << 20;
-}  // namespace
-
 void check_out_dir(const std::string& out) {
   if (fsdp::io::exists(out)) {
     if (!fsdp::io::is_dir(out)) throw CheckpointError("export: " + out + " exists and is not a directory");
@@ -54,11 +52,25 @@ void check_out_dir(const std::string& out) {
   fsdp::io::make_dirs(out);
 }
 
+int64_t row_numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+at::Tensor read_values(const std::string& dir, const std::string& file, uint64_t offset, int64_t count,
+                       at::ScalarType dtype) {
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(dtype));
+  read_bytes_into(dir, file, offset, static_cast<uint64_t>(t.nbytes()), t.data_ptr());
+  return t;
+}
+
 // Writes the safetensors file `path` with `names` (in that order) converted to `dtype` (round to
-// nearest even, as torch's .to()): each from `whole` when it gives the tensor, else copied from the
-// checkpoint's F32 model file set chunk by chunk. Returns the data bytes written.
+// nearest even, as torch's .to()), a chunk of rows at a time (Note [The load and the save] counts
+// its window): each chunk from `rows` when it gives one, else read from the checkpoint's F32 model
+// file set. Returns the data bytes written.
 uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>& names, const std::string& path,
-                          at::ScalarType dtype, const Shapes& shapes, const WholeFn& whole) {
+                          at::ScalarType dtype, const Shapes& shapes, const RowsFn& rows) {
   const st::DType out_dtype = st::from_scalar_type(dtype);
   const uint64_t out_item = st::itemsize(out_dtype);
   std::vector<st::TensorSpec> specs;
@@ -67,22 +79,28 @@ uint64_t write_model_file(const Checkpoint& ckpt, const std::vector<std::string>
   auto f = fsdp::io::File::open_write(path, /*create_truncate=*/true);
   f.truncate(plan.file_size);
   f.pwrite_all(plan.header_bytes.data(), plan.header_bytes.size(), 0);
-  std::string buf;
   uint64_t total = 0;
   for (const auto& n : names) {
     const auto* dst = plan.header.find(n);
     total += dst->nbytes();
-    if (at::Tensor values = whole ? whole(n) : at::Tensor(); values.defined()) {
-      const at::Tensor out = values.to(dtype).contiguous();
-      f.pwrite_all(out.data_ptr(), dst->nbytes(), plan.header.data_start() + dst->begin);
-      continue;
-    }
-    const auto& src = ckpt.model().tensors.at(n);
-    for (uint64_t done = 0; done < src.entry.nbytes(); done += buf.size()) {
-      read_bytes(ckpt.dir, src.file, src.offset + done, std::min(kCopyChunk, src.entry.nbytes() - done), buf);
-      const int64_t count = static_cast<int64_t>(buf.size() / sizeof(float));
-      const at::Tensor out = at::from_blob(buf.data(), {count}, at::kFloat).to(dtype).contiguous();
-      f.pwrite_all(out.data_ptr(), count * out_item, plan.header.data_start() + dst->begin + done / 4 * out_item);
+    const std::vector<int64_t>& shape = shapes.at(n);
+    const int64_t row = row_numel(shape), row_count = shape.empty() ? 1 : shape[0];
+    if (row == 0) continue;
+    const int64_t per_chunk = std::max<int64_t>(1, fsdp::kExportChunkBytes / 4 / row);
+    for (int64_t first = 0; first < row_count; first += per_chunk) {
+      const int64_t count = std::min(per_chunk, row_count - first);
+      const uint64_t begin = static_cast<uint64_t>(first * row), elems = static_cast<uint64_t>(count * row);
+      at::Tensor values = rows ? rows(n, first, count) : at::Tensor();
+      if (!values.defined()) {
+        const auto& src = ckpt.model().tensors.at(n);
+        values = read_values(ckpt.dir, src.file, src.offset + begin * 4, static_cast<int64_t>(elems), at::kFloat);
+      }
+      const at::Tensor out = values.reshape({-1}).to(dtype).contiguous();
+      if (static_cast<uint64_t>(out.numel()) != elems) {
+        throw CheckpointError("export: " + n + ": a chunk of " + std::to_string(count) + " rows gave " +
+                              std::to_string(out.numel()) + " values, expected " + std::to_string(elems));
+      }
+      f.pwrite_all(out.data_ptr(), elems * out_item, plan.header.data_start() + dst->begin + begin * out_item);
     }
   }
   f.sync();
@@ -154,7 +172,7 @@ std::vector<std::vector<std::string>> split_into_shards(const std::vector<std::s
 
 std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::vector<std::string>& names,
                                            const std::string& out, at::ScalarType dtype, uint64_t max_bytes,
-                                           uint64_t& total, const Shapes& shapes, const WholeFn& whole) {
+                                           uint64_t& total, const Shapes& shapes, const RowsFn& rows) {
   const uint64_t item = st::itemsize(st::from_scalar_type(dtype));
   std::vector<uint64_t> bytes;
   for (const auto& n : names) {
@@ -170,7 +188,7 @@ std::vector<std::string> write_model_files(const Checkpoint& ckpt, const std::ve
     char name[64];
     std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
     files.push_back(shards.size() == 1 ? "model.safetensors" : name);
-    total += write_model_file(ckpt, shards[i], join(out, files.back()), dtype, shapes, whole);
+    total += write_model_file(ckpt, shards[i], join(out, files.back()), dtype, shapes, rows);
     for (const auto& n : shards[i]) index.weight_map[n] = files.back();
   }
   if (shards.size() > 1) {

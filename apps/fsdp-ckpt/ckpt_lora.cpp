@@ -47,18 +47,21 @@ std::vector<std::string> adapted_modules(const Checkpoint& ckpt) {
   return out;
 }
 
-// A tensor of the checkpoint's F32 model files, whole.
-at::Tensor read_f32(const Checkpoint& ckpt, const std::string& name) {
+// Rows [first, first + count) of a tensor of the checkpoint's F32 model files (count -1: all).
+at::Tensor read_f32(const Checkpoint& ckpt, const std::string& name, int64_t first = 0, int64_t count = -1) {
   const auto it = ckpt.model().tensors.find(name);
   if (it == ckpt.model().tensors.end()) throw CheckpointError("fsdp-ckpt: " + ckpt.dir + " has no tensor " + name);
-  std::string buf;
-  read_bytes(ckpt.dir, it->second.file, it->second.offset, it->second.entry.nbytes(), buf);
-  return at::from_blob(buf.data(), {static_cast<int64_t>(buf.size() / 4)}, at::kFloat)
-      .clone()
-      .view(it->second.entry.shape);
+  std::vector<int64_t> shape = it->second.entry.shape;
+  const int64_t row = row_numel(shape);
+  if (count >= 0 && !shape.empty()) shape[0] = count;
+  const int64_t elems = count >= 0 ? count * row : static_cast<int64_t>(it->second.entry.nbytes() / 4);
+  return read_values(ckpt.dir, it->second.file, it->second.offset + static_cast<uint64_t>(first * row) * 4, elems,
+                     at::kFloat)
+      .view(shape);
 }
 
-// A Hugging Face directory's tensors (the base a LoRA run imported), read whole as fp32.
+// A Hugging Face directory's tensors (the base a LoRA run imported), read a chunk of rows at a time
+// as fp32.
 struct HfWeights : st::FileSet {
   std::string dir;
 
@@ -72,7 +75,8 @@ struct HfWeights : st::FileSet {
     static_cast<st::FileSet&>(*this) = std::move(*found);
   }
 
-  at::Tensor read(const std::string& name, const std::vector<int64_t>& shape) const {
+  // Rows [first, first + count) of `name`, whose shape must be `shape`.
+  at::Tensor read_rows(const std::string& name, const std::vector<int64_t>& shape, int64_t first, int64_t count) const {
     const auto it = index.weight_map.find(name);
     if (it == index.weight_map.end()) throw CheckpointError("fsdp-ckpt: export --merged: " + dir + " has no " + name);
     const st::Header& h = headers.at(it->second);
@@ -81,11 +85,13 @@ struct HfWeights : st::FileSet {
       throw CheckpointError("fsdp-ckpt: export --merged: " + dir + ": " + name +
                             " does not have the checkpoint model's shape (another base model?)");
     }
-    std::string buf;
-    read_bytes(dir, it->second, h.data_start() + e->begin, e->nbytes(), buf);
-    const at::ScalarType t = st::to_scalar_type(e->dtype);
-    const int64_t n = static_cast<int64_t>(e->nbytes() / st::itemsize(e->dtype));
-    return at::from_blob(buf.data(), {n}, t).to(at::kFloat).view(shape);
+    const uint64_t item = st::itemsize(e->dtype), row = static_cast<uint64_t>(row_numel(shape));
+    std::vector<int64_t> rows_shape = shape;
+    if (!rows_shape.empty()) rows_shape[0] = count;
+    return read_values(dir, it->second, h.data_start() + e->begin + static_cast<uint64_t>(first) * row * item,
+                       count * static_cast<int64_t>(row), st::to_scalar_type(e->dtype))
+        .to(at::kFloat)
+        .view(rows_shape);
   }
 };
 
@@ -163,6 +169,34 @@ int export_adapter(const Checkpoint& ckpt, const ExportArgs& e, const json& lora
   return 0;
 }
 
+// The merged model's rows, for write_model_files: an adapted weight's rows W[rows] + B[rows] A *
+// scaling, the base's rows from the directory the run imported when the checkpoint does not hold
+// it, else none (read from the checkpoint).
+struct MergedRows {
+  const Checkpoint& ckpt;
+  const HfWeights* hf;  // null: the base is in the checkpoint
+  std::set<std::string> adapted;
+  double scaling;
+  const Shapes& shapes;
+  std::string cached_module;  // whose adapters lora_a, lora_b hold: read once for all its chunks
+  at::Tensor lora_a, lora_b;
+
+  at::Tensor operator()(const std::string& name, int64_t first, int64_t count) {
+    const std::string module = fsdp::base::ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : "";
+    const bool merge = adapted.count(module) != 0;
+    if (!merge && hf == nullptr) return at::Tensor();
+    at::Tensor w =
+        hf == nullptr ? read_f32(ckpt, name, first, count) : hf->read_rows(name, shapes.at(name), first, count);
+    if (!merge) return w;
+    if (cached_module != module) {
+      lora_a = read_f32(ckpt, fsdp::lora_adapter_name(module, fsdp::LoraWeight::kA));
+      lora_b = read_f32(ckpt, fsdp::lora_adapter_name(module, fsdp::LoraWeight::kB));
+      cached_module = module;
+    }
+    return w.addmm_(lora_b.narrow(0, first, count), lora_a, /*beta=*/1.0, /*alpha=*/scaling);
+  }
+};
+
 int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora) {
   const llama::LlamaConfig config = model_config(ckpt);
   const std::vector<std::string> modules = adapted_modules(ckpt);
@@ -185,24 +219,16 @@ int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora)
     }
     hf = std::make_unique<HfWeights>(extra["init_from"]["dir"].get<std::string>());
   }
-  const std::set<std::string> adapted(modules.begin(), modules.end());
-  const WholeFn whole = [&](const std::string& name) {
-    const std::string module = fsdp::base::ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : "";
-    const bool merge = adapted.count(module) != 0;
-    if (!merge && in_ckpt) return at::Tensor();  // copied from the checkpoint in chunks
-    at::Tensor w = in_ckpt ? read_f32(ckpt, name) : hf->read(name, shapes.at(name));
-    if (merge)
-      w = w + at::matmul(read_f32(ckpt, fsdp::lora_adapter_name(module, fsdp::LoraWeight::kB)),
-                         read_f32(ckpt, fsdp::lora_adapter_name(module, fsdp::LoraWeight::kA))) *
-                  scaling;
-    return w;
+  MergedRows merged{ckpt, hf.get(), std::set<std::string>(modules.begin(), modules.end()), scaling, shapes};
+  const RowsFn rows = [&merged](const std::string& name, int64_t first, int64_t count) {
+    return merged(name, first, count);
   };
   const std::string tokenizer_dir = tokenizer_source(e, ckpt, config);
   check_out_dir(e.out);  // and makes it
   uint64_t bytes = 0;
   std::string files = "config.json";
   for (const auto& f : write_model_files(ckpt, names, e.out, scalar_type_of(dtype), parse_shard_size(e.max_shard_size),
-                                         bytes, shapes, whole))
+                                         bytes, shapes, rows))
     files += ", " + f;
   if (!tokenizer_dir.empty()) {
     for (const auto& name : copy_tokenizer_files(tokenizer_dir, e.out)) files += ", " + name;

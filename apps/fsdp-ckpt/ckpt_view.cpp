@@ -104,12 +104,16 @@ Checkpoint open_checkpoint(const std::string& path) {
   return ckpt;
 }
 
-void read_bytes(const std::string& dir, const std::string& file, uint64_t offset, uint64_t bytes, std::string& out) {
-  out.resize(bytes);
+void read_bytes_into(const std::string& dir, const std::string& file, uint64_t offset, uint64_t bytes, void* out) {
   auto f = fsdp::io::File::open_read(join(dir, file));
   for (uint64_t done = 0; done < bytes; done += std::min(kReadChunk, bytes - done)) {
-    f.pread_all(out.data() + done, std::min(kReadChunk, bytes - done), offset + done);
+    f.pread_all(static_cast<char*>(out) + done, std::min(kReadChunk, bytes - done), offset + done);
   }
+}
+
+void read_bytes(const std::string& dir, const std::string& file, uint64_t offset, uint64_t bytes, std::string& out) {
+  out.resize(bytes);
+  read_bytes_into(dir, file, offset, bytes, out.data());
 }
 
 llama::LlamaConfig model_config(const Checkpoint& ckpt) {

@@ -74,6 +74,8 @@ Checkpoint open_checkpoint(const std::string& path);
 // Reads `bytes` bytes at `offset` of dir/file into `out` in chunks (bounded memory for callers
 // that stream). Throws CheckpointError on a short file or an IO error, naming the file.
 void read_bytes(const std::string& dir, const std::string& file, uint64_t offset, uint64_t bytes, std::string& out);
+// The same into `out`, which holds at least `bytes`.
+void read_bytes_into(const std::string& dir, const std::string& file, uint64_t offset, uint64_t bytes, void* out);
 
 // The model section of the fsdp-train config saved with the checkpoint (train_state.json
 // extra.config.model). Throws CheckpointError when it is missing or not a valid LlamaConfig.

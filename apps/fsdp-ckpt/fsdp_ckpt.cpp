@@ -7,7 +7,7 @@
 //   fsdp-ckpt export [--dtype T] [--tokenizer-dir D] DIR OUT
 //                                  a Hugging Face directory of the model's family, in dtype T
 //                                  (Note [Hugging Face config]), with the tokenizer files
-//                                  (Note [Tokenizer files])
+//                                  (Note [Tokenizer files]); last, the process's peak RSS
 //   fsdp-ckpt logits DIR TOK OUT   logits of the unsharded model for int64 tokens (.npy in and out);
 //                                  DIR may also be a Hugging Face model directory
 //
@@ -18,6 +18,7 @@
 #include <exception>
 #include <string>
 
+#include "base/host_malloc.h"
 #include "ckpt_commands.h"
 #include "ckpt_view.h"
 
@@ -49,6 +50,19 @@ constexpr const char* kUsage =
     "DIR: a checkpoint directory, or a save root whose 'latest' names one.\n"
     "Exit status: 0 ok, 1 problems found / differences / errors, 2 usage errors (diff: also unreadable input).\n";
 
+// The process's peak RSS (VmHWM), which fsdp-train's plan counts for an export (its "an export"
+// phase); read before exit, whose library teardown touches pages of its own.
+void print_peak_rss() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return;
+  char line[256];
+  long long kib = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr && std::sscanf(line, "VmHWM: %lld kB", &kib) != 1) {
+  }
+  std::fclose(f);
+  if (kib >= 0) std::printf("peak RSS: %.1f MiB\n", static_cast<double>(kib) / 1024);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -59,11 +73,18 @@ int main(int argc, char** argv) {
   }
   const std::string command = argv[1];
   const Args args(argv + 2, argv + argc);
+  // As a training process's: buffers of 4 MiB and more return to the system when freed, so an
+  // export's chunks do not stay resident in the heap (Note [Host malloc settings]).
+  fsdp::base::tune_host_malloc();
   try {
     if (command == "info") return run_info(args);
     if (command == "verify") return run_verify(args);
     if (command == "diff") return run_diff(args);
-    if (command == "export") return run_export(args);
+    if (command == "export") {
+      const int rc = run_export(args);
+      print_peak_rss();
+      return rc;
+    }
     if (command == "logits") return run_logits(args);
     throw UsageError("unknown command '" + command + "'");
   } catch (const UsageError& e) {

@@ -5,6 +5,7 @@
 // every rank stops after the step in flight and saves a checkpoint with --save-dir). Errors go to
 // stderr as "fsdp-train: error: <what>".
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -47,6 +48,26 @@ std::string plan_summary(const fsdp::Plan& plan) {
   return line + "; peak " + mib(plan.peak()) + " in the " + plan.peak_phase();
 }
 
+// Half-precision compute on a CPU without bf16 / fp16 matrix instructions (AVX512-BF16, AMX, AVX512-FP16):
+// LibTorch's products of that dtype take a slow path there (measured at 100-400x float32's time on
+// an AVX2 CPU, docs/NOTES.md), which a user should hear of before the first step, not after.
+std::string slow_half_note(const TrainConfig& config) {
+  const at::ScalarType t = config.fsdp.param_dtype;
+  if (config.fsdp.device != "cpu" || (t != at::kBFloat16 && t != at::kHalf)) return "";
+  const auto caps = at::cpu::get_cpu_capabilities();
+  auto has = [&](const char* key) {
+    const auto it = caps.find(key);
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  };
+  const bool native =
+      t == at::kBFloat16 ? has("avx512_bf16") || has("amx_bf16") : has("avx512_fp16") || has("amx_fp16");
+  if (native) return "";
+  const std::string name = t == at::kBFloat16 ? "bfloat16" : "float16";
+  return "note: fsdp.param_dtype=" + name + " on a CPU without " + name + " matrix instructions: LibTorch's " + name +
+         " products take a slow path here (100-400x float32's time on an AVX2 CPU); "
+         "fsdp.param_dtype=float32 computes faster at twice the gathered bytes";
+}
+
 // Before the job joins and before anything is allocated: a run that cannot fit is refused on every
 // rank. A run that goes on prints its plan first (rank 0) and leaves it where a launcher looks
 // after a rank that died without a word (FSDP_RUN_PLAN_FILE, set by fsdp-run).
@@ -68,7 +89,10 @@ void check_plan(const TrainConfig& config) {
   pin_host_budget(run_request(config).budget.host_bytes);
   const std::string summary = plan_summary(plan);
   const char* rank = std::getenv("RANK");
-  if (rank == nullptr || std::string(rank) == "0") std::printf("%s\n", summary.c_str());
+  if (rank == nullptr || std::string(rank) == "0") {
+    std::printf("%s\n", summary.c_str());
+    if (const std::string note = slow_half_note(config); !note.empty()) std::printf("%s\n", note.c_str());
+  }
   if (const char* file = std::getenv("FSDP_RUN_PLAN_FILE"); file != nullptr && *file != '\0') {
     if (std::FILE* f = std::fopen(file, "w")) {
       std::fprintf(f, "%s\n", summary.c_str());

@@ -119,6 +119,10 @@ enum class LoadKind { kInit, kImport, kResume };
 const char* load_kind_name(LoadKind k);             // "init", "import", "resume"
 LoadKind parse_load_kind(const std::string& name);  // throws ConfigError naming it
 
+// fsdp-ckpt export's window: at most this many bytes of a tensor's fp32 values at a time (its rows
+// read, converted and written in chunks of this size).
+constexpr int64_t kExportChunkBytes = int64_t{64} << 20;
+
 struct PlanRequest {
   int ranks_per_node = 1;
   int nodes = 1;
@@ -199,6 +203,10 @@ struct Plan {
   // The load and the save (Note [The load and the save]), in the device tier's memory (on CPU runs
   // the process's RAM); `save` is empty when the run saves nothing. fits counts the largest phase.
   PlanTier load, save;
+  // fsdp-ckpt export (a Hugging Face directory, a merged LoRA model) of this model's checkpoint:
+  // one process on the machine, not a rank, so not in peak(). It converts each tensor a chunk of
+  // rows at a time (kExportChunkBytes of fp32 values at most).
+  PlanTier exporting;
   LoadKind load_kind = LoadKind::kInit;  // PlanRequest::load, for the printout
   int64_t peak() const;                  // the largest of device.total(), load.total(), save.total()
   const char* peak_phase() const;        // "step", "load" or "save": where peak() comes from

@@ -168,7 +168,19 @@ void write_shards(SaveJob& job, const std::string& tmp) {
     const std::vector<Run> runs = runs_for(job, kind, plan);
     if (runs.empty()) continue;  // every shard here is a replica another rank writes
     DirectWriter out(join(tmp, kind + ".safetensors"));
-    for (const Run& run : runs) {
+    // A stored frozen shard's fp32 values exist from its first run to its last (drop_values set:
+    // its view shows unfilled memory), one flat param's at a time as the units' runs follow.
+    std::vector<size_t> last_run(job.layout.flats.size(), runs.size());
+    for (size_t i = 0; i < runs.size(); ++i) last_run[runs[i].flat] = i;
+    std::vector<bool> filled(job.layout.flats.size(), false);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Run& run = runs[i];
+      const FlatShardView& view = job.layout.flats[run.flat].shard;
+      const bool lazy = kind == "model" && view.drop_values && view.read_values;
+      if (lazy && !filled[run.flat]) {
+        view.read_values();
+        filled[run.flat] = true;
+      }
       ShardTensor src = source_for(job, kind, run.flat);
       int64_t from = run.shard_begin;
       if (!src.defined()) {  // state not created yet: zeros
@@ -180,6 +192,7 @@ void write_shards(SaveJob& job, const std::string& tmp) {
                   run.at + (at - from) * static_cast<int64_t>(sizeof(float)));
       };
       src.read(from, from + run.count, write, "checkpoint '" + job.name + "' (" + kind + ")");
+      if (lazy && last_run[run.flat] == i) view.drop_values();
     }
     out.finish();
   }
@@ -293,6 +306,9 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
   if (!options.frozen_params()) omit_frozen(model);
   job.layout = make_layout(model, optimizer);
   job.data = collect_shards(job.layout, copy);
+  if (copy) {  // the snapshots hold the stored frozen shards' values: nothing to fill when writing
+    for (auto& slot : job.layout.flats) slot.shard.drop_values = nullptr;
+  }
   job.state = state;
   job.options = options;
   job.group = &model.dist->side_group("checkpoint");

@@ -9,11 +9,22 @@
 //    one such copy at a time, the largest counted. An import converts the source's values through
 //    a staging buffer of 4M elements (fp32 and bf16: 24 MiB).
 //  - The save. Every state of the step, and with the frozen params in the checkpoint
-//    (SaveOptions::frozen_params) the fp32 values of every stored frozen shard at once, which the
-//    checkpoint's view of the model decodes before it writes.
+//    (SaveOptions::frozen_params) the fp32 values of one stored frozen shard, which the save
+//    decodes just before writing it and frees after (one at a time, the largest counted).
 // Both add the process and the disk tier's mapped window. Not counted: the writer's and reader's
 // page cache (not the process's memory).
+//
+// A third, Plan::exporting, is not a rank's: fsdp-ckpt export, one process on the machine, after the
+// run. It converts each tensor a chunk of rows at a time, kExportChunkBytes of fp32 values at most
+// (less for a smaller tensor), read into a tensor of their own (a bf16 source's rows are converted
+// and freed at once) and cast for writing: a chunk's fp32 values and half a chunk as bf16 or fp16
+// (a float32 export writes the values themselves). A merged LoRA export adds the module's two
+// adapters in fp32, read whole for each chunk's W[rows] + B[rows] A * scaling.
 #include "plan/plan_cost.h"
+
+#include <algorithm>
+
+#include "base/strings.h"
 
 namespace fsdp::planning {
 
@@ -31,11 +42,17 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
   load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
   if (req.load != LoadKind::kInit) load.add("the conversion's staging", kImportStaging);
   load.add("disk tier's mapped window", in.disk_window);
+  const int64_t chunk = std::min(kExportChunkBytes, 4 * in.largest_param);
+  p.exporting.add("process (libraries)", in.process);
+  p.exporting.add("a chunk of a tensor's rows in fp32 (" + base::mib(chunk, 1) + ") and in bf16 for writing",
+                  chunk + chunk / 2);
+  if (in.has_frozen && in.largest_trainable > 0)
+    p.exporting.add("a module's adapters in fp32 (a merged export; counted as a unit's)", 4 * in.largest_trainable);
   if (!req.saves) return;
   PlanTier& save = p.save;
   save.add("process (libraries, communicator, threads)", in.process);
   save.add("sharded states (the step's)", in.at_rest);
-  if (req.save_frozen) save.add("every stored frozen shard's fp32 values (the checkpoint holds them)", in.stored_all);
+  if (req.save_frozen) save.add("a stored frozen shard's fp32 values while written (the largest)", in.stored_largest);
   save.add("disk tier's mapped window", in.disk_window);
   save.add("async save's snapshot", in.snapshot);
 }

@@ -432,6 +432,7 @@ std::string Plan::to_string() const {
   phase(std::string("the load (") + load_kind_name(load_kind) + ") per rank", load);
   phase("a save per rank", save);
   s << "peak per rank: " << base::mib(peak(), 1) << ", in the " << peak_phase() << "\n";
+  phase("an export (fsdp-ckpt export: one process, not a rank)", exporting);
   tier("host memory", host);
   tier("disk", disk);
   s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step

@@ -94,7 +94,7 @@ struct States {
   offload::TierBytes tier;
   offload::TierBytes loaded;  // what the load leaves (Note [The load and the save])
   int64_t master = 0, working = 0, grads = 0, optimizer = 0;
-  int64_t stored_largest = 0, stored_all = 0;  // stored frozen shards' fp32 values (4 bytes each)
+  int64_t stored_largest = 0;  // the largest stored frozen shard's fp32 values (4 bytes each)
   offload::StepIo io;
 };
 
@@ -208,7 +208,6 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     }
     if (kind.stored_frozen) {
       s.stored_largest = std::max(s.stored_largest, 4 * shard_numel);
-      s.stored_all += 4 * shard_numel;
     }
     s.io += offload::step_io(where, kind, f);
     s.master += master_bytes;
@@ -496,9 +495,12 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   phases.loaded = s.loaded[OffloadTier::kNone];
   phases.at_rest = s.tier[OffloadTier::kNone];
   phases.stored_largest = s.stored_largest;
-  phases.stored_all = s.stored_all;
   phases.disk_window = cpu ? p.disk_memory_budget : 0;
   phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;
+  const Sizes z = sizes_of(shape);
+  phases.largest_param = z.largest_param;
+  phases.largest_trainable = z.largest_trainable;
+  phases.has_frozen = shape.trainable_numel() < shape.numel();
   add_phases(req, phases, p);
   p.io_per_step = {s.io.disk_read, s.io.disk_write, s.io.to_device, s.io.to_host};
   add_traffic(shape, req, c, N, p);

@@ -50,20 +50,21 @@ void ShardTensor::Writer::finish() { w_->finish(); }
 
 namespace {
 
-// A frozen param kept in a stored form (Note [Frozen storage]) shows the checkpoint fp32 values:
-// its decoded shard (`values`), or fresh memory to be written (pages untouched until then); once
-// written, master_written stores them again and lets the fp32 copy go.
+// A frozen param kept in a stored form (Note [Frozen storage]) shows the checkpoint fp32 values in
+// fresh memory, its pages untouched until written: a save decodes the shard into it (read_values)
+// just before writing it and frees it after (drop_values), so that one such copy exists at a time;
+// a load writes it, and master_written stores the values again and lets the fp32 copy go.
 FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
   at::Tensor fp32 =
-      values ? flat->frozen_values()
-             : at::empty({flat->shard_numel()}, at::TensorOptions().dtype(at::kFloat).device(flat->config().device));
+      at::empty({flat->shard_numel()}, at::TensorOptions().dtype(at::kFloat).device(flat->config().device));
   auto release = [flat, fp32] {
     flat->store_frozen(fp32);
     fp32.storage().unsafeGetStorageImpl()->reset();
   };
   FlatShardView v{
       ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release, nullptr};
-  if (!values) v.read_values = [flat, fp32]() mutable { fp32.copy_(flat->frozen_values()); };
+  v.read_values = [flat, fp32] { flat->frozen_values_into(fp32); };
+  if (values) v.drop_values = [fp32] { fp32.storage().unsafeGetStorageImpl()->reset(); };
   v.index = index;
   return v;
 }

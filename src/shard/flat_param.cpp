@@ -184,11 +184,12 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) 
   residency_->materialized();
 }
 
-at::Tensor FlatParam::frozen_values() const {
-  at::Tensor values = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(config_.device));
-  if (needs_encode_) return values.zero_();  // not materialised yet
-  frozen::decode(config_.storage, residency_->master(), values);
-  return values;
+void FlatParam::frozen_values_into(const at::Tensor& out) const {
+  if (needs_encode_) {
+    out.zero_();  // not materialised yet
+    return;
+  }
+  frozen::decode(config_.storage, residency_->master(), out);
 }
 
 void FlatParam::store_frozen(const at::Tensor& values) {

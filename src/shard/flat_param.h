@@ -102,8 +102,9 @@ class FlatParam {
 
   // ---- a frozen param kept in a stored form (config().storage, not fp32)
   bool stores_frozen() const { return stored_; }
-  // This rank's shard as fp32 values (decoded), for a checkpoint to save.
-  at::Tensor frozen_values() const;
+  // This rank's shard as fp32 values, decoded into `out` (shard_numel(), on the param's device),
+  // for a checkpoint to save.
+  void frozen_values_into(const at::Tensor& out) const;
   // Replaces the shard's values with `values` (fp32, shard_numel()), stored again (a load).
   void store_frozen(const at::Tensor& values);
   // Bytes of the stored shard.

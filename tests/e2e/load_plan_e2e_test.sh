@@ -5,18 +5,24 @@
 #  - the import (--init-from, --steps 0): each NF4 flat param is imported through an fp32 copy of its
 #    shard, stored and freed before the next; the plan counts one such copy (212 MiB a rank, over
 #    20% of the phase's total, so a load that kept every copy alive, 424 MiB, would be 1.3x of it);
-#  - a save of the base (lora.save_base true): every NF4 shard decoded to fp32 at once;
-#  - a resume from it: the checkpoint's values read flat param by flat param into the stored form.
+#  - a save of the base (lora.save_base true): each NF4 shard decoded to fp32 just before it is
+#    written and freed after, one at a time (a save that decoded them all first, as one did, would
+#    be 1.3x of the phase);
+#  - a resume from it: the checkpoint's values read flat param by flat param into the stored form;
+#  - fsdp-ckpt export --merged of that checkpoint in bf16 (one process): each tensor converted a
+#    chunk of rows at a time, 64 MiB of fp32 values at most (a whole MLP weight, 128 MiB, would be
+#    1.2x of the plan's export).
 # Each phase's peak RSS per rank, less the process's own (fsdp-train --init-only, measured in the
-# same test so the page cache's share of the libraries cancels), must be within 10% of the plan's
-# phase less its process item; and the whole peak within 10% of the whole phase.
-# Usage: FSDP_RUN=... FSDP_TRAIN=... tests/e2e/load_plan_e2e_test.sh (ctest sets them; about 90 s)
+# same test so the page cache's share of the libraries cancels), must be within 10%
+# of the plan's phase less its process item; and the whole peak within 10% of the whole phase.
+# Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... tests/e2e/load_plan_e2e_test.sh (ctest sets them;
+# about 2 minutes)
 set -u
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 . "$HERE/support/record.sh"
-require_programs FSDP_RUN FSDP_TRAIN
+require_programs FSDP_RUN FSDP_TRAIN FSDP_CKPT
 PY="$ROOT/.venv/bin/python"
 [ -x "$PY" ] || PY=$(command -v python3)
 scratch_dir load-plan
@@ -75,15 +81,19 @@ cat >"$TMP/compare.py" <<'EOF'
 import re, sys
 plan, out, base, phase = open(sys.argv[1]).read(), open(sys.argv[2]).read(), open(sys.argv[3]).read(), sys.argv[4]
 def section(title):  # the items of one phase of the plan: {name: MiB}, and its total
-    m = re.search(r"^" + re.escape(title) + r" per rank: ([0-9.]+) MiB\n((?:  .*\n)+)", plan, re.M)
+    m = re.search(r"^" + re.escape(title) + r"(?: per rank)?: ([0-9.]+) MiB\n((?:  .*\n)+)", plan, re.M)
     return float(m.group(1)), {k: float(v) for k, v in re.findall(r"^  (.*): ([0-9.]+) MiB$", m.group(2), re.M)}
 total, items = section(phase)
-process = items["process (libraries, communicator, threads)"]
-peaks = [float(x) for x in re.findall(r"([0-9.]+) MiB", re.findall(r"peak RSS per rank:((?: [0-9.]+ MiB)+)", out)[-1])]
+process = next(v for k, v in items.items() if k.startswith("process ("))
+# The run's peak over its life; a save's own (fsdp-train measures it apart: the same process
+# imported first); an export's, which fsdp-ckpt prints.
+label = {"a save": "peak RSS per rank during the save:", "an export": "peak RSS:"}.get(phase.split(" (")[0],
+                                                                                     "peak RSS per rank:")
+peaks = [float(x) for x in re.findall(r"([0-9.]+) MiB", re.findall(re.escape(label) + r"((?: [0-9.]+ MiB)+)", out)[-1])]
 bases = [float(x) for x in re.findall(r"([0-9.]+) MiB", re.search(r"peak RSS per rank:((?: [0-9.]+ MiB)+)", base).group(1))]
 model = [(p - b) / (total - process) for p, b in zip(peaks, bases)]
 whole = [p / total for p in peaks]
-window = max((v for k, v in items.items() if "fp32 values" in k), default=0.0)
+window = max((v for k, v in items.items() if "fp32" in k), default=0.0)
 print("%s: plan %.1f MiB (process %.1f, fp32 values %.1f = %.0f%%); peak RSS per rank %s, process alone %s MiB; "
       "model part measured / planned %s, whole %s" % (phase, total, process, window, 100 * window / total, peaks, bases,
       [round(r, 3) for r in model], [round(r, 3) for r in whole]))
@@ -108,6 +118,17 @@ plan_of save --steps 0 --save-dir "$TMP/ckpt" && run2 save --steps 0 --save-dir 
 check save "a save"
 plan_of resume --steps 0 --resume "$TMP/ckpt/step-00000000" && run2 resume --steps 0 --resume "$TMP/ckpt/step-00000000"
 check resume "the load (resume)"
+
+# The export: one process, which prints its peak RSS (VmHWM before exit); the process alone is
+# fsdp-train's (the same libraries, and a communicator more).
+timeout -k 5 280 "$FSDP_CKPT" export --merged --dtype bfloat16 "$TMP/ckpt/step-00000000" "$TMP/merged" \
+  >"$TMP/export.out" 2>&1
+record "fsdp-ckpt export --merged of the checkpoint" $([ $? -eq 0 ] && echo 1 || echo 0) "$TMP/export.out"
+ok=0
+"$PY" "$TMP/compare.py" "$TMP/save.plan" "$TMP/export.out" "$TMP/base.out" \
+  "an export (fsdp-ckpt export: one process, not a rank)" >"$TMP/export.cmp" 2>&1 && ok=1
+record "plan against measured, within 10% of the export's peak RSS: $(head -1 "$TMP/export.cmp")" $ok \
+  "$TMP/export.cmp" "$TMP/export.out" "$TMP/save.plan"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

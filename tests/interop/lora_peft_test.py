@@ -118,7 +118,10 @@ def case_quantized(p, tmp, base):
                              "--set", f"lora.base_dtype={dtype}", "--set", "data.batch_size_per_rank=4",
                              "--set", "optim.lr=5e-2", "--set", "train.eval_every=10", "--set", "train.eval_batches=8")
         evals = [json.loads(line)["loss"] for line in open(metrics) if '"eval' in line] if rc == 0 else []
-        falls = len(evals) == 3 and evals[2] < evals[1] < evals[0] and evals[2] < evals[0] - 0.02
+        # Before training, after 10 steps, after 20. The tiny model sits near ln(96) = 4.56, where
+        # steps 10 and 20 may differ by less than the rounding of another CPU's kernels: the test
+        # asks for a fall from the start at both, by 0.02 nats at the end.
+        falls = len(evals) == 3 and evals[1] < evals[0] and evals[2] < evals[0] - 0.02
         record(f"{dtype} base: 20 steps on 2 ranks, the held-out loss falls ({[round(e, 4) for e in evals]})",
                rc == 0 and falls, log)
         rc, log = run([p["FSDP_CKPT"], "export", os.path.join(ck, "step-00000020"), ad])

@@ -505,7 +505,8 @@ TEST(Plan, TheMarginIsHeldFreeWhenChoosing) {
 // Note [The load and the save]: the load holds the states as loaded (no gradient, no optimizer
 // state unless resumed), the largest stored frozen shard in fp32 while it is stored, and an
 // import's staging; a save holds the step's states and, with the frozen params in the checkpoint,
-// every stored frozen shard in fp32. fits counts the largest phase, and the shortfall names it.
+// the largest stored frozen shard in fp32 while it is written. fits counts the largest phase, and the
+// shortfall names it. The export (one process) converts a chunk of rows at a time: not in the peak.
 TEST(Plan, TheLoadAndTheSaveArePhasesOfTheirOwn) {
   ModelShape shape;
   shape.units.push_back({"root", 1000, 0, {}, nullptr, nullptr, 0, true, false});
@@ -538,11 +539,22 @@ TEST(Plan, TheLoadAndTheSaveArePhasesOfTheirOwn) {
   r.saves = true;
   const Plan imported = plan(shape, r);
   EXPECT_EQ(imported.load.total(), init.load.total() + staging);
-  // The save: the step's states (masters, gradients, two moments) and the base decoded whole.
+  // The save: the step's states (masters, gradients, two moments) and one stored shard decoded at
+  // a time.
   EXPECT_EQ(item(imported.save, "sharded states"), item(imported.device, "sharded states not offloaded"));
-  EXPECT_EQ(item(imported.save, "every stored frozen shard's fp32 values"), 3 * window);
+  EXPECT_EQ(item(imported.save, "a stored frozen shard's fp32 values while written"), window);
   r.save_frozen = false;
-  EXPECT_EQ(item(plan(shape, r).save, "every stored frozen shard's fp32 values"), -1);
+  EXPECT_EQ(item(plan(shape, r).save, "a stored frozen shard's fp32 values"), -1);
+  // The export: a chunk of the largest tensor's rows (here a whole unit, under 64 MiB) in fp32 and
+  // bf16, and a unit's adapters; never the peak of a rank.
+  const int64_t chunk = 4 * 2004000;
+  EXPECT_EQ(item(imported.exporting, "a chunk of a tensor's rows"), chunk + chunk / 2) << imported.to_string();
+  EXPECT_EQ(item(imported.exporting, "a module's adapters in fp32"), 4 * 4000);
+  EXPECT_GT(item(imported.exporting, "process"), 0);
+  EXPECT_NE(imported.to_string().find("an export (fsdp-ckpt export: one process, not a rank)"), std::string::npos);
+  shape.units[1].largest_param_numel = 100 << 20;  // larger than a chunk: 64 MiB of fp32 at a time
+  EXPECT_EQ(item(plan(shape, r).exporting, "a chunk of a tensor's rows"), kExportChunkBytes * 3 / 2);
+  shape.units[1].largest_param_numel = 0;
 
   r.load = LoadKind::kResume;  // the optimizer's state is loaded too
   EXPECT_EQ(plan(shape, r).load.total(), imported.load.total() + 2 * masters);
