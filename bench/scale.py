@@ -226,6 +226,24 @@ json.dump({"rc": os.waitstatus_to_exitcode(status), "inblock": ru.ru_inblock, "o
 """
 
 
+def parse_ckpt_peak(out, res):
+    """fsdp-ckpt export's own peak RSS (VmHWM before exit; its rusage adds the libraries' teardown)."""
+    m = re.search(r"^peak RSS: ([0-9.]+) MiB$", out, re.M)
+    if m:
+        res["peak_rss_bytes"] = [float(m.group(1)) * MIB]
+
+
+def cpu_bf16_text():
+    """Whether this CPU has bf16 matrix instructions, as /proc/cpuinfo lists them."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return "the CPU's flags unknown"
+    have = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return ("this CPU has " + " and ".join(have) if have else
+            "this CPU has neither avx512_bf16 nor amx_bf16: LibTorch's bf16 matmul takes a slow path")
+
+
 def run_phase(name, cmd, logs, env, floor, data):
     """Runs cmd in its own process group, `data` evicted from the page cache first: wall, rc, the
     command's rusage, its output."""
@@ -494,6 +512,8 @@ def main():
                     help="keep every config.json key (by default the keys MODELS lists are removed; none now)")
     ap.add_argument("--no-fsdp2", action="store_true")
     ap.add_argument("--lora", choices=["nf4"], help="QLoRA's run instead (bench/scale_lora.py)")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="--lora nf4: fsdp.param_dtype of the training phases (default float32)")
     ap.add_argument("--check-layers", type=int, default=2,
                     help="--lora: decoder layers of the truncated model whose logits are checked against peft")
     ap.add_argument("--mem-floor-mib", type=int, default=1024, help="kill a phase below this MemAvailable")
@@ -579,6 +599,7 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
         res, out = run_phase(name, cmd, logs, env, floor, data)
         if "fsdp-train" in " ".join(cmd) or "bench_unsharded" in cmd[0]:
             parse_train_log(out, res, metrics, trace and trace.replace(".json", ".rank0.json"))
+        parse_ckpt_peak(out, res)
         phases.append(res)
         ok[name] = res["rc"] == 0
         return res

@@ -16,9 +16,9 @@ under fsdp-run, OMP_NUM_THREADS=1 per rank, the files evicted from the page cach
                  fsdp-ckpt logits of the checkpoint (an unsharded fp32 reference of the whole 8B model
                  does not fit this machine).
 LoRA r=16, alpha=32 on q,k,v,o,gate,up,down; the targets' weights in NF4, the rest of the base in the
-compute dtype; fp32 compute (fsdp.param_dtype float32: this CPU has no AVX-512, where LibTorch's bf16
-matmul runs at about a quarter of fp32's), activation checkpointing on every layer, AdamW, seq_len and
-batch per rank as given. fsdp.split_root "auto" (the embedding and the head as units of their own
+compute dtype; the compute dtype of --param-dtype (default float32: on a CPU without AVX512-BF16 or
+AMX LibTorch's bf16 matmul falls back to a slow path), activation checkpointing on every layer,
+AdamW, seq_len and batch per rank as given. The truncated check runs in fp32 either way. fsdp.split_root "auto" (the embedding and the head as units of their own
 where the head is untied).
 """
 import json
@@ -80,7 +80,7 @@ def run_lora(args, spec, bin_dir, work):
         return [os.path.join(bin_dir, "fsdp-train"), "--init-from", hf_dir, *LORA,
                 "--set", "data.source=file", "--set", f"data.path={tokens}", "--set", "data.token_dtype=uint32",
                 "--set", f"data.seq_len={args.seq_len}", "--set", f"data.batch_size_per_rank={args.batch}",
-                "--set", "fsdp.param_dtype=float32", "--set", "train.activation_checkpointing=1",
+                "--set", f"fsdp.param_dtype={args.param_dtype}", "--set", "train.activation_checkpointing=1",
                 "--set", "fsdp.timeout_s=900", "--set", "train.eval_every=0", "--set", "train.log_every=1"]
 
     train = train_cmd(hf)
@@ -91,6 +91,7 @@ def run_lora(args, spec, bin_dir, work):
         res, out = run_phase(name, cmd, logs, env, floor, data)
         if train_log:
             parse_train_log(out, res, metrics, trace)
+        scale.parse_ckpt_peak(out, res)
         phases.append(res)
         ok[name] = res["rc"] == 0
         return res
@@ -123,8 +124,8 @@ def run_lora(args, spec, bin_dir, work):
         "train_steps": (tr.get("steps") or []) + [s for p in phases if p["phase"] == "resume"
                                                   for s in p.get("steps", [])[-1:]],
         "conditions": (f"2 ranks on {os.cpu_count()} cores, OMP_NUM_THREADS=1; fsdp-run, shared-memory transport, "
-                       f"FULL_SHARD, QLoRA: r=16, alpha=32 on the seven projections, their weights in NF4, fp32 "
-                       f"compute (no AVX-512 here: LibTorch's bf16 matmul is about 4x slower than fp32's), "
+                       f"FULL_SHARD, QLoRA: r=16, alpha=32 on the seven projections, their weights in NF4, "
+                       f"{args.param_dtype} compute ({scale.cpu_bf16_text()}), "
                        f"activation checkpointing on every layer, fsdp.split_root auto, AdamW, adapters-only "
                        f"checkpoints, seq_len {args.seq_len}, batch {args.batch} per rank, random uint32 tokens; "
                        f"before each phase the model, checkpoint, export and token files are evicted from the page "
