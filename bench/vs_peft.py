@@ -41,6 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from levers_bench import commit  # noqa: E402
+from scale import cpu_bf16_text  # noqa: E402
 from write_model import CONFIGS  # noqa: E402
 
 MIB = 1 << 20
@@ -302,7 +303,8 @@ def conditions(r):
     """The report's lines on the conditions of every figure and on what differs between the systems."""
     v = r["versions"]
     return [
-        f"- Commit: {r['commit']}. Machine: this one, {r['cores']} cores, {r['mem_gib']:.1f} GiB of RAM, no GPU. "
+        f"- Commit: {r['commit']}. Machine: this one, {r['cores']} cores, {r['mem_gib']:.1f} GiB of RAM, no GPU; "
+        f"{r.get('cpu_bf16', 'the CPU not recorded')}. "
         f"Page cache: warm (the model's files written or read just before). Quiet: {r['quiet']}.",
         f"- Command: `{r['command']}`",
         f"- Versions: torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, bitsandbytes "
@@ -430,7 +432,7 @@ def main():
         result = {"model": args.model, "layers": args.layers, "params": params, "steps": args.steps,
                   "seq_len": args.seq_len, "batch": args.batch,
                   "activation_checkpointing": args.activation_checkpointing,
-                  "commit": commit(), "quiet": args.quiet, "cores": os.cpu_count(), "mem_gib": mem,
+                  "commit": commit(), "quiet": args.quiet, "cores": os.cpu_count(), "mem_gib": mem, "cpu_bf16": cpu_bf16_text(),
                   "command": shlex.join(["bench/vs_peft.py"] + sys.argv[1:]), "optim": OPTIM, "lora": LORA,
                   "versions": versions(), "runs": {}}
         for name in names:
