@@ -53,4 +53,10 @@ bool tune_host_malloc() {
   return tuned;
 }
 
+void return_free_heap() {
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
+}
+
 }  // namespace fsdp::base

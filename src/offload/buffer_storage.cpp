@@ -8,6 +8,7 @@
 #include <deque>
 #include <mutex>
 
+#include "base/host_malloc.h"
 #include "fsdp/errors.h"
 
 namespace fsdp::offload {
@@ -34,6 +35,12 @@ class FreedBlocks {
       }
     }
     return at::DataPtr(nullptr, at::Device(at::kCPU));
+  }
+
+  void release() {
+    std::deque<Block> dropped;  // freed outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped.swap(blocks_);
   }
 
   void keep(c10::Allocator* allocator, size_t bytes, at::DataPtr data) {
@@ -64,6 +71,11 @@ FreedBlocks& freed_host_blocks() {
 // Grows or frees a buffer's memory without touching its sizes, so views of it stay valid.
 // See Note [Freeing device buffers] and Note [Reusing freed host buffers].
 }  // namespace
+
+void release_freed_host_blocks() {
+  freed_host_blocks().release();
+  base::return_free_heap();
+}
 
 void set_storage_alive(const at::Tensor& t, bool alive) {
   const size_t bytes = alive ? static_cast<size_t>(t.numel()) * t.element_size() : 0;

@@ -10,5 +10,8 @@ namespace fsdp::offload {
 // Frees (alive false) or allocates (true) `t`'s whole storage. On the CPU a freed block is kept
 // for the next buffer of its size (Note [Reusing freed host buffers] in buffer_storage.cpp).
 void set_storage_alive(const at::Tensor& t, bool alive);
+// Frees the blocks kept for reuse and returns the heap's free memory: before a phase that gathers
+// nothing and holds memory of its own (a checkpoint's save or load), whose peak they would add to.
+void release_freed_host_blocks();
 
 }  // namespace fsdp::offload

@@ -100,6 +100,18 @@ at::Tensor encode(FrozenStorage s, const at::Tensor& values) {
   return stored;
 }
 
+void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored) {
+  const bool kernel = quantized(s) && !values.is_meta() && kernel_device(values.device()) &&
+                      values.device() == stored.device() && stored.is_contiguous();
+  if (!quantized(s) || !kernel) {
+    stored.copy_(quantized(s) ? encode(s, values) : values.reshape(stored.sizes()));
+    return;
+  }
+  check_blocks(values.numel());
+  const at::Tensor in = (kernel_dtype(values.scalar_type()) ? values : values.to(at::kFloat)).contiguous();
+  kernels::encode_blocks(format(s), in, stored);
+}
+
 void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out) {
   if (!quantized(s)) {
     out.copy_(stored);

@@ -26,6 +26,9 @@ double bytes_per_value(FrozenStorage s);
 // The stored form of `values` (floating, numel a multiple of kBlock when quantized, on any device:
 // the kernels run on the CPU and CUDA, other devices go through the CPU).
 at::Tensor encode(FrozenStorage s, const at::Tensor& values);
+// The same, written into `stored` (encode's dtype and size for values.numel(), on any device), so
+// that no second stored form exists beside it.
+void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored);
 // Writes the values of `stored` (encode's output, `out.numel()` values) into `out` (floating, any
 // dtype: cast from fp32; fp32, bf16 and fp16 contiguous outputs are written in one pass).
 void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out);

@@ -10,6 +10,7 @@
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
 #include "offload/device_stager.h"
+#include "offload/frozen_storage.h"
 
 namespace fsdp::offload {
 namespace {
@@ -100,6 +101,15 @@ void Residency::replace_stored(at::Tensor stored) {
   host = host.view(stored.scalar_type());
   host.copy_(stored);
   master_ = host;
+}
+
+void Residency::encode_stored(FrozenStorage storage, const at::Tensor& values, bool in_place) {
+  if (in_place && master_.defined() && !master_.is_meta() && master_.scalar_type() == frozen::stored_dtype(storage) &&
+      master_.numel() == frozen::stored_numel(storage, values.numel())) {
+    frozen::encode_into(storage, values.to(master_.device()), master_);
+    return;
+  }
+  replace_stored(frozen::encode(storage, values.to(config_.device)));
 }
 
 at::Tensor Residency::gather_input(KeepMaster keep) {

@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "fsdp/frozen_storage.h"
 #include "fsdp/offload_policy.h"
 #include "offload/placement.h"
 #include "offload/tier_tensors.h"
@@ -95,6 +96,9 @@ class Residency {
   }
   // A stored frozen master gets a new stored form (its values were written), in its tier.
   void replace_stored(at::Tensor stored);
+  // The same from fp32 `values`; with `in_place`, encoded into the stored form when it is there (a
+  // load or an import holds no second stored form beside the old: Note [The load and the save]).
+  void encode_stored(FrozenStorage storage, const at::Tensor& values, bool in_place);
   // The master was written outside the optimizer (a checkpoint load, deferred init): drops kept
   // reads, marks pending ones stale, refreshes the working copy.
   void master_written();

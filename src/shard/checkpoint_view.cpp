@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "offload/buffer_storage.h"
 #include "offload/tier_tensors.h"
 #include "shard/flat_param.h"
 #include "offload/residency.h"
@@ -91,6 +92,7 @@ ModelView model_view(FSDPModule& root, bool frozen_values) {
   // through this view waits for them.
   if (ShardedUnit& u = unit_of(root); u.root() != nullptr && u.root_state().disk_tier)
     u.root_state().disk_tier->flush();
+  offload::release_freed_host_blocks();  // not beside a save's or a load's memory
   // Tensor identity -> (flat index, entry, the unit's prefix). Units pre-order, then each unit's
   // flat params: the order the optimizer's states and the saved files follow.
   struct Placed {

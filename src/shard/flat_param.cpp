@@ -194,7 +194,7 @@ void FlatParam::frozen_values_into(const at::Tensor& out) const {
 
 void FlatParam::store_frozen(const at::Tensor& values) {
   c10::NoGradGuard no_grad;
-  residency_->replace_stored(frozen::encode(config_.storage, values.to(config_.device)));
+  residency_->encode_stored(config_.storage, values, /*in_place=*/!needs_encode_);  // deferred init: fp32 values
   needs_encode_ = false;
   drop_stale_gather();
 }

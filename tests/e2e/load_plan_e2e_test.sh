@@ -9,6 +9,7 @@
 #    written and freed after, one at a time (a save that decoded them all first, as one did, would
 #    be 1.3x of the phase);
 #  - a resume from it: the checkpoint's values read flat param by flat param into the stored form;
+#  - a save after a step, and an import of a bf16 base (each encoded in place);
 #  - fsdp-ckpt export --merged of that checkpoint in bf16 (one process): each tensor converted a
 #    chunk of rows at a time, 64 MiB of fp32 values at most (a whole MLP weight, 128 MiB, would be
 #    1.2x of the plan's export).
@@ -80,6 +81,7 @@ plan_of() {  # plan_of NAME ARG...: fsdp-train --plan as one of 2 ranks
 cat >"$TMP/compare.py" <<'EOF'
 import re, sys
 plan, out, base, phase = open(sys.argv[1]).read(), open(sys.argv[2]).read(), open(sys.argv[3]).read(), sys.argv[4]
+tol = float(sys.argv[5]) if len(sys.argv) > 5 else 0.10
 def section(title):  # the items of one phase of the plan: {name: MiB}, and its total
     m = re.search(r"^" + re.escape(title) + r"(?: per rank)?: ([0-9.]+) MiB\n((?:  .*\n)+)", plan, re.M)
     return float(m.group(1)), {k: float(v) for k, v in re.findall(r"^  (.*): ([0-9.]+) MiB$", m.group(2), re.M)}
@@ -97,7 +99,7 @@ window = max((v for k, v in items.items() if "fp32" in k), default=0.0)
 print("%s: plan %.1f MiB (process %.1f, fp32 values %.1f = %.0f%%); peak RSS per rank %s, process alone %s MiB; "
       "model part measured / planned %s, whole %s" % (phase, total, process, window, 100 * window / total, peaks, bases,
       [round(r, 3) for r in model], [round(r, 3) for r in whole]))
-ok = all(abs(r - 1) <= 0.10 for r in model + whole) and window > 0.2 * total
+ok = all(abs(r - 1) <= tol for r in model + whole) and window > 0.2 * total
 sys.exit(0 if ok else 1)
 EOF
 
@@ -105,10 +107,10 @@ timeout -k 5 120 "$FSDP_RUN" --nproc-per-node 2 --timeout-s 100 -- "$FSDP_TRAIN"
   >"$TMP/base.out" 2>"$TMP/base.err"
 record "fsdp-train --init-only measures the process alone" $([ $? -eq 0 ] && echo 1 || echo 0) "$TMP/base.err"
 
-check() {  # check NAME PHASE-TITLE: the run NAME's peak against its plan's phase
-  local ok=0
-  "$PY" "$TMP/compare.py" "$TMP/$1.plan" "$TMP/$1.out" "$TMP/base.out" "$2" >"$TMP/$1.cmp" 2>&1 && ok=1
-  record "plan against measured, within 10% of each rank's peak RSS: $(head -1 "$TMP/$1.cmp")" $ok "$TMP/$1.cmp" \
+check() {  # check NAME PHASE-TITLE [TOLERANCE]: the run NAME's peak against its plan's phase
+  local ok=0 tol=${3:-0.10}
+  "$PY" "$TMP/compare.py" "$TMP/$1.plan" "$TMP/$1.out" "$TMP/base.out" "$2" "$tol" >"$TMP/$1.cmp" 2>&1 && ok=1
+  record "plan against measured, within $tol of each rank's peak RSS: $(head -1 "$TMP/$1.cmp")" $ok "$TMP/$1.cmp" \
     "$TMP/$1.err" "$TMP/$1.plan"
 }
 
@@ -118,6 +120,18 @@ plan_of save --steps 0 --save-dir "$TMP/ckpt" && run2 save --steps 0 --save-dir 
 check save "a save"
 plan_of resume --steps 0 --resume "$TMP/ckpt/step-00000000" && run2 resume --steps 0 --resume "$TMP/ckpt/step-00000000"
 check resume "the load (resume)"
+# A save after a step: the step's freed gather blocks kept for reuse, and the heap's free memory, are
+# let go first (a layer's 424 MiB block beside the save would be 2.4x of its model part). Within 15%:
+# after a step the libraries keep work buffers of their own (about 35 MiB here, 1.12x) that the
+# process measured alone (--init-only, no matrix product run) does not have.
+plan_of stepped --steps 1 --save-dir "$TMP/ckpt1" && run2 stepped --steps 1 --save-dir "$TMP/ckpt1"
+check stepped "a save" 0.15
+rm -rf "$TMP/ckpt1"
+# A bf16 base beside fp32 compute: each frozen flat param's values are encoded into its stored form
+# in place (a second stored form beside the old, 106 MiB, would be 1.16x of the phase).
+ARGS+=(--set lora.base_dtype=bfloat16)
+plan_of import-bf16 --steps 0 && run2 import-bf16 --steps 0
+check import-bf16 "the load (import)"
 
 # The export: one process, which prints its peak RSS (VmHWM before exit); the process alone is
 # fsdp-train's (the same libraries, and a communicator more).
