@@ -220,9 +220,7 @@ int export_merged(const Checkpoint& ckpt, const ExportArgs& e, const json& lora)
     hf = std::make_unique<HfWeights>(extra["init_from"]["dir"].get<std::string>());
   }
   MergedRows merged{ckpt, hf.get(), std::set<std::string>(modules.begin(), modules.end()), scaling, shapes};
-  const RowsFn rows = [&merged](const std::string& name, int64_t first, int64_t count) {
-    return merged(name, first, count);
-  };
+  const RowsFn rows = std::ref(merged);
   const std::string tokenizer_dir = tokenizer_source(e, ckpt, config);
   check_out_dir(e.out);  // and makes it
   uint64_t bytes = 0;

@@ -53,14 +53,9 @@ constexpr const char* kUsage =
 // The process's peak RSS (VmHWM), which fsdp-train's plan counts for an export (its "an export"
 // phase); read before exit, whose library teardown touches pages of its own.
 void print_peak_rss() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return;
-  char line[256];
-  long long kib = -1;
-  while (std::fgets(line, sizeof line, f) != nullptr && std::sscanf(line, "VmHWM: %lld kB", &kib) != 1) {
+  if (const int64_t bytes = fsdp::base::rss_watermark(); bytes > 0) {
+    std::printf("peak RSS: %.1f MiB\n", static_cast<double>(bytes) / (1 << 20));
   }
-  std::fclose(f);
-  if (kib >= 0) std::printf("peak RSS: %.1f MiB\n", static_cast<double>(kib) / 1024);
 }
 
 }  // namespace

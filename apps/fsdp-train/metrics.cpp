@@ -1,4 +1,5 @@
 // Metrics lines, the progress display and communication counters.
+#include "base/host_malloc.h"
 #include "base/strings.h"
 #include "metrics.h"
 
@@ -101,17 +102,7 @@ namespace {
 std::atomic<int64_t> cleared_peak{0};  // the highest mark rss_watermark_reset cleared
 }  // namespace
 
-int64_t rss_watermark() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return 0;
-  char line[256];
-  long long kib = 0;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return static_cast<int64_t>(kib) * 1024;
-}
+int64_t rss_watermark() { return fsdp::base::rss_watermark(); }
 
 void rss_watermark_reset() {
   const int64_t mark = rss_watermark();

@@ -42,7 +42,7 @@ ShardData collect_shards(const CheckpointLayout& layout, bool copy) {
     const ShardTensor& p = slot.shard.master;
     // Snapshots stay in their tier: a disk-tier state is copied to a new disk-tier file. A stored
     // frozen shard's values are decoded for its snapshot and freed again.
-    const bool lazy = copy && p.defined() && slot.shard.drop_values && slot.shard.read_values;
+    const bool lazy = copy && p.defined() && slot.shard.drop_values;
     if (lazy) slot.shard.read_values();
     data.params.push_back(copy && p.defined() ? p.snapshot() : p);  // undefined: frozen, not saved
     if (lazy) slot.shard.drop_values();

@@ -170,17 +170,14 @@ void write_shards(SaveJob& job, const std::string& tmp) {
     DirectWriter out(join(tmp, kind + ".safetensors"));
     // A stored frozen shard's fp32 values exist from its first run to its last (drop_values set:
     // its view shows unfilled memory), one flat param's at a time as the units' runs follow.
-    std::vector<size_t> last_run(job.layout.flats.size(), runs.size());
+    std::vector<size_t> first_run(job.layout.flats.size(), runs.size()), last_run(first_run);
+    for (size_t i = runs.size(); i-- > 0;) first_run[runs[i].flat] = i;
     for (size_t i = 0; i < runs.size(); ++i) last_run[runs[i].flat] = i;
-    std::vector<bool> filled(job.layout.flats.size(), false);
     for (size_t i = 0; i < runs.size(); ++i) {
       const Run& run = runs[i];
       const FlatShardView& view = job.layout.flats[run.flat].shard;
-      const bool lazy = kind == "model" && view.drop_values && view.read_values;
-      if (lazy && !filled[run.flat]) {
-        view.read_values();
-        filled[run.flat] = true;
-      }
+      const bool lazy = kind == "model" && view.drop_values;
+      if (lazy && first_run[run.flat] == i) view.read_values();
       ShardTensor src = source_for(job, kind, run.flat);
       int64_t from = run.shard_begin;
       if (!src.defined()) {  // state not created yet: zeros

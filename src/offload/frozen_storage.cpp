@@ -93,21 +93,22 @@ at::Tensor encode(FrozenStorage s, const at::Tensor& values) {
   const auto bytes = values.options().dtype(at::kByte);
   if (values.is_meta()) return at::empty({stored_numel(s, n)}, bytes);
   if (!kernel_device(values.device())) return encode(s, values.cpu()).to(values.device());
-  // Any other floating dtype through fp32 (widening bf16/fp16 there would change nothing).
-  const at::Tensor in = (kernel_dtype(values.scalar_type()) ? values : values.to(at::kFloat)).contiguous();
   at::Tensor stored = at::empty({stored_numel(s, n)}, bytes);
-  kernels::encode_blocks(format(s), in, stored);
+  encode_into(s, values, stored);
   return stored;
 }
 
 void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored) {
-  const bool kernel = quantized(s) && !values.is_meta() && kernel_device(values.device()) &&
-                      values.device() == stored.device() && stored.is_contiguous();
-  if (!quantized(s) || !kernel) {
-    stored.copy_(quantized(s) ? encode(s, values) : values.reshape(stored.sizes()));
+  if (!quantized(s)) {
+    stored.copy_(values.reshape(stored.sizes()));
+    return;
+  }
+  if (!kernel_device(values.device()) || values.device() != stored.device() || !stored.is_contiguous()) {
+    stored.copy_(encode(s, values));
     return;
   }
   check_blocks(values.numel());
+  // Any other floating dtype through fp32 (widening bf16/fp16 there would change nothing).
   const at::Tensor in = (kernel_dtype(values.scalar_type()) ? values : values.to(at::kFloat)).contiguous();
   kernels::encode_blocks(format(s), in, stored);
 }

@@ -105,8 +105,8 @@ struct FlatShardView {
   // Whether this rank writes the shard: replicas of a shard (HSDP, NO_SHARD, parameters kept
   // whole on every rank) hold the same elements, and only the first of them writes.
   bool writer = true;
-  // Null, or (a frozen param kept in a stored form, viewed with its values: a save) what frees the
-  // fp32 copy that read_values filled, once written. A save fills and frees one such shard at a
+  // Null, or (a frozen param kept in a stored form, viewed with its values: a save; read_values is
+  // set too) what frees the fp32 copy that read_values filled, once written. A save fills and frees one such shard at a
   // time (Note [The load and the save]).
   std::function<void()> drop_values;
 };
@@ -130,7 +130,7 @@ struct ModelView {
 // (FullyShardOptions::frozen_storage) shows an fp32 copy of its shard, memory that is not filled
 // until asked: when `frozen_values` (a save) read_values decodes its values into it and
 // drop_values frees them; else it is to be written (a load or an import, which call
-// master_written after writing it).
+// master_written after writing it). It first frees the step's kept gather blocks and free heap.
 ModelView model_view(FSDPModule& root, bool frozen_values = true);
 // Drops the frozen flat params' tensors and masters from `view`: a checkpoint of the trainable
 // parameters only (SaveOptions::frozen_params), or a load of one.
