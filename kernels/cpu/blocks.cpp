@@ -1,6 +1,9 @@
 // The CPU twins of the block codec (encode_blocks, decode_blocks in kernels/ops.h): one pass over
-// the blocks, split across threads with at::parallel_for. Built once, with -ffp-contract=off
-// (kernels/CMakeLists.txt), so every product and quotient is rounded to fp32 as written.
+// the blocks, split across threads with at::parallel_for. Built like twins.cpp, once per instruction
+// set (Note [Two builds of the twins]), always with -ffp-contract=off (kernels/CMakeLists.txt), so
+// every product and quotient is rounded to fp32 as written. The AVX2 build runs NF4 eight values
+// to an instruction (Note [NF4 eight at a time]); int8, and any NF4 block holding a NaN, take the
+// scalar loops, which are the definition.
 //
 // Note [Frozen storage]
 // A frozen flat param (no gradient, no optimizer state) keeps its shard in a stored form instead
@@ -37,7 +40,12 @@
 
 #include "kernels/cpu/twins.h"
 
+#ifdef CPU_CAPABILITY_AVX2
+#include <immintrin.h>
+#endif
+
 namespace fsdp::kernels::cpu {
+namespace CPU_CAPABILITY {
 namespace {
 
 constexpr int64_t kGrainBlocks = 64;  // blocks per task of at::parallel_for (4096 values)
@@ -79,12 +87,109 @@ void encode_block(BlockFormat f, const NF4Table& t, const float* v, float am, ui
   }
 }
 
+#ifdef CPU_CAPABILITY_AVX2
+// Note [NF4 eight at a time]
+// The AVX2 build encodes and decodes NF4 eight values to an instruction, with the scalar loops'
+// arithmetic, so its codes and values equal theirs bit for bit (KernelBlocks.Avx2BuildMatchesDefault):
+//   - encode: the absmax of a block without NaN is the largest |x| in any order (a maximum is
+//     exact); x * inv is the same fp32 product; the code counts the midpoints m with !(m >= s),
+//     fifteen compares. The clamp to [-1, 1] of the scalar loop changes no count, since every
+//     midpoint lies strictly inside it. A block holding a NaN goes to the scalar loop.
+//   - decode: a level is looked up with two in-register permutes of eight levels each, multiplied
+//     by the absmax, and rounded to bf16 the way c10::BFloat16 does (to nearest, ties to even) or to
+//     fp16 by the F16C instruction (IEEE, to nearest even, denormals kept). A block whose absmax is
+//     not finite (NaN, or infinite, which makes level 0 a NaN) goes to the scalar loop.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is fp32's upper half: widening is a shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // v holds no NaN (its block's absmax is finite)
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i bias =
+      _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, bias), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// One NF4 block of 64 values: its codes and absmax, or false (nothing written) when it holds a NaN.
+template <typename In>
+bool encode_nf4_block8(const __m256* mids, const In* x, uint8_t* codes, uint8_t* absmax) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[8];
+  __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int k = 0; k < 8; ++k) {
+    v[k] = load8(x + 8 * k);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[k], abs_mask));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan) != 0) return false;
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float am = _mm_cvtss_f32(h);
+  const __m256 inv = _mm256_set1_ps(1.0f / std::max(am, 1e-38f));
+  for (int k = 0; k < 8; k += 2) {  // 16 values, 8 bytes of codes
+    const __m256 s0 = _mm256_mul_ps(v[k], inv), s1 = _mm256_mul_ps(v[k + 1], inv);
+    __m256i q0 = _mm256_setzero_si256(), q1 = _mm256_setzero_si256();
+    for (int j = 0; j < 15; ++j) {  // a true compare is all ones, -1: subtracting it counts it
+      q0 = _mm256_sub_epi32(q0, _mm256_castps_si256(_mm256_cmp_ps(mids[j], s0, _CMP_NGE_UQ)));
+      q1 = _mm256_sub_epi32(q1, _mm256_castps_si256(_mm256_cmp_ps(mids[j], s1, _CMP_NGE_UQ)));
+    }
+    // 16 codes as bytes in order, then element 2i into the high nibble of byte i, 2i + 1 the low.
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
+    const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    const __m128i even = _mm_and_si128(b, _mm_set1_epi16(0x00ff)), odd = _mm_srli_epi16(b, 8);
+    const __m128i packed = _mm_or_si128(_mm_slli_epi16(even, 4), odd);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 4 * k), _mm_packus_epi16(packed, packed));
+  }
+  std::memcpy(absmax, &am, sizeof(float));
+  return true;
+}
+
+template <typename Out>
+void decode_nf4_block8(const NF4Table& t, const uint8_t* codes, float am, Out* out) {
+  const __m256 low = _mm256_loadu_ps(t.levels), high = _mm256_loadu_ps(t.levels + 8);
+  const __m256 scale = _mm256_set1_ps(am);
+  for (int g = 0; g < 4; ++g) {  // 8 bytes of codes, 16 values
+    const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * g)));
+    // Each 16-bit lane (c >> 4) | (c & 15) << 8: the bytes are the codes in the values' order.
+    const __m128i idx = _mm_or_si128(_mm_srli_epi16(c, 4), _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(15)), 8));
+    for (int half = 0; half < 2; ++half) {
+      const __m256i i = _mm256_cvtepu8_epi32(half == 0 ? idx : _mm_srli_si128(idx, 8));
+      const __m256 level = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, i), _mm256_permutevar8x32_ps(high, i),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));  // bit 3 picks the half
+      store8(out + 16 * g + 8 * half, _mm256_mul_ps(level, scale));
+    }
+  }
+}
+#endif
+
 template <typename In>
 void encode_typed(BlockFormat f, const NF4Table& t, const In* values, int64_t blocks, uint8_t* codes, uint8_t* absmax) {
   const int64_t code_bytes = block_code_bytes(f, kQuantBlock);
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+#ifdef CPU_CAPABILITY_AVX2
+    __m256 mids[15];
+    for (int j = 0; j < 15; ++j) mids[j] = _mm256_set1_ps(t.mids[j]);
+#endif
     float v[kQuantBlock];
     for (int64_t b = b0; b < b1; ++b) {
+#ifdef CPU_CAPABILITY_AVX2
+      if (f == BlockFormat::kNF4 &&
+          encode_nf4_block8(mids, values + b * kQuantBlock, codes + b * code_bytes, absmax + b * 4))
+        continue;
+#endif
       const float am = widen_block(values + b * kQuantBlock, v);
       encode_block(f, t, v, am, codes + b * code_bytes);
       std::memcpy(absmax + b * 4, &am, sizeof(float));
@@ -107,6 +212,12 @@ void decode_typed(BlockFormat f, const NF4Table& t, const uint8_t* codes, const 
         for (int64_t i = 0; i < kQuantBlock; ++i) o[i] = static_cast<Out>((static_cast<float>(q[i]) / 127.0f) * am);
       } else {
         const uint8_t* q = codes + b * (kQuantBlock / 2);
+#ifdef CPU_CAPABILITY_AVX2
+        if (std::isfinite(am)) {  // an infinite absmax makes a NaN of level 0
+          decode_nf4_block8(t, q, am, o);
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < kQuantBlock / 2; ++i) {
           o[2 * i] = static_cast<Out>(t.levels[q[i] >> 4] * am);
           o[2 * i + 1] = static_cast<Out>(t.levels[q[i] & 15] * am);
@@ -137,4 +248,5 @@ void decode_blocks(BlockFormat f, const NF4Table& t, const uint8_t* codes, const
   }
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace fsdp::kernels::cpu

@@ -40,6 +40,16 @@ double sum_of_squares(const float* x, int64_t n) { return FSDP_TWIN(sum_of_squar
 
 void scale(float* x, int64_t n, float factor) { FSDP_TWIN(scale)(x, n, factor); }
 
+void encode_blocks(BlockFormat f, const NF4Table& t, const void* values, ElemType type, int64_t blocks, uint8_t* codes,
+                   uint8_t* absmax) {
+  FSDP_TWIN(encode_blocks)(f, t, values, type, blocks, codes, absmax);
+}
+
+void decode_blocks(BlockFormat f, const NF4Table& t, const uint8_t* codes, const uint8_t* absmax, int64_t blocks,
+                   void* out, ElemType type) {
+  FSDP_TWIN(decode_blocks)(f, t, codes, absmax, blocks, out, type);
+}
+
 #undef FSDP_TWIN
 
 }  // namespace fsdp::kernels::cpu
