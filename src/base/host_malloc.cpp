@@ -46,9 +46,9 @@ bool tune_host_malloc() {
   std::call_once(once, [] {
 #if defined(__GLIBC__)
     if (user_chose_malloc_settings()) return;
+    constexpr int kMmapThreshold = 4 << 20;
     constexpr int kTrimThreshold = 512 << 20;
-    tuned = ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(kHostMmapThreshold)) == 1 &&
-            ::mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
+    tuned = ::mallopt(M_MMAP_THRESHOLD, kMmapThreshold) == 1 && ::mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
 #endif
   });
   return tuned;

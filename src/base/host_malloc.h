@@ -11,9 +11,6 @@ namespace fsdp::base {
 // (GLIBC_TUNABLES naming malloc, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) or set
 // FSDP_HOST_MALLOC_TUNING=0. Returns whether it changed them (this call or an earlier one).
 bool tune_host_malloc();
-// The mmap threshold tune_host_malloc sets: smaller blocks come from the heap, which reuses freed
-// ones without faulting pages in; larger ones are mappings of their own.
-constexpr int64_t kHostMmapThreshold = int64_t{4} << 20;
 // Returns the heap's free memory to the system (glibc's malloc_trim): what a training step freed
 // and the heap kept, before a phase that holds memory of its own (a checkpoint's save or load).
 void return_free_heap();

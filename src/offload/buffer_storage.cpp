@@ -19,30 +19,18 @@ namespace {
 // and the next gather's allocation faults in and zeroes new ones. On a communication-bound model
 // on 2 ranks that kernel work was about a quarter of the step. A freed block is kept instead
 // and handed to the next buffer of the same size from the same allocator, which in a model of
-// repeated blocks is the next unit's gather or gradient. The most recently freed kKeptBlocks are
-// kept of each class, blocks of a mapping's size (base::kHostMmapThreshold, 4 MiB) and smaller
-// ones from the heap, so the process holds at most that many of each beyond what is alive. With
-// one class a LoRA unit's three freed buffers (the frozen base's, the adapters', the norms') pushed
-// the frozen base's block out before the next unit's gather could take it, and decoding into
-// fresh pages was 43% of a 1B QLoRA run's page faults. The kept blocks are dropped (drop_kept_host_blocks)
-// where no gather will take them soon: after the forward's last unit (the head and the loss, the
-// start of backward, are a step's peak moment), and at the end of a backward (the optimizer step,
-// often a full fine-tune's peak, would hold them beside its states). In backward a unit's frozen
-// block is freed after the next unit's prefetch has allocated its own, so kept it would wait
-// through a whole unit's backward beside the two live ones; it is not kept (FlatParam::reshard).
-// So a frozen block never waits at the moments the plan counts (Note [The planner's arithmetic]):
-// in forward the next prefetch takes it at once.
+// repeated blocks is the next unit's gather or gradient. At most kKeptBlocks are kept, the most
+// recently freed, so the process holds at most that many blocks beyond what is alive.
 class FreedBlocks {
  public:
-  static constexpr size_t kKeptBlocks = 2;  // of each class: mappings, and heap blocks
+  static constexpr size_t kKeptBlocks = 2;
 
   at::DataPtr take(c10::Allocator* allocator, size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    std::deque<Block>& blocks = class_of(bytes);
-    for (auto it = blocks.begin(); it != blocks.end(); ++it) {
+    for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
       if (it->allocator == allocator && it->bytes == bytes) {
         at::DataPtr out = std::move(it->data);
-        blocks.erase(it);
+        blocks_.erase(it);
         return out;
       }
     }
@@ -50,20 +38,18 @@ class FreedBlocks {
   }
 
   void release() {
-    std::deque<Block> dropped_large, dropped_small;  // freed outside the lock
+    std::deque<Block> dropped;  // freed outside the lock
     std::lock_guard<std::mutex> lock(mu_);
-    dropped_large.swap(large_);
-    dropped_small.swap(small_);
+    dropped.swap(blocks_);
   }
 
   void keep(c10::Allocator* allocator, size_t bytes, at::DataPtr data) {
     at::DataPtr dropped(nullptr, at::Device(at::kCPU));  // freed outside the lock
     std::lock_guard<std::mutex> lock(mu_);
-    std::deque<Block>& blocks = class_of(bytes);
-    blocks.push_back({allocator, bytes, std::move(data)});
-    if (blocks.size() > kKeptBlocks) {
-      dropped = std::move(blocks.front().data);
-      blocks.pop_front();
+    blocks_.push_back({allocator, bytes, std::move(data)});
+    if (blocks_.size() > kKeptBlocks) {
+      dropped = std::move(blocks_.front().data);
+      blocks_.pop_front();
     }
   }
 
@@ -73,11 +59,8 @@ class FreedBlocks {
     size_t bytes;
     at::DataPtr data;
   };
-  std::deque<Block>& class_of(size_t bytes) {
-    return bytes >= static_cast<size_t>(base::kHostMmapThreshold) ? large_ : small_;
-  }
   std::mutex mu_;
-  std::deque<Block> large_, small_;
+  std::deque<Block> blocks_;
 };
 
 FreedBlocks& freed_host_blocks() {
@@ -90,13 +73,11 @@ FreedBlocks& freed_host_blocks() {
 }  // namespace
 
 void release_freed_host_blocks() {
-  drop_kept_host_blocks();
+  freed_host_blocks().release();
   base::return_free_heap();
 }
 
-void drop_kept_host_blocks() { freed_host_blocks().release(); }
-
-void set_storage_alive(const at::Tensor& t, bool alive, bool keep_for_reuse) {
+void set_storage_alive(const at::Tensor& t, bool alive) {
   const size_t bytes = alive ? static_cast<size_t>(t.numel()) * t.element_size() : 0;
   if (t.storage().nbytes() == bytes) return;
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
@@ -111,7 +92,7 @@ void set_storage_alive(const at::Tensor& t, bool alive, bool keep_for_reuse) {
     if (bytes == 0) {
       at::DataPtr old = storage->set_data_ptr(at::DataPtr(nullptr, t.device()));
       storage->set_nbytes(0);
-      if (old.get() != nullptr && keep_for_reuse) freed_host_blocks().keep(allocator, old_bytes, std::move(old));
+      if (old.get() != nullptr) freed_host_blocks().keep(allocator, old_bytes, std::move(old));
       return;
     }
     at::DataPtr fresh = old_bytes == 0 ? freed_host_blocks().take(allocator, bytes) : at::DataPtr(nullptr, t.device());

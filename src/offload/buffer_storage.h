@@ -9,13 +9,9 @@ namespace fsdp::offload {
 
 // Frees (alive false) or allocates (true) `t`'s whole storage. On the CPU a freed block is kept
 // for the next buffer of its size (Note [Reusing freed host buffers] in buffer_storage.cpp).
-// keep_for_reuse false: a block freed on the CPU is not kept (its next user is far off).
-void set_storage_alive(const at::Tensor& t, bool alive, bool keep_for_reuse = true);
+void set_storage_alive(const at::Tensor& t, bool alive);
 // Frees the blocks kept for reuse and returns the heap's free memory: before a phase that gathers
 // nothing and holds memory of its own (a checkpoint's save or load), whose peak they would add to.
 void release_freed_host_blocks();
-// Frees the blocks kept for reuse only: at the end of a backward, when nothing takes them before
-// the next forward and the optimizer step would hold them idle beside its states.
-void drop_kept_host_blocks();
 
 }  // namespace fsdp::offload

@@ -280,12 +280,12 @@ void FlatParam::wait_for_unshard() {
   use_unsharded_views();
 }
 
-void FlatParam::reshard(bool keep_frozen_block) {
+void FlatParam::reshard() {
   if (aliases_master_) return;
   wait_for_unshard();  // never free memory a collective is still writing
   post_forward_part_ = at::Tensor();
   gathered_stored_ = at::Tensor();
-  offload::set_storage_alive(unsharded_, false, keep_frozen_block || !stored_);
+  offload::set_storage_alive(unsharded_, false);
   use_guards();
   state_ = ShardedState::kSharded;
 }

@@ -153,9 +153,7 @@ class FlatParam {
   void unshard();
   ~FlatParam();
   void wait_for_unshard();
-  // keep_frozen_block false: a frozen flat param's freed block is not kept for reuse (Note [Reusing
-  // freed host buffers]: after its backward, where the next gather has taken its block already).
-  void reshard(bool keep_frozen_block = true);
+  void reshard();
   // Note [Resharding to a group] (sharded_unit.cpp): where a reshard after forward keeps this
   // rank's part of the gathered params (null: nowhere, reshard() frees them all).
   void set_post_forward_group(Communicator* group) { post_forward_group_ = group; }

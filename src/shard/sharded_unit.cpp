@@ -12,7 +12,6 @@
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
 #include "shard/grad_shards.h"
-#include "offload/buffer_storage.h"
 #include "offload/residency.h"
 #include "offload/tier_tensors.h"
 
@@ -119,8 +118,8 @@ void ShardedUnit::wait_for_unshard() {
   note_memory();
 }
 
-void ShardedUnit::reshard(bool keep_frozen_blocks) {
-  for (auto& fp : flat_params_) fp->reshard(keep_frozen_blocks);
+void ShardedUnit::reshard() {
+  for (auto& fp : flat_params_) fp->reshard();
 }
 
 // Note [Resharding to a group]
@@ -281,9 +280,6 @@ void ShardedUnit::post_forward() {
     }
   }
   state_ = in_backward ? TrainingState::kPreBackward : TrainingState::kIdle;
-  // Note [Reusing freed host buffers]: after the forward's last unit (and its root) no gather takes
-  // the blocks kept for reuse before backward's, so they would wait beside the head and the loss.
-  if (!in_backward && (is_root() || rs.order.ran_last(index_))) offload::drop_kept_host_blocks();
   // Buffers changed by a training forward are synchronised at the end of backward, once the
   // graph that saved them is done (or by the next forward, if no backward comes).
   if (is_root() && !in_backward) {
@@ -386,9 +382,7 @@ void ShardedUnit::maybe_end_backward() {
     all_done = post_backward_done_[k] || !flat_params_[k]->config().requires_grad;
   }
   if (!all_done || (!trainable && inputs_seen_ == 0)) return;
-  // Note [Kept gathers]; a Join keeps none. A frozen block freed here is not kept (Note [Reusing freed
-  // host buffers]): the gather it would serve has been issued already.
-  if (reshard_after_backward_ || root_state().joined) reshard(/*keep_frozen_blocks=*/false);
+  if (reshard_after_backward_ || root_state().joined) reshard();  // Note [Kept gathers]; a Join keeps none
   state_ = TrainingState::kPostBackward;
   if (Tracer* t = tracer())
     t->span("fsdp::backward", "compute", backward_begin_, std::chrono::steady_clock::now(), name());
@@ -443,7 +437,6 @@ void ShardedUnit::finalize_backward() {
     for (auto& fp : unit->flat_params_) fp->guard_grads();            // Note [Guarded gradients] in param_data.h
     unit->reset_after_backward();
   }
-  offload::drop_kept_host_blocks();  // Note [Reusing freed host buffers]: idle until the next forward
   rs.callback_queued = false;
   rs.in_backward = false;
   // The forward (and any recomputation in this backward) updated the buffers, each rank its way.

@@ -138,7 +138,7 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   void finalize_backward();  // root only: the end-of-backward callback
   void unshard();
   void wait_for_unshard();
-  void reshard(bool keep_frozen_blocks = true);  // FlatParam::reshard
+  void reshard();
   // After forward: reshard, or keep a group's shard (Note [Resharding to a group]).
   void reshard_to_group();
   bool is_gathered_or_gathering() const;
