@@ -43,5 +43,6 @@ struct NF4Table {
   float levels[16];
   float mids[15];  // (levels[j] + levels[j + 1]) / 2, each rounded to fp32
 };
+const NF4Table& nf4_table();  // built once (kernels/ops.cpp)
 
 }  // namespace fsdp::kernels

@@ -180,8 +180,6 @@ void scale_(const at::Tensor& x, double factor) {
   cpu::scale(x.data_ptr<float>(), x.numel(), static_cast<float>(factor));
 }
 
-namespace {
-
 const NF4Table& nf4_table() {
   static const NF4Table table = [] {
     NF4Table t{};
@@ -191,6 +189,8 @@ const NF4Table& nf4_table() {
   }();
   return table;
 }
+
+namespace {
 
 void check_blocks(const char* op, const char* name, const at::Tensor& t) {
   check(t.numel() % kQuantBlock == 0, op,

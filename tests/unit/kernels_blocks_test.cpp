@@ -38,9 +38,11 @@ at::Tensor decoded(BlockFormat f, const at::Tensor& stored, int64_t n, at::Scala
   return out;
 }
 
-std::vector<uint8_t> bytes_of(const at::Tensor& stored) {
-  const at::Tensor c = stored.cpu().contiguous();
-  return std::vector<uint8_t>(c.data_ptr<uint8_t>(), c.data_ptr<uint8_t>() + c.numel());
+// A tensor's bytes, whatever its dtype (a NaN compares equal to itself here).
+std::vector<uint8_t> bytes_of(const at::Tensor& t) {
+  const at::Tensor c = t.cpu().contiguous();
+  const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+  return std::vector<uint8_t>(p, p + c.numel() * c.element_size());
 }
 
 float absmax_of(BlockFormat f, const at::Tensor& stored, int64_t n, int64_t block) {
@@ -212,22 +214,13 @@ TEST(KernelBlocks, TwinMatchesFormerATenExpression) {
 // holding a NaN or an infinity; and decoded codes of random bytes under every kind of absmax (zero,
 // denormal, huge, infinite, NaN) into every output dtype, where bf16 and fp16 round ties and overflow.
 TEST(KernelBlocks, DispatchedBuildMatchesBaseline) {
-  NF4Table t{};
-  for (int j = 0; j < 16; ++j) t.levels[j] = kNF4Levels[j];
-  for (int j = 0; j < 15; ++j) t.mids[j] = (kNF4Levels[j] + kNF4Levels[j + 1]) / 2.0f;
+  const NF4Table& t = nf4_table();
   const int64_t blocks = 3000;
   at::Tensor x = mixed_values(blocks, 77);
   x[5 * kQuantBlock + 9] = NAN;
   x[6 * kQuantBlock + 63] = INFINITY;
   x[7 * kQuantBlock] = -INFINITY;
   x[8 * kQuantBlock + 1] = -NAN;
-  auto bytes = [](const at::Tensor& a) {
-    return std::vector<uint8_t>(a.data_ptr<uint8_t>(), a.data_ptr<uint8_t>() + a.numel());
-  };
-  auto raw = [](const at::Tensor& a) {
-    const auto* p = static_cast<const uint8_t*>(a.data_ptr());
-    return std::vector<uint8_t>(p, p + a.numel() * a.element_size());
-  };
   const ElemType types[] = {ElemType::kFloat32, ElemType::kBFloat16, ElemType::kFloat16};
   const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
   for (BlockFormat f : kFormats) {
@@ -239,7 +232,7 @@ TEST(KernelBlocks, DispatchedBuildMatchesBaseline) {
       at::Tensor base = at::empty({block_stored_bytes(f, in.numel())}, at::kByte);
       cpu::DEFAULT::encode_blocks(f, t, in.data_ptr(), types[k], blocks, base.data_ptr<uint8_t>(),
                                   base.data_ptr<uint8_t>() + cb);
-      ASSERT_EQ(bytes(base), bytes(encoded(f, in))) << what;
+      ASSERT_EQ(bytes_of(base), bytes_of(encoded(f, in))) << what;
     }
     // Random codes; the absmax of each block drawn from the kinds above.
     at::manual_seed(78);
@@ -257,7 +250,7 @@ TEST(KernelBlocks, DispatchedBuildMatchesBaseline) {
       at::Tensor base = at::empty({n}, dtypes[k]);
       cpu::DEFAULT::decode_blocks(f, t, stored.data_ptr<uint8_t>(), stored.data_ptr<uint8_t>() + cb, blocks,
                                   base.data_ptr(), types[k]);
-      ASSERT_EQ(raw(base), raw(decoded(f, stored, n, dtypes[k])))
+      ASSERT_EQ(bytes_of(base), bytes_of(decoded(f, stored, n, dtypes[k])))
           << name(f) << " into " << c10::toString(dtypes[k]) << ", dispatched " << cpu::capability();
     }
   }
