@@ -114,6 +114,9 @@ TrainState load(const std::string& dir, FSDPModule& root, ShardedOptimizer* opti
 // rank reads only the byte ranges of its own shards, converting them to the fp32 master shards in
 // bounded chunks: no rank holds the whole model and nothing is broadcast. Collective (the ranks
 // agree at the end, so a read that fails on one rank fails on all); the optimizer is untouched.
+// On a model built on the meta device and not yet used, the root's lazy init that the import runs
+// leaves the parameters it imports to it rather than filling them from FullyShardOptions::init
+// first (which they then need not set); an import that fails leaves the model at its init values.
 //
 // Note [Grown rows]
 // ImportOptions::grow_rows names tensors (by any of their names; a tied one once) that may hold

@@ -136,10 +136,14 @@ std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorVi
   return out;
 }
 
+using ValuesWritten = std::function<void(int64_t begin, const at::Tensor& values)>;
+
 // Reads elements [begin, begin + count) of the tensor at `loc` into dst[shard_begin, ...),
-// converting to dst's dtype through `staging` (the source dtype) in chunks.
+// converting to dst's dtype through `staging` (the source dtype) in chunks; `written` (if set)
+// sees each chunk's fp32 values where they were written (FlatShardView::values_written).
 uint64_t read_converted(File& file, const st::Header& header, const Located& loc, int64_t begin, int64_t count,
-                        const ShardTensor& shard, int64_t shard_begin, at::Tensor& staging) {
+                        const ShardTensor& shard, int64_t shard_begin, at::Tensor& staging,
+                        const ValuesWritten& written = nullptr) {
   const at::Tensor& dst = shard.values();
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
@@ -152,16 +156,22 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(kChunkElements, count - done);
     const uint64_t at_byte = base + static_cast<uint64_t>((begin + done) * item);
+    const int64_t at_elem = shard_begin + done;
     if (direct) {
-      file.pread_all(dst.data_ptr<float>() + shard_begin + done, n * item, at_byte);
+      file.pread_all(dst.data_ptr<float>() + at_elem, n * item, at_byte);
+      if (written) written(at_elem, dst.narrow(0, at_elem, n));
     } else {
       const auto type = st::to_scalar_type(loc.entry->dtype);
       if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
       file.pread_all(staging.data_ptr(), n * item, at_byte);
       if (in_file) {
-        out.put(shard_begin + done, staging.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+        out.make_room();
+        const at::Tensor values = staging.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+        if (written) written(at_elem, values);
+        out.put(at_elem, values);
       } else {
-        dst.narrow(0, shard_begin + done, n).copy_(staging.narrow(0, 0, n));
+        dst.narrow(0, at_elem, n).copy_(staging.narrow(0, 0, n));
+        if (written && dst.is_cpu()) written(at_elem, dst.narrow(0, at_elem, n));
       }
     }
     done += n;
@@ -201,11 +211,11 @@ uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::
     // A grown tensor's source rows are its first elements; the rest are filled by fill_grown.
     span->count = std::min(span->count, source_numel(located[i]) - span->tensor_begin);
     if (span->count <= 0) continue;
-    const ShardTensor& dst = layout.flats[t.flat].shard.master;
+    const FlatShardView& flat = layout.flats[t.flat].shard;
     auto it = files.find(located[i].file);
     if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
     bytes += read_converted(it->second, src.headers.at(located[i].file), located[i], span->tensor_begin, span->count,
-                            dst, span->shard_begin, staging);
+                            flat.master, span->shard_begin, staging, flat.values_written);
     if (last) flat_done(t.flat);
   }
   return bytes;
@@ -323,10 +333,27 @@ CheckpointLayout selected(const ModelView& model, const ImportOptions& options, 
   return layout;
 }
 
+// Whatever ends an import, no flat param is left waiting for its values (finish_deferred_init: a
+// no-op once the import wrote them all).
+struct DeferredInitGuard {
+  FSDPModule& root;
+  ~DeferredInitGuard() {
+    try {
+      finish_deferred_init(root);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): an init error stays for the next use to report
+    }
+  }
+};
+
 }  // namespace
 
 ImportReport import_weights(const std::string& dir, FSDPModule& root, const ImportOptions& options) {
-  const ModelView model = model_view(root, /*frozen_values=*/false);
+  // Every selected tensor is written whole, or the import throws: a lazy init it triggers leaves
+  // those flat params to it (Note [Deferred init leaves what a load writes]).
+  const auto& select = options.select();
+  const ModelView model =
+      model_view(root, /*frozen_values=*/false, [&select](const std::string& name) { return !select || select(name); });
+  DeferredInitGuard guard{root};
   std::vector<bool> touched(model.flats.size(), false);
   const CheckpointLayout layout = selected(model, options, touched);
   // Every rank opens and checks the same files, so a bad directory fails on every rank alike.

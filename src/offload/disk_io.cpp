@@ -303,14 +303,6 @@ void FileTier::check_dir() const {
                      "checkpoint snapshots and loads); recreate it and resume from the last checkpoint");
 }
 
-at::Tensor read_whole(const at::Tensor& t, const std::string& what) {
-  Mapping* m = mapping_of(t);
-  if (m == nullptr) return t;
-  IoTicket ticket = m->tier->read_async(t.reshape({-1}), 0, t.numel(), what, /*budgeted=*/false);
-  ticket.wait();
-  return ticket.buffer().view(t.sizes());
-}
-
 void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what,
                    const std::function<void(const float* data, int64_t at, int64_t count)>& fn) {
   if (end <= begin) return;
@@ -366,6 +358,12 @@ void RangeWriter::put(int64_t begin, const at::Tensor& src) {
   next_ = 1 - next_;
   slot.wait();  // the write two back: at most two buffers in flight
   slot = m->tier->write_async(t_, begin, src.view({-1}), what_);
+}
+
+void RangeWriter::make_room() {
+  IoTicket done = std::move(inflight_[next_]);
+  inflight_[next_] = IoTicket();
+  done.wait();
 }
 
 void RangeWriter::finish() {

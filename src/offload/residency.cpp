@@ -57,9 +57,10 @@ void Residency::move_master_to_state_tier(bool materialized) {
   at::Tensor placed = zeros_in(placement_, placement_.optimizer_state, master_.numel(),
                                master_.options().device(at::kCPU), "the master shard of " + config_.tag);
   if (materialized) offload::copy_streamed(placed, master_.to(at::kCPU));
-  working_ = at::empty({master_.numel()}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
+  // Zeros: the padding is never written, and a load may cast the rest from its values as it goes.
+  working_ = at::zeros({master_.numel()}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
   master_ = placed;
-  if (materialized) refresh_working(0, master_.numel(), master_);
+  if (materialized) refresh_working(0, master_);
 }
 
 at::Tensor Residency::new_state_tensor(const std::string& what, at::ScalarType dtype) {
@@ -191,26 +192,43 @@ void Residency::part_written(const at::Tensor& part) { offload::release(part); }
 void Residency::master_written() {
   kept_master_ = at::Tensor();
   if (offload::DiskTier* tier = offload::tier_of(master_)) tier->bump_generation();
-  if (follows_) refresh_working(0, master_.numel(), master_);
+  const int64_t values = config_.values < 0 ? master_.numel() : config_.values;
+  if (follows_ && fresh_ < values) refresh_working(0, master_);
+  fresh_ = 0;
+}
+
+void Residency::values_written(int64_t begin, const at::Tensor& part) {
+  if (!follows_) return;
+  cast_into_working(begin, part);
+  fresh_ += part.numel();
 }
 
 std::function<void(int64_t, int64_t, const at::Tensor&)> Residency::after_update() {
   if (!follows_) return nullptr;
-  return [this](int64_t a, int64_t b, const at::Tensor& updated) { refresh_working(a, b, updated); };
+  return [this](int64_t a, int64_t /*b*/, const at::Tensor& updated) { refresh_working(a, updated); };
 }
 
-void Residency::refresh_working(int64_t a, int64_t b, const at::Tensor& master_part) {
+void Residency::refresh_working(int64_t a, const at::Tensor& master_part) {
   c10::NoGradGuard no_grad;
-  // A whole disk-tier master (after deferred init or a load) is read through the I/O threads.
-  const at::Tensor part = offload::is_disk_backed(master_part)
-                              ? offload::read_whole(master_part, "the master shard of " + config_.tag)
-                              : master_part;
+  // A whole disk-tier master (after deferred init or a load) comes in the tier's host chunks, read
+  // ahead by its I/O threads, each cast as it lands: no fp32 copy of the whole shard exists.
+  if (offload::is_disk_backed(master_part)) {
+    offload::read_streamed(master_part, 0, master_part.numel(), "the master shard of " + config_.tag,
+                           [&](const float* data, int64_t at, int64_t n) {
+                             cast_into_working(a + at, at::from_blob(const_cast<float*>(data), {n}, at::kFloat));
+                           });
+    return;
+  }
+  cast_into_working(a, master_part);
+}
+
+void Residency::cast_into_working(int64_t a, const at::Tensor& part) {
   at::Tensor cast = part;
   if (config_.compute_dtype != at::kFloat) {  // the same copy-in as the gather's without offload
     cast = at::empty({part.numel()}, part.options().dtype(config_.compute_dtype));
     kernels::copy_in(part, cast);
   }
-  at::Tensor dst = working_.narrow(0, a, b - a);
+  at::Tensor dst = working_.narrow(0, a, part.numel());
   if (placement_.stager) {
     placement_.stager->copy_to_device(dst, cast);
   } else {

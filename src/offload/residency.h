@@ -50,7 +50,8 @@ class Residency {
     // The master is a frozen param's stored form (Note [Frozen storage], kernels/cpu/blocks.cpp): gathered as
     // it is, never stepped, offloaded to the host tier at most.
     bool stored = false;
-    std::string tag;  // "layers.0/0": names the states in errors and traces
+    std::string tag;      // "layers.0/0": names the states in errors and traces
+    int64_t values = -1;  // the master's elements that hold parameters (the rest is padding); -1: all
   };
   // Takes the master shard as built (fp32 on the compute device, not offloaded).
   Residency(at::Tensor master, Config config);
@@ -92,7 +93,7 @@ class Residency {
   void part_written(const at::Tensor& part);
   // Deferred init filled the master: the working copy follows.
   void materialized() {
-    if (follows_) refresh_working(0, master_.numel(), master_);
+    if (follows_) refresh_working(0, master_);
   }
   // A stored frozen master gets a new stored form (its values were written), in its tier.
   void replace_stored(at::Tensor stored);
@@ -102,6 +103,10 @@ class Residency {
   // The master was written outside the optimizer (a checkpoint load, deferred init): drops kept
   // reads, marks pending ones stale, refreshes the working copy.
   void master_written();
+  // A load wrote the master's elements [begin, begin + part's) with `part` (fp32 host values): the
+  // working copy is cast from them now, and master_written() reads the master back only if some
+  // element was written otherwise.
+  void values_written(int64_t begin, const at::Tensor& part);
   // Null, or what brings the working copy up to date after the optimizer updated elements [a, b).
   std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after_update();
 
@@ -119,13 +124,15 @@ class Residency {
   bool crosses_to_device(OffloadTier tier) const;
   at::Tensor fetch_master();
   void start_master_read();
-  void refresh_working(int64_t a, int64_t b, const at::Tensor& master_part);
+  void refresh_working(int64_t a, const at::Tensor& master_part);  // working_[a, ...) from the master's values
+  void cast_into_working(int64_t a, const at::Tensor& part);       // part: fp32 host values of working_[a, ...)
   void move_master_to_state_tier(bool materialized);
 
   at::Tensor master_;
   Config config_;
   OffloadPlacement placement_;
   bool follows_ = false;
+  int64_t fresh_ = 0;               // elements values_written() cast into the working copy since master_written()
   at::Tensor working_;              // [shard] param_dtype on the compute device when follows_
   offload::IoTicket pending_read_;  // read_ahead()'s read of the master
   uint64_t pending_read_generation_ = 0;

@@ -14,7 +14,6 @@ namespace fsdp::offload {
 bool is_disk_backed(const at::Tensor& t);                                // views included
 DiskTier* tier_of(const at::Tensor& t);                                  // null unless disk-backed
 void release(const at::Tensor& t, int64_t begin = 0, int64_t end = -1);  // pages leave memory; -1: the end
-at::Tensor read_whole(const at::Tensor& t, const std::string& what);     // host values (I/O threads)
 at::Tensor clone_in_tier(const at::Tensor& t);                           // a device tensor's clone is a host copy
 void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
 // fn(data, at, count) over elements [begin, end) of a contiguous fp32 host tensor, in order: one
@@ -34,6 +33,9 @@ class RangeWriter {
   RangeWriter(const RangeWriter&) = delete;
   RangeWriter& operator=(const RangeWriter&) = delete;
   void put(int64_t begin, const at::Tensor& src);  // src: contiguous fp32 on the host, not reused after
+  // Waits for the write put() would wait for next and lets its buffer go: called before making
+  // the next buffer, two exist at a time instead of three.
+  void make_room();
   void finish();
 
  private:

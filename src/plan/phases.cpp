@@ -7,7 +7,10 @@
 //    param kept in a stored form (NF4, int8, bf16 beside fp32 compute) is written through an fp32
 //    copy of its shard, stored and freed once its last tensor is read (Note [Importing weights]):
 //    one such copy at a time, the largest counted. An import converts the source's values through
-//    a staging buffer of 4M elements (fp32 and bf16: 24 MiB).
+//    a staging buffer of 4M elements (fp32 and bf16: 24 MiB). Into a master in the disk tier it
+//    writes each chunk's fp32 values through the tier's write thread, the chunk before still being
+//    written (16 MiB more), and a working copy in another dtype is cast from each chunk as it
+//    passes (Residency::values_written: 8 MiB in bf16), never from the master read back whole.
 //  - The save. Every state of the step, and with the frozen params in the checkpoint
 //    (SaveOptions::frozen_params) the fp32 values of one stored frozen shard, which the save
 //    decodes just before writing it and frees after (one at a time, the largest counted).
@@ -29,7 +32,8 @@
 namespace fsdp::planning {
 
 namespace {
-constexpr int64_t kImportStaging = (int64_t{4} << 20) * (4 + 2);  // checkpoint/import.cpp's chunk, F32 and BF16
+constexpr int64_t kImportChunk = int64_t{4} << 20;          // checkpoint/import.cpp's chunk, in elements
+constexpr int64_t kImportStaging = kImportChunk * (4 + 2);  // the chunk in F32 and BF16
 }  // namespace
 
 void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
@@ -41,6 +45,11 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
            in.loaded);
   load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
   if (req.load != LoadKind::kInit) load.add("the conversion's staging", kImportStaging);
+  if (req.load == LoadKind::kImport && in.master_on_disk) {
+    load.add("the disk tier's write of the chunk before (fp32)", kImportChunk * 4);
+    if (in.working_cast_element > 0)
+      load.add("a chunk cast for the working copy", kImportChunk * in.working_cast_element);
+  }
   load.add("disk tier's mapped window", in.disk_window);
   const int64_t chunk = std::min(kExportChunkBytes, 4 * in.largest_param);
   p.exporting.add("process (libraries)", in.process);

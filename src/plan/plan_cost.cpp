@@ -94,7 +94,9 @@ struct States {
   offload::TierBytes tier;
   offload::TierBytes loaded;  // what the load leaves (Note [The load and the save])
   int64_t master = 0, working = 0, grads = 0, optimizer = 0;
-  int64_t stored_largest = 0;  // the largest stored frozen shard's fp32 values (4 bytes each)
+  int64_t stored_largest = 0;   // the largest stored frozen shard's fp32 values (4 bytes each)
+  bool master_on_disk = false;  // a master in the disk tier
+  bool cast_working = false;    // a working copy in a dtype other than fp32
   offload::StepIo io;
 };
 
@@ -203,6 +205,8 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     for (int t = 0; t < 3; ++t) s.tier.bytes[t] += held.bytes[t];
     s.loaded[where.master] += f.master_bytes;
     if (where.working_copy) s.loaded[OffloadTier::kNone] += f.compute_bytes;
+    s.master_on_disk = s.master_on_disk || (where.master == OffloadTier::kDisk && master_bytes > 0);
+    s.cast_working = s.cast_working || (where.working_copy && e != 4);
     if (kind.trainable && req.load == LoadKind::kResume) {
       s.loaded[where.optimizer_state] += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
     }
@@ -495,6 +499,8 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   phases.loaded = s.loaded[OffloadTier::kNone];
   phases.at_rest = s.tier[OffloadTier::kNone];
   phases.stored_largest = s.stored_largest;
+  phases.master_on_disk = s.master_on_disk;
+  phases.working_cast_element = s.cast_working ? elem(req.param_dtype) : 0;
   phases.disk_window = cpu ? p.disk_memory_budget : 0;
   phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;
   const Sizes z = sizes_of(shape);

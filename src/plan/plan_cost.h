@@ -37,10 +37,12 @@ struct PhaseInputs {
   int64_t at_rest = 0;         // the step's sharded states
   int64_t stored_largest = 0;  // the largest stored frozen shard's fp32 values
   int64_t disk_window = 0;
-  int64_t snapshot = 0;           // an async save's
-  int64_t largest_param = 0;      // elements of the model's largest parameter (the export's largest chunk)
-  int64_t largest_trainable = 0;  // of its largest trainable one
-  bool has_frozen = false;        // frozen parameters beside trainable ones (a LoRA run: a merged export)
+  bool master_on_disk = false;       // a master in the disk tier (an import writes it in chunks)
+  int64_t working_cast_element = 0;  // bytes per element of a working copy not in fp32 (0: none)
+  int64_t snapshot = 0;              // an async save's
+  int64_t largest_param = 0;         // elements of the model's largest parameter (the export's largest chunk)
+  int64_t largest_trainable = 0;     // of its largest trainable one
+  bool has_frozen = false;           // frozen parameters beside trainable ones (a LoRA run: a merged export)
 };
 void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p);
 

@@ -47,6 +47,7 @@ ShardTensor::Writer::Writer(const ShardTensor& dst, const std::string& what)
     : w_(std::make_unique<offload::RangeWriter>(dst.values(), what)) {}
 ShardTensor::Writer::~Writer() = default;
 void ShardTensor::Writer::put(int64_t begin, const at::Tensor& src) { w_->put(begin, src); }
+void ShardTensor::Writer::make_room() { w_->make_room(); }
 void ShardTensor::Writer::finish() { w_->finish(); }
 
 namespace {
@@ -55,6 +56,18 @@ namespace {
 // fresh memory, its pages untouched until written: a save decodes the shard into it (read_values)
 // just before writing it and frees it after (drop_values), so that one such copy exists at a time;
 // a load writes it, and master_written stores the values again and lets the fp32 copy go.
+FlatShardView view_of(FlatParam* flat, const at::Tensor& master, size_t index) {
+  FlatShardView v;
+  v.master = ShardTensor(master);
+  v.shard_offset = flat->shard_offset();
+  v.shard_numel = flat->shard_numel();
+  v.requires_grad = flat->config().requires_grad;
+  v.tag = flat->config().tag;
+  v.index = index;
+  v.writer = flat->replicate_group().rank() == 0;
+  return v;
+}
+
 FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
   at::Tensor fp32 =
       at::empty({flat->shard_numel()}, at::TensorOptions().dtype(at::kFloat).device(flat->config().device));
@@ -62,11 +75,10 @@ FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
     flat->store_frozen(fp32);
     fp32.storage().unsafeGetStorageImpl()->reset();
   };
-  FlatShardView v{
-      ShardTensor(fp32), flat->shard_offset(), flat->shard_numel(), false, flat->config().tag, release, nullptr};
+  FlatShardView v = view_of(flat, fp32, index);
+  v.master_written = release;
   v.read_values = [flat, fp32] { flat->frozen_values_into(fp32); };
   if (values) v.drop_values = [fp32] { fp32.storage().unsafeGetStorageImpl()->reset(); };
-  v.index = index;
   return v;
 }
 
@@ -85,8 +97,15 @@ void omit_frozen(ModelView& view) {
   }
 }
 
-ModelView model_view(FSDPModule& root, bool frozen_values) {
+ModelView model_view(FSDPModule& root, bool frozen_values) { return model_view(root, frozen_values, nullptr); }
+
+void finish_deferred_init(FSDPModule& root) {
+  if (ShardedUnit& u = unit_of(root); u.root() == &u) u.finish_deferred_init();
+}
+
+ModelView model_view(FSDPModule& root, bool frozen_values, const std::function<bool(const std::string&)>& load_writes) {
   ModelView view;
+  if (ShardedUnit& u = unit_of(root); u.root() == nullptr) u.lazy_init(load_writes);
   // The optimizer's last writes may still be draining into the disk tier (Note [The disk tier
   // around the step after backward] in optim/optim.cpp): what is saved, loaded or exported
   // through this view waits for them.
@@ -108,12 +127,12 @@ ModelView model_view(FSDPModule& root, bool frozen_values) {
       if (fp->stores_frozen()) {
         view.flats.push_back(stored_view(flat, index, frozen_values));
       } else {
-        view.flats.push_back({ShardTensor(fp->sharded_param()), fp->shard_offset(), fp->shard_numel(),
-                              fp->config().requires_grad, fp->config().tag, [flat] { flat->master_written(); }, nullptr,
-                              index});
+        FlatShardView v = view_of(flat, fp->sharded_param(), index);
+        v.master_written = [flat] { flat->master_written(); };
+        v.values_written = [flat](int64_t begin, const at::Tensor& values) { flat->values_written(begin, values); };
+        view.flats.push_back(std::move(v));
       }
       for (const auto& e : fp->entries()) by_tensor[e.param.unsafeGetTensorImpl()] = {index, &e, unit->prefix()};
-      view.flats.back().writer = fp->replicate_group().rank() == 0;
     }
   }
   // The model's own registration order gives files that read like the model.

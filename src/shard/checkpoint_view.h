@@ -67,6 +67,7 @@ class ShardTensor {
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
     void put(int64_t begin, const at::Tensor& src);  // contiguous fp32 host values, not reused after
+    void make_room();  // before making the next buffer: at most two exist (RangeWriter::make_room)
     void finish();
 
    private:
@@ -98,6 +99,9 @@ struct FlatShardView {
   std::string tag;  // "layers.0/0", as in collective errors
   // To call after writing into `master` (a load): refreshes what the model derives from it.
   std::function<void()> master_written;
+  // Null, or what a load may call for each range of `master` it wrote, with the fp32 host values
+  // it wrote (before master_written): the working copy is cast from them, not read back.
+  std::function<void(int64_t begin, const at::Tensor& values)> values_written;
   // Null, or (a frozen param kept in a stored form, viewed without its values) what fills `master`
   // with its current values: before writing part of it.
   std::function<void()> read_values;
@@ -132,6 +136,12 @@ struct ModelView {
 // drop_values frees them; else it is to be written (a load or an import, which call
 // master_written after writing it). It first frees the step's kept gather blocks and free heap.
 ModelView model_view(FSDPModule& root, bool frozen_values = true);
+// The same for a load that writes whole every parameter `load_writes` names (full names): a lazy
+// init it triggers leaves their flat params to it (Note [Deferred init leaves what a load writes]
+// in shard/unit_init.cpp). After the load, finish_deferred_init(root) fills from the init what it
+// did not write (it failed midway); on success it finds nothing to do.
+ModelView model_view(FSDPModule& root, bool frozen_values, const std::function<bool(const std::string&)>& load_writes);
+void finish_deferred_init(FSDPModule& root);
 // Drops the frozen flat params' tensors and masters from `view`: a checkpoint of the trainable
 // parameters only (SaveOptions::frozen_params), or a load of one.
 void omit_frozen(ModelView& view);

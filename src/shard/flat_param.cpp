@@ -67,6 +67,7 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
   where.device = config_.device;
   where.requires_grad = config_.requires_grad;
   where.tag = config_.tag;
+  where.values = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
   residency_ = std::make_unique<Residency>(master, std::move(where));
   aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat && !stored_;
   if (aliases_master_) {
@@ -144,8 +145,10 @@ void FlatParam::set_tag(std::string tag) {
   guard_info_->unit = config_.tag.substr(0, config_.tag.rfind('/'));
 }
 
-void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix) {
+void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix, bool load_writes) {
   if (!needs_materialize_) return;
+  awaits_load_ = load_writes;
+  if (load_writes) return;
   if (!init) {
     throw ConfigError("fsdp: parameter '" + prefix + entries_.front().name +
                       "' is on the meta device but FullyShardOptions::init is not set");
@@ -196,6 +199,7 @@ void FlatParam::store_frozen(const at::Tensor& values) {
   c10::NoGradGuard no_grad;
   residency_->encode_stored(config_.storage, values, /*in_place=*/!needs_encode_);  // deferred init: fp32 values
   needs_encode_ = false;
+  loaded();
   drop_stale_gather();
 }
 
@@ -331,9 +335,15 @@ at::Tensor FlatParam::new_state_tensor(const std::string& what, at::ScalarType d
   return residency_->new_state_tensor(what, dtype);
 }
 at::Tensor FlatParam::take_master_for_step() { return residency_->take_master_for_step(); }
+void FlatParam::values_written(int64_t begin, const at::Tensor& values) { residency_->values_written(begin, values); }
 void FlatParam::master_written() {
+  loaded();
   residency_->master_written();
   drop_stale_gather();
+}
+
+void FlatParam::loaded() {  // a load wrote the values deferred init left to it
+  if (awaits_load_) awaits_load_ = needs_materialize_ = false;
 }
 
 // The master was written outside a step (a load): a gather kept since the last forward (the root

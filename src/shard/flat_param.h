@@ -82,7 +82,11 @@ class FlatParam {
             Communicator& replicate_group);
 
   // Deferred init: fills the master shard from `init`. Names passed are `prefix + entry.name`.
-  void materialize(const ParamInitFn& init, const std::string& prefix);
+  // With `load_writes` (a load that writes every element follows: Note [Deferred init leaves what
+  // a load writes] in unit_init.cpp) nothing is written: the values wait for that load, whose
+  // master_written() or store_frozen() ends the wait; a later call without it fills them.
+  void materialize(const ParamInitFn& init, const std::string& prefix, bool load_writes = false);
+  bool awaits_load() const { return awaits_load_; }
 
   // Moves the sharded states to their tiers (before materialize(), so deferred init writes
   // straight into them). Called once, by the root's lazy init.
@@ -121,6 +125,9 @@ class FlatParam {
   std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after_optimizer_update();
   // The master was written outside the optimizer (a checkpoint load): refresh what derives from it.
   void master_written();
+  // A load wrote elements [begin, ...) of the master shard with `values` (fp32 host values), before
+  // its master_written(): what derives from them is made from these (Residency::values_written).
+  void values_written(int64_t begin, const at::Tensor& values);
   // Disk tier: starts reading the master shard for the next all-gather (Note [Disk tier I/O
   // threads]); the gather uses it unless the master changed since.
   void read_ahead();
@@ -212,6 +219,7 @@ class FlatParam {
   void gather_in_group();  // Note [Resharding to a group]
   void drop_stale_gather();
   void use_unsharded_views();
+  void loaded();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
 
@@ -222,6 +230,7 @@ class FlatParam {
   Communicator& replicate_group_;
   int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, shard_offset_ = 0;
   bool needs_materialize_ = false;
+  bool awaits_load_ = false;  // materialize(.., load_writes): a load writes the values
   // The unsharded buffer is the master shard itself: one rank per shard, fp32 compute.
   bool aliases_master_ = false;
   // Frozen, kept in config_.storage (the master is the stored form); a gather that needs decoding

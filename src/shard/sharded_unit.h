@@ -123,8 +123,13 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   ShardedUnit* root() { return root_; }
   RootState& root_state() { return *root_->root_state_; }
   // Makes this unit the root of every unit in its module tree (names, inherited options, offload
-  // placement, deferred init).
-  void lazy_init();
+  // placement, deferred init). `load_writes`: null, or the parameters (full names) a load that
+  // follows writes whole; deferred init leaves a flat param all of whose parameters it names to
+  // that load (Note [Deferred init leaves what a load writes] in unit_init.cpp).
+  void lazy_init(const std::function<bool(const std::string& name)>& load_writes = nullptr);
+  // The root: fills every flat param still waiting for a load from its unit's init (a load that
+  // failed midway).
+  void finish_deferred_init();
   // This unit and every unit nested in its module tree, pre-order.
   std::vector<ShardedUnit*> subtree_units() const;
 

@@ -458,7 +458,19 @@ std::vector<ShardedUnit*> ShardedUnit::subtree_units() const {
 
 // ---- the root's lazy init
 
-void ShardedUnit::lazy_init() {
+// Note [Deferred init leaves what a load writes]
+// A model built on the meta device and then imported (fsdp-train --init-from) or loaded would
+// have each master filled twice: by its init at the root's lazy init, then by the load. With the
+// master in the disk tier that is every byte written twice; with a frozen stored form, a zero fill
+// of an fp32 shard and its encoding per flat param, for nothing. So a load that knows which
+// parameters it writes whole (import_weights: every tensor it selects, or it throws) passes them to
+// the lazy init it triggers, which leaves each flat param all of whose parameters are named
+// untouched: a fresh tier file (zeros), an fp32 master whose pages are not yet faulted in (the
+// padding zeroed), or a frozen shard's fp32 values awaiting their first store. The load's
+// master_written() or store_frozen() ends the wait; until then the flat param cannot be
+// gathered (the error asks for a lazy init), and a load that failed midway fills what it left from
+// the init (finish_deferred_init), so the model is never used with unwritten values.
+void ShardedUnit::lazy_init(const std::function<bool(const std::string& name)>& load_writes) {
   if (root_ == this) return;
   check_no_ties();
   auto module = module_.lock();
@@ -484,9 +496,21 @@ void ShardedUnit::lazy_init() {
   open_offload_tiers();
   place_offloaded_states();  // before materialize: deferred init writes straight into the tiers
   for (ShardedUnit* unit : root_state_->units) {
-    for (auto& fp : unit->flat_params_) fp->materialize(unit->options_.init, unit->prefix_);
+    for (auto& fp : unit->flat_params_) {
+      bool written = static_cast<bool>(load_writes);
+      for (const auto& e : fp->entries()) written = written && load_writes(unit->prefix_ + e.name);
+      fp->materialize(unit->options_.init, unit->prefix_, written);
+    }
   }
   init_buffers();
+}
+
+void ShardedUnit::finish_deferred_init() {
+  for (ShardedUnit* unit : root_state_->units) {
+    for (auto& fp : unit->flat_params_) {
+      if (fp->awaits_load()) fp->materialize(unit->options_.init, unit->prefix_);
+    }
+  }
 }
 
 // Opens what the units' offload policies use: one disk tier per rank (its directory and budget

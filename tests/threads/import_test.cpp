@@ -95,9 +95,11 @@ struct Imported {
   std::shared_ptr<FSDPModule> root;
 };
 
+// Built on the meta device with no init: the import writes every parameter, and its lazy init
+// leaves them to it (Note [Deferred init leaves what a load writes]).
 Imported sharded(const llama::LlamaConfig& c, DeviceMesh& mesh) {
   Imported m{llama::LlamaForCausalLM(c, at::kMeta), nullptr};
-  auto opts = FullyShardOptions().init(init::constant(0.0));
+  auto opts = FullyShardOptions();
   for (auto& layer : m.model->model->layers) fully_shard(layer, mesh, opts);
   m.root = fully_shard(m.model, mesh, opts);
   return m;
@@ -179,11 +181,14 @@ TEST(Import, AMasterThatFollowsItsOffloadedStateIsWhatTheForwardUses) {
       auto root = fully_shard(model, mesh, opts);
       checkpoint::import_weights(dir, *root);
       if (tier == "disk") {
-        // Deferred init and the import each wrote every master through the tier's write thread,
-        // not page by page through its mapping (whose faults read each page in first).
+        // The import wrote every master once, through the tier's write thread, not page by page
+        // through its mapping (whose faults read each page in first); the deferred init it
+        // triggered wrote none (Note [Deferred init leaves what a load writes]).
         int64_t master_bytes = 0;
         for (FlatParam* fp : testing::flat_params(*root)) master_bytes += fp->shard_numel() * 4;
-        EXPECT_GE(offload_io(*root).disk_write, 2 * master_bytes) << "rank " << dist->rank();
+        EXPECT_EQ(offload_io(*root).disk_write, master_bytes) << "rank " << dist->rank();
+        // The working copy was cast from the imported values as they were written, not read back.
+        EXPECT_EQ(offload_io(*root).disk_read, 0) << "rank " << dist->rank();
       }
       const at::Tensor out = call(model, tokens).detach().to(at::kFloat);
       if (dist->rank() == 0) logits[tier] = out;
@@ -287,6 +292,43 @@ Named grown(const Named& src, int64_t rows) {
     out.emplace_back(n, at::cat({f, mean}).to(at::kFloat));
   }
   return out;
+}
+
+// The import's lazy init leaves every master it will write unfilled (Note [Deferred init leaves
+// what a load writes]); an import that fails must not leave them so: the model then holds its
+// init's values, in memory and with the master in the disk tier, and trains from them.
+TEST(Import, AFailedImportLeavesTheModelAtItsInit) {
+  const auto c = tiny(false);
+  const std::string dir = write_dir("imp-fail-init", without(reference(c, at::kBFloat16), "lm_head.weight"), 2);
+  const std::string tier_dir = testing::temp_path("imp-fail-init-tier");
+  const at::Tensor tokens = at::arange(12, at::kLong).remainder(c.vocab_size).view({2, 6});
+  std::map<std::string, at::Tensor> logits;
+  for (const std::string run : {"never imported", "failed import", "failed import, disk tier"}) {
+    testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
+      auto opts = FullyShardOptions().init(init::constant(0.25));
+      if (run == "failed import, disk tier")
+        opts.offload(
+            OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(io::join(tier_dir, std::to_string(dist->rank()))));
+      llama::LlamaForCausalLM model(c, at::kMeta);
+      for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
+      auto root = fully_shard(model, mesh, opts);
+      if (run != "never imported") {
+        EXPECT_THROW(checkpoint::import_weights(dir, *root), CheckpointError);
+        for (FlatParam* fp : testing::flat_params(*root)) {
+          EXPECT_FALSE(fp->awaits_load()) << fp->config().tag;
+          const at::Tensor values = fp->sharded_param().narrow(
+              0, 0, std::clamp<int64_t>(fp->numel() - fp->shard_offset(), 0, fp->shard_numel()));
+          EXPECT_TRUE(at::equal(values, at::full_like(values, 0.25))) << run << ": " << fp->config().tag;
+        }
+      }
+      const at::Tensor out = call(model, tokens).detach();
+      if (dist->rank() == 0) logits[run] = out;
+    });
+  }
+  io::remove_tree(tier_dir);
+  EXPECT_TRUE(at::equal(logits["failed import"], logits["never imported"]));
+  EXPECT_TRUE(at::equal(logits["failed import, disk tier"], logits["never imported"]));
 }
 
 TEST(Import, GrownRowsKeepTheSourceRowsAndTakeTheirMeanOnAnyWorldSizeAndStrategy) {
