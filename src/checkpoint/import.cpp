@@ -140,10 +140,11 @@ using ValuesWritten = std::function<void(int64_t begin, const at::Tensor& values
 
 // Reads elements [begin, begin + count) of the tensor at `loc` into dst[shard_begin, ...),
 // converting to dst's dtype through `staging` (the source dtype) in chunks; `written` (if set)
-// sees each chunk's fp32 values where they were written (FlatShardView::values_written).
+// sees each chunk's fp32 values where they were written (FlatShardView::values_written). With
+// `store` (FlatShardView::store_values) each chunk is stored as read instead, dst left alone.
 uint64_t read_converted(File& file, const st::Header& header, const Located& loc, int64_t begin, int64_t count,
                         const ShardTensor& shard, int64_t shard_begin, at::Tensor& staging,
-                        const ValuesWritten& written = nullptr) {
+                        const ValuesWritten& written = nullptr, const ValuesWritten& store = nullptr) {
   const at::Tensor& dst = shard.values();
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
@@ -151,7 +152,7 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
   // Straight into the state's memory when it is fp32 RAM; a disk-tier master gets host chunks its
   // tier writes (ShardTensor::Writer), so its mapping is not paged through.
   const bool in_file = shard.in_file();
-  const bool direct = f32 && dst.is_cpu() && dst.scalar_type() == at::kFloat && !in_file;
+  const bool direct = f32 && dst.is_cpu() && dst.scalar_type() == at::kFloat && !in_file && !store;
   ShardTensor::Writer out(shard, "import of " + loc.entry->name);
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(kChunkElements, count - done);
@@ -164,7 +165,9 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
       const auto type = st::to_scalar_type(loc.entry->dtype);
       if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
       file.pread_all(staging.data_ptr(), n * item, at_byte);
-      if (in_file) {
+      if (store) {
+        store(at_elem, staging.narrow(0, 0, n));
+      } else if (in_file) {
         out.make_room();
         const at::Tensor values = staging.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
         if (written) written(at_elem, values);
@@ -194,8 +197,10 @@ int64_t source_numel(const Located& l) {
 uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::vector<Located>& located,
                   const std::function<void(size_t flat)>& flat_done) {
   std::vector<int64_t> left(layout.flats.size(), 0);
+  std::vector<bool> grows(layout.flats.size(), false);  // fill_grown reads its values back: not stored as read
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     left[layout.tensors[i].flat] += located[i].grown ? (int64_t{1} << 40) : 1;  // a grown one never finishes here
+    grows[layout.tensors[i].flat] = grows[layout.tensors[i].flat] || located[i].grown;
   }
   std::map<std::string, File> files;
   at::Tensor staging;
@@ -215,7 +220,8 @@ uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::
     auto it = files.find(located[i].file);
     if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
     bytes += read_converted(it->second, src.headers.at(located[i].file), located[i], span->tensor_begin, span->count,
-                            flat.master, span->shard_begin, staging, flat.values_written);
+                            flat.master, span->shard_begin, staging, flat.values_written,
+                            grows[t.flat] ? nullptr : flat.store_values);
     if (last) flat_done(t.flat);
   }
   return bytes;
@@ -327,8 +333,11 @@ CheckpointLayout selected(const ModelView& model, const ImportOptions& options, 
   }
   layout.tensors = std::move(kept);
   for (size_t f = 0; f < layout.flats.size(); ++f) {
-    const auto& read_values = layout.flats[f].shard.read_values;
-    if (touched[f] && skipped[f] && read_values) read_values();
+    auto& shard = layout.flats[f].shard;
+    if (!touched[f] || !skipped[f]) continue;
+    // Partly imported: the rest keeps its values, so the imported ones go through the fp32 copy.
+    if (shard.read_values) shard.read_values();
+    shard.store_values = nullptr;
   }
   return layout;
 }

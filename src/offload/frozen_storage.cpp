@@ -113,6 +113,27 @@ void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& st
   kernels::encode_blocks(format(s), in, stored);
 }
 
+void encode_range(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored, int64_t numel, int64_t begin) {
+  const int64_t n = values.numel();
+  if (!quantized(s)) {
+    stored.narrow(0, begin, n).copy_(values.reshape({-1}));
+    return;
+  }
+  check_blocks(begin);
+  check_blocks(numel);
+  const int64_t padded = (n + kBlock - 1) / kBlock * kBlock;
+  at::Tensor in = values.reshape({-1});
+  if (padded != n) {
+    in = at::zeros({padded}, values.options());
+    in.narrow(0, 0, n).copy_(values.reshape({-1}));
+  }
+  const at::Tensor part = encode(s, in.is_cpu() ? in : in.cpu());  // [codes | absmax] of these blocks
+  const int64_t absmax_bytes = padded / kBlock * 4, codes = part.numel() - absmax_bytes;
+  const int64_t all_codes = stored_numel(s, numel) - numel / kBlock * 4;
+  stored.narrow(0, begin / kBlock * (codes / (padded / kBlock)), codes).copy_(part.narrow(0, 0, codes));
+  stored.narrow(0, all_codes + begin / kBlock * 4, absmax_bytes).copy_(part.narrow(0, codes, absmax_bytes));
+}
+
 void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out) {
   if (!quantized(s)) {
     out.copy_(stored);

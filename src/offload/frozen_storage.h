@@ -29,6 +29,10 @@ at::Tensor encode(FrozenStorage s, const at::Tensor& values);
 // The same, written into `stored` (encode's dtype and size for values.numel(), on any device), so
 // that no second stored form exists beside it.
 void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored);
+// Writes the stored form of elements [begin, begin + values.numel()) of a shard of `numel` values
+// into `stored` (that shard's stored form, on the CPU or a device), leaving the rest alone:
+// `begin` starts a block, and a last block that `values` ends inside is completed with zeros.
+void encode_range(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored, int64_t numel, int64_t begin);
 // Writes the values of `stored` (encode's output, `out.numel()` values) into `out` (floating, any
 // dtype: cast from fp32; fp32, bf16 and fp16 contiguous outputs are written in one pass).
 void decode(FrozenStorage s, const at::Tensor& stored, const at::Tensor& out);

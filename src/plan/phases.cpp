@@ -4,10 +4,12 @@
 //  - The load. Each rank holds its sharded states as they are after the load: the masters (a frozen
 //    one in its stored form), a working copy where the master follows its state, and after a resume
 //    the optimizer's state too; no gradient shard yet (the first reduction makes it). A frozen flat
-//    param kept in a stored form (NF4, int8, bf16 beside fp32 compute) is written through an fp32
-//    copy of its shard, stored and freed once its last tensor is read (Note [Importing weights]):
-//    one such copy at a time, the largest counted. An import converts the source's values through
-//    a staging buffer of 4M elements (fp32 and bf16: 24 MiB). Into a master in the disk tier it
+//    param kept in a stored form (NF4, int8, bf16 beside fp32 compute) is filled by deferred init,
+//    or resumed, through an fp32 copy of its shard, stored and freed once written: one such copy
+//    at a time, the largest counted. An import stores each chunk of it as read instead
+//    (FlatParam::store_values: no fp32 shard; a tensor whose rows grow, or a flat param imported
+//    in part, still goes through the copy, which the plan does not count). An import converts the
+//    source's values through a staging buffer of 4M elements (fp32 and bf16: 24 MiB). Into a master in the disk tier it
 //    writes each chunk's fp32 values through the tier's write thread, the chunk before still being
 //    written (16 MiB more), and a working copy in another dtype is cast from each chunk as it
 //    passes (Residency::values_written: 8 MiB in bf16), never from the master read back whole.
@@ -43,7 +45,11 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
   load.add(req.load == LoadKind::kResume ? "sharded states once loaded (masters, stored frozen, optimizer state)"
                                          : "sharded states once loaded (masters, stored frozen; no gradient yet)",
            in.loaded);
-  load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
+  // An import stores each chunk of a frozen shard as it reads it (FlatParam::store_values).
+  if (req.load != LoadKind::kImport)
+    load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
+  else if (in.stored_largest > 0)
+    load.add("a chunk's stored form (int8 at most: 1 + 4/64 bytes a value)", kImportChunk * 17 / 16);
   if (req.load != LoadKind::kInit) load.add("the conversion's staging", kImportStaging);
   if (req.load == LoadKind::kImport && in.master_on_disk) {
     load.add("the disk tier's write of the chunk before (fp32)", kImportChunk * 4);

@@ -72,13 +72,18 @@ FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
   at::Tensor fp32 =
       at::empty({flat->shard_numel()}, at::TensorOptions().dtype(at::kFloat).device(flat->config().device));
   auto release = [flat, fp32] {
-    flat->store_frozen(fp32);
+    if (flat->values_stored()) {
+      flat->end_store_values();
+    } else {
+      flat->store_frozen(fp32);
+    }
     fp32.storage().unsafeGetStorageImpl()->reset();
   };
   FlatShardView v = view_of(flat, fp32, index);
   v.master_written = release;
   v.read_values = [flat, fp32] { flat->frozen_values_into(fp32); };
   if (values) v.drop_values = [fp32] { fp32.storage().unsafeGetStorageImpl()->reset(); };
+  if (!values) v.store_values = [flat](int64_t begin, const at::Tensor& part) { flat->store_values(begin, part); };
   return v;
 }
 

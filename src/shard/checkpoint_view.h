@@ -102,6 +102,11 @@ struct FlatShardView {
   // Null, or what a load may call for each range of `master` it wrote, with the fp32 host values
   // it wrote (before master_written): the working copy is cast from them, not read back.
   std::function<void(int64_t begin, const at::Tensor& values)> values_written;
+  // Null, or (a frozen param kept in a stored form, viewed for a load) what a load that writes
+  // every value of the shard may call instead of writing `master`: stores elements [begin, ...)
+  // from `values` (any floating dtype, on the host; begin starts a 64-element block) straight
+  // into the stored form (FlatParam::store_values); master_written then only ends the load.
+  std::function<void(int64_t begin, const at::Tensor& values)> store_values;
   // Null, or (a frozen param kept in a stored form, viewed without its values) what fills `master`
   // with its current values: before writing part of it.
   std::function<void()> read_values;

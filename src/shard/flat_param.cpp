@@ -187,27 +187,6 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix, 
   residency_->materialized();
 }
 
-void FlatParam::frozen_values_into(const at::Tensor& out) const {
-  if (needs_encode_) {
-    out.zero_();  // not materialised yet
-    return;
-  }
-  frozen::decode(config_.storage, residency_->master(), out);
-}
-
-void FlatParam::store_frozen(const at::Tensor& values) {
-  c10::NoGradGuard no_grad;
-  residency_->encode_stored(config_.storage, values, /*in_place=*/!needs_encode_);  // deferred init: fp32 values
-  needs_encode_ = false;
-  loaded();
-  drop_stale_gather();
-}
-
-int64_t FlatParam::stored_bytes() const {
-  const at::Tensor& m = residency_->master();
-  return static_cast<int64_t>(m.numel() * m.element_size());
-}
-
 // The gathered stored forms, rank by rank, decoded into the compute-dtype buffer.
 void FlatParam::decode_gathered() {
   const int64_t per_rank = gathered_stored_.numel() / shard_group_.size();

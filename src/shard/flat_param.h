@@ -111,6 +111,13 @@ class FlatParam {
   void frozen_values_into(const at::Tensor& out) const;
   // Replaces the shard's values with `values` (fp32, shard_numel()), stored again (a load).
   void store_frozen(const at::Tensor& values);
+  // A load that writes every value of the shard may store it range by range instead, with no fp32
+  // copy of the shard: elements [begin, ...) from `values` (any floating dtype, on the host;
+  // `begin` starts a block, and a last block they end inside is the parameter's, zeros after
+  // them). end_store_values() then ends the load (store_frozen's role).
+  void store_values(int64_t begin, const at::Tensor& values);
+  bool values_stored() const { return values_stored_; }
+  void end_store_values();
   // Bytes of the stored shard.
   int64_t stored_bytes() const;
 
@@ -236,7 +243,8 @@ class FlatParam {
   // Frozen, kept in config_.storage (the master is the stored form); a gather that needs decoding
   // lands in gathered_stored_ first.
   bool stored_ = false;
-  bool needs_encode_ = false;  // deferred init: the master is fp32 values until materialize() ends
+  bool needs_encode_ = false;   // deferred init: the master is fp32 values until materialize() ends
+  bool values_stored_ = false;  // store_values() since the last end_store_values()
   at::Tensor gathered_stored_;
 
   ShardedState state_ = ShardedState::kSharded;

@@ -23,6 +23,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "llama.h"
+#include "offload/frozen_storage.h"
 #include "safetensors/index.h"
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"
@@ -292,6 +293,48 @@ Named grown(const Named& src, int64_t rows) {
     out.emplace_back(n, at::cat({f, mean}).to(at::kFloat));
   }
   return out;
+}
+
+// A frozen base kept in a stored form is stored chunk by chunk as the import reads it (no fp32
+// copy of the shard: FlatParam::store_values); the stored bytes must be those of storing the
+// shard's values whole, blocks ending inside a tensor (the 1-D biases, 8 and 16 values) and the
+// padding included, whether the lazy init left the shard to the import or had filled it first.
+TEST(Import, AFrozenBaseStoredAsReadEqualsItsValuesStoredWhole) {
+  const auto c = tiny(false);
+  const Named ref = reference(c, at::kBFloat16);
+  const std::string dir = write_dir("import-frozen", ref, 2);
+  std::map<std::string, at::Tensor> named(ref.begin(), ref.end());
+  for (const FrozenStorage storage : {FrozenStorage::kNF4, FrozenStorage::kInt8, FrozenStorage::kBFloat16}) {
+    for (const bool filled_first : {false, true}) {
+      testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+        DeviceMesh mesh(dist);
+        auto opts = FullyShardOptions()
+                        .init(init::constant(0.5))
+                        .frozen_storage([storage](const std::string&, const at::Tensor&) { return storage; });
+        llama::LlamaForCausalLM model(c, at::kMeta);
+        for (auto& p : model->parameters()) p.requires_grad_(false);
+        for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
+        auto root = fully_shard(model, mesh, opts);
+        if (filled_first) testing::flat_params(*root);  // the lazy init, without the import
+        checkpoint::import_weights(dir, *root);
+        for (const auto& unit : testing::units(*root)) {
+          for (auto& fp : unit->flat_params()) {
+            ASSERT_TRUE(fp->stores_frozen()) << fp->config().tag;
+            at::Tensor full = at::zeros({fp->padded_numel()}, at::kFloat);
+            for (const auto& e : fp->entries())
+              full.narrow(0, e.offset, e.numel).copy_(named.at(unit->prefix() + e.name).reshape(-1));
+            const at::Tensor want = frozen::encode(storage, full.narrow(0, fp->shard_offset(), fp->shard_numel()));
+            EXPECT_TRUE(at::equal(fp->sharded_param(), want))
+                << frozen_storage_name(storage) << (filled_first ? ", filled first: " : ": ") << fp->config().tag
+                << " rank " << dist->rank();
+          }
+        }
+        // And the model computes with them.
+        const at::Tensor out = call(model, at::arange(6, at::kLong).view({1, 6})).detach();
+        EXPECT_TRUE(at::isfinite(out).all().item<bool>());
+      });
+    }
+  }
 }
 
 // The import's lazy init leaves every master it will write unfilled (Note [Deferred init leaves
