@@ -9,10 +9,11 @@
 //    at a time, the largest counted. An import stores each chunk of it as read instead
 //    (FlatParam::store_values: no fp32 shard; a tensor whose rows grow, or a flat param imported
 //    in part, still goes through the copy, which the plan does not count). An import converts the
-//    source's values through a staging buffer of 4M elements (fp32 and bf16: 24 MiB). Into a master in the disk tier it
-//    writes each chunk's fp32 values through the tier's write thread, the chunk before still being
-//    written (16 MiB more), and a working copy in another dtype is cast from each chunk as it
-//    passes (Residency::values_written: 8 MiB in bf16), never from the master read back whole.
+//    source's values through a staging buffer of 4M elements (fp32 and bf16: 24 MiB); a resume
+//    reads fp32 RAM in place, and chunks of 4M only for a state in the disk tier or elsewhere. Into a master in the
+//    disk tier it writes each chunk's fp32 values through the tier's write thread, the chunk before still being written
+//    (16 MiB more), and a working copy in another dtype is cast from each chunk as it passes
+//    (Residency::values_written: 8 MiB in bf16), never from the master read back whole.
 //  - The save. Every state of the step, and with the frozen params in the checkpoint
 //    (SaveOptions::frozen_params) the fp32 values of one stored frozen shard, which the save
 //    decodes just before writing it and frees after (one at a time, the largest counted).
@@ -50,7 +51,13 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
     load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
   else if (in.stored_largest > 0)
     load.add("a chunk's stored form (int8 at most: 1 + 4/64 bytes a value)", kImportChunk * 17 / 16);
-  if (req.load != LoadKind::kInit) load.add("the conversion's staging", kImportStaging);
+  if (req.load == LoadKind::kImport) load.add("the conversion's staging", kImportStaging);
+  // A resume reads fp32 RAM straight into the state; a state in the disk tier through the tier's
+  // write (a chunk read, two in flight), one on a device or in bf16 through a chunk of host fp32.
+  if (req.load == LoadKind::kResume && in.state_on_disk)
+    load.add("the checkpoint's chunks through the disk tier's write (fp32)", 3 * kImportChunk * 4);
+  else if (req.load == LoadKind::kResume && in.state_via_host)
+    load.add("the checkpoint's chunk through host memory (fp32)", kImportChunk * 4);
   if (req.load == LoadKind::kImport && in.master_on_disk) {
     load.add("the disk tier's write of the chunk before (fp32)", kImportChunk * 4);
     if (in.working_cast_element > 0)

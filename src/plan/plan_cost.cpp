@@ -500,6 +500,9 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   phases.at_rest = s.tier[OffloadTier::kNone];
   phases.stored_largest = s.stored_largest;
   phases.master_on_disk = s.master_on_disk;
+  phases.state_on_disk =
+      c.params == OffloadTier::kDisk || c.grads == OffloadTier::kDisk || c.optimizer_state == OffloadTier::kDisk;
+  phases.state_via_host = !cpu || req.optimizer_state_dtype != at::kFloat;
   phases.working_cast_element = s.cast_working ? elem(req.param_dtype) : 0;
   phases.disk_window = cpu ? p.disk_memory_budget : 0;
   phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;

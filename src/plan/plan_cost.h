@@ -38,6 +38,8 @@ struct PhaseInputs {
   int64_t stored_largest = 0;  // the largest stored frozen shard's fp32 values
   int64_t disk_window = 0;
   bool master_on_disk = false;       // a master in the disk tier (an import writes it in chunks)
+  bool state_on_disk = false;        // any state in the disk tier (a resume writes it in chunks)
+  bool state_via_host = false;       // a state on a device or in bf16 (a resume reads it through fp32 host memory)
   int64_t working_cast_element = 0;  // bytes per element of a working copy not in fp32 (0: none)
   int64_t snapshot = 0;              // an async save's
   int64_t largest_param = 0;         // elements of the model's largest parameter (the export's largest chunk)
