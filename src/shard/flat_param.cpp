@@ -67,7 +67,7 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
   where.device = config_.device;
   where.requires_grad = config_.requires_grad;
   where.tag = config_.tag;
-  where.values = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
+  where.values = values_in_shard();
   residency_ = std::make_unique<Residency>(master, std::move(where));
   aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat && !stored_;
   if (aliases_master_) {
@@ -92,7 +92,7 @@ at::Tensor FlatParam::build_master(bool meta) const {
     // Left untouched (so not resident) until materialize() or set_offload() fills it: only the
     // padding at the end of the flat buffer is zeroed here.
     master = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
-    const int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
+    const int64_t pad = values_in_shard();
     master.narrow(0, pad, shard_numel_ - pad).zero_();
     // Values to be quantized are zeroed by materialize(), one flat param at a time: zeroed here,
     // every frozen shard of the model would be resident in fp32 at once.

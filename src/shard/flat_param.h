@@ -14,6 +14,7 @@
 // AccumulateGrad adds into them in place, and reduce-scattered without a copy.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -119,6 +120,8 @@ class FlatParam {
   bool values_stored() const { return values_stored_; }
   void end_store_values();
   // Bytes of the stored shard.
+  // Elements of this rank's shard that hold parameters (the rest is the flat buffer's padding).
+  int64_t values_in_shard() const { return std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_); }
   int64_t stored_bytes() const;
 
   // ---- the optimizer's side (through shard/grad_shards.h)

@@ -43,7 +43,7 @@ void FlatParam::store_values(int64_t begin, const at::Tensor& values) {
   if (needs_encode_) {  // deferred init left the values to this load: the stored form starts here
     const auto options = at::TensorOptions().dtype(frozen::stored_dtype(s)).device(config_.device);
     residency_->replace_stored(at::empty({frozen::stored_numel(s, shard_numel_)}, options));
-    int64_t pad = std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);  // the padding's blocks: zeros
+    int64_t pad = values_in_shard();  // the padding's blocks: zeros
     if (frozen::quantized(s)) pad = (pad + frozen::kBlock - 1) / frozen::kBlock * frozen::kBlock;
     if (pad < shard_numel_)
       frozen::encode_range(s, at::zeros({shard_numel_ - pad}, at::kFloat), residency_->master(), shard_numel_, pad);

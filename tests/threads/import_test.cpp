@@ -96,11 +96,10 @@ struct Imported {
   std::shared_ptr<FSDPModule> root;
 };
 
-// Built on the meta device with no init: the import writes every parameter, and its lazy init
-// leaves them to it (Note [Deferred init leaves what a load writes]).
-Imported sharded(const llama::LlamaConfig& c, DeviceMesh& mesh) {
+// Built on the meta device, by default with no init: the import writes every parameter, and its
+// lazy init leaves them to it (Note [Deferred init leaves what a load writes]).
+Imported sharded(const llama::LlamaConfig& c, DeviceMesh& mesh, const FullyShardOptions& opts = {}) {
   Imported m{llama::LlamaForCausalLM(c, at::kMeta), nullptr};
-  auto opts = FullyShardOptions();
   for (auto& layer : m.model->model->layers) fully_shard(layer, mesh, opts);
   m.root = fully_shard(m.model, mesh, opts);
   return m;
@@ -177,9 +176,7 @@ TEST(Import, AMasterThatFollowsItsOffloadedStateIsWhatTheForwardUses) {
                       .init(init::constant(0.0))
                       .mp_policy(MixedPrecisionPolicy().param_dtype(at::kBFloat16))
                       .offload(policy);
-      llama::LlamaForCausalLM model(c, at::kMeta);
-      for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
-      auto root = fully_shard(model, mesh, opts);
+      auto [model, root] = sharded(c, mesh, opts);
       checkpoint::import_weights(dir, *root);
       if (tier == "disk") {
         // The import wrote every master once, through the tier's write thread, not page by page
@@ -353,15 +350,12 @@ TEST(Import, AFailedImportLeavesTheModelAtItsInit) {
       if (run == "failed import, disk tier")
         opts.offload(
             OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir(io::join(tier_dir, std::to_string(dist->rank()))));
-      llama::LlamaForCausalLM model(c, at::kMeta);
-      for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
-      auto root = fully_shard(model, mesh, opts);
+      auto [model, root] = sharded(c, mesh, opts);
       if (run != "never imported") {
         EXPECT_THROW(checkpoint::import_weights(dir, *root), CheckpointError);
         for (FlatParam* fp : testing::flat_params(*root)) {
           EXPECT_FALSE(fp->awaits_load()) << fp->config().tag;
-          const at::Tensor values = fp->sharded_param().narrow(
-              0, 0, std::clamp<int64_t>(fp->numel() - fp->shard_offset(), 0, fp->shard_numel()));
+          const at::Tensor values = fp->sharded_param().narrow(0, 0, fp->values_in_shard());
           EXPECT_TRUE(at::equal(values, at::full_like(values, 0.25))) << run << ": " << fp->config().tag;
         }
       }
