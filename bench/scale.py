@@ -18,7 +18,8 @@ export and token files evicted from the page cache before each phase (posix_fadv
             train::checkpoint_save span);
   resume    --init-from HF --save-dir CKPT --resume latest --steps 4 (one more step, saved);
   train-memory  --init-from HF --steps 3 with nothing offloaded (FSDP2's placement), where the plan
-            fits this machine (fsdp-train refuses it before allocating otherwise);
+            fits this machine (fsdp-train refuses it before allocating otherwise), saved at the end
+            (a save from memory; that checkpoint is removed after);
   unsharded-fp32  bench_unsharded: the same model (random weights) and per-rank batch in plain
             LibTorch, one process, fp32 (it has no bf16), where 16 bytes per parameter fit;
   export    fsdp-ckpt export --dtype bfloat16 CKPT/step-00000004 OUT;
@@ -32,7 +33,8 @@ plan's total and measured / plan; bytes read and written as the kernel's block I
 the phase's processes (wait4's
 ru_inblock / ru_oublock: reads served from the page cache are not counted, writes are counted when
 pages are dirtied, including those of files unlinked before writeback); rate = bytes / wall against
-dd's. Results: bench/results/scale-<model>.json and .md.
+dd's (the write: the faster of conv=fdatasync and oflag=direct; a save that reads its state from the
+disk tier is also set against dd's copy within the folder, which reads and writes each byte). Results: bench/results/scale-<model>.json and .md.
 
 With --lora nf4 (any model, llama-3.1-8b included) the run is QLoRA's instead: bench/scale_lora.py
 says what it runs; results go to bench/results/scale-<model>-qlora.json and .md.
@@ -47,6 +49,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,23 +176,33 @@ def mem_available():
 
 
 def dd_bandwidth(work, nbytes):
-    """Sequential write (fdatasync) and read of nbytes in `work`, bytes/s each, and the cache state."""
-    path = os.path.join(work, "dd.bin")
+    """dd on nbytes in `work`, bytes/s each: the write with conv=fdatasync and with oflag=direct (the
+    best of the two is the write figure), the cold read, and a copy of the file within the folder
+    (iflag=direct oflag=direct: the disk reads and writes the same bytes, as a save of a state in the
+    disk tier does), with the read's cache state."""
+    path, copy = os.path.join(work, "dd.bin"), os.path.join(work, "dd-copy.bin")
     count = max(-(-nbytes // MIB), 64)
 
     def rate(stderr):
         m = re.search(r"^(\d+) bytes .* copied, ([0-9.]+) s", stderr, re.M)
         return int(m.group(1)) / float(m.group(2))
 
+    def dd(*a):
+        return rate(subprocess.run(["dd", *a], capture_output=True, text=True, check=True).stderr)
+
     subprocess.run(["sync"], check=False)
-    w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync"],
-                       capture_output=True, text=True, check=True)
+    w_sync = dd("if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync")
+    os.remove(path)
+    w_direct = dd("if=/dev/zero", f"of={path}", "bs=16M", f"count={-(-count // 16)}", "oflag=direct")
     cold = drop_caches()
     if not cold:
         evict([path])
-    r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], capture_output=True, text=True, check=True)
+    read = dd(f"if={path}", "of=/dev/null", "bs=1M")
+    copied = dd(f"if={path}", f"of={copy}", "bs=16M", "iflag=direct", "oflag=direct")
     os.remove(path)
-    return {"bytes": count * MIB, "write_Bps": rate(w.stderr), "read_Bps": rate(r.stderr),
+    os.remove(copy)
+    return {"bytes": count * MIB, "write_Bps": max(w_sync, w_direct), "write_fdatasync_Bps": w_sync,
+            "write_direct_Bps": w_direct, "read_Bps": read, "copy_Bps": copied,
             "read_cache": "cold: drop_caches" if cold else "cold: posix_fadvise DONTNEED (drop_caches not permitted)"}
 
 
@@ -388,6 +401,24 @@ def phase_plan(p, export_plan=None):
     return p.get("plan_peak_bytes") or p.get("plan_bytes")
 
 
+def disk_line(dd):
+    if "write_direct_Bps" not in dd:  # a results file from before the O_DIRECT figure
+        return (f"write {dd['write_Bps'] / 1e6:,.0f} MB/s (conv=fdatasync), read {dd['read_Bps'] / 1e6:,.0f} MB/s "
+                f"({dd['read_cache']})")
+    return (f"write {dd['write_Bps'] / 1e6:,.0f} MB/s, the faster of conv=fdatasync "
+            f"({dd['write_fdatasync_Bps'] / 1e6:,.0f}) and oflag=direct ({dd['write_direct_Bps'] / 1e6:,.0f}); read "
+            f"{dd['read_Bps'] / 1e6:,.0f} MB/s ({dd['read_cache']}); a copy within the folder (iflag=direct "
+            f"oflag=direct: each byte read and written) {dd['copy_Bps'] / 1e6:,.0f} MB/s. The save's fraction is of "
+            f"the write figure; a save that reads its state from the disk tier also gets its fraction of the copy")
+
+
+def save_rates(dd, rate, reads_tier):
+    out = f"{rate / dd['write_Bps']:.2f} of dd's write"
+    if reads_tier and dd.get("copy_Bps"):
+        out += f", {rate / dd['copy_Bps']:.2f} of dd's copy: its state is read from the disk tier"
+    return out
+
+
 def report(r):
     dd = r["dd"]
     rows = []
@@ -407,8 +438,7 @@ def report(r):
     md = [f"# Scale run: {r['model']}{' QLoRA (NF4 base)' if r.get('lora') else ''} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
           f"of bf16 weights in {r['files']} files)", "",
           f"Commit: {r.get('commit', 'not recorded')}. Conditions: {r['conditions']}.", "",
-          f"Disk (dd, {dd['bytes'] / MIB:,.0f} MiB, same folder): write {dd['write_Bps'] / 1e6:,.0f} MB/s "
-          f"(conv=fdatasync), read {dd['read_Bps'] / 1e6:,.0f} MB/s ({dd['read_cache']}).", "",
+          f"Disk (dd, {dd['bytes'] / MIB:,.0f} MiB, same folder): {disk_line(dd)}.", "",
           "| phase | status | wall s | peak RSS per rank MiB | plan MiB | RSS / plan | (RSS - baseline) / plan | "
           "read / written MiB | read / write MB/s (fraction of dd) |",
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
@@ -421,12 +451,12 @@ def report(r):
             size = s.get("checkpoint_step_bytes", 0)
             md.append(f"- {p['phase']}: the save took {p['save_s']:.2f} s (train::checkpoint_save in --trace) for "
                       f"{size / MIB:,.0f} MiB: {size / p['save_s'] / 1e6:,.0f} MB/s "
-                      f"({size / p['save_s'] / dd['write_Bps']:.2f} of dd's write).")
+                      f"({save_rates(dd, size / p['save_s'], p.get('state_on_disk'))}).")
         for sv in p.get("save_metrics", []):
             rate = sv["bytes"] / max(sv["seconds"], 0.05)  # printed to 0.1 s
             md.append(f"- {p['phase']}: save of step {sv['step']} (fsdp-train's stdout): {sv['seconds']:.1f} s for "
-                      f"{sv['bytes'] / MIB:,.0f} MiB, {rate / 1e6:,.0f} MB/s ({rate / dd['write_Bps']:.2f} of dd's "
-                      f"write); peak RSS per rank during the save {' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
+                      f"{sv['bytes'] / MIB:,.0f} MiB, {rate / 1e6:,.0f} MB/s "
+                      f"({save_rates(dd, rate, p.get('state_on_disk'))}); peak RSS per rank during the save {' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
         for st in p.get("steps", []):
             peaks = st.get("phase_peak_rss_bytes") or {}
             md.append(f"- {p['phase']} step {st['step']}: {st['step_time_s']:.2f} s" +
@@ -597,6 +627,8 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
 
     def phase(name, cmd, metrics=None, trace=None):
         res, out = run_phase(name, cmd, logs, env, floor, data)
+        res["state_on_disk"] = (any(c.endswith("fsdp-train") for c in cmd)
+                                and "fsdp.offload.optimizer_state=none" not in cmd)
         if "fsdp-train" in " ".join(cmd) or "bench_unsharded" in cmd[0]:
             parse_train_log(out, res, metrics, trace and trace.replace(".json", ".rank0.json"))
         parse_ckpt_peak(out, res)
@@ -619,8 +651,11 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
                                        "--trace", t_res], m_res, t_res)
     # The same steps with everything in memory, where the plan says it fits: the work FSDP2 does.
     m_mem = os.path.join(work, "memory.jsonl")
-    mem = phase("train-memory", run + train + ["--steps", "3", "--set", "fsdp.offload.optimizer_state=none",
-                                               "--metrics", m_mem], m_mem)
+    # It saves too (and the checkpoint goes): a save from memory, to set beside the one from the disk tier.
+    ck_mem = os.path.join(work, "ckpt-memory")
+    mem = phase("train-memory", run + train + ["--steps", "3", "--save-dir", ck_mem, "--metrics", m_mem,
+                                               "--set", "fsdp.offload.optimizer_state=none"], m_mem)
+    shutil.rmtree(ck_mem, ignore_errors=True)
     if mem["rc"] == 2 and "does not fit" in mem.get("error", ""):
         mem["not_run"] = "fsdp-train refused it before allocating: the plan does not fit this machine's memory"
         ok["train-memory"] = True

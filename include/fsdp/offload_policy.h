@@ -28,7 +28,8 @@ struct OffloadPolicy {
   // Directory for the disk tier's files (created if missing; must be writable).
   TORCH_ARG(std::string, dir) = "";
   // The most bytes of disk-tier state mapped in memory at once while the optimizer streams
-  // through it; 0: a default window of 4 MiB per state tensor.
+  // through it; 0: chunks of 4 MiB per state tensor streamed, three chunks at most (read-ahead,
+  // current, write-behind).
   TORCH_ARG(int64_t, memory_budget_bytes) = 0;
 
  public:  // TORCH_ARG leaves the access private

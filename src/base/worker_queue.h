@@ -1,7 +1,7 @@
 // WorkerQueue: jobs run in submission order on a worker thread the queue owns, with the first
 // error kept for the owner. The library's worker threads are all made of it (docs/ARCHITECTURE.md,
 // "Threads"): the communicator's ordered queue, the disk tier's reader and writer, the optimizer's
-// thread for the step in backward and the AsyncSaver's.
+// thread for the step in backward, the AsyncSaver's and a checkpoint file writer's.
 //
 // Note [Worker queues]
 // A queue has one or more lanes; each lane is a FIFO with its own thread, and all lanes share one

@@ -256,10 +256,10 @@ void FileTier::flush() {
   if (std::exception_ptr e = io_.error_locked()) std::rethrow_exception(e);
 }
 
-void FileTier::wait_for_buffers(int64_t bytes) {
-  if (budget_bytes_ <= 0) return;
+void FileTier::wait_for_buffers(int64_t bytes, int64_t window) {
+  if (window <= 0) return;
   auto lock = io_.lock();
-  io_.wait(lock, [&] { return buffered_->load() + bytes <= budget_bytes_ || writes_pending_.empty(); });
+  io_.wait(lock, [&] { return buffered_->load() + bytes <= window || writes_pending_.empty(); });
 }
 
 void FileTier::wait_for_transfers(Mapping* m) {

@@ -104,8 +104,9 @@ class FileTier final : public DiskTier, public std::enable_shared_from_this<File
   at::Tensor count_in_budget(const at::Tensor& host) override;
   // Waits for every write queued so far; throws the first failed transfer's error.
   void flush() override;
-  // Waits until `bytes` more of budgeted buffers fit in the budget, or no write is pending.
-  void wait_for_buffers(int64_t bytes) override;
+  // Waits until `bytes` more of budgeted buffers fit in `window` bytes (the budget, or a caller's
+  // bound where there is none), or no write is pending.
+  void wait_for_buffers(int64_t bytes, int64_t window) override;
   // Bytes of budgeted host buffers alive now.
   int64_t buffered_bytes() const override { return buffered_->load(); }
   // Held by whoever checks buffered_bytes() for room and then issues reads into it, so that two

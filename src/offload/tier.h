@@ -37,7 +37,7 @@ class DiskTier {  // fp32 tensors in files under dir(), at most budget_bytes() o
   virtual IoTicket write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) = 0;
   virtual at::Tensor count_in_budget(const at::Tensor& host) = 0;  // a kept read buffer
   virtual void flush() = 0;                                        // waits for the queued writes
-  virtual void wait_for_buffers(int64_t bytes) = 0;
+  virtual void wait_for_buffers(int64_t bytes, int64_t window) = 0;
   virtual int64_t buffered_bytes() const = 0;
   virtual std::mutex& budget_mutex() = 0;   // held while taking room in the budget
   virtual uint64_t generation() const = 0;  // bumped when a master may have changed

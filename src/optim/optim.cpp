@@ -198,7 +198,7 @@ void ShardedOptimizer::Impl::step_after_backward(Tracer* tracer) {
   // What drains under the next forward holds at most half the budget: the forward may keep
   // master reads for its backward in the other half (Note [Kept master reads]).
   if (tier != nullptr && tier->budget_bytes() > 0)
-    tier->wait_for_buffers(tier->budget_bytes() - tier->budget_bytes() / 2);
+    tier->wait_for_buffers(tier->budget_bytes() - tier->budget_bytes() / 2, tier->budget_bytes());
   install_read_ahead();  // from the next backward on (the state exists now)
 }
 

@@ -16,9 +16,13 @@
 //    (Residency::values_written: 8 MiB in bf16), never from the master read back whole.
 //  - The save. Every state of the step, and with the frozen params in the checkpoint
 //    (SaveOptions::frozen_params) the fp32 values of one stored frozen shard, which the save
-//    decodes just before writing it and frees after (one at a time, the largest counted).
-// Both add the process and the disk tier's mapped window. Not counted: the writer's and reader's
-// page cache (not the process's memory).
+//    decodes just before writing it and frees after (one at a time, the largest counted), and the
+//    checkpoint writer's two staging buffers (io::DirectWriter: one fills while the other is
+//    written). A state in the disk tier is read through the tier's chunks, within its window.
+// Both add the process. Neither holds the streamed step's window of the disk tier: a load writes
+// the tier through chunks of its own (counted above), and a save reads a state there two chunks
+// at a time (read_streamed). Not counted: the writer's and reader's page cache (not the process's
+// memory).
 //
 // A third, Plan::exporting, is not a rank's: fsdp-ckpt export, one process on the machine, after the
 // run. It converts each tensor a chunk of rows at a time, kExportChunkBytes of fp32 values at most
@@ -30,6 +34,7 @@
 
 #include <algorithm>
 
+#include "base/direct_writer.h"
 #include "base/strings.h"
 
 namespace fsdp::planning {
@@ -63,7 +68,6 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
     if (in.working_cast_element > 0)
       load.add("a chunk cast for the working copy", kImportChunk * in.working_cast_element);
   }
-  load.add("disk tier's mapped window", in.disk_window);
   const int64_t chunk = std::min(kExportChunkBytes, 4 * in.largest_param);
   p.exporting.add("process (libraries)", in.process);
   p.exporting.add("a chunk of a tensor's rows in fp32 (" + base::mib(chunk, 1) + ") and in bf16 for writing",
@@ -75,7 +79,8 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
   save.add("process (libraries, communicator, threads)", in.process);
   save.add("sharded states (the step's)", in.at_rest);
   if (req.save_frozen) save.add("a stored frozen shard's fp32 values while written (the largest)", in.stored_largest);
-  save.add("disk tier's mapped window", in.disk_window);
+  save.add("the checkpoint writer's staging (two buffers)", io::DirectWriter::memory_bytes());
+  if (in.disk_read_chunk > 0) save.add("the disk tier's reads of a state (two chunks)", 2 * in.disk_read_chunk);
   save.add("async save's snapshot", in.snapshot);
 }
 

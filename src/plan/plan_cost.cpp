@@ -242,8 +242,9 @@ int64_t disk_window(const Choices& c, int state_tensors) {
   if (c.params != OffloadTier::kDisk && c.grads != OffloadTier::kDisk && c.optimizer_state != OffloadTier::kDisk) {
     return 0;
   }
-  // OffloadPolicy's default window: 4 MiB per state tensor streamed (master, gradient, state).
-  return c.disk_memory_budget > 0 ? c.disk_memory_budget : (int64_t{4} << 20) * (state_tensors + 2);
+  // Without a budget the streamed step holds three chunks (read-ahead, current, write-behind) of
+  // 4 MiB per tensor streamed (master, gradient, states) at most.
+  return c.disk_memory_budget > 0 ? c.disk_memory_budget : 3 * (int64_t{4} << 20) * (state_tensors + 2);
 }
 
 // Activations kept over the whole model, plus the largest backward extra and the recomputation.
@@ -504,7 +505,9 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
       c.params == OffloadTier::kDisk || c.grads == OffloadTier::kDisk || c.optimizer_state == OffloadTier::kDisk;
   phases.state_via_host = !cpu || req.optimizer_state_dtype != at::kFloat;
   phases.working_cast_element = s.cast_working ? elem(req.param_dtype) : 0;
-  phases.disk_window = cpu ? p.disk_memory_budget : 0;
+  // read_streamed's chunks: the tier's chunk for two tensors (4 MiB without a budget).
+  if (phases.state_on_disk && cpu)
+    phases.disk_read_chunk = c.disk_memory_budget > 0 ? c.disk_memory_budget / 24 / 4096 * 4096 : int64_t{4} << 20;
   phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;
   const Sizes z = sizes_of(shape);
   phases.largest_param = z.largest_param;

@@ -32,11 +32,11 @@ int64_t add_bytes(int64_t a, int64_t b, const std::string& what);
 // What the load and the save hold (Note [The load and the save], phases.cpp), per rank, in the
 // device tier's memory.
 struct PhaseInputs {
-  int64_t process = 0;         // the process's own memory
-  int64_t loaded = 0;          // the sharded states once loaded
-  int64_t at_rest = 0;         // the step's sharded states
-  int64_t stored_largest = 0;  // the largest stored frozen shard's fp32 values
-  int64_t disk_window = 0;
+  int64_t process = 0;               // the process's own memory
+  int64_t loaded = 0;                // the sharded states once loaded
+  int64_t at_rest = 0;               // the step's sharded states
+  int64_t stored_largest = 0;        // the largest stored frozen shard's fp32 values
+  int64_t disk_read_chunk = 0;       // bytes of a chunk a save reads from the disk tier (0: nothing there)
   bool master_on_disk = false;       // a master in the disk tier (an import writes it in chunks)
   bool state_on_disk = false;        // any state in the disk tier (a resume writes it in chunks)
   bool state_via_host = false;       // a state on a device or in bf16 (a resume reads it through fp32 host memory)

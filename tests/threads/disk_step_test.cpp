@@ -1,6 +1,7 @@
 // The step after backward with the optimizer state in the disk tier (Note [The disk tier around
 // the step after backward] in src/optim/optim.cpp): what the backward reads ahead, and when what
 // it read is no longer current. Each case is compared bitwise with the same sequence in memory.
+// Without a memory budget, the step still holds three chunks at most.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -17,7 +18,9 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/offload.h"
 #include "offload_job.h"
+#include "shard/testing.h"
 #include "support/ranks.h"
+#include "support/sharded_model.h"
 #include "support/state.h"
 
 namespace fsdp {
@@ -127,6 +130,44 @@ TEST(DiskStep, CheckpointLoadedBetweenBackwardAndStepIsWhatSteps) {
                         .memory_budget_bytes(kBudget);
   expect_equal(run(std::nullopt, body(io::join(dir, "memory"))), run(disk, body(io::join(dir, "disk"))),
                "the step used what was read before the load");
+  io::remove_tree(dir);
+}
+
+// With no memory_budget_bytes the step streams 4 MiB per tensor and holds three chunks at most
+// (read-ahead, current, write-behind), whatever the disk's pace: before, its write-behind grew
+// without bound when the step outran the disk, 0.6 GiB above the plan at 0.5B. A shard of nine
+// chunks here; unbounded, the writes queued behind a step of 12 MiB chunks reached most of them.
+TEST(DiskStep, WithoutABudgetTheStepHoldsThreeChunks) {
+  const std::string dir = testing::temp_path("disk-step-no-budget");
+  constexpr int64_t kChunk = int64_t{4} << 20;  // the tier's chunk per tensor without a budget
+  testing::run_threads(
+      kWorld,
+      [&](const std::shared_ptr<Dist>& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(dist);
+        testing::ShardedModelOptions o;
+        o.net = net_options(/*meta=*/true);
+        o.net.dim = 1024;
+        o.net.hidden = 8192;  // 16.8M params: 8.4M per rank, nine chunks of 1M elements
+        o.net.blocks = 1;
+        o.shard.init(init::normal(0.02, 11));
+        o.root_shard = o.shard;
+        o.root_shard->offload(OffloadPolicy()
+                                  .params(OffloadTier::kDisk)
+                                  .optimizer_state(OffloadTier::kDisk)
+                                  .dir(io::join(dir, std::to_string(dist->rank()))));
+        o.adamw = AdamWOptions(1e-3);
+        Job j = testing::make_sharded_model(mesh, o);
+        fsdp::set_disk_tier_audit(*j.root, true);
+        for (int64_t step = 0; step < 2; ++step) train_step(j, step, dist->rank());
+        const auto stats = disk_tier_stats(*j.root);
+        EXPECT_EQ(stats.budget_bytes, 0);
+        EXPECT_EQ(stats.chunk_bytes, kChunk);
+        EXPECT_GT(stats.peak_resident_bytes, 2 * 3 * kChunk) << "the audit saw less than two chunks: vacuous";
+        EXPECT_LE(stats.peak_resident_bytes, 3 * 3 * kChunk)
+            << "rank " << dist->rank() << ": the step held more than three chunks of master and two states";
+      },
+      std::chrono::seconds(120));
   io::remove_tree(dir);
 }
 

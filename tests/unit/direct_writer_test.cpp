@@ -1,7 +1,8 @@
 // io::DirectWriter, the checkpoint's file writer (Note [Direct writes of a checkpoint]): disjoint
 // spans from several writers at once land byte for byte, runs longer than its buffer included;
 // the whole pages of a run go to the disk directly and only its partial end pages through the page
-// cache; a file system that refuses O_DIRECT gets everything buffered.
+// cache; a file system that refuses O_DIRECT gets everything buffered; a write that fails on the
+// writer's thread is reported by the caller's next write() or by finish(), naming the file.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 
 #include "base/direct_writer.h"
 #include "base/file_io.h"
+#include "fsdp/errors.h"
 #include "support/ranks.h"
 
 namespace fsdp::io {
@@ -89,6 +91,21 @@ TEST(DirectWriter, WholePagesGoDirectlyAndOnlyTheEndsThroughThePageCache) {
   std::fill(expected.begin() + begin, expected.begin() + end, 'x');
   EXPECT_TRUE(contents(path) == expected);
   remove_tree(parent_dir(path));
+}
+
+TEST(DirectWriter, AFailedWriteOnItsThreadIsReportedNamingTheFile) {
+  // /dev/full takes the open and fails every write with ENOSPC. The first buffer's write fails on
+  // the thread while the caller fills the second; the caller hears of it before finish() returns.
+  if (!exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  std::vector<char> data(static_cast<size_t>(16 * kPage), 'y');
+  DirectWriter w("/dev/full", 2 * kPage);
+  try {
+    for (int64_t at = 0; at < 16 * kPage; at += kPage) w.write(data.data() + at, kPage, at);
+    w.finish();
+    FAIL() << "a write to /dev/full was not reported";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("write failed on /dev/full"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
