@@ -505,9 +505,12 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
       c.params == OffloadTier::kDisk || c.grads == OffloadTier::kDisk || c.optimizer_state == OffloadTier::kDisk;
   phases.state_via_host = !cpu || req.optimizer_state_dtype != at::kFloat;
   phases.working_cast_element = s.cast_working ? elem(req.param_dtype) : 0;
-  // read_streamed's chunks: the tier's chunk for two tensors (4 MiB without a budget).
-  if (phases.state_on_disk && cpu)
-    phases.disk_read_chunk = c.disk_memory_budget > 0 ? c.disk_memory_budget / 24 / 4096 * 4096 : int64_t{4} << 20;
+  // read_streamed's chunks: the tier's chunk for two tensors (FileTier::chunk_elements(2): a third
+  // of the budget split over two fp32 tensors, in whole 1024-element pages; 1M elements without one).
+  if (phases.state_on_disk && cpu) {
+    const int64_t elements = c.disk_memory_budget > 0 ? c.disk_memory_budget / (3 * 2 * 4) / 1024 * 1024 : 1 << 20;
+    phases.disk_read_chunk = 4 * elements;
+  }
   phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;
   const Sizes z = sizes_of(shape);
   phases.largest_param = z.largest_param;

@@ -548,6 +548,22 @@ TEST(Plan, TheLoadAndTheSaveArePhasesOfTheirOwn) {
   EXPECT_EQ(item(imported.save, "a stored frozen shard's fp32 values while written"), window);
   r.save_frozen = false;
   EXPECT_EQ(item(plan(shape, r).save, "a stored frozen shard's fp32 values"), -1);
+  // The checkpoint writer's two 16 MiB buffers; with a state in the disk tier, its reads of two
+  // chunks (FileTier::chunk_elements(2): a third of the budget over two fp32 tensors, in 1024s;
+  // 1M elements without a budget), and never the step's window.
+  EXPECT_EQ(item(imported.save, "the checkpoint writer's staging"), int64_t{32} << 20);
+  EXPECT_EQ(item(imported.save, "the disk tier's reads"), -1);
+  {
+    PlanRequest d = r;
+    d.offload = OffloadPolicy().optimizer_state(OffloadTier::kDisk).dir("/unused");
+    EXPECT_EQ(item(plan(shape, d).save, "the disk tier's reads of a state (two chunks)"), 2 * 4 * (1 << 20));
+    d.offload->memory_budget_bytes(int64_t{30} << 20);
+    const Plan budgeted = plan(shape, d);
+    EXPECT_EQ(item(budgeted.save, "the disk tier's reads of a state (two chunks)"),
+              2 * 4 * ((int64_t{30} << 20) / 24 / 1024 * 1024))
+        << budgeted.to_string();
+    EXPECT_EQ(item(budgeted.save, "disk tier's mapped window"), -1);
+  }
   // The export: a chunk of the largest tensor's rows (here a whole unit, under 64 MiB) in fp32 and
   // bf16, and a unit's adapters; never the peak of a rank.
   const int64_t chunk = 4 * 2004000;
