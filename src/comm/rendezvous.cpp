@@ -5,9 +5,11 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
+#include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -32,6 +34,26 @@ bool check_collectives(const InitOptions& options) {
   if (options.check_collectives()) return true;
   const char* v = std::getenv("FSDP_CHECK_COLLECTIVES");
   return v != nullptr && std::string(v) == "1";
+}
+
+// Note [The math library's first call]
+// MKL's vector math, which ATen calls for tanh, exp, log, sqrt and more on float CPU tensors,
+// detects the CPU on its first call and publishes the answer in two unguarded writes: the raw
+// detection, then the code path it maps to. A thread whose first call lands between the two uses
+// the raw value as its path, a different kernel (with the AVX-512 path's raw value, tanh differs
+// in the last bit): two ranks running as threads of one process, as the threads tests and a user
+// with Dist::from_store do, then compute different values in their first step, and a run stops
+// being repeatable bit for bit. It showed as CollectiveOrder.CheckChangesNothingInAHealthyRun
+// failing in CI with every shard different; on a CPU where MKL takes its generic path the raw
+// value and the path are both 0 and nothing shows. One call before any rank computes settles it;
+// the other ranks of the process wait in call_once until it has. GEMM's first call is made too.
+void settle_math_library() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const at::Tensor x = at::full({2, 2}, 0.5, at::kFloat);
+    (void)at::tanh(x);
+    (void)at::mm(x, x);
+  });
 }
 
 double as_seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
@@ -236,6 +258,7 @@ Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions
 Dist::~Dist() = default;
 
 std::shared_ptr<Dist> Dist::single(const InitOptions& options) {
+  settle_math_library();  // Note [The math library's first call]
   auto dist = std::shared_ptr<Dist>(new Dist(DistEnv{}, c10::make_intrusive<c10d::HashStore>(), options));
   std::vector<int> ranks{0};
   dist->world_ = make_group(dist->store_, 0, 1, ranks, "world", options, "");
@@ -248,6 +271,7 @@ std::shared_ptr<Dist> Dist::from_store(c10::intrusive_ptr<c10d::Store> store, in
     throw ConfigError("fsdp: Dist::from_store: rank " + std::to_string(rank) + " is not in [0, " +
                       std::to_string(world_size) + ")");
   }
+  settle_math_library();  // Note [The math library's first call]
   DistEnv env;
   env.rank = rank;
   env.world_size = world_size;
@@ -309,6 +333,7 @@ void check_options(const InitOptions& options) {
 std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
   check_options(options);
   base::tune_host_malloc();  // Note [Host malloc settings]
+  settle_math_library();     // Note [The math library's first call]
   if (env.world_size == 1) {
     auto dist = Dist::single(options);
     dist->env_ = env;

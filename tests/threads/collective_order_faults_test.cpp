@@ -215,7 +215,9 @@ TEST(CollectiveOrder, CheckChangesNothingInAHealthyRun) {
     ASSERT_EQ(shards[1][r].size(), shards[0][r].size());
     ASSERT_FALSE(shards[1][r].empty());
     for (size_t i = 0; i < shards[1][r].size(); ++i) {
-      EXPECT_TRUE(at::equal(shards[1][r][i], shards[0][r][i])) << "rank " << r << " flat param " << i;
+      EXPECT_TRUE(at::equal(shards[1][r][i], shards[0][r][i]))
+          << "rank " << r << " flat param " << i << ": largest difference "
+          << (shards[1][r][i] - shards[0][r][i]).abs().max().item<double>();
     }
   }
 }
