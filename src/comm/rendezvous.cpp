@@ -37,13 +37,13 @@ bool check_collectives(const InitOptions& options) {
 }
 
 // Note [The math library's first call]
-// MKL's vector math, which ATen calls for tanh, exp, log, sqrt and more on float CPU tensors,
+// MKL's vector math, which ATen calls for tanh and other elementwise functions of float CPU tensors,
 // detects the CPU on its first call and publishes the answer in two unguarded writes: the raw
 // detection, then the code path it maps to. A thread whose first call lands between the two uses
-// the raw value as its path, a different kernel (with the AVX-512 path's raw value, tanh differs
-// in the last bit): two ranks running as threads of one process, as the threads tests and a user
-// with Dist::from_store do, then compute different values in their first step, and a run stops
-// being repeatable bit for bit. It showed as CollectiveOrder.CheckChangesNothingInAHealthyRun
+// the raw value as its path, and another path is another kernel (tanh on path 5 and on path 0
+// differ in the last bit): two ranks running as threads of one process, as the threads tests and
+// a user with Dist::from_store do, then compute different values in their first step, and a run
+// stops being repeatable bit for bit. It showed as CollectiveOrder.CheckChangesNothingInAHealthyRun
 // failing in CI with every shard different; on a CPU where MKL takes its generic path the raw
 // value and the path are both 0 and nothing shows. One call before any rank computes settles it;
 // the other ranks of the process wait in call_once until it has. GEMM's first call is made too.

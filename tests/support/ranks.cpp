@@ -127,24 +127,8 @@ std::string temp_path(const std::string& stem) {
   return p.str();
 }
 
-// Note [BLAS warmed up before rank threads]
-// Rank threads share one process, so the first matrix products of a test binary ran in two rank
-// threads at once, and on rare runs (about 2 in 100 here) one rank's first forward came out
-// slightly different (step_in_backward_test's first comparison, rank 0's first loss), as if that
-// first product had taken another kernel. A product on this thread before any rank starts does
-// the library's lazy set-up once; ranks as processes never share it.
-void warm_up_blas() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const at::Tensor a = at::ones({64, 64});
-    (void)at::linear(a, a, at::ones({64})).sum().item<float>();
-    (void)at::mm(a.narrow(0, 0, 7), a).sum().item<float>();
-  });
-}
-
 void run_threads(int world, const std::function<void(const std::shared_ptr<Dist>&)>& fn,
                  std::chrono::milliseconds timeout) {
-  warm_up_blas();
   const std::string path = temp_path("filestore");
   std::vector<std::thread> threads;
   std::mutex mu;
