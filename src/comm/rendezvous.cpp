@@ -46,7 +46,9 @@ bool check_collectives(const InitOptions& options) {
 // stops being repeatable bit for bit. It showed as CollectiveOrder.CheckChangesNothingInAHealthyRun
 // failing in CI with every shard different; on a CPU where MKL takes its generic path the raw
 // value and the path are both 0 and nothing shows. One call before any rank computes settles it;
-// the other ranks of the process wait in call_once until it has. GEMM's first call is made too.
+// the other ranks of the process wait in call_once until it has. (MKL's own CPU detection, which
+// its GEMM uses, takes a lock; one product is made here all the same, so that no first-use set-up
+// of the BLAS runs in two ranks at once either.)
 void settle_math_library() {
   static std::once_flag once;
   std::call_once(once, [] {
