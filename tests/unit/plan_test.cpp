@@ -308,7 +308,17 @@ TEST(Plan, AnEmbeddingAndHeadOfTheirOwnAreGatheredAroundTheirOwnWork) {
       return int64_t{-1};
     };
     const int64_t e = 2, table = c.vocab_size * c.hidden_size, layer = whole.units[1].numel();
-    EXPECT_EQ(item(a.device, "gathered params (root + 2 layer(s))"), e * (2 * table + c.hidden_size + 2 * layer));
+    // Whole, the root's tables stay gathered to the end of backward and the layers count at the
+    // start only (Note [Two moments of backward]); split, the peak is below what the units that are
+    // not layers hold together, and is counted at both moments.
+    EXPECT_EQ(item(a.device, "gathered params (the units that are not layers)"), e * (2 * table + c.hidden_size));
+    auto at_start = [](const PlanTier& t, const std::string& prefix) {
+      for (const auto& [n, bytes] : t.at_backward_start) {
+        if (n.rfind(prefix, 0) == 0) return bytes;
+      }
+      return int64_t{-1};
+    };
+    EXPECT_EQ(at_start(a.device, "gathered params beyond those, at their peak (root + 2 layer(s))"), e * 2 * layer);
     EXPECT_EQ(item(b.device, "gathered params (root"), e * (c.hidden_size + table + layer));
     EXPECT_LT(b.device.total(), a.device.total()) << b.to_string();
     // Gathers per micro-batch: root 1, embedding 1 (frozen) or 2, each layer 2 (the head runs last), head 1.
@@ -317,6 +327,40 @@ TEST(Plan, AnEmbeddingAndHeadOfTheirOwnAreGatheredAroundTheirOwnWork) {
     EXPECT_EQ(a.gathers_per_step, 1 + 2 * layers - 1);
   }
   EXPECT_THROW(llama::plan_shape(mid(), nullptr, 0, true), ConfigError);
+}
+
+// Note [Two moments of backward]: a full fine-tune's end of backward (the root's reduction in
+// flight) holds the root's gathered params and one layer's gradient buffer, not the layers'
+// gathered params nor a second layer's buffer; those count at the start. With kept gathers the
+// layers stay gathered after backward, so their params count at both moments.
+TEST(Plan, TheEndOfBackwardHoldsNoLayerGatheredAndOneLayersGradient) {
+  const ModelShape shape = llama::plan_shape(mid());
+  PlanRequest r = request(int64_t{8} << 30);
+  r.keep_gathered = false;
+  const Plan p = plan(shape, r);
+  ASSERT_TRUE(p.fits) << p.to_string();
+  const int64_t e = 2, root = shape.units.front().numel(), layer = shape.units[1].numel();
+  auto find = [](const std::vector<std::pair<std::string, int64_t>>& v, const std::string& name) {
+    for (const auto& [n, bytes] : v) {
+      if (n == name) return bytes;
+    }
+    return int64_t{-1};
+  };
+  const PlanTier& ram = p.device;
+  EXPECT_EQ(find(ram.items, "gathered params (the units that are not layers)"), e * root) << p.to_string();
+  EXPECT_EQ(find(ram.at_backward_start, "gathered params beyond those, at their peak (root + 2 layer(s))"),
+            e * 2 * layer)
+      << p.to_string();
+  EXPECT_EQ(find(ram.items, "gradient buffers (root + 1 layer(s))"), e * (root + layer)) << p.to_string();
+  EXPECT_EQ(find(ram.at_backward_start, "a second layer's gradient buffer (one filled, one reduced)"), e * layer)
+      << p.to_string();
+  // Kept gathers: the peak's gathered params throughout, nothing of them at the start alone.
+  r.keep_gathered = true;
+  const Plan kept = plan(shape, r);
+  EXPECT_EQ(find(kept.device.items, "gathered params (root + 2 layer(s))"), e * (root + 2 * layer))
+      << kept.to_string();
+  EXPECT_EQ(find(kept.device.at_backward_start, "gathered params beyond those, at their peak (root + 2 layer(s))"),
+            -1);
 }
 
 // Replicated adapters: the trainable elements of every unit with frozen ones whole on every rank
@@ -346,11 +390,14 @@ TEST(Plan, ReplicatedAdaptersHoldTheirWholeStateAndAreAllReduced) {
   // 3 reduce-scatters of 1 x 2000 against 3 all-reduces of 2 x 4000 x (2 - 1) / 2.
   EXPECT_EQ(replicated.reduce_bytes - sharded.reduce_bytes, 3 * 4 * (4000 - 2000));
   // bf16 compute casts a replicated adapter into a gathered copy; fp32 compute uses its master.
-  auto gathered = [](const Plan& p) {
-    for (const auto& [n, bytes] : p.device.items) {
-      if (n.rfind("gathered params", 0) == 0) return bytes;
+  auto gathered = [](const Plan& p) {  // at their peak: what the end of backward holds and the rest
+    int64_t sum = 0;
+    for (const auto* list : {&p.device.items, &p.device.at_backward_start}) {
+      for (const auto& [n, bytes] : *list) {
+        if (n.rfind("gathered params", 0) == 0) sum += bytes;
+      }
     }
-    return int64_t{-1};
+    return sum;
   };
   EXPECT_EQ(gathered(replicated), gathered(sharded));
   r.param_dtype = at::kFloat;
