@@ -357,10 +357,8 @@ TEST(Plan, TheEndOfBackwardHoldsNoLayerGatheredAndOneLayersGradient) {
   // Kept gathers: the peak's gathered params throughout, nothing of them at the start alone.
   r.keep_gathered = true;
   const Plan kept = plan(shape, r);
-  EXPECT_EQ(find(kept.device.items, "gathered params (root + 2 layer(s))"), e * (root + 2 * layer))
-      << kept.to_string();
-  EXPECT_EQ(find(kept.device.at_backward_start, "gathered params beyond those, at their peak (root + 2 layer(s))"),
-            -1);
+  EXPECT_EQ(find(kept.device.items, "gathered params (root + 2 layer(s))"), e * (root + 2 * layer)) << kept.to_string();
+  EXPECT_EQ(find(kept.device.at_backward_start, "gathered params beyond those, at their peak (root + 2 layer(s))"), -1);
 }
 
 // Replicated adapters: the trainable elements of every unit with frozen ones whole on every rank
