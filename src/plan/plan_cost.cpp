@@ -429,8 +429,7 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
       ram.add("gathered params (" + what + ")", bytes);
     } else {
       ram.add("gathered params (the units that are not layers)", at_end);
-      ram.add("gathered params beyond those, at their peak (" + what + ")", bytes - at_end,
-              PlanTier::kBackwardStart);
+      ram.add("gathered params beyond those, at their peak (" + what + ")", bytes - at_end, PlanTier::kBackwardStart);
     }
   }
   const int64_t parts = post_forward_parts(shape, req, c, p.grad_accum_steps, N);
