@@ -1,7 +1,9 @@
 // Note [The planner's arithmetic]
 // What one set of choices costs each rank, from the units' sizes only. The items follow what the
 // runtime allocates (docs/ARCHITECTURE.md, "A unit's life"):
-//  - the process itself (libraries, the communicator, threads): a measured constant;
+//  - the process itself (libraries, the communicator, threads): a measured constant, and on the
+//    CPU the compute libraries' code and work buffers that a step maps and a process that has only
+//    joined has not (Note [The compute libraries' first use]);
 //  - sharded states: each unit's trainable and frozen parameters are flat params padded to the
 //    shard size; the fp32 master (4 bytes per element), the fp32 gradient shard and the optimizer's
 //    fp32 state tensors, each in its tier. With only the optimizer state offloaded, the master
@@ -10,9 +12,11 @@
 //    bf16, 1 + 4/64 for int8, 0.5 + 4/64 for NF4) on the device, and is gathered in that form;
 //  - gathered parameters, in the compute dtype, at the moment most are alive: the units that keep
 //    theirs from forward to backward (the root, the last unit) once they have run, plus the unit
-//    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak);
+//    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak); the
+//    layers' part of it at the start of backward only (Note [Two moments of backward]);
 //  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
-//    first, its embedding's last), one layer's is being filled and one is being reduced;
+//    first, its embedding's last), one layer's is being filled and one is being reduced (the
+//    second at the start of backward only);
 //  - on the CPU, two freed blocks of a layer's trainable size kept for reuse (Note [Reusing freed
 //    host buffers]): a gradient buffer is freed when its reduction is collected, after the next
 //    gathers have taken what they needed, so blocks that size wait beside the live ones. A frozen
