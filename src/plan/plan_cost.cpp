@@ -388,30 +388,37 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
   return {best, what};
 }
 
-// The elements gathered in the units that are not layers (sizes_of's rule): the root, and an
-// embedding or a head of its own.
-int64_t non_layer_gathered_numel(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
+// Note [Two moments of backward]
+// At the start of backward the activations are alive, the gathered params at their peak (root,
+// the layer computing, the one prefetched) and two layers' gradient buffers (one filled, one
+// reduced). At the end the root's reduction is issued from the post-hook of its last gradient,
+// which autograd keeps alive until the hooks return; every layer has resharded, and a unit's
+// post-backward has collected the reductions before it, so one layer's buffer at most waits. So
+// the layers' gathered params and a second layer's buffer count at the start only (at both, the
+// plan of Llama-3.2-1B's full fine-tune with the state on disk was 348 MiB high: 0.89x). The
+// units that are not layers (sizes_of: the root, an embedding or a head of its own) stay at both,
+// and so does everything with kept gathers, which outlive backward.
+void add_gathered(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, int64_t e, Plan& p) {
+  PlanTier& ram = p.device;
+  if (keeps_all_after_forward(shape, req, c, N)) {
+    return ram.add("gathered params (all, forward to backward)", e * shape.numel());
+  }
+  if (c.keep_gathered && p.grad_accum_steps > 1) {
+    return ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
+  }
+  const auto [bytes, what] = gathered_peak(shape, req, c, N);
   const bool any_checkpointable =
       std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.checkpointable; });
-  int64_t n = 0;
+  int64_t not_layers = 0;
   for (const auto& u : shape.units) {
-    if (u.is_root || (any_checkpointable && !u.checkpointable)) n += gathered_numel(u, req, c);
+    if (u.is_root || (any_checkpointable && !u.checkpointable)) not_layers += e * gathered_numel(u, req, c);
   }
-  return n;
+  const int64_t at_end = c.keep_gathered ? bytes : std::min(bytes, not_layers);
+  if (at_end == bytes) return ram.add("gathered params (" + what + ")", bytes);
+  ram.add("gathered params (the units that are not layers)", at_end);
+  ram.add("gathered params beyond those, at their peak (" + what + ")", bytes - at_end, PlanTier::kBackwardStart);
 }
 
-// Note [Two moments of backward]
-// Beside what every moment holds, the plan counts the larger of two moments of backward (the
-// header's arithmetic). At its start the activations are all alive, and so are the gathered
-// params at their peak (the root, the layer computing and the one prefetched) and the gradient
-// buffers of two layers, one being filled and one being reduced. At its end the activations are
-// gone, and the root's reduction is issued (from the post-hook of its last gradient, which autograd
-// keeps alive until the hooks return). By then every layer has resharded after its backward, and
-// a unit's post-backward collects the reductions issued before it, so at most one layer's
-// gradient buffer waits. The end moment counts neither the layers' gathered params nor a second
-// layer's gradient buffer. (Counted at both moments, they made the plan of Llama-3.2-1B's full
-// fine-tune with the optimizer state on disk 348 MiB higher, at 0.89x measured/plan.) With kept
-// gathers (Choices::keep_gathered) the layers stay gathered after backward: counted at both.
 // What the step itself allocates beyond the sharded states (Note [The planner's arithmetic]).
 void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, bool working_copy,
                      Plan& p) {
@@ -420,22 +427,7 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const int64_t e = elem(req.param_dtype);
   const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
   const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || working_copy;
-  if (keeps_all_after_forward(shape, req, c, N)) {
-    if (gathers) ram.add("gathered params (all, forward to backward)", e * shape.numel());
-  } else if (gathers && c.keep_gathered && p.grad_accum_steps > 1) {
-    ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
-  } else if (gathers) {
-    const auto [bytes, what] = gathered_peak(shape, req, c, N);
-    // Note [Two moments of backward]: at its end every layer has resharded; what stays gathered
-    // is the units that are not layers (the root, an embedding or a head of its own).
-    const int64_t at_end = c.keep_gathered ? bytes : std::min(bytes, e * non_layer_gathered_numel(shape, req, c));
-    if (at_end == bytes) {
-      ram.add("gathered params (" + what + ")", bytes);
-    } else {
-      ram.add("gathered params (the units that are not layers)", at_end);
-      ram.add("gathered params beyond those, at their peak (" + what + ")", bytes - at_end, PlanTier::kBackwardStart);
-    }
-  }
+  if (gathers) add_gathered(shape, req, c, N, e, p);
   const int64_t parts = post_forward_parts(shape, req, c, p.grad_accum_steps, N);
   if (parts > 0) {
     ram.add("parts kept after forward (groups of " + std::to_string(req.reshard_after_forward_group) + ")", parts,
@@ -445,7 +437,6 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   int64_t recompute = 0, extra = 0;
   const int64_t kept = req.seq_len > 0 ? activations(shape, req, c, &recompute, &extra) : 0;
   if (shape.trainable_numel() > 0) {
-    // Note [Two moments of backward]: at its end one layer's reduction at most is still pending.
     const int64_t end_layers = std::min<int64_t>(1, grad_layers);
     ram.add("gradient buffers (root + " + std::to_string(end_layers) + " layer(s))",
             e * (z.root_trainable + z.other_max_trainable + end_layers * z.layer_max_trainable));
@@ -506,6 +497,16 @@ int shard_size_of(ShardingStrategy strategy, const PlanRequest& req) {
   }
 }
 
+// Note [The compute libraries' first use]
+// A process that has only joined the job (fsdp-train --init-only, what the process item stands
+// for) has not mapped the CPU's matrix kernels nor given them work buffers: a first linear layer's
+// forward and backward with a cross-entropy loss adds 16.6 MiB of RSS in fp32, 26.0 in bf16,
+// whatever its size (an AMD EPYC; about 35 after a bf16 step on an Intel CPU with AMX). A step
+// holds them; a load or a save, which computes nothing, does not.
+int64_t compute_libraries(const PlanRequest& req) {
+  return req.param_dtype == at::kFloat ? int64_t{16} << 20 : int64_t{32} << 20;
+}
+
 Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   Plan p;
   const int N = shard_size_of(c.strategy, req);
@@ -525,18 +526,7 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   PlanTier& host = cpu ? p.device : p.host;
   host.add("process (libraries, communicator, threads)",
            req.process_host_bytes.value_or(default_process_host_bytes(req.device)));
-  // Note [The compute libraries' first use]
-  // A process that has joined the job but computed nothing (fsdp-train --init-only, which the
-  // process item stands for) has not yet mapped the code of the CPU's matrix kernels nor given
-  // them their work buffers: a first linear layer's forward and backward with a cross-entropy loss
-  // adds 16.6 MiB of RSS in fp32 and 26.0 MiB in bf16, whatever the layer's size (64 x 1000 or
-  // 2048 x 2048, LibTorch's CPU build on an AMD EPYC); after a bf16 step on an Intel CPU with AMX,
-  // about 35 MiB. A step holds them from the first on; a load or a save that computes nothing
-  // does not, so the phases do not count them.
-  if (cpu) {
-    host.add("the compute libraries' code and work buffers, from the first step on",
-             req.param_dtype == at::kFloat ? int64_t{16} << 20 : int64_t{32} << 20);
-  }
+  if (cpu) host.add("the compute libraries' code and work buffers, from the first step on", compute_libraries(req));
   if (!cpu)
     p.device.add("process (CUDA context, workspaces)",
                  req.process_device_bytes.value_or(default_process_device_bytes(req.device)));
