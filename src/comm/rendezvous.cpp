@@ -19,6 +19,7 @@
 #include "base/host_malloc.h"
 #include "base/strings.h"
 #include "comm/communicator_impl.h"
+#include "comm/first_use.h"
 #include "comm/transport.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
@@ -34,28 +35,6 @@ bool check_collectives(const InitOptions& options) {
   if (options.check_collectives()) return true;
   const char* v = std::getenv("FSDP_CHECK_COLLECTIVES");
   return v != nullptr && std::string(v) == "1";
-}
-
-// Note [The math library's first call]
-// MKL's vector math, which ATen calls for tanh and other elementwise functions of float CPU tensors,
-// detects the CPU on its first call and publishes the answer in two unguarded writes: the raw
-// detection, then the code path it maps to. A thread whose first call lands between the two uses
-// the raw value as its path, and another path is another kernel (tanh on path 5 and on path 0
-// differ in the last bit): two ranks running as threads of one process, as the threads tests and
-// a user with Dist::from_store do, then compute different values in their first step, and a run
-// stops being repeatable bit for bit. It showed as CollectiveOrder.CheckChangesNothingInAHealthyRun
-// failing in CI with every shard different; on a CPU where MKL takes its generic path the raw
-// value and the path are both 0 and nothing shows. One call before any rank computes settles it;
-// the other ranks of the process wait in call_once until it has. (MKL's own CPU detection, which
-// its GEMM uses, takes a lock; one product is made here all the same, so that no first-use set-up
-// of the BLAS runs in two ranks at once either.)
-void settle_math_library() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const at::Tensor x = at::full({2, 2}, 0.5, at::kFloat);
-    (void)at::tanh(x);
-    (void)at::mm(x, x);
-  });
 }
 
 double as_seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
@@ -249,6 +228,28 @@ c10::Device resolve_device(const InitOptions& options) {
 
 }  // namespace
 
+// Note [The math library's first call]
+// MKL's vector math, which ATen calls for tanh and other elementwise functions of float CPU tensors,
+// detects the CPU on its first call and publishes the answer in two unguarded writes: the raw
+// detection, then the code path it maps to. A thread whose first call lands between the two uses
+// the raw value as its path, and another path is another kernel (tanh on path 5 and on path 0
+// differ in the last bit): two ranks running as threads of one process, as the threads tests and
+// a user with Dist::from_store do, then compute different values in their first step, and a run
+// stops being repeatable bit for bit. It showed as CollectiveOrder.CheckChangesNothingInAHealthyRun
+// failing in CI with every shard different; on a CPU where MKL takes its generic path the raw
+// value and the path are both 0 and nothing shows. One call before any rank computes settles it;
+// the other ranks of the process wait in call_once until it has. (MKL's own CPU detection, which
+// its GEMM uses, takes a lock; one product is made here all the same, so that no first-use set-up
+// of the BLAS runs in two ranks at once either.)
+void settle_math_library() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const at::Tensor x = at::full({2, 2}, 0.5, at::kFloat);
+    (void)at::tanh(x);
+    (void)at::mm(x, x);
+  });
+}
+
 Dist::Dist(DistEnv env, c10::intrusive_ptr<c10d::Store> store, const InitOptions& options)
     : env_(std::move(env)),
       rank_(env_.rank),
@@ -335,12 +336,12 @@ void check_options(const InitOptions& options) {
 std::shared_ptr<Dist> init_process_group(const DistEnv& env, const InitOptions& options) {
   check_options(options);
   base::tune_host_malloc();  // Note [Host malloc settings]
-  settle_math_library();     // Note [The math library's first call]
   if (env.world_size == 1) {
     auto dist = Dist::single(options);
     dist->env_ = env;
     return dist;
   }
+  settle_math_library();  // Note [The math library's first call]
   const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
   c10::intrusive_ptr<c10d::Store> store = open_store(env, options);
   auto dist = std::shared_ptr<Dist>(new Dist(env, store, options));

@@ -2,8 +2,7 @@
 // What one set of choices costs each rank, from the units' sizes only. The items follow what the
 // runtime allocates (docs/ARCHITECTURE.md, "A unit's life"):
 //  - the process itself (libraries, the communicator, threads): a measured constant, and on the
-//    CPU the compute libraries' code and work buffers that a step maps and a process that has only
-//    joined has not (Note [The compute libraries' first use]);
+//    CPU what a step's compute libraries map (Note [The compute libraries' first use]);
 //  - sharded states: each unit's trainable and frozen parameters are flat params padded to the
 //    shard size; the fp32 master (4 bytes per element), the fp32 gradient shard and the optimizer's
 //    fp32 state tensors, each in its tier. With only the optimizer state offloaded, the master
@@ -15,8 +14,7 @@
 //    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak); the
 //    layers' part of it at the start of backward only (Note [Two moments of backward]);
 //  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
-//    first, its embedding's last), one layer's is being filled and one is being reduced (the
-//    second at the start of backward only);
+//    first, its embedding's last), one layer's is being filled and one (at the start) reduced;
 //  - on the CPU, two freed blocks of a layer's trainable size kept for reuse (Note [Reusing freed
 //    host buffers]): a gradient buffer is freed when its reduction is collected, after the next
 //    gathers have taken what they needed, so blocks that size wait beside the live ones. A frozen
@@ -68,15 +66,23 @@ struct Sizes {
 
 // The repeated units (the layers): the checkpointable ones when the model has any, beside which a
 // unit of its own for an embedding or a head is no layer.
-Sizes sizes_of(const ModelShape& shape) {
-  Sizes s;
+std::vector<bool> layers_of(const ModelShape& shape) {
   const bool any_checkpointable =
       std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.checkpointable; });
-  for (const auto& u : shape.units) {
+  std::vector<bool> out;
+  for (const auto& u : shape.units) out.push_back(!u.is_root && (u.checkpointable || !any_checkpointable));
+  return out;
+}
+
+Sizes sizes_of(const ModelShape& shape) {
+  Sizes s;
+  const std::vector<bool> layer = layers_of(shape);
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const UnitShape& u = shape.units[i];
     if (u.is_root) {
       s.root += u.numel();
       s.root_trainable += u.trainable_numel;
-    } else if (u.checkpointable || !any_checkpointable) {
+    } else if (layer[i]) {
       s.layer_max_trainable = std::max(s.layer_max_trainable, u.trainable_numel);
     } else {
       s.other_max_trainable = std::max(s.other_max_trainable, u.trainable_numel);
@@ -396,7 +402,7 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
 // post-backward has collected the reductions before it, so one layer's buffer at most waits. So
 // the layers' gathered params and a second layer's buffer count at the start only (at both, the
 // plan of Llama-3.2-1B's full fine-tune with the state on disk was 348 MiB high: 0.89x). The
-// units that are not layers (sizes_of: the root, an embedding or a head of its own) stay at both,
+// units that are not layers (layers_of: the root, an embedding or a head of its own) stay at both,
 // and so does everything with kept gathers, which outlive backward.
 void add_gathered(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, int64_t e, Plan& p) {
   PlanTier& ram = p.device;
@@ -407,11 +413,10 @@ void add_gathered(const ModelShape& shape, const PlanRequest& req, const Choices
     return ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
   }
   const auto [bytes, what] = gathered_peak(shape, req, c, N);
-  const bool any_checkpointable =
-      std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.checkpointable; });
+  const std::vector<bool> layer = layers_of(shape);
   int64_t not_layers = 0;
-  for (const auto& u : shape.units) {
-    if (u.is_root || (any_checkpointable && !u.checkpointable)) not_layers += e * gathered_numel(u, req, c);
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    if (!layer[i]) not_layers += e * gathered_numel(shape.units[i], req, c);
   }
   const int64_t at_end = c.keep_gathered ? bytes : std::min(bytes, not_layers);
   if (at_end == bytes) return ram.add("gathered params (" + what + ")", bytes);
@@ -498,11 +503,10 @@ int shard_size_of(ShardingStrategy strategy, const PlanRequest& req) {
 }
 
 // Note [The compute libraries' first use]
-// A process that has only joined the job (fsdp-train --init-only, what the process item stands
-// for) has not mapped the CPU's matrix kernels nor given them work buffers: a first linear layer's
-// forward and backward with a cross-entropy loss adds 16.6 MiB of RSS in fp32, 26.0 in bf16,
-// whatever its size (an AMD EPYC; about 35 after a bf16 step on an Intel CPU with AMX). A step
-// holds them; a load or a save, which computes nothing, does not.
+// A process that has only joined the job (fsdp-train --init-only: the process item) has not mapped
+// the CPU's matrix kernels nor their work buffers: a first linear layer's forward and backward with
+// a cross-entropy loss adds 16.6 MiB of RSS in fp32, 26.0 in bf16, whatever its size (an AMD EPYC;
+// about 35 after a bf16 step with AMX). A step holds them; a load or a save computes nothing.
 int64_t compute_libraries(const PlanRequest& req) {
   return req.param_dtype == at::kFloat ? int64_t{16} << 20 : int64_t{32} << 20;
 }
