@@ -129,6 +129,10 @@ class ShardedOptimizer {
   // init_state allocates its tensors with it. step_shard must update them in place. `dtype`:
   // fp32, or bf16 outside the disk tier (ConfigError there).
   at::Tensor zeros_state(ShardState& state, const std::string& name, at::ScalarType dtype = at::kFloat) const;
+  // Runs what step_in_backward has queued, stops the optimizer's thread and detaches it from the
+  // backward. A subclass that steps in backward calls it from its own destructor: the queued steps
+  // call its step_shard, which the base class's destructor (which calls it too) can no longer reach.
+  void stop_steps_in_backward();
   // The weight decay of group 0 when set_group_options gives it none (every other group's is 0
   // then): AdamW and SGD set their options' here.
   void set_default_weight_decay(double weight_decay);
@@ -161,6 +165,7 @@ class ShardedOptimizer {
 class AdamW : public ShardedOptimizer {
  public:
   AdamW(const std::shared_ptr<FSDPModule>& root, const AdamWOptions& options);
+  ~AdamW() override;
   std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
   std::string type_name() const override { return "AdamW"; }
   at::ScalarType state_dtype() const override { return options_.state_dtype(); }
@@ -179,6 +184,7 @@ class AdamW : public ShardedOptimizer {
 class SGD : public ShardedOptimizer {
  public:
   SGD(const std::shared_ptr<FSDPModule>& root, const SGDOptions& options);
+  ~SGD() override;
   std::vector<std::string> state_names() const override;
   std::string type_name() const override { return "SGD"; }
   const SGDOptions& options() const { return options_; }

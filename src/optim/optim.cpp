@@ -353,6 +353,8 @@ void AdamW::init_state(ShardState& s) {
   s.tensors["exp_avg_sq"] = zeros_state(s, "exp_avg_sq", options_.state_dtype());
 }
 
+AdamW::~AdamW() { stop_steps_in_backward(); }  // Note [The optimizer's thread stops before its subclass goes]
+
 void AdamW::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& g, double lr, double wd) {
   // One fused pass over the shard (or a chunk view of it), the same update as the ATen sequence
   // p.mul_(1-lr*wd); m.lerp_(g,1-b1); v.mul_(b2).addcmul_(g,g,1-b2); p.addcdiv_(m, v.sqrt()/sqrt(bc2)+eps,
@@ -389,6 +391,8 @@ std::vector<std::string> SGD::state_names() const {
 void SGD::init_state(ShardState& s) {
   if (options_.momentum() != 0) s.tensors["momentum_buffer"] = at::Tensor();
 }
+
+SGD::~SGD() { stop_steps_in_backward(); }
 
 void SGD::step_shard(ShardState& s, at::Tensor& p, const at::Tensor& grad, double lr, double wd) {
   at::Tensor g = wd != 0 ? grad.add(p, wd) : grad;

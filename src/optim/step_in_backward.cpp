@@ -100,12 +100,20 @@ void ShardedOptimizer::Impl::stop_step_in_backward() {
   in_backward.reset();
 }
 
-ShardedOptimizer::~ShardedOptimizer() {
+// Note [The optimizer's thread stops before its subclass goes]
+// A queued step runs the subclass's step_shard: one left when ~ShardedOptimizer stopped the thread
+// (no step() after a backward) aborted on a pure virtual call. AdamW and SGD stop it first.
+void ShardedOptimizer::stop_steps_in_backward() {
   Impl& m = *impl_;
-  m.remove_read_ahead();
   if (!m.in_backward) return;
   m.in_backward->queue.stop(base::OnStop::kDrain);
   m.shards.remove_hook(m.in_backward.get());
+  m.in_backward.reset();
+}
+
+ShardedOptimizer::~ShardedOptimizer() {
+  impl_->remove_read_ahead();
+  stop_steps_in_backward();  // AdamW and SGD have done it already
 }
 
 // On the training thread, from the backward's gradient hook: see Note [Step in backward threads].

@@ -282,6 +282,27 @@ TEST(StepInBackward, RefusesWhatItCannotHonour) {
   });
 }
 
+// An optimizer destroyed between a backward and its step() (an exception unwound the loop) runs
+// what the backward queued, on its own thread, before its subclass goes (Note [The optimizer's
+// thread stops before its subclass goes]): before, a step still queued or running then was a pure
+// virtual call that aborted the process (seen in RefusesWhatItCannotHonour under load).
+TEST(StepInBackward, DestroyedBeforeStepRunsWhatTheBackwardQueued) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(dist);
+    Job j = build(mesh, std::nullopt);
+    j.optim->step_in_backward(true);
+    std::vector<at::Tensor> before;
+    for (FlatParam* fp : fsdp::testing::flat_params(*j.root)) before.push_back(fp->sharded_param().clone());
+    at::mse_loss(fsdp::call(j.model, at::ones({2, 7})), at::zeros({2, 5})).backward();
+    j.optim.reset();
+    int changed = 0;
+    const auto after = fsdp::testing::flat_params(*j.root);
+    for (size_t i = 0; i < after.size(); ++i) changed += at::equal(after[i]->sharded_param(), before[i]) ? 0 : 1;
+    EXPECT_GT(changed, 0) << "the steps the backward queued did not run";
+  });
+}
+
 // A tier failure on the optimizer's thread (here: offload.dir removed while training) reaches
 // the caller of step() on the rank where it happened, naming the directory.
 TEST(StepInBackward, TierFailureOnTheOptimizerThreadReachesStep) {
