@@ -24,8 +24,9 @@
 //  - the disk tier's mapped window (its memory budget), which on the CPU counts in the RSS;
 //  - with accumulation, every unit's unreduced gradient buffer; with an async save, the snapshot.
 // Then the larger of two moments that do not overlap. At the start of backward: every unit's
-// activations (plus, with checkpointing, one unit's rebuilt) and the head's gradient as autograd
-// makes it, before its hook copies it in. At the end: the activations are freed, the embedding's
+// activations, the head's gradient as autograd makes it, before its hook copies it in, and the
+// larger of the loss's backward and the first layer's (with checkpointing, its activations
+// rebuilt; Note [Two moments of backward]). At the end: the activations are freed, the embedding's
 // gradient waits for its copy, and the root's reduction is in flight until the optimizer collects
 // it (its gradient cast to reduce_dtype, and the reduced shard). Measured on this machine, 2 ranks,
 // bf16 compute, the total is within 10% of each rank's peak RSS (tests/e2e/plan_e2e_test.sh,
@@ -63,16 +64,6 @@ struct Sizes {
   int64_t other_max_trainable = 0;  // the largest unit that is neither the root nor a layer (a head of its own)
   int64_t units = 0;
 };
-
-// The repeated units (the layers): the checkpointable ones when the model has any, beside which a
-// unit of its own for an embedding or a head is no layer.
-std::vector<bool> layers_of(const ModelShape& shape) {
-  const bool any_checkpointable =
-      std::any_of(shape.units.begin(), shape.units.end(), [](const UnitShape& u) { return u.checkpointable; });
-  std::vector<bool> out;
-  for (const auto& u : shape.units) out.push_back(!u.is_root && (u.checkpointable || !any_checkpointable));
-  return out;
-}
 
 Sizes sizes_of(const ModelShape& shape) {
   Sizes s;
@@ -257,28 +248,6 @@ int64_t disk_window(const Choices& c, int state_tensors) {
   return c.disk_memory_budget > 0 ? c.disk_memory_budget : 3 * (int64_t{4} << 20) * (state_tensors + 2);
 }
 
-// Activations kept over the whole model, plus the largest backward extra and the recomputation.
-int64_t activations(const ModelShape& shape, const PlanRequest& req, const Choices& c, int64_t* recompute,
-                    int64_t* largest_extra) {
-  int64_t kept = 0, extra = 0, rebuilt = 0;
-  int64_t layer = 0;
-  for (const auto& u : shape.units) {
-    if (!u.activations) continue;
-    const bool ckpt = c.checkpoint_every > 0 && u.checkpointable && layer % c.checkpoint_every == 0;
-    if (u.checkpointable) ++layer;
-    const std::string what = "the activations of " + u.name;
-    const int64_t full = add_bytes(0, u.activations(c.micro_batch, req.seq_len, req.param_dtype, false), what);
-    kept = add_bytes(kept, ckpt ? u.activations(c.micro_batch, req.seq_len, req.param_dtype, true) : full, what);
-    if (ckpt) rebuilt = std::max(rebuilt, full);
-    extra = std::max(extra, u.backward_peak
-                                ? add_bytes(0, u.backward_peak(c.micro_batch, req.seq_len, req.param_dtype), what)
-                                : full);
-  }
-  *recompute = rebuilt;
-  *largest_extra = extra;
-  return add_bytes(add_bytes(kept, extra, "the activations"), rebuilt, "the activations");
-}
-
 void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, Plan& p) {
   const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
   int64_t gathers = 0, gathered = 0, reduced = 0, in_groups = 0, replicated = 0;
@@ -404,24 +373,45 @@ std::pair<int64_t, std::string> gathered_peak(const ModelShape& shape, const Pla
 // plan of Llama-3.2-1B's full fine-tune with the state on disk was 348 MiB high: 0.89x). The
 // units that are not layers (layers_of: the root, an embedding or a head of its own) stay at both,
 // and so does everything with kept gathers, which outlive backward.
-void add_gathered(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, int64_t e, Plan& p) {
+//
+// The start itself is two moments apart. First the loss's backward (the extra of the units that
+// are not layers): the layers gathered then are those kept from forward and what the root's
+// prefetch adds (the first prefetch_depth layers in backward that were not kept). Then the first
+// layer's backward: the gathered params at their peak, its rebuilt activations and its own extra,
+// the loss's gradients freed. The plan counts the larger (both at once, the plan of Llama-3.2-1B's
+// QLoRA with checkpointing was 0.89x of the resume's peak).
+LayersGathered add_gathered(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, int64_t e,
+                            Plan& p) {
   PlanTier& ram = p.device;
   if (keeps_all_after_forward(shape, req, c, N)) {
-    return ram.add("gathered params (all, forward to backward)", e * shape.numel());
+    ram.add("gathered params (all, forward to backward)", e * shape.numel());
+    return {};
   }
   if (c.keep_gathered && p.grad_accum_steps > 1) {
-    return ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
+    ram.add("gathered params (all, kept across micro-batches)", e * shape.numel());
+    return {};
   }
   const auto [bytes, what] = gathered_peak(shape, req, c, N);
   const std::vector<bool> layer = layers_of(shape);
-  int64_t not_layers = 0;
-  for (size_t i = 0; i < shape.units.size(); ++i) {
-    if (!layer[i]) not_layers += e * gathered_numel(shape.units[i], req, c);
+  const std::vector<bool> backward = runs_backward(shape);
+  int64_t not_layers = 0, at_loss = 0, prefetched = 0;
+  for (size_t i = shape.units.size(); i-- > 0;) {
+    const int64_t g = e * gathered_numel(shape.units[i], req, c);
+    if (!layer[i]) {
+      not_layers += g;
+      continue;
+    }
+    const bool keeps = after_forward(shape.units[i], i + 1 == shape.units.size(), req, c, N).keeps;
+    const bool in_reach = backward[i] && prefetched++ < req.prefetch_depth;
+    if (keeps || in_reach) at_loss += g;
   }
   const int64_t at_end = c.keep_gathered ? bytes : std::min(bytes, not_layers);
-  if (at_end == bytes) return ram.add("gathered params (" + what + ")", bytes);
+  if (at_end == bytes) {
+    ram.add("gathered params (" + what + ")", bytes);
+    return {};
+  }
   ram.add("gathered params (the units that are not layers)", at_end);
-  ram.add("gathered params beyond those, at their peak (" + what + ")", bytes - at_end, PlanTier::kBackwardStart);
+  return {bytes - at_end, std::min(at_loss, bytes - at_end), what};
 }
 
 // What the step itself allocates beyond the sharded states (Note [The planner's arithmetic]).
@@ -432,15 +422,15 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   const int64_t e = elem(req.param_dtype);
   const bool keeps_all = c.strategy == ShardingStrategy::kShardGradOp || c.strategy == ShardingStrategy::kNoShard;
   const bool gathers = N > 1 || req.param_dtype != at::kFloat || c.params != OffloadTier::kNone || working_copy;
-  if (gathers) add_gathered(shape, req, c, N, e, p);
+  const LayersGathered layers_gathered = gathers ? add_gathered(shape, req, c, N, e, p) : LayersGathered{};
   const int64_t parts = post_forward_parts(shape, req, c, p.grad_accum_steps, N);
   if (parts > 0) {
     ram.add("parts kept after forward (groups of " + std::to_string(req.reshard_after_forward_group) + ")", parts,
             PlanTier::kBackwardStart);
   }
   const int64_t grad_layers = std::min<int64_t>(2, std::max<int64_t>(z.units - 1, 0));
-  int64_t recompute = 0, extra = 0;
-  const int64_t kept = req.seq_len > 0 ? activations(shape, req, c, &recompute, &extra) : 0;
+  const ActivationBytes acts = req.seq_len > 0 ? activations(shape, req, c) : ActivationBytes{};
+  const int64_t extra = acts.largest_extra();
   if (shape.trainable_numel() > 0) {
     const int64_t end_layers = std::min<int64_t>(1, grad_layers);
     ram.add("gradient buffers (root + " + std::to_string(end_layers) + " layer(s))",
@@ -464,10 +454,7 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
   if (req.device == c10::kCPU && gathers && N > 1) {
     ram.add("freed blocks of a layer's trainable size kept for reuse (2)", 2 * e * z.layer_max_trainable);
   }
-  if (req.seq_len > 0) {
-    ram.add("activations", kept - recompute, PlanTier::kBackwardStart);
-    if (recompute > 0) ram.add("one checkpointed unit's activations rebuilt", recompute, PlanTier::kBackwardStart);
-  }
+  add_backward_start(layers_gathered, acts, p);
   if (p.grad_accum_steps > 1 && !keeps_all && req.accumulation == Accumulation::kNoSync) {
     ram.add(
         "unreduced gradients across micro-batches",

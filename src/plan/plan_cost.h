@@ -2,7 +2,9 @@
 // shortfall are in plan.cpp.
 #pragma once
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "fsdp/plan.h"
 
@@ -47,6 +49,28 @@ struct PhaseInputs {
   bool has_frozen = false;           // frozen parameters beside trainable ones (a LoRA run: a merged export)
 };
 void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p);
+
+// The repeated units (the layers): the checkpointable ones when the model has any, beside which a
+// unit of its own for an embedding or a head is no layer.
+std::vector<bool> layers_of(const ModelShape& shape);
+
+// Activations kept over the whole model, and the backward's transients: the largest extra of the
+// units that are not layers (the loss's, in the root's backward before any layer's), that of the
+// layers', and the largest checkpointed unit's activations rebuilt in its backward.
+struct ActivationBytes {
+  int64_t kept = 0, first_extra = 0, layer_extra = 0, rebuilt = 0;
+  int64_t largest_extra() const { return std::max(first_extra, layer_extra); }
+};
+ActivationBytes activations(const ModelShape& shape, const PlanRequest& req, const Choices& c);
+
+// What the layers' gathered params add beyond the units that are not layers, in the loss's
+// backward and at their peak (a layer's backward).
+struct LayersGathered {
+  int64_t at_peak = 0, at_loss = 0;  // beyond the units that are not layers
+  std::string what;                  // the units at the peak
+};
+// The start of backward's larger moment, in the device tier (Note [Two moments of backward]).
+void add_backward_start(const LayersGathered& g, const ActivationBytes& a, Plan& p);
 
 // Every figure of `choices` for `shape`; `fits` against the request's budgets, without a shortfall text.
 Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& choices);

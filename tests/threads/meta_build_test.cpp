@@ -292,8 +292,12 @@ void expect_plan_near_the_peak(bool lora_nf4) {
         }
         const double measured = static_cast<double>(peak_rss_bytes()), planned = static_cast<double>(p.device.total());
         int64_t activations = 0;
-        for (const auto& item : p.device.at_backward_start)
-          activations += item.first == "activations" ? item.second : 0;
+        for (const auto& item : p.device.at_backward_start) {  // kept from forward, and the backward's transients
+          const bool act = item.first.rfind("activations", 0) == 0 ||
+                           item.first.find("transient") != std::string::npos ||
+                           item.first.find("rebuilt") != std::string::npos;
+          activations += act ? item.second : 0;
+        }
         std::printf("rank %d (%s): planned %.0f MiB (activations %.0f MiB), measured peak RSS %.0f MiB: %.3fx\n%s\n",
                     rank, lora_nf4 ? "NF4 LoRA" : "full fine-tune", planned / 1048576.0, activations / 1048576.0,
                     measured / 1048576.0, measured / planned, p.to_string().c_str());
