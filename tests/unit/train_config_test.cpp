@@ -12,6 +12,7 @@
 #include "config.h"
 #include "config_fields.h"
 #include "flags.h"
+#include "memory_plan.h"
 #include "support/ranks.h"
 
 namespace {
@@ -136,6 +137,43 @@ TEST(TrainConfig, HeadCountWithoutKvHeadsMeansPlainMultiHead) {
   EXPECT_EQ(c.model.num_key_value_heads, 8);
   const TrainConfig g = from_args({"--set", "model.num_attention_heads=8", "--set", "model.num_key_value_heads=2"});
   EXPECT_EQ(g.model.num_key_value_heads, 2);
+}
+
+// fsdp.split_root auto splits an untied embedding and head out of the root only when the plan's
+// peak falls by kSplitRootGain or more: a small model whose tables weigh little stays whole (its
+// choice flipped with settings that move the peak by a few hundred KiB, and with it the losses'
+// last bits), a Llama-3.1-8B-shaped one splits, a tied one cannot.
+TEST(TrainConfig, SplitRootAutoNeedsAGainWorthTheExtraGather) {
+  const std::vector<std::string> small = {"--set", "model.vocab_size=256",
+                                          "--set", "model.hidden_size=64",
+                                          "--set", "model.intermediate_size=128",
+                                          "--set", "model.num_hidden_layers=4",
+                                          "--set", "model.num_attention_heads=4",
+                                          "--set", "model.num_key_value_heads=4",
+                                          "--set", "data.seq_len=64",
+                                          "--set", "data.batch_size_per_rank=8",
+                                          "--set", "model.tie_word_embeddings=false"};
+  for (const char* group : {"fsdp.reshard_after_forward_group=0", "fsdp.reshard_after_forward_group=2"}) {
+    std::vector<std::string> args = small;
+    args.insert(args.end(), {"--set", group});
+    const TrainConfig c = from_args(args);
+    EXPECT_FALSE(splits_root(c, plan_request(c, 4, 1))) << group;
+  }
+  const TrainConfig big = from_args({"--set", "model.vocab_size=128256",
+                                     "--set", "model.hidden_size=4096",
+                                     "--set", "model.intermediate_size=14336",
+                                     "--set", "model.num_hidden_layers=32",
+                                     "--set", "model.num_attention_heads=32",
+                                     "--set", "model.num_key_value_heads=8",
+                                     "--set", "model.tie_word_embeddings=false",
+                                     "--set", "data.seq_len=128",
+                                     "--set", "data.batch_size_per_rank=1",
+                                     "--set", "lora.r=16",
+                                     "--set", "lora.base_dtype=nf4"});
+  EXPECT_TRUE(splits_root(big, plan_request(big, 2, 1)));
+  TrainConfig tied = big;
+  tied.model.tie_word_embeddings = true;
+  EXPECT_FALSE(splits_root(tied, plan_request(tied, 2, 1)));
 }
 
 TEST(TrainConfig, UnknownKeysAreRejectedNamingTheDottedKey) {
