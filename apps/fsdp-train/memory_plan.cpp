@@ -163,14 +163,16 @@ bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req) {
   }
   if (choice == "on") return true;
   // auto: the lower peak, on every rank alike (no budget, which each rank reads for itself, enters),
-  // by at least kSplitRootGain of the whole root's. The split gathers the embedding and the head
-  // apart (one all-gather more per step) and changes which ranks' shards a gradient element sums
-  // in; a gain of a few hundred KiB on a small model decided it, and a setting that changes the
-  // peak by as little (fsdp.reshard_after_forward_group) flipped it, and the losses' last bits.
+  // by kSplitRootMinGain or more. The split gathers the embedding and the head apart (one
+  // all-gather more per step) and changes which ranks' shards a gradient element sums in; a gain
+  // of 0.1 MiB on a small model decided it, and a setting that moves the peak by as little
+  // (fsdp.reshard_after_forward_group) flipped it, and the losses' last bits with it. A share of
+  // the peak would not do: with no budget a large model's peak is its whole state, of which the
+  // root is a small part however much the split matters under the real budget.
   req.budget.host_bytes = req.budget.device_bytes = req.budget.disk_bytes = int64_t{1} << 60;
-  const double split = static_cast<double>(fsdp::plan(shape_of(cfg, true), req).device.total());
-  const double whole = static_cast<double>(fsdp::plan(shape_of(cfg, false), req).device.total());
-  return split < whole * (1.0 - kSplitRootGain);
+  const int64_t split = fsdp::plan(shape_of(cfg, true), req).device.total();
+  const int64_t whole = fsdp::plan(shape_of(cfg, false), req).device.total();
+  return whole - split >= kSplitRootMinGain;
 }
 
 fsdp::ModelShape plan_shape(const TrainConfig& cfg, const fsdp::PlanRequest& req) {

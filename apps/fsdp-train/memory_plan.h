@@ -82,9 +82,9 @@ fsdp::ModelShape plan_shape(const TrainConfig& cfg, const fsdp::PlanRequest& req
 // The request of this run's ranks (WORLD_SIZE, LOCAL_WORLD_SIZE; none: one rank).
 fsdp::PlanRequest run_request(const TrainConfig& cfg);
 // fsdp.split_root resolved: "auto" splits an untied head and embedding out of the root when the
-// plan of `req` peaks lower that way by at least kSplitRootGain of the whole root's peak (the same
-// on every rank: no budget enters the comparison).
-inline constexpr double kSplitRootGain = 0.01;
+// plan of `req` peaks lower that way by kSplitRootMinGain or more (the same on every rank: no
+// budget enters the comparison).
+inline constexpr int64_t kSplitRootMinGain = int64_t{16} << 20;
 bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req);
 
 // This machine: MemAvailable (/proc/meminfo), and the free bytes of the file system holding

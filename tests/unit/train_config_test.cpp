@@ -140,7 +140,7 @@ TEST(TrainConfig, HeadCountWithoutKvHeadsMeansPlainMultiHead) {
 }
 
 // fsdp.split_root auto splits an untied embedding and head out of the root only when the plan's
-// peak falls by kSplitRootGain or more: a small model whose tables weigh little stays whole (its
+// peak falls by kSplitRootMinGain (16 MiB) or more: a small model whose tables weigh little stays whole (its
 // choice flipped with settings that move the peak by a few hundred KiB, and with it the losses'
 // last bits), a Llama-3.1-8B-shaped one splits, a tied one cannot.
 TEST(TrainConfig, SplitRootAutoNeedsAGainWorthTheExtraGather) {
