@@ -55,6 +55,10 @@ RUNS = {  # name: (what, fsdp-train --set values, or peft's base dtype)
     "fsdp-bf16": ("bf16 base, bf16 compute", ["lora.base_dtype=bfloat16", "fsdp.param_dtype=bfloat16"]),
     "fsdp-fp32": ("bf16 base, fp32 compute", ["lora.base_dtype=bfloat16", "fsdp.param_dtype=float32"]),
     "fsdp-nf4": ("NF4 base (QLoRA), fp32 compute", ["lora.base_dtype=nf4", "fsdp.param_dtype=float32"]),
+    "fsdp1-bf16": ("one rank x 2 threads: bf16 base, bf16 compute",
+                   ["lora.base_dtype=bfloat16", "fsdp.param_dtype=bfloat16"]),
+    "fsdp1-nf4": ("one rank x 2 threads: NF4 base (QLoRA), fp32 compute",
+                  ["lora.base_dtype=nf4", "fsdp.param_dtype=float32"]),
     "peft-bf16": ("bf16 model, bf16 compute", "bfloat16"),
     "peft-fp32": ("fp32 model, fp32 compute", "float32"),
     "peft-nf4": ("bitsandbytes NF4 (QLoRA), fp32 compute", "nf4"),
@@ -69,7 +73,12 @@ PAIRS = [  # fsdp, peft, step-1 loss tolerance (relative; None: not checked), wh
     ("fsdp-fp32", "peft-fp32", FP32_TOL, "the same precision: bf16 weight values, fp32 compute"),
     ("fsdp-nf4", "peft-nf4", FP32_TOL, "the same QLoRA: NF4 base (bitsandbytes' codec), fp32 compute"),
     ("fsdp-nf4", "peft-fp32", None, "what a user runs on this CPU: fsdp's QLoRA against peft's fastest"),
+    ("fsdp1-bf16", "peft-bf16", BF16_TOL, "one machine's cores in one rank, as peft: bf16"),
+    ("fsdp1-nf4", "peft-nf4", FP32_TOL, "one machine's cores in one rank, as peft: QLoRA, fp32 compute"),
 ]
+# fsdp runs on 2 ranks x 1 thread unless named here: one rank x 2 threads, the whole batch at once
+# (the machine's two cores in one process, as peft uses them; nothing is sharded or gathered).
+ONE_RANK = {"fsdp1-bf16", "fsdp1-nf4"}
 
 
 def lr_at(step, steps):
@@ -194,16 +203,18 @@ def run_logged(cmd, env, log, timeout):
 
 
 def fsdp_run(args, name, hf, tokens, work):
-    """One fsdp-train run on 2 ranks through fsdp-run; its figures from --metrics and the log."""
+    """One fsdp-train run through fsdp-run, on 2 ranks x 1 thread or (ONE_RANK) 1 rank x 2 threads with
+    the whole batch; its figures from --metrics and the log."""
     metrics = os.path.join(work, f"{name}.jsonl")
+    ranks = 1 if name in ONE_RANK else 2
     sets = ["data.source=file", f"data.path={tokens}", "data.token_dtype=uint32", f"data.seq_len={args.seq_len}",
-            f"data.batch_size_per_rank={args.batch}", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
+            f"data.batch_size_per_rank={args.batch * 2 // ranks}", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
             f"lora.dropout={LORA['dropout']}", f"lora.targets={','.join(TARGETS)}", "fsdp.reduce_dtype=float32",
             f"train.activation_checkpointing={args.activation_checkpointing}", f"train.seed={SEED}",
             "train.eval_every=0", "train.log_every=1", "fsdp.timeout_s=600", "optim.schedule=cosine",
             *(f"optim.{k}={json.dumps(v)}" for k, v in OPTIM.items()), *RUNS[name][1]]
     # fsdp-run's own --timeout-s stops the ranks too (each has a process group of its own); exit 124.
-    cmd = [os.path.join(args.bin, "fsdp-run"), "--nproc-per-node", "2", "--timeout-s", str(args.run_timeout), "--",
+    cmd = [os.path.join(args.bin, "fsdp-run"), "--nproc-per-node", str(ranks), "--timeout-s", str(args.run_timeout), "--",
            os.path.join(args.bin, "fsdp-train"), "--init-from", hf, "--steps", str(args.steps), "--metrics", metrics]
     for s in sets:
         cmd += ["--set", s]
@@ -211,7 +222,7 @@ def fsdp_run(args, name, hf, tokens, work):
     t0 = time.perf_counter()
     if os.path.exists(metrics):
         os.remove(metrics)  # fsdp-train appends
-    rc, out, _ = run_logged(cmd, dict(os.environ, OMP_NUM_THREADS="1"), os.path.join(work, f"{name}.log"), 0)
+    rc, out, _ = run_logged(cmd, dict(os.environ, OMP_NUM_THREADS=str(2 // ranks)), os.path.join(work, f"{name}.log"), 0)
     timed_out = args.run_timeout > 0 and rc == 124
     steps = [json.loads(line) for line in open(metrics) if '"eval' not in line] if os.path.exists(metrics) else []
     if timed_out and not steps:
@@ -220,7 +231,7 @@ def fsdp_run(args, name, hf, tokens, work):
         return {"failed": f"fsdp-train: status {rc}: {out[-2000:]}"}
     r = {"wall_s": time.perf_counter() - t0, "losses": [s["loss"] for s in steps], "lrs": [s["lr"] for s in steps],
          "grad_norms": [s.get("grad_norm") for s in steps], "step_times_s": [s["step_time_s"] for s in steps],
-         "steps_peak_rss_mib": [max(s["peak_rss_bytes"][r] for s in steps) / MIB for r in range(2)]}
+         "steps_peak_rss_mib": [max(s["peak_rss_bytes"][r] for s in steps) / MIB for r in range(ranks)]}
     whole = re.search(r"peak RSS per rank: ([\d. ]+MiB(?: [\d.]+ MiB)*)", out.split("done:")[-1])
     # Stopped by --run-timeout: no whole-process figure; the steps' peaks (metrics) stand for it.
     r["peak_rss_mib"] = [float(x) for x in re.findall(r"([\d.]+) MiB", whole.group(1))] if whole and not timed_out \
@@ -317,7 +328,8 @@ def conditions(r):
         f"{2 * r['batch']} samples x {r['seq_len']} tokens, fsdp-train's samples in its order; mean fp32 "
         "cross-entropy over every token.",
         "- Threads: fsdp 2 ranks x 1 thread (fsdp-run, OMP_NUM_THREADS=1, shared-memory transport, FULL_SHARD, "
-        f"{r['batch']} sample(s) per rank); peft 1 process x 2 threads (torch.set_num_threads(2)), the whole batch "
+        f"{r['batch']} sample(s) per rank), the fsdp1-* runs 1 rank x 2 threads (OMP_NUM_THREADS=2, "
+        f"{2 * r['batch']} samples at once); peft 1 process x 2 threads (torch.set_num_threads(2)), the whole batch "
         "at once; peft's AdamW fused=True, use_cache=False, sdpa attention (fsdp-train's default too).",
         "- What differs: fsdp keeps each adapter's fp32 master and computes it in the compute dtype; peft keeps the "
         "adapters in fp32 and computes them in fp32 on its bf16 base too (autocast_adapter_dtype). lora_A's initial "
