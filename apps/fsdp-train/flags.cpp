@@ -4,6 +4,7 @@
 #include "config_fields.h"
 #include "init_from.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <optional>
@@ -115,7 +116,25 @@ const char* usage_text() {
          "\n"
          "SIGTERM or SIGINT: every rank stops after the step in flight, saves to --save-dir and exits with\n"
          "128 + signal; a second signal exits at once, keeping the previous checkpoint.\n"
-         "Environment: FSDP_THREADS (intra-op threads per rank, default 1).\n";
+         "Environment: FSDP_THREADS (intra-op threads per rank; default OMP_NUM_THREADS, which fsdp-run\n"
+         "sets to the rank's share of the cores, else cores / LOCAL_WORLD_SIZE).\n";
+}
+
+// Note [fsdp-train's threads]
+// fsdp-train took one intra-op thread unless FSDP_THREADS said otherwise, and ignored
+// OMP_NUM_THREADS: launched by fsdp-run with one rank on a 2-core machine (fsdp-run sets the
+// rank's share, 2) it computed on one core, at 2.1x the step time of transformers + peft on the
+// same work (bench/vs_peft.py's fsdp1-bf16). FSDP_THREADS still wins; then OMP_NUM_THREADS, as
+// LibTorch itself would read it; then the rank's share of the cores it may run on.
+int intra_op_threads(const char* fsdp_threads, const char* omp_num_threads, const char* local_world_size, int cores) {
+  if (fsdp_threads != nullptr) {
+    const int n = std::atoi(fsdp_threads);
+    if (n < 1) throw UsageError(std::string("FSDP_THREADS=") + fsdp_threads + " must be a positive integer");
+    return n;
+  }
+  if (omp_num_threads != nullptr && std::atoi(omp_num_threads) >= 1) return std::atoi(omp_num_threads);
+  const int ranks = local_world_size != nullptr ? std::max(1, std::atoi(local_world_size)) : 1;
+  return std::max(1, cores / ranks);
 }
 
 std::string help_text() { return std::string(usage_text()) + "\n" + config_help(); }

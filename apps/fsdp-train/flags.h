@@ -39,6 +39,12 @@ struct Flags {
 // "--flag=value".
 Flags parse_flags(int argc, const char* const* argv);
 
+// Note [fsdp-train's threads]: the intra-op threads of each rank, from FSDP_THREADS (a positive
+// integer, else UsageError), else OMP_NUM_THREADS (its first number, as fsdp-run and torchrun set
+// it; ignored when it is none), else the rank's share of `cores`: cores / LOCAL_WORLD_SIZE, at
+// least 1. Null where a variable is unset.
+int intra_op_threads(const char* fsdp_threads, const char* omp_num_threads, const char* local_world_size, int cores);
+
 // The effective config for `flags`: defaults, --config file, then the overrides. Throws
 // std::invalid_argument (config errors name the dotted key).
 TrainConfig config_from_flags(const Flags& flags);

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 
+#include <sched.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -131,16 +133,17 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
     return 2;
   }
-  int threads = 1;
-  if (const char* env = std::getenv("FSDP_THREADS")) {
-    threads = std::atoi(env);
-    if (threads < 1) {
-      std::fprintf(stderr, "fsdp-train: error: FSDP_THREADS=%s must be a positive integer\n", env);
-      return 2;
-    }
+  // Note [fsdp-train's threads] (flags.cpp): ranks on one machine share its cores.
+  try {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cores = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    at::set_num_threads(intra_op_threads(std::getenv("FSDP_THREADS"), std::getenv("OMP_NUM_THREADS"),
+                                         std::getenv("LOCAL_WORLD_SIZE"), cores));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 2;
   }
-  // One intra-op thread per rank by default: ranks on one machine would otherwise oversubscribe it.
-  at::set_num_threads(threads);
   try {
     // Before the job joins: a SIGTERM during start-up stops it after its first step.
     install_stop_handlers();

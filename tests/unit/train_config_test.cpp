@@ -176,6 +176,20 @@ TEST(TrainConfig, SplitRootAutoNeedsAGainWorthTheExtraGather) {
   EXPECT_FALSE(splits_root(tied, plan_request(tied, 2, 1)));
 }
 
+// Note [fsdp-train's threads]: FSDP_THREADS, else OMP_NUM_THREADS (as fsdp-run and torchrun set it),
+// else the rank's share of the cores.
+TEST(TrainConfig, IntraOpThreadsFollowFsdpThreadsThenOmpThenTheRanksShare) {
+  EXPECT_EQ(train::intra_op_threads("3", "2", "2", 16), 3);
+  EXPECT_EQ(train::intra_op_threads(nullptr, "2", "2", 16), 2);
+  EXPECT_EQ(train::intra_op_threads(nullptr, "4,2", nullptr, 16), 4);  // OpenMP's nested list: its first level
+  EXPECT_EQ(train::intra_op_threads(nullptr, nullptr, "2", 16), 8);
+  EXPECT_EQ(train::intra_op_threads(nullptr, nullptr, nullptr, 2), 2);  // one process: every core
+  EXPECT_EQ(train::intra_op_threads(nullptr, nullptr, "4", 2), 1);      // more ranks than cores: one each
+  EXPECT_EQ(train::intra_op_threads(nullptr, "0", "2", 16), 8);         // not a thread count: the share
+  EXPECT_THROW(train::intra_op_threads("0", nullptr, nullptr, 2), train::UsageError);
+  EXPECT_THROW(train::intra_op_threads("many", nullptr, nullptr, 2), train::UsageError);
+}
+
 TEST(TrainConfig, UnknownKeysAreRejectedNamingTheDottedKey) {
   EXPECT_NE(config_error({{"optim", {{"lrr", 0.1}}}}).find("optim.lrr=0.1: unknown key"), std::string::npos);
   EXPECT_NE(config_error({{"fsdp", {{"offload", {{"param", "host"}}}}}}).find("fsdp.offload.param=\"host\""),
