@@ -387,30 +387,38 @@ TEST(Plan, TheStartOfBackwardCountsTheLossOrALayerNotBoth) {
   r.keep_gathered = false;
   r.checkpoint_every = 1;
   r.micro_batch = 1, r.batch_per_rank = 1;
+  // The two moments' sizes at a sequence length: the loss's (the last layer, kept from forward, and
+  // the loss's transient) and a layer's (two layers, one rebuilt, its transient).
+  struct Moments {
+    int64_t transient, rebuilt, layer_transient, loss, layer;
+  };
+  auto moments = [&](int64_t seq_len) {
+    Moments m{root.backward_peak(1, seq_len, at::kBFloat16), layer.activations(1, seq_len, at::kBFloat16, false),
+              layer.backward_peak(1, seq_len, at::kBFloat16), 0, 0};
+    m.loss = gathered + m.transient;
+    m.layer = 2 * gathered + m.rebuilt + m.layer_transient;
+    return m;
+  };
   // Long: the loss's gradients over 32,000 tokens of vocabulary outweigh a second layer.
   r.seq_len = 1024;
   const Plan loss = plan(shape, r);
   ASSERT_TRUE(loss.fits) << loss.to_string();
-  const int64_t transient = root.backward_peak(1, r.seq_len, at::kBFloat16);
-  const int64_t rebuilt = layer.activations(1, r.seq_len, at::kBFloat16, false);
-  const int64_t layer_transient = layer.backward_peak(1, r.seq_len, at::kBFloat16);
-  ASSERT_GT(gathered + transient, 2 * gathered + rebuilt + layer_transient);
+  const Moments long_seq = moments(r.seq_len);
+  ASSERT_GT(long_seq.loss, long_seq.layer);
   EXPECT_EQ(at_start(loss, "in the loss's backward: layers' gathered params kept or prefetched"), gathered)
       << loss.to_string();  // the last layer, kept from forward
-  EXPECT_EQ(at_start(loss, "in the loss's backward: its transient"), transient);
+  EXPECT_EQ(at_start(loss, "in the loss's backward: its transient"), long_seq.transient);
   EXPECT_EQ(at_start(loss, "in a layer's backward"), 0) << loss.to_string();
   // Short: the next layer prefetched while the last one rebuilds its activations is the larger.
   r.seq_len = 16;
   const Plan layers = plan(shape, r);
   ASSERT_TRUE(layers.fits) << layers.to_string();
-  const int64_t short_transient = root.backward_peak(1, r.seq_len, at::kBFloat16);
-  const int64_t short_rebuilt = layer.activations(1, r.seq_len, at::kBFloat16, false);
-  const int64_t short_layer = layer.backward_peak(1, r.seq_len, at::kBFloat16);
-  ASSERT_LT(gathered + short_transient, 2 * gathered + short_rebuilt + short_layer);
+  const Moments short_seq = moments(r.seq_len);
+  ASSERT_LT(short_seq.loss, short_seq.layer);
   EXPECT_EQ(at_start(layers, "in a layer's backward: gathered params beyond those"), 2 * gathered)
       << layers.to_string();
-  EXPECT_EQ(at_start(layers, "in a layer's backward: one checkpointed unit's activations rebuilt"), short_rebuilt);
-  EXPECT_EQ(at_start(layers, "in a layer's backward: its transient"), short_layer);
+  EXPECT_EQ(at_start(layers, "in a layer's backward: one checkpointed unit's activations rebuilt"), short_seq.rebuilt);
+  EXPECT_EQ(at_start(layers, "in a layer's backward: its transient"), short_seq.layer_transient);
   EXPECT_EQ(at_start(layers, "in the loss's backward"), 0) << layers.to_string();
   // Both count what forward kept: the checkpointed layers' inputs and the root's.
   EXPECT_EQ(
