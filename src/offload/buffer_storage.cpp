@@ -21,8 +21,8 @@ namespace {
 // and handed to the next buffer of the same size from the same allocator, which in a model of
 // repeated blocks is the next unit's gather or gradient. At most kKeptBlocks are kept, the most
 // recently freed, so the process holds at most that many blocks beyond what is alive. A kept block
-// is freed at the first allocation of another size, taken from the kept ones or not: the cycle it
-// was kept for has ended. Kept until pushed out, blocks waited beside what the plan counts: a split
+// is freed at the first allocation of another size from its allocator, taken from the kept ones or
+// not: the cycle it was kept for has ended. Kept until pushed out, blocks waited beside what the plan counts: a split
 // root's frozen embedding, freed after its forward, stayed through every layer's forward (1 GiB in
 // bf16 at Llama-3.1-8B: the forward's peak), and a layer's freed gather beside the head's, in fp32
 // at 8B 0.8 GiB over the plan.
@@ -40,7 +40,8 @@ class FreedBlocks {
       if (same && out.get() == nullptr) {
         out = std::move(block.data);
       } else {
-        (same ? kept : dropped).push_back(std::move(block));
+        // Another allocator's block (pinned host memory beside pageable) is another cycle: kept.
+        (block.allocator == allocator && !same ? dropped : kept).push_back(std::move(block));
       }
     }
     blocks_.swap(kept);
