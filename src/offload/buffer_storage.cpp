@@ -7,6 +7,7 @@
 
 #include <deque>
 #include <mutex>
+#include <vector>
 
 #include "base/host_malloc.h"
 #include "fsdp/errors.h"
@@ -31,20 +32,22 @@ class FreedBlocks {
   static constexpr size_t kKeptBlocks = 2;
 
   at::DataPtr take(c10::Allocator* allocator, size_t bytes) {
-    std::deque<Block> dropped;  // freed outside the lock
+    std::vector<at::DataPtr> dropped;  // freed outside the lock
     std::lock_guard<std::mutex> lock(mu_);
     at::DataPtr out(nullptr, at::Device(at::kCPU));
-    std::deque<Block> kept;
-    for (auto& block : blocks_) {
-      const bool same = block.allocator == allocator && block.bytes == bytes;
-      if (same && out.get() == nullptr) {
-        out = std::move(block.data);
-      } else {
-        // Another allocator's block (pinned host memory beside pageable) is another cycle: kept.
-        (block.allocator == allocator && !same ? dropped : kept).push_back(std::move(block));
+    for (auto it = blocks_.begin(); it != blocks_.end();) {
+      // Another allocator's block (pinned host memory beside pageable) is another cycle: kept.
+      if (it->allocator != allocator || (it->bytes == bytes && out.get() != nullptr)) {
+        ++it;
+        continue;
       }
+      if (it->bytes == bytes) {
+        out = std::move(it->data);
+      } else {
+        dropped.push_back(std::move(it->data));
+      }
+      it = blocks_.erase(it);
     }
-    blocks_.swap(kept);
     return out;
   }
 
