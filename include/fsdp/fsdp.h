@@ -37,3 +37,4 @@
 #include "fsdp/sharded.h"
 #include "fsdp/stop.h"
 #include "fsdp/trace.h"
+#include "fsdp/vocab_parallel.h"

@@ -113,6 +113,12 @@ struct FullyShardOptions {
   // applies its own (give every fully_shard call the same one). A frozen shard in a stored form
   // other than fp32 goes to the host tier when the params are offloaded (host or disk tier).
   TORCH_ARG(FrozenStorageFn, frozen_storage) = nullptr;
+  // A frozen [vocab, dim] table (an embedding, an output head, or one tensor that is both) that is
+  // never gathered: each rank computes on the part of the table its shard holds, through
+  // fsdp::sharded_embedding and fsdp::sharded_cross_entropy (fsdp/vocab_parallel.h), and the
+  // module is not run through fsdp::call. The module must hold one frozen 2-D parameter. A module
+  // outside the unit that shares the tensor (a tied head) may use it through those functions.
+  TORCH_ARG(bool, vocab_parallel) = false;
 };
 
 }  // namespace fsdp

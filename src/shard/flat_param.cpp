@@ -250,6 +250,26 @@ void FlatParam::shadow_gather() {
   residency_->gather_done();
 }
 
+void FlatParam::with_shard_values(const std::function<void(const at::Tensor&)>& fn) {
+  if (needs_materialize_) {
+    throw ConfigError("fsdp: unit '" + config_.tag + "' was never materialised: run the root's lazy init first");
+  }
+  at::Tensor input = residency_->gather_input(KeepMaster::kNo);
+  if (stored_ && frozen::stored_dtype(config_.storage) != config_.compute_dtype) {
+    at::Tensor values = at::empty({shard_numel_}, input.options().dtype(config_.compute_dtype));
+    c10::NoGradGuard no_grad;
+    frozen::decode(config_.storage, input, values);
+    input = values;
+  }
+  try {
+    fn(input);
+  } catch (...) {
+    residency_->gather_done();
+    throw;
+  }
+  residency_->gather_done();
+}
+
 void FlatParam::wait_for_unshard() {
   if (!gather_pending_) return;
   gather_pending_ = false;

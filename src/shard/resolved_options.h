@@ -20,6 +20,7 @@ namespace fsdp {
 // | param_group                            | per unit                                     | fully_shard          |
 // | init                                   | per unit                                     | fully_shard          |
 // | frozen_storage                         | per unit (null: the compute dtype)           | fully_shard          |
+// | vocab_parallel                         | per unit                                     | fully_shard          |
 // | prefetch_depth                         | inherited: own, else the root's, else 1      | the root's lazy init |
 // | offload                                | inherited: own, else the root's, else none;  | the root's lazy init |
 // |                                        | validated there                              |                      |
@@ -40,6 +41,7 @@ struct ResolvedOptions {
   ParamGroupFn param_group = default_param_group;
   ParamInitFn init;
   FrozenStorageFn frozen_storage;
+  bool vocab_parallel = false;
   int prefetch_depth = 1;
   OffloadPolicy offload;
   int max_unsharded_units = 0;

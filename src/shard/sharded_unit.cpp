@@ -203,6 +203,11 @@ prefetch::Limits ShardedUnit::prefetch_limits() const {
 }
 
 void ShardedUnit::pre_forward() {
+  if (options_.vocab_parallel) {
+    throw UsageError("fsdp: sharded module '" + path_before_root() +
+                     "' is a vocab-parallel table (FullyShardOptions::vocab_parallel), never gathered: "
+                     "use it through fsdp::sharded_embedding or fsdp::sharded_cross_entropy, not fsdp::call");
+  }
   if (root_ == nullptr) {
     if (nested_) {
       auto module = module_.lock();

@@ -214,7 +214,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
   // nested in this one (`nested_owner`, else null) or one sharded earlier beside this one; then
   // it is recorded in tied_ (and left out of this unit) for the root's lazy init to refuse.
   bool record_tie(const std::string& name, const at::Tensor& param, ShardedUnit* nested_owner);
-  void check_no_ties() const;  // root only, first in lazy_init
+  void check_no_ties() const;      // root only, first in lazy_init
+  void check_vocab_table() const;  // unit_init.cpp: FullyShardOptions::vocab_parallel's requirements
   // unit_init.cpp
   void check_not_owned(const std::string& name, const at::Tensor& param) const;  // Note [Parameters already sharded]
   void record_owned();

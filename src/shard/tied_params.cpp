@@ -9,7 +9,9 @@
 // its holder and records the tie, and the root's lazy init (the first fsdp::call on the root, or
 // the first optimizer built over it), before it changes anything, refuses the model with
 // ConfigError naming the parameter's path in both units and the unit to make instead: their
-// common parent. A child sharded after its parent is a different mistake (check_not_owned).
+// common parent. A child sharded after its parent is a different mistake (check_not_owned). The
+// exception is a tie to a vocab-parallel table (FullyShardOptions::vocab_parallel), which is never
+// gathered: a tied head outside its unit computes on its shards (fsdp/vocab_parallel.h).
 #include <torch/nn/module.h>
 
 #include <unordered_map>
@@ -73,11 +75,14 @@ void ShardedUnit::check_no_ties() const {
     }
   }
   for (const ShardedUnit* unit : units) {
-    if (unit->tied_.empty()) continue;
-    const TiedParam& tie = unit->tied_.front();
-    auto owner = tie.owner.lock();
-    auto it = owner ? path.find(owner.get()) : path.end();
-    throw ConfigError(tie_message(path.at(unit), tie.name, it == path.end() ? nullptr : &it->second, tie.owner_name));
+    for (const TiedParam& tie : unit->tied_) {
+      auto owner = tie.owner.lock();
+      // A vocab-parallel table is never gathered: its other users reach it through
+      // fsdp/vocab_parallel.h's functions, which compute on the owner's shards.
+      if (owner && owner->options_.vocab_parallel) continue;
+      auto it = owner ? path.find(owner.get()) : path.end();
+      throw ConfigError(tie_message(path.at(unit), tie.name, it == path.end() ? nullptr : &it->second, tie.owner_name));
+    }
   }
 }
 

@@ -207,6 +207,7 @@ ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const Dev
   r.param_group = options.param_group();
   r.init = options.init();
   r.frozen_storage = options.frozen_storage();
+  r.vocab_parallel = options.vocab_parallel();
   return r;
 }
 
@@ -254,9 +255,33 @@ void ShardedUnit::build() {
                       "modules that hold parameters");
   }
   make_flat_params(*module);
+  if (options_.vocab_parallel) check_vocab_table();
   record_owned();
   register_grad_hooks();
   module->register_module(kAnchorName, std::make_shared<UnitAnchor>(shared_from_this()));
+}
+
+// FullyShardOptions::vocab_parallel: one frozen 2-D parameter, sharded (fsdp/vocab_parallel.h).
+void ShardedUnit::check_vocab_table() const {
+  const auto module = module_.lock();
+  const std::string what = "fsdp: fully_shard with vocab_parallel on " + (module ? module->name() : std::string("?"));
+  if (flat_params_.size() != 1 || flat_params_[0]->entries().size() != 1) {
+    throw ConfigError(what +
+                      ": the module must hold exactly one parameter (its [vocab, dim] table); shard the "
+                      "table's own module (e.g. the embedding), not a module around it");
+  }
+  const FlatParam& fp = *flat_params_[0];
+  const FlatParamEntry& e = fp.entries()[0];
+  if (e.shape.size() != 2) {
+    throw ConfigError(what + ": its parameter '" + e.name + "' has " + std::to_string(e.shape.size()) +
+                      " dimensions; a vocabulary table is [vocab, dim]");
+  }
+  if (fp.config().requires_grad || fp.config().replicated) {
+    throw ConfigError(what + ": its parameter '" + e.name + "' " +
+                      (fp.config().replicated ? "is replicated (replicate_params)"
+                                              : "requires grad; a vocab-parallel table must be frozen (e.g. a LoRA "
+                                                "base: apply fsdp::lora before fully_shard)"));
+  }
 }
 
 namespace {
