@@ -21,6 +21,7 @@
 #include "fsdp/init.h"
 #include "fsdp/lora.h"
 #include "fsdp/loss.h"
+#include "fsdp/vocab_parallel.h"
 
 namespace llama {
 namespace {
@@ -248,7 +249,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(T <= config_.max_position_embeddings, "Llama got a sequence of length ", T,
               " > max_position_embeddings=", config_.max_position_embeddings,
               "; raise max_position_embeddings in the config to run longer sequences");
-  auto h = fsdp::call(embed_tokens, tokens);
+  auto h = vocab_parallel ? fsdp::sharded_embedding(*embed_tokens, tokens) : fsdp::call(embed_tokens, tokens);
   // One rotary table for all layers, in the activations' dtype (as transformers passes
   // position_embeddings down). Under mixed precision fsdp::call casts it with the activations.
   const auto [cos, sin] = rotary_cos_sin(config_.head_dim(), config_.rope_theta, at::arange(T, tokens.options()),
@@ -276,11 +277,21 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, at::Device
 }
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
+  if (vocab_parallel()) {
+    throw fsdp::UsageError(
+        "LlamaForCausalLM: the head is a vocab-parallel table (shard_vocab_parallel), so no rank holds every "
+        "logit; compute the loss with forward(tokens, targets)");
+  }
   return fsdp::call(lm_head, fsdp::call(model, tokens));
 }
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens, const at::Tensor& targets) {
   const at::Tensor h = fsdp::call(model, tokens);
+  if (vocab_parallel()) {
+    const torch::nn::Module& table =
+        config_.tie_word_embeddings ? static_cast<const torch::nn::Module&>(*model->embed_tokens) : *lm_head;
+    return fsdp::sharded_cross_entropy(table, h, targets);
+  }
   if (loss_chunk_tokens_ == 0) return loss(fsdp::call(lm_head, h), targets);
   TORCH_CHECK(targets.dim() == 2 && targets.sizes() == tokens.sizes(), "LlamaForCausalLM expects targets of the ",
               "tokens' shape ", tokens.sizes(), ", got ", targets.sizes());
@@ -295,6 +306,24 @@ void shard_embedding_and_head(LlamaForCausalLM& model, fsdp::DeviceMesh& mesh, c
   }
   fsdp::fully_shard(model->model->embed_tokens, mesh, options);
   fsdp::fully_shard(model->lm_head, mesh, options);
+}
+
+bool can_shard_vocab_parallel(const LlamaForCausalLM& model) {
+  const bool tied = model->config().tie_word_embeddings;
+  return !model->model->embed_tokens->weight.requires_grad() && model->lm_head->named_parameters().size() == 1 &&
+         (tied || !model->lm_head->weight.requires_grad());
+}
+
+void shard_vocab_parallel(LlamaForCausalLM& model, fsdp::DeviceMesh& mesh, fsdp::FullyShardOptions options) {
+  if (!can_shard_vocab_parallel(model)) {
+    throw fsdp::ConfigError(
+        "llama::shard_vocab_parallel: the embedding and the head must be frozen (a LoRA base) and the head a plain "
+        "weight (no adapters on lm_head); shard them with the root or as units of their own instead");
+  }
+  options.vocab_parallel(true);
+  fsdp::fully_shard(model->model->embed_tokens, mesh, options);
+  if (!model->config().tie_word_embeddings) fsdp::fully_shard(model->lm_head, mesh, options);
+  model->model->vocab_parallel = true;
 }
 
 void LlamaForCausalLMImpl::set_loss_chunk_tokens(int64_t tokens) {

@@ -237,6 +237,9 @@ class LlamaModelImpl : public torch::nn::Module {
   // Activation checkpointing (fsdp::checkpoint_activations): 0 off; n > 0 recomputes layers 0, n,
   // 2n, ... in backward instead of keeping their activations (1: every layer).
   int64_t checkpoint_every = 0;
+  // The embedding is a vocab-parallel table (shard_vocab_parallel): looked up by
+  // fsdp::sharded_embedding instead of run through fsdp::call.
+  bool vocab_parallel = false;
 
  private:
   LlamaConfig config_;
@@ -262,6 +265,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& targets);
   void set_loss_chunk_tokens(int64_t tokens);
   int64_t loss_chunk_tokens() const { return loss_chunk_tokens_; }
+  // The embedding and the head are vocab-parallel tables (shard_vocab_parallel): the loss is
+  // fsdp::sharded_cross_entropy over the head's rows where they are, and forward(tokens), which
+  // would need every logit on every rank, is refused.
+  bool vocab_parallel() const { return model->vocab_parallel; }
   // Norm weights to 1, biases to 0, every other weight from N(0, initializer_range^2), using torch's default
   // generator (torch::manual_seed). For rank-independent values use llama_init_fn instead.
   void init_weights();
@@ -285,6 +292,14 @@ TORCH_MODULE(LlamaForCausalLM);
 void shard_embedding_and_head(LlamaForCausalLM& model, fsdp::DeviceMesh& mesh, const fsdp::FullyShardOptions& options);
 // Whether shard_embedding_and_head accepts this config (the head is not tied to the embedding).
 inline bool can_shard_embedding_and_head(const LlamaConfig& config) { return !config.tie_word_embeddings; }
+
+// Shards the embedding and the head (one tensor when tied) as vocab-parallel tables
+// (FullyShardOptions::vocab_parallel, fsdp/vocab_parallel.h), before the root is sharded: never
+// gathered, each rank looking up and computing the logits of the rows its shard holds. Both must
+// be frozen (a LoRA base) and the head a plain weight; can_shard_vocab_parallel says whether they
+// are. Refused (ConfigError) otherwise.
+void shard_vocab_parallel(LlamaForCausalLM& model, fsdp::DeviceMesh& mesh, fsdp::FullyShardOptions options);
+bool can_shard_vocab_parallel(const LlamaForCausalLM& model);
 
 // Mean cross-entropy over every token, in fp32: logits [B, T, V], targets [B, T] int64 (a target
 // of -100 is ignored, as in transformers).

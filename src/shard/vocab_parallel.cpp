@@ -39,7 +39,7 @@ namespace {
 struct TablePart {
   FlatParam* fp = nullptr;
   int64_t vocab = 0, dim = 0;
-  int64_t begin = 0, end = 0;  // elements [begin, end) of the V*D table are here
+  int64_t begin = 0, end = 0;            // elements [begin, end) of the V*D table are here
   int64_t full_begin = 0, full_end = 0;  // whole rows held here
   int64_t local_at = 0;                  // the table's element `begin` is shard element local_at
   std::vector<int64_t> split_rows;       // every rank's (same list)
@@ -140,8 +140,8 @@ void check_ids(const at::Tensor& ids, const at::Tensor& counts, int64_t m, int64
     const at::Tensor bad = (mine.lt(0) | mine.ge(vocab)) & mine.ne(ignore);
     if (!bad.any().item<bool>()) continue;
     const int64_t v = mine.masked_select(bad)[0].item<int64_t>();
-    throw UsageError(std::string("fsdp::sharded_") + what + ": rank " + std::to_string(r) + " gave " + what +
-                     " id " + std::to_string(v) + ", outside the table's " + std::to_string(vocab) + " rows");
+    throw UsageError(std::string("fsdp::sharded_") + what + ": rank " + std::to_string(r) + " gave " + what + " id " +
+                     std::to_string(v) + ", outside the table's " + std::to_string(vocab) + " rows");
   }
 }
 
@@ -167,9 +167,9 @@ at::Tensor sharded_embedding(const torch::nn::Module& module, const at::Tensor& 
   at::Tensor rows = at::zeros({ids.size(0), t.dim}, ids.options().dtype(at::kFloat));
   fp->with_shard_values([&](const at::Tensor& shard) {
     if (t.full_end > t.full_begin) {
-      const at::Tensor table = shard.narrow(0, t.local_at + t.full_begin * t.dim - t.begin,
-                                            (t.full_end - t.full_begin) * t.dim)
-                                   .view({t.full_end - t.full_begin, t.dim});
+      const at::Tensor table =
+          shard.narrow(0, t.local_at + t.full_begin * t.dim - t.begin, (t.full_end - t.full_begin) * t.dim)
+              .view({t.full_end - t.full_begin, t.dim});
       const at::Tensor pos = (ids.ge(t.full_begin) & ids.lt(t.full_end)).nonzero().squeeze(1);
       rows.index_copy_(0, pos, table.index_select(0, ids.index_select(0, pos) - t.full_begin).to(at::kFloat));
     }
@@ -246,7 +246,8 @@ at::Tensor split_logits(const Saved& s, const at::Tensor& shard) {
   for (int64_t j = 0; j < ns; ++j) {
     int64_t c0 = 0, c1 = 0, at = 0;
     if (!t.piece(t.split_rows[j], c0, c1, at)) continue;
-    P.select(1, j).copy_(at::mv(s.X.narrow(1, c0, c1 - c0).to(at::kFloat), shard.narrow(0, at, c1 - c0).to(at::kFloat)));
+    P.select(1, j).copy_(
+        at::mv(s.X.narrow(1, c0, c1 - c0).to(at::kFloat), shard.narrow(0, at, c1 - c0).to(at::kFloat)));
   }
   t.group().all_reduce(P, ReduceOp::kSum, t.tag("split_rows")).wait();
   return P.to(t.dtype()).to(at::kFloat);
@@ -261,7 +262,8 @@ at::Tensor forward_loss(Saved& s) {
   at::Tensor mx = at::full({M}, -std::numeric_limits<float>::infinity(), f32);
   at::Tensor sum = at::zeros({M}, f32), tl = at::zeros({M}, f32);
   t.fp->with_shard_values([&](const at::Tensor& shard) {
-    for_each_chunk(s, shard, [&](int64_t a, int64_t, const at::Tensor&, const at::Tensor& z) { fold(z, a, s.T, mx, sum, tl); });
+    for_each_chunk(s, shard,
+                   [&](int64_t a, int64_t, const at::Tensor&, const at::Tensor& z) { fold(z, a, s.T, mx, sum, tl); });
     s.split_z = split_logits(s, shard);
   });
   for (size_t j = 0; j < t.split_rows.size(); ++j) {
@@ -348,7 +350,8 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
                      c10::toString(targets.scalar_type()));
   }
   FlatParam* fp = vocab_table(module, "sharded_cross_entropy");
-  if (fp == nullptr) return plain_cross_entropy(plain_table(module, "sharded_cross_entropy"), hidden, targets, ignore_index);
+  if (fp == nullptr)
+    return plain_cross_entropy(plain_table(module, "sharded_cross_entropy"), hidden, targets, ignore_index);
   ShardedUnit* unit = detail::unit_of(module);
   Saved s(table_part(*fp));
   if (hidden.size(-1) != s.t.dim) {
@@ -376,7 +379,8 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
     loss = forward_loss(s);
   }
   if (hidden.requires_grad() && c10::GradMode::is_enabled()) {
-    auto node = std::shared_ptr<VocabCrossEntropyBackward>(new VocabCrossEntropyBackward(), torch::autograd::deleteNode);
+    auto node =
+        std::shared_ptr<VocabCrossEntropyBackward>(new VocabCrossEntropyBackward(), torch::autograd::deleteNode);
     node->unit = unit->shared_from_this();
     node->saved = std::move(s);
     node->set_next_edges(torch::autograd::collect_next_edges(hidden));

@@ -27,8 +27,10 @@ llama::LlamaConfig tiny_config(bool tied, const std::string& family = "llama") {
 // loss_chunk > 0: the sharded model's loss is chunked (LlamaForCausalLM::forward(tokens, targets),
 // fsdp::chunked_cross_entropy); the reference's stays the whole-logits llama::loss.
 // split: the embedding and the head sharded as units of their own (llama::shard_embedding_and_head).
+// vocab: the embedding and the head frozen in both models, and vocab-parallel tables in the sharded
+// one (llama::shard_vocab_parallel).
 void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::string& family = "llama",
-                  int64_t loss_chunk = 0, bool split = false) {
+                  int64_t loss_chunk = 0, bool split = false, bool vocab = false) {
   const auto cfg = tiny_config(tied, family);
   constexpr int64_t kBatch = 12, kSeq = 9;  // global batch: 12 sequences, divisible by 1-4
   testing::run_threads(world, [&](const std::shared_ptr<Dist>& dist) {
@@ -39,9 +41,15 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
     init::materialize(*ref, init);
     llama::LlamaForCausalLM model(cfg, at::kMeta);  // never allocated whole
     model->set_loss_chunk_tokens(loss_chunk);
+    for (auto* m : {&ref, &model}) {
+      if (!vocab) break;
+      (*m)->model->embed_tokens->weight.set_requires_grad(false);
+      (*m)->lm_head->weight.set_requires_grad(false);
+    }
     auto opts = FullyShardOptions().strategy(strategy).init(init);
     for (auto& layer : model->model->layers) fully_shard(layer, mesh, opts);
     if (split) llama::shard_embedding_and_head(model, mesh, opts);
+    if (vocab) llama::shard_vocab_parallel(model, mesh, opts);
     auto root = fully_shard(model, mesh, opts);
     if (split) ASSERT_EQ(fsdp::testing::units(*root).size(), cfg.num_hidden_layers + 3u);
     AdamW optim(root, AdamWOptions(3e-3).weight_decay(0.1));
@@ -55,7 +63,8 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
       auto in = tokens.narrow(1, 0, kSeq), tgt = tokens.narrow(1, 1, kSeq);
       const at::Tensor my_in = in.narrow(0, dist->rank() * local, local),
                        my_tgt = tgt.narrow(0, dist->rank() * local, local);
-      auto loss = loss_chunk > 0 ? fsdp::call(model, my_in, my_tgt) : llama::loss(fsdp::call(model, my_in), my_tgt);
+      auto loss =
+          loss_chunk > 0 || vocab ? fsdp::call(model, my_in, my_tgt) : llama::loss(fsdp::call(model, my_in), my_tgt);
       loss.backward();
       auto ref_loss = llama::loss(ref->forward(in), tgt);
       ref_loss.backward();
@@ -68,6 +77,7 @@ void llama_parity(int world, bool tied, ShardingStrategy strategy, const std::st
       // Reference AdamW, no decay for 1-D params (norm weights), as the default grouping.
       c10::NoGradGuard ng;
       for (auto& p : ref_params) {
+        if (!p.requires_grad()) continue;
         const double wd = p.dim() >= 2 ? 0.1 : 0.0, lr = 3e-3;
         auto& s = st[p.unsafeGetTensorImpl()];
         if (!s.first.defined()) s = {at::zeros_like(p), at::zeros_like(p)};
@@ -102,6 +112,11 @@ TEST(ParityLlama, EveryFamilyFullShardWorld2) {
   for (const char* family : {"llama3", "qwen2", "qwen3", "mistral"}) {
     llama_parity(2, false, ShardingStrategy::kFullShard, family);
   }
+}
+// Frozen tables never gathered (a LoRA base's): the lookup and the loss computed on each rank's rows.
+TEST(ParityLlama, VocabParallelTablesTiedWorld3AndUntiedWorld2) {
+  llama_parity(3, true, ShardingStrategy::kFullShard, "llama", 0, false, true);
+  llama_parity(2, false, ShardingStrategy::kFullShard, "qwen2", 0, false, true);
 }
 TEST(ParityLlama, TiedShardGradOpWorld3) { llama_parity(3, true, ShardingStrategy::kShardGradOp); }
 // The chunked loss through the sharded root: chunks of 5 rows over each rank's 6 x 9 tokens (the

@@ -28,7 +28,8 @@ TORCH_MODULE(Table);
 // Tokens -> the tied table's rows -> a trained projection -> the loss over the same table.
 struct TiedNetImpl : torch::nn::Module {
   TiedNetImpl(int64_t vocab, int64_t dim)
-      : embed(register_module("embed", Table(vocab, dim))), proj(register_module("proj", torch::nn::Linear(dim, dim))) {}
+      : embed(register_module("embed", Table(vocab, dim))),
+        proj(register_module("proj", torch::nn::Linear(dim, dim))) {}
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& targets) {
     const at::Tensor x = sharded_embedding(*embed, tokens);
     const at::Tensor h = at::tanh(proj(x.to(proj->weight.scalar_type())));
