@@ -35,13 +35,24 @@ from scale import MODELS, build_model  # noqa: E402
 
 MIB = 2**20
 LORA = ["--set", "lora.r=16", "--set", "lora.alpha=32"]
+CKPT = ["--set", "train.activation_checkpointing=1"]
 RUNS = {
     "full": [],
     "lora-bf16": LORA + ["--set", "lora.base_dtype=bfloat16"],
     "lora-int8": LORA + ["--set", "lora.base_dtype=int8"],
     "lora-nf4": LORA + ["--set", "lora.base_dtype=nf4"],
+    # The same NF4 run with the embedding and the head gathered as before vocab-parallel tables.
+    "lora-nf4-gathered": LORA + ["--set", "lora.base_dtype=nf4", "--set", "fsdp.vocab_parallel=off"],
+    # Activation checkpointing on both sides of the comparison.
+    "full-ckpt": CKPT,
+    "lora-nf4-ckpt": LORA + ["--set", "lora.base_dtype=nf4"] + CKPT,
 }
-GOALS = {"lora-bf16": 0.35, "lora-nf4": 0.15}  # peak RSS per rank against the full fine-tune's
+GOALS = {"lora-bf16": 0.35, "lora-nf4": 0.15, "lora-nf4-ckpt": 0.15}  # peak RSS per rank against the full fine-tune's
+
+
+def baseline_of(name):
+    """The full fine-tune a run is compared with: the one with the same activation checkpointing."""
+    return "full-ckpt" if name.endswith("-ckpt") else "full"
 
 
 def model_and_tokens(work, model):
@@ -88,18 +99,25 @@ def train_run(args, name, extra, hf, tokens, work):
 
 
 def report(r):
-    full = r["runs"]["full"]
     lines = [f"# LoRA against a full fine-tune: {r['model']} ({r['params'] / 1e6:.1f}M parameters)", "",
+             f"- Commit: {r.get('commit', '?')}.",
+             "- Machine: this one, 2 cores, 23.5 GiB of RAM, no GPU.",
+             "- Threads: `OMP_NUM_THREADS=1`, one intra-op thread per rank. Transport: shared memory.",
+             "- Page cache: warm (the model directory and the token file written just before the runs).",
+             f"- Quiet: {r.get('quiet', 'not recorded')}.", "",
              f"Command: `{r['command']}`", "",
              "Conditions: this machine (2 cores), 2 ranks through fsdp-run (shared-memory transport), "
              "OMP_NUM_THREADS=1, bf16 compute with fp32 reduction, AdamW, seq_len "
              f"{r['seq_len']}, 1 sample per rank per step, {r['steps']} steps, nothing offloaded; LoRA r=16 "
-             "alpha=32 on q,k,v,o,gate,up,down. Peak RSS: VmHWM of each rank's process (import included) and "
+             "alpha=32 on q,k,v,o,gate,up,down, the embedding and the head vocab-parallel tables (fsdp.vocab_parallel "
+             "auto) except in lora-nf4-gathered; -ckpt runs checkpoint every layer's activations and are compared "
+             "with full-ckpt, the others with full. Peak RSS: VmHWM of each rank's process (import included) and "
              "the largest per-step peak (fsdp-train's metrics). Step time: median of steps 2 to N.", "",
              "| run | peak RSS per rank, process (MiB) | over the steps (MiB) | / full (process) | plan, device per rank "
              "(MiB) | steps / plan | step time (s) | / full | sharded params, grads, optimizer (MiB, rank 0) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, run in r["runs"].items():
+        full = r["runs"].get(baseline_of(name), r["runs"]["full"])
         proc = max(run["peak_rss_process_mib"])
         steps = max(run["peak_rss_steps_mib"])
         ratio = proc / max(full["peak_rss_process_mib"])
@@ -137,13 +155,16 @@ def main():
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--quiet", default="not recorded", help="what else ran meanwhile, for the report")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
     work = tempfile.mkdtemp(prefix="fsdp-lora-bench-")
     try:
         hf, tokens, params = model_and_tokens(work, args.model)
         result = {"model": args.model, "params": params, "steps": args.steps, "seq_len": args.seq_len,
-                  "command": " ".join(["bench/lora_bench.py"] + sys.argv[1:]), "runs": {}}
+                  "command": " ".join(["bench/lora_bench.py"] + sys.argv[1:]), "runs": {}, "quiet": args.quiet,
+                  "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()}
         for name in args.runs.split(","):
             result["runs"][name] = train_run(args, name, RUNS[name], hf, tokens, work)
             print(json.dumps(result["runs"][name]), flush=True)

@@ -87,6 +87,9 @@ struct FsdpConfig {
   // The embedding and the head as units of their own (llama::shard_embedding_and_head): "on",
   // "off", or "auto": when the head is not tied and the plan's peak is lower that way.
   std::string split_root = "auto";
+  // The embedding and the head as vocab-parallel tables (llama::shard_vocab_parallel): "on",
+  // "off", or "auto": whenever they are frozen (a LoRA run whose targets leave out lm_head).
+  std::string vocab_parallel = "auto";
   // fsdp.offload, set on the root unit (the layers inherit it); validated by the library.
   fsdp::OffloadPolicy offload;
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions

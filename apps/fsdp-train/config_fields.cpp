@@ -338,6 +338,14 @@ ConfigField split_root() {
       "auto: when the head is untied and the plan's peak is lower");
 }
 
+ConfigField vocab_parallel() {
+  return choice(
+      "fsdp", "vocab_parallel", [](auto& c) -> auto& { return c.fsdp.vocab_parallel; }, {"auto", "on", "off"},
+      [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
+      "the frozen embedding and head never gathered: each rank looks up and computes the logits of the rows it "
+      "holds (fsdp/vocab_parallel.h); auto: whenever they are frozen (LoRA without lm_head among its targets)");
+}
+
 std::vector<ConfigField> fsdp_fields() {
   return {
       strategy(),
@@ -357,6 +365,7 @@ std::vector<ConfigField> fsdp_fields() {
           "HYBRID_SHARD: replicas (rows of the mesh); must divide the world size"),
       reshard_after_forward_group(),
       split_root(),
+      vocab_parallel(),
       choice(
           "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
           [](const std::string& s) { return s; }, [](const std::string& s) { return s; },

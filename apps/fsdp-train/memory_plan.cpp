@@ -1,6 +1,8 @@
 // The memory plan: model state by tier, the largest gathered unit, and the memory levers.
 #include "memory_plan.h"
 
+#include <algorithm>
+
 #include "fsdp/errors.h"
 
 #include <sys/statvfs.h>
@@ -133,7 +135,7 @@ fsdp::ModelShape shape_of(const TrainConfig& cfg, bool split) {
   if (!cfg.lora.enabled) return llama::plan_shape(cfg.model, nullptr, chunk, split);
   const fsdp::LoraOptions lora = cfg.lora.options();
   try {
-    return llama::plan_shape(cfg.model, &lora, chunk, split);
+    return llama::plan_shape(cfg.model, &lora, chunk, split, vocab_parallel_on(cfg));
   } catch (const fsdp::ConfigError& e) {
     throw std::invalid_argument("config: lora.targets=" + nlohmann::json(cfg.lora.targets).dump() + ": " + e.what());
   }
@@ -151,9 +153,27 @@ fsdp::PlanRequest run_request(const TrainConfig& cfg) {
   return plan_request(cfg, local, world / local);
 }
 
+bool vocab_parallel_on(const TrainConfig& cfg) {
+  const std::string& choice = cfg.fsdp.vocab_parallel;
+  if (choice == "off") return false;
+  const auto& t = cfg.lora.targets;
+  if (cfg.lora.enabled && std::find(t.begin(), t.end(), "lm_head") == t.end()) return true;
+  if (choice == "auto") return false;
+  throw std::invalid_argument(
+      "config: fsdp.vocab_parallel=on: the embedding and the head must be frozen, as the base of a LoRA run "
+      "(lora.enabled) without lm_head among lora.targets; set it to auto or off");
+}
+
 bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req) {
   const std::string& choice = cfg.fsdp.split_root;
   if (choice == "off") return false;
+  if (vocab_parallel_on(cfg)) {  // the tables are out of the root already, never gathered
+    if (choice == "auto") return false;
+    throw std::invalid_argument(
+        "config: fsdp.split_root=on with vocab-parallel tables (fsdp.vocab_parallel, auto for a LoRA run): "
+        "the embedding and the head are out of the root already; set fsdp.split_root to auto or off, or "
+        "fsdp.vocab_parallel to off");
+  }
   if (!llama::can_shard_embedding_and_head(cfg.model)) {
     if (choice == "auto") return false;
     throw std::invalid_argument(

@@ -86,6 +86,9 @@ fsdp::PlanRequest run_request(const TrainConfig& cfg);
 // budget enters the comparison).
 inline constexpr int64_t kSplitRootMinGain = int64_t{16} << 20;
 bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req);
+// fsdp.vocab_parallel resolved: "auto" is on whenever the embedding and the head are frozen (a
+// LoRA run without lm_head among its targets); "on" otherwise throws std::invalid_argument.
+bool vocab_parallel_on(const TrainConfig& cfg);
 
 // This machine: MemAvailable (/proc/meminfo), and the free bytes of the file system holding
 // `path` (or its nearest existing parent). Throw std::runtime_error when they cannot be read.

@@ -120,7 +120,11 @@ void Session::build() {
   auto layer_opts = opts;
   layer_opts.reshard_after_forward_group(static_cast<int>(cfg.fsdp.reshard_after_forward_group));
   for (auto& layer : model->model->layers) fsdp::fully_shard(layer, *mesh, layer_opts);
-  if (splits_root(cfg, run_request(cfg))) llama::shard_embedding_and_head(model, *mesh, opts);
+  if (vocab_parallel_on(cfg)) {
+    llama::shard_vocab_parallel(model, *mesh, opts);
+  } else if (splits_root(cfg, run_request(cfg))) {
+    llama::shard_embedding_and_head(model, *mesh, opts);
+  }
   auto root_opts = opts;
   // The loss is computed in fp32 whatever the compute dtype.
   if (cfg.fsdp.param_dtype != at::kFloat) root_opts.mp_policy().output_dtype(at::kFloat);

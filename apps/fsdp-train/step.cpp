@@ -116,7 +116,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
       h.view(-1)[0] = std::numeric_limits<double>::infinity();
       return h;
     };
-    if (model_->loss_chunk_tokens() > 0) {
+    if (model_->loss_chunk_tokens() > 0 || model_->vocab_parallel()) {
       loss = fsdp::call(model_, batch.inputs.to(device_), batch.targets.to(device_));
       if (inject && micro == 0) loss.register_hook(poison);
     } else {

@@ -53,6 +53,10 @@ struct UnitShape {
   int64_t largest_param_numel = 0;  // its largest parameter (0: numel())
   bool is_root = false;             // the root's own parameters (embedding, head): kept from forward to backward
   bool checkpointable = true;       // activation checkpointing may apply to it (not the root)
+  // A vocab-parallel table (FullyShardOptions::vocab_parallel): never gathered, no backward of its
+  // own; only its shards count (the transient of the loss computed on them is the model's, in
+  // the root's backward_peak).
+  bool vocab_parallel = false;
   int64_t numel() const { return trainable_numel + frozen_numel; }
 };
 

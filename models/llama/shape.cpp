@@ -72,6 +72,17 @@ int64_t loss_backward_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len
   return std::max(backward, forward_end);
 }
 
+int64_t vocab_parallel_loss_bytes(const LlamaConfig& m, int64_t batch, int64_t seq_len, at::ScalarType dtype,
+                                  int64_t world) {
+  const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t tokens = world * batch * seq_len;
+  // Note [Vocab-parallel tables] (src/shard/vocab_parallel.cpp): chunks of rows whose fp32 logits
+  // are near 16 MiB, the logits in the compute dtype beside them, and their exponentials.
+  const int64_t chunk_rows = std::min<int64_t>(m.vocab_size, std::max<int64_t>(64, (int64_t{16} << 20) / (4 * tokens)));
+  const int64_t chunk = (8 + e) * tokens * chunk_rows;
+  return chunk + (e + 4 + 4) * tokens * m.hidden_size;  // the gathered hidden states, their gradient and its share
+}
+
 namespace {
 
 // The trained and frozen counts of the model with `lora`'s adapters, unit by unit (root first):
@@ -79,10 +90,11 @@ namespace {
 void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, bool split_root, fsdp::ModelShape& shape) {
   LlamaForCausalLM meta(config, at::kMeta);
   const fsdp::LoraModel adapted = fsdp::lora(*meta, lora);
+  const bool tied = config.tie_word_embeddings;
   const fsdp::ModelShape counted = fsdp::model_shape(
       *meta,
-      [split_root](const std::string& name, torch::nn::Module&) {
-        if (split_root && (name == "model.embed_tokens" || name == "lm_head")) return true;
+      [split_root, tied](const std::string& name, torch::nn::Module&) {
+        if (split_root && (name == "model.embed_tokens" || (name == "lm_head" && !tied))) return true;
         return name.rfind("model.layers.", 0) == 0 && name.find('.', 13) == std::string::npos;
       },
       adapted.frozen_storage());
@@ -95,15 +107,51 @@ void count_lora(const LlamaConfig& config, const fsdp::LoraOptions& lora, bool s
       " + LoRA r=" + std::to_string(lora.r()) + " (base " + fsdp::frozen_storage_name(lora.base_dtype()) + ")";
 }
 
+// The shape with vocab-parallel tables: the split shape's units, the tables never gathered and
+// moved in front of the layers (the last layer is the last unit to run forward, as at run time),
+// and the loss computed on them.
+fsdp::ModelShape vocab_parallel_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora,
+                                      int64_t loss_chunk_tokens) {
+  if (lora == nullptr) {
+    throw fsdp::ConfigError("llama::plan_shape: vocab-parallel tables are frozen; they need LoRA's frozen base");
+  }
+  const bool tied = config.tie_word_embeddings;
+  LlamaConfig untied = config;
+  untied.tie_word_embeddings = false;
+  fsdp::ModelShape shape = plan_shape(untied, lora, loss_chunk_tokens, /*split_root=*/true);
+  if (tied) {
+    shape.units.pop_back();  // one table, the embedding's
+    shape.name += ", tied";
+  } else {
+    std::rotate(shape.units.begin() + 2, shape.units.end() - 1, shape.units.end());  // the head after the embedding
+  }
+  shape.name += ", vocab-parallel tables";
+  for (auto& u : shape.units) {
+    if (u.name == "model.embed_tokens" || u.name == "lm_head") {
+      u.vocab_parallel = true;
+      u.name += " (vocab-parallel)";
+    }
+  }
+  fsdp::UnitShape& root = shape.units.front();
+  root.activations = [config](int64_t b, int64_t t, at::ScalarType d, bool) {
+    return root_activation_bytes(config, b, t, d, /*loss_chunk_tokens=*/1);  // one log-sum-exp per token
+  };
+  root.backward_peak = [config](int64_t b, int64_t t, at::ScalarType d) {
+    return vocab_parallel_loss_bytes(config, b, t, d, /*world=*/1);
+  };
+  return shape;
+}
+
 }  // namespace
 
 fsdp::ModelShape plan_shape(const LlamaConfig& config, const fsdp::LoraOptions* lora, int64_t loss_chunk_tokens,
-                            bool split_root) {
+                            bool split_root, bool vocab_parallel) {
   if (split_root && !can_shard_embedding_and_head(config)) {
     throw fsdp::ConfigError(
         "llama::plan_shape: split_root with tie_word_embeddings: the embedding and the head are "
         "one tensor and stay in the root");
   }
+  if (vocab_parallel) return vocab_parallel_shape(config, lora, loss_chunk_tokens);
   const ParamCounts counts = param_counts(config);
   const int64_t table = config.vocab_size * config.hidden_size;
   fsdp::ModelShape shape;

@@ -136,6 +136,7 @@ bool replicated_trainable(const UnitShape& u, const PlanRequest& req) {
 // Elements of a unit that a gather makes anew in the compute dtype: replicated adapters computed in
 // fp32 from a master in no tier are their master (a one-rank group's flat param aliases it).
 int64_t gathered_numel(const UnitShape& u, const PlanRequest& req, const Choices& c) {
+  if (u.vocab_parallel) return 0;
   const bool aliased = replicated_trainable(u, req) && req.param_dtype == at::kFloat && c.params == OffloadTier::kNone;
   return aliased ? u.frozen_numel : u.numel();
 }
@@ -148,7 +149,7 @@ std::vector<bool> runs_backward(const ModelShape& shape) {
   bool trained_before = false;
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const UnitShape& u = shape.units[i];
-    out[i] = u.is_root || u.trainable_numel > 0 || trained_before;
+    out[i] = !u.vocab_parallel && (u.is_root || u.trainable_numel > 0 || trained_before);
     if (!u.is_root) trained_before = trained_before || u.trainable_numel > 0;
   }
   return out;
@@ -256,6 +257,7 @@ void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices&
   const std::vector<bool> backward = runs_backward(shape);
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
+    if (u.vocab_parallel) continue;  // never gathered, frozen (its loss's few hidden states are not counted)
     const bool whole = replicated_trainable(u, req);
     const int64_t s = (whole ? 0 : ceil_div(u.trainable_numel, N) * e) + frozen_bytes(u, req.param_dtype, N);
     // after_forward: the units that keep their params gather once per micro-batch; kept across the
