@@ -217,7 +217,7 @@ bool plan_reads(const std::string& key) {
        {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype", "fsdp.reduce_dtype",
         "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps", "train.activation_checkpointing",
         "train.loss_chunk_tokens", "train.async_save", "optim.state_dtype", "train.accumulation", "train.keep_gathered",
-        "fsdp.reshard_after_forward_group", "fsdp.split_root"}) {
+        "fsdp.reshard_after_forward_group", "fsdp.split_root", "fsdp.vocab_parallel"}) {
     if (key == k) return true;
   }
   return false;

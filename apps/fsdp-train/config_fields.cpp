@@ -346,6 +346,13 @@ ConfigField vocab_parallel() {
       "holds (fsdp/vocab_parallel.h); auto: whenever they are frozen (LoRA without lm_head among its targets)");
 }
 
+ConfigField device() {
+  return choice(
+      "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
+      [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
+      "\"cpu\": Gloo; \"cuda\": NCCL, rank r on CUDA device LOCAL_RANK");
+}
+
 std::vector<ConfigField> fsdp_fields() {
   return {
       strategy(),
@@ -366,10 +373,7 @@ std::vector<ConfigField> fsdp_fields() {
       reshard_after_forward_group(),
       split_root(),
       vocab_parallel(),
-      choice(
-          "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
-          [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
-          "\"cpu\": Gloo; \"cuda\": NCCL, rank r on CUDA device LOCAL_RANK"),
+      device(),
       named(
           "fsdp", "loss_scale", [](auto& c) -> auto& { return c.fsdp.loss_scale; }, kLossScales,
           "dynamic loss scaling: when param_dtype is float16 (auto), always, or never"),
