@@ -1,7 +1,8 @@
 // fsdp-ckpt: inspect, verify, compare and export fsdp checkpoints (the directory format of
 // include/fsdp/checkpoint.h) from the command line, with no process group and no model to shard.
 //
-//   fsdp-ckpt info DIR             tensors per file set, totals, the train state
+//   fsdp-ckpt info DIR             tensors per file set, totals, the train state; last, the
+//                                  process's peak RSS (reading headers only: the process alone)
 //   fsdp-ckpt verify DIR           every check there is (Note [What verify checks]); "ok: ..."
 //   fsdp-ckpt diff [opts] A B      equal training state? (Note [What diff compares])
 //   fsdp-ckpt export [--dtype T] [--tokenizer-dir D] DIR OUT
@@ -72,7 +73,11 @@ int main(int argc, char** argv) {
   // export's chunks do not stay resident in the heap (Note [Host malloc settings]).
   fsdp::base::tune_host_malloc();
   try {
-    if (command == "info") return run_info(args);
+    if (command == "info") {  // its peak RSS too: the process alone, for an export's to be measured against
+      const int rc = run_info(args);
+      print_peak_rss();
+      return rc;
+    }
     if (command == "verify") return run_verify(args);
     if (command == "diff") return run_diff(args);
     if (command == "export") {

@@ -24,7 +24,8 @@
 // for every rank's tokens: the same arithmetic as the whole head's, spread over the ranks.
 //
 // Each is a collective over the table's shard group: every rank of it calls it, in the same order,
-// with token counts that may differ (shorter inputs are padded). The table's gradient is never
+// with token counts that may differ (shorter inputs are padded); not inside an fsdp::Join, whose
+// finished ranks would take no part (UsageError). The table's gradient is never
 // computed (it is frozen). Results equal an unsharded lookup and at::cross_entropy_loss(
 // at::linear(h, table).to(at::kFloat), targets) within fp32 rounding (the log-sum-exp is summed a
 // chunk at a time; a row split between shards has its dot product summed from two parts in fp32).

@@ -97,6 +97,11 @@ FlatParam* vocab_table(const torch::nn::Module& module, const char* fn) {
                      "' used before its root's lazy init: call it inside the forward the root runs through "
                      "fsdp::call");
   }
+  if (unit->root_state().joined) {
+    throw UsageError(std::string("fsdp::") + fn + ": vocab-parallel table '" + unit->name() +
+                     "' inside an fsdp::Join: a rank that has finished takes no part in its collectives; "
+                     "gather the table instead (shard it without vocab_parallel)");
+  }
   return unit->flat_params()[0].get();
 }
 

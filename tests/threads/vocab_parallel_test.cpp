@@ -112,8 +112,9 @@ TEST(VocabParallel, LookupIsExact) {
   });
 }
 
-// Misuse, refused by name: the table run through fsdp::call; a trainable table; a target out of
-// range on one rank, refused on every rank (the ids are checked after they are gathered).
+// Misuse, refused by name: the table run through fsdp::call; a trainable table; a table inside an
+// fsdp::Join; a target out of range on one rank, refused on every rank (the ids are checked after
+// they are gathered).
 TEST(VocabParallel, MisuseIsRefusedByName) {
   testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
     DeviceMesh mesh(dist);
@@ -129,9 +130,14 @@ TEST(VocabParallel, MisuseIsRefusedByName) {
     }
     TiedNet net = make_net(37, 6);
     fully_shard(net->embed, mesh, FullyShardOptions().vocab_parallel(true));
-    fully_shard(net, mesh);
+    auto root = fully_shard(net, mesh);
     auto [tokens, targets] = batch(dist->rank(), 37, 0);
     fsdp::call(net, tokens, targets);
+    {
+      Join join(*root);  // a finished rank would take no part in the table's collectives
+      EXPECT_NE(testing::usage_error_of([&] { fsdp::call(net, tokens, targets); }).find("inside an fsdp::Join"),
+                std::string::npos);
+    }
     EXPECT_NE(testing::usage_error_of([&] { fsdp::call(net->embed, tokens); }).find("fsdp::sharded_embedding"),
               std::string::npos);
     if (dist->rank() == 1) targets[0][1] = 37;

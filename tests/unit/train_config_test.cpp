@@ -170,10 +170,49 @@ TEST(TrainConfig, SplitRootAutoNeedsAGainWorthTheExtraGather) {
                                      "--set", "data.batch_size_per_rank=1",
                                      "--set", "lora.r=16",
                                      "--set", "lora.base_dtype=nf4"});
-  EXPECT_TRUE(splits_root(big, plan_request(big, 2, 1)));
-  TrainConfig tied = big;
+  // A LoRA run keeps its frozen tables vocab-parallel (fsdp.vocab_parallel auto): nothing to split.
+  EXPECT_FALSE(splits_root(big, plan_request(big, 2, 1)));
+  TrainConfig gathered = big;
+  gathered.fsdp.vocab_parallel = "off";
+  EXPECT_TRUE(splits_root(gathered, plan_request(gathered, 2, 1)));
+  TrainConfig tied = gathered;
   tied.model.tie_word_embeddings = true;
   EXPECT_FALSE(splits_root(tied, plan_request(tied, 2, 1)));
+}
+
+// fsdp.vocab_parallel: auto is on exactly when the tables are frozen (LoRA without lm_head among its
+// targets); "on" otherwise, or beside fsdp.split_root=on, is refused naming the keys. The plan of a
+// vocab-parallel run gathers no table.
+TEST(TrainConfig, VocabParallelAutoWhenTheTablesAreFrozen) {
+  const TrainConfig lora = from_args({"--set", "lora.r=8", "--set", "model.tie_word_embeddings=false"});
+  EXPECT_TRUE(vocab_parallel_on(lora));
+  TrainConfig head_trained = lora;
+  head_trained.lora.targets.push_back("lm_head");
+  EXPECT_FALSE(vocab_parallel_on(head_trained));
+  const TrainConfig full = from_args({});
+  EXPECT_FALSE(vocab_parallel_on(full));
+  TrainConfig forced = full;
+  forced.fsdp.vocab_parallel = "on";
+  try {
+    vocab_parallel_on(forced);
+    ADD_FAILURE() << "fsdp.vocab_parallel=on without a frozen base was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fsdp.vocab_parallel=on"), std::string::npos) << e.what();
+  }
+  TrainConfig both = lora;
+  both.fsdp.split_root = "on";
+  try {
+    splits_root(both, plan_request(both, 2, 1));
+    ADD_FAILURE() << "fsdp.split_root=on beside vocab-parallel tables was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fsdp.split_root=on"), std::string::npos) << e.what();
+  }
+  const fsdp::Plan plan = fsdp::plan(plan_shape(lora, plan_request(lora, 2, 1)), plan_request(lora, 2, 1));
+  TrainConfig off = lora;
+  off.fsdp.vocab_parallel = "off";
+  const fsdp::Plan gathered = fsdp::plan(plan_shape(off, plan_request(off, 2, 1)), plan_request(off, 2, 1));
+  EXPECT_LT(plan.all_gather_bytes, gathered.all_gather_bytes);
+  EXPECT_LT(plan.device.total(), gathered.device.total());
 }
 
 // Note [fsdp-train's threads]: FSDP_THREADS, else OMP_NUM_THREADS (as fsdp-run and torchrun set it),
