@@ -112,6 +112,25 @@ TEST(VocabParallel, LookupIsExact) {
   });
 }
 
+// Never gathered: a step over a 1 MiB table (4,096 x 64 fp32) sends the ranks' ids, hidden states,
+// targets and per-token sums, a few KiB, where one gather of the table would send half a MiB.
+TEST(VocabParallel, AStepSendsTokensNotTheTable) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    TiedNet net = make_net(4096, 64);
+    fully_shard(net->embed, mesh, FullyShardOptions().vocab_parallel(true));
+    auto root = fully_shard(net, mesh);
+    auto [tokens, targets] = batch(dist->rank(), 4096, 0);
+    fsdp::call(net, tokens, targets).backward();  // the first step records the order, lazy init
+    const CommStats before = mesh.shard_group().stats();
+    fsdp::call(net, tokens, targets).backward();
+    const CommStats d = mesh.shard_group().stats() - before;
+    const uint64_t proj = 64 * 64 * 4 + 64 * 4;  // the root's own parameters: gathered and reduced
+    EXPECT_LT(d.total_bytes_sent(), 2 * proj + (16u << 10)) << "rank " << dist->rank();
+    EXPECT_GT(d.of(CollectiveKind::kAllGather).calls, 0u);
+  });
+}
+
 // Misuse, refused by name: the table run through fsdp::call; a trainable table; a table inside an
 // fsdp::Join; a target out of range on one rank, refused on every rank (the ids are checked after
 // they are gathered).
