@@ -48,8 +48,8 @@ at::Tensor sharded_embedding(const torch::nn::Module& table, const at::Tensor& t
 // hidden [..., dim] (cast to the table's compute dtype), targets int64 of hidden's leading shape,
 // each in [0, vocab) or ignore_index. The mean over this rank's targets that are not ignore_index
 // of -log softmax(hidden @ table^T)[target] (nan when none is), with the gradient for hidden.
-// chunk_rows: rows of the table per chunk of logits (0: as many as keep a chunk's fp32 logits
-// near 16 MiB).
+// chunk_rows: rows of the table per chunk of logits (0: as many as keep a chunk's fp32 logits,
+// and its rows in fp32, within 16 MiB).
 at::Tensor sharded_cross_entropy(const torch::nn::Module& table, const at::Tensor& hidden, const at::Tensor& targets,
                                  int64_t ignore_index = -100, int64_t chunk_rows = 0);
 

@@ -77,9 +77,11 @@ int64_t vocab_parallel_loss_bytes(const LlamaConfig& m, int64_t batch, int64_t s
   const int64_t e = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t tokens = world * batch * seq_len;
   // Note [Vocab-parallel tables] (src/shard/vocab_parallel.cpp): chunks of rows whose fp32 logits
-  // are near 16 MiB, the logits in the compute dtype beside them, and their exponentials.
-  const int64_t chunk_rows = std::min<int64_t>(m.vocab_size, std::max<int64_t>(64, (int64_t{16} << 20) / (4 * tokens)));
-  const int64_t chunk = (8 + e) * tokens * chunk_rows;
+  // and whose rows in fp32 are 16 MiB at most, the logits in the compute dtype beside them, their
+  // exponentials, and the rows cast to the compute dtype (when stored in another).
+  const int64_t widest = std::max(tokens, m.hidden_size);
+  const int64_t chunk_rows = std::min<int64_t>(m.vocab_size, std::max<int64_t>(64, (int64_t{16} << 20) / (4 * widest)));
+  const int64_t chunk = (8 + e) * tokens * chunk_rows + e * chunk_rows * m.hidden_size;
   return chunk + (e + 4 + 4) * tokens * m.hidden_size;  // the gathered hidden states, their gradient and its share
 }
 

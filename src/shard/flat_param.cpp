@@ -255,7 +255,7 @@ void FlatParam::with_shard_values(const std::function<void(const at::Tensor&)>& 
     throw ConfigError("fsdp: unit '" + config_.tag + "' was never materialised: run the root's lazy init first");
   }
   at::Tensor input = residency_->gather_input(KeepMaster::kNo);
-  if (stored_ && frozen::stored_dtype(config_.storage) != config_.compute_dtype) {
+  if (stored_ && frozen::quantized(config_.storage)) {  // blocks: decoded whole; a floating form as it is
     at::Tensor values = at::empty({shard_numel_}, input.options().dtype(config_.compute_dtype));
     c10::NoGradGuard no_grad;
     frozen::decode(config_.storage, input, values);

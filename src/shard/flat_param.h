@@ -178,9 +178,10 @@ class FlatParam {
   // params, which the next unshard() gathers within the group (if the master has not changed since).
   void reshard_to_group();
   bool gathering() const { return gather_pending_; }
-  // Calls `fn` with this rank's shard in the compute dtype (decoded from a stored form that
-  // differs, read from its tier), shard_numel() elements, for computing on the shard instead of
-  // gathering it (a vocab-parallel table, fsdp/vocab_parallel.h).
+  // Calls `fn` with this rank's shard, shard_numel() elements read from its tier, for computing on
+  // the shard instead of gathering it (a vocab-parallel table, fsdp/vocab_parallel.h): in its
+  // floating stored dtype (fp32, bf16, fp16: the caller casts what it uses, a part at a time), or
+  // decoded whole into the compute dtype from int8 or NF4 blocks.
   void with_shard_values(const std::function<void(const at::Tensor&)>& fn);
   // Takes part in another rank's all-gather of this flat param (Note [Join rounds], join.cpp): sends
   // this rank's shard, as unshard() would, and drops what arrives; the params stay as they are.

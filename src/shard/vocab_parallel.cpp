@@ -176,13 +176,14 @@ at::Tensor sharded_embedding(const torch::nn::Module& module, const at::Tensor& 
           shard.narrow(0, t.local_at + t.full_begin * t.dim - t.begin, (t.full_end - t.full_begin) * t.dim)
               .view({t.full_end - t.full_begin, t.dim});
       const at::Tensor pos = (ids.ge(t.full_begin) & ids.lt(t.full_end)).nonzero().squeeze(1);
-      rows.index_copy_(0, pos, table.index_select(0, ids.index_select(0, pos) - t.full_begin).to(at::kFloat));
+      rows.index_copy_(0, pos,
+                       table.index_select(0, ids.index_select(0, pos) - t.full_begin).to(t.dtype()).to(at::kFloat));
     }
     for (int64_t q : t.split_rows) {
       int64_t c0 = 0, c1 = 0, at = 0;
       if (!t.piece(q, c0, c1, at)) continue;
       const at::Tensor pos = ids.eq(q).nonzero().squeeze(1);
-      const at::Tensor part = shard.narrow(0, at, c1 - c0).to(at::kFloat);
+      const at::Tensor part = shard.narrow(0, at, c1 - c0).to(t.dtype()).to(at::kFloat);
       rows.narrow(1, c0, c1 - c0).index_copy_(0, pos, part.unsqueeze(0).expand({pos.numel(), c1 - c0}).contiguous());
     }
   });
@@ -208,9 +209,11 @@ struct Saved {
   c10::Device hidden_device = c10::Device(c10::kCPU);
 };
 
-int64_t chunk_rows_for(int64_t requested, int64_t tokens) {
+// Rows per chunk: its fp32 logits ([tokens, rows]) and its rows cast to fp32 ([rows, dim]) each
+// about 16 MiB at most.
+int64_t chunk_rows_for(int64_t requested, int64_t tokens, int64_t dim) {
   if (requested > 0) return requested;
-  return std::max<int64_t>(64, (int64_t{16} << 20) / (4 * std::max<int64_t>(tokens, 1)));
+  return std::max<int64_t>(64, (int64_t{16} << 20) / (4 * std::max<int64_t>({tokens, dim, 1})));
 }
 
 // Calls fn(a, c, W, z) for each chunk of this rank's whole rows [a, a + c): W [c, D] in the
@@ -220,7 +223,8 @@ void for_each_chunk(const Saved& s, const at::Tensor& shard, F&& fn) {
   const TablePart& t = s.t;
   for (int64_t a = t.full_begin; a < t.full_end; a += s.chunk) {
     const int64_t c = std::min(s.chunk, t.full_end - a);
-    const at::Tensor W = shard.narrow(0, t.local_at + a * t.dim - t.begin, c * t.dim).view({c, t.dim});
+    // A chunk's rows in the compute dtype (a stored form in another dtype is cast a chunk at a time).
+    const at::Tensor W = shard.narrow(0, t.local_at + a * t.dim - t.begin, c * t.dim).view({c, t.dim}).to(t.dtype());
     fn(a, c, W, at::linear(s.X, W).to(at::kFloat));
   }
 }
@@ -252,7 +256,7 @@ at::Tensor split_logits(const Saved& s, const at::Tensor& shard) {
     int64_t c0 = 0, c1 = 0, at = 0;
     if (!t.piece(t.split_rows[j], c0, c1, at)) continue;
     P.select(1, j).copy_(
-        at::mv(s.X.narrow(1, c0, c1 - c0).to(at::kFloat), shard.narrow(0, at, c1 - c0).to(at::kFloat)));
+        at::mv(s.X.narrow(1, c0, c1 - c0).to(at::kFloat), shard.narrow(0, at, c1 - c0).to(t.dtype()).to(at::kFloat)));
   }
   t.group().all_reduce(P, ReduceOp::kSum, t.tag("split_rows")).wait();
   return P.to(t.dtype()).to(at::kFloat);
@@ -319,7 +323,8 @@ at::Tensor backward_hidden(const Saved& s, const at::Tensor& grad) {
       at::Tensor dz = (s.split_z.select(1, static_cast<int64_t>(j)) - s.lse).exp_();
       dz.sub_(s.T.eq(q).to(at::kFloat)).mul_(tok);
       dz = dz.to(t.dtype()).to(at::kFloat);
-      dX.narrow(1, c0, c1 - c0).add_(dz.unsqueeze(1) * shard.narrow(0, at, c1 - c0).to(at::kFloat).unsqueeze(0));
+      dX.narrow(1, c0, c1 - c0)
+          .add_(dz.unsqueeze(1) * shard.narrow(0, at, c1 - c0).to(t.dtype()).to(at::kFloat).unsqueeze(0));
     }
   });
   at::Tensor mine = at::empty({s.m, t.dim}, f32);
@@ -377,7 +382,7 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
     s.T = gather_padded(g, tg, s.m, static_cast<double>(ignore_index), s.t.tag("targets"));
     check_ids(s.T, counts, s.m, s.t.vocab, ignore_index, "target");
     s.ignore = ignore_index;
-    s.chunk = chunk_rows_for(chunk_rows, s.X.size(0));
+    s.chunk = chunk_rows_for(chunk_rows, s.X.size(0), s.t.dim);
     s.hidden_shape = hidden.sizes().vec();
     s.hidden_dtype = hidden.scalar_type();
     s.hidden_device = hidden.device();
