@@ -176,6 +176,14 @@ ConfigField choice(const char* section, const char* key, Ref ref, std::vector<st
           help,    read, [ref, to_name](const TrainConfig& c) { return json(to_name(ref(c))); }};
 }
 
+// A string field that must be one of `names`, stored as it is.
+template <class Ref>
+ConfigField string_choice(const char* section, const char* key, Ref ref, std::vector<std::string> names,
+                          const char* help) {
+  auto same = [](const std::string& s) { return s; };
+  return choice(section, key, ref, std::move(names), same, same, help);
+}
+
 // An enum with a Named table (named.h).
 template <class Ref, class E, size_t N>
 ConfigField named(const char* section, const char* key, Ref ref, const Named<E> (&table)[N], const char* help) {
@@ -331,25 +339,22 @@ ConfigField reshard_after_forward_group() {
 }
 
 ConfigField split_root() {
-  return choice(
+  return string_choice(
       "fsdp", "split_root", [](auto& c) -> auto& { return c.fsdp.split_root; }, {"auto", "on", "off"},
-      [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
       "the embedding and the head sharded as units of their own, out of the root (not with tied embeddings); "
       "auto: when the head is untied and the plan's peak is lower");
 }
 
 ConfigField vocab_parallel() {
-  return choice(
+  return string_choice(
       "fsdp", "vocab_parallel", [](auto& c) -> auto& { return c.fsdp.vocab_parallel; }, {"auto", "on", "off"},
-      [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
       "the frozen embedding and head never gathered: each rank looks up and computes the logits of the rows it "
       "holds (fsdp/vocab_parallel.h); auto: whenever they are frozen (LoRA without lm_head among its targets)");
 }
 
 ConfigField device() {
-  return choice(
+  return string_choice(
       "fsdp", "device", [](auto& c) -> auto& { return c.fsdp.device; }, {"cpu", "cuda"},
-      [](const std::string& s) { return s; }, [](const std::string& s) { return s; },
       "\"cpu\": Gloo; \"cuda\": NCCL, rank r on CUDA device LOCAL_RANK");
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "fsdp/errors.h"
+#include "fsdp/lora.h"
 
 #include <sys/statvfs.h>
 
@@ -156,12 +157,23 @@ fsdp::PlanRequest run_request(const TrainConfig& cfg) {
 bool vocab_parallel_on(const TrainConfig& cfg) {
   const std::string& choice = cfg.fsdp.vocab_parallel;
   if (choice == "off") return false;
-  const auto& t = cfg.lora.targets;
-  if (cfg.lora.enabled && std::find(t.begin(), t.end(), "lm_head") == t.end()) return true;
+  bool frozen = false;
+  if (cfg.lora.enabled) {
+    // The adapted model itself decides, as the session's llama::shard_vocab_parallel will: a target
+    // pattern may reach lm_head by a regular expression as well as by its name. On the meta device.
+    llama::LlamaForCausalLM meta(cfg.model, at::kMeta);
+    try {
+      fsdp::lora(*meta, cfg.lora.options());
+    } catch (const fsdp::ConfigError& e) {
+      throw std::invalid_argument("config: lora.targets=" + nlohmann::json(cfg.lora.targets).dump() + ": " + e.what());
+    }
+    frozen = llama::can_shard_vocab_parallel(meta);
+  }
+  if (frozen) return true;
   if (choice == "auto") return false;
   throw std::invalid_argument(
       "config: fsdp.vocab_parallel=on: the embedding and the head must be frozen, as the base of a LoRA run "
-      "(lora.enabled) without lm_head among lora.targets; set it to auto or off");
+      "(lora.enabled) whose lora.targets leave out lm_head; set it to auto or off");
 }
 
 bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req) {

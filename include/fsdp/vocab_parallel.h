@@ -53,4 +53,9 @@ at::Tensor sharded_embedding(const torch::nn::Module& table, const at::Tensor& t
 at::Tensor sharded_cross_entropy(const torch::nn::Module& table, const at::Tensor& hidden, const at::Tensor& targets,
                                  int64_t ignore_index = -100, int64_t chunk_rows = 0);
 
+// The rows per chunk sharded_cross_entropy takes when chunk_rows is 0, for `tokens` hidden states
+// (every rank's) of `dim` values: a chunk's fp32 logits and its rows in fp32 within 16 MiB each,
+// 64 rows at least. For a plan of its memory.
+int64_t sharded_cross_entropy_chunk_rows(int64_t tokens, int64_t dim);
+
 }  // namespace fsdp

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "fsdp/errors.h"
+#include "fsdp/vocab_parallel.h"
 
 namespace llama {
 namespace {
@@ -79,8 +80,7 @@ int64_t vocab_parallel_loss_bytes(const LlamaConfig& m, int64_t batch, int64_t s
   // Note [Vocab-parallel tables] (src/shard/vocab_parallel.cpp): chunks of rows whose fp32 logits
   // and whose rows in fp32 are 16 MiB at most, the logits in the compute dtype beside them, their
   // exponentials, and the rows cast to the compute dtype (when stored in another).
-  const int64_t widest = std::max(tokens, m.hidden_size);
-  const int64_t chunk_rows = std::min<int64_t>(m.vocab_size, std::max<int64_t>(64, (int64_t{16} << 20) / (4 * widest)));
+  const int64_t chunk_rows = std::min(m.vocab_size, fsdp::sharded_cross_entropy_chunk_rows(tokens, m.hidden_size));
   const int64_t chunk = (8 + e) * tokens * chunk_rows + e * chunk_rows * m.hidden_size;
   return chunk + (e + 4 + 4) * tokens * m.hidden_size;  // the gathered hidden states, their gradient and its share
 }

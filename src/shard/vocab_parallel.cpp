@@ -209,13 +209,6 @@ struct Saved {
   c10::Device hidden_device = c10::Device(c10::kCPU);
 };
 
-// Rows per chunk: its fp32 logits ([tokens, rows]) and its rows cast to fp32 ([rows, dim]) each
-// about 16 MiB at most.
-int64_t chunk_rows_for(int64_t requested, int64_t tokens, int64_t dim) {
-  if (requested > 0) return requested;
-  return std::max<int64_t>(64, (int64_t{16} << 20) / (4 * std::max<int64_t>({tokens, dim, 1})));
-}
-
 // Calls fn(a, c, W, z) for each chunk of this rank's whole rows [a, a + c): W [c, D] in the
 // compute dtype and z = linear(X, W) taken to fp32 ([M, c]).
 template <typename F>
@@ -351,6 +344,10 @@ at::Tensor plain_cross_entropy(const at::Tensor& table, const at::Tensor& hidden
 
 }  // namespace
 
+int64_t sharded_cross_entropy_chunk_rows(int64_t tokens, int64_t dim) {
+  return std::max<int64_t>(64, (int64_t{16} << 20) / (4 * std::max<int64_t>({tokens, dim, 1})));
+}
+
 at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tensor& hidden, const at::Tensor& targets,
                                  int64_t ignore_index, int64_t chunk_rows) {
   if (targets.scalar_type() != at::kLong || hidden.dim() < 1 ||
@@ -382,7 +379,7 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
     s.T = gather_padded(g, tg, s.m, static_cast<double>(ignore_index), s.t.tag("targets"));
     check_ids(s.T, counts, s.m, s.t.vocab, ignore_index, "target");
     s.ignore = ignore_index;
-    s.chunk = chunk_rows_for(chunk_rows, s.X.size(0), s.t.dim);
+    s.chunk = chunk_rows > 0 ? chunk_rows : sharded_cross_entropy_chunk_rows(s.X.size(0), s.t.dim);
     s.hidden_shape = hidden.sizes().vec();
     s.hidden_dtype = hidden.scalar_type();
     s.hidden_device = hidden.device();

@@ -189,6 +189,9 @@ TEST(TrainConfig, VocabParallelAutoWhenTheTablesAreFrozen) {
   TrainConfig head_trained = lora;
   head_trained.lora.targets.push_back("lm_head");
   EXPECT_FALSE(vocab_parallel_on(head_trained));
+  TrainConfig head_by_pattern = lora;  // a regular expression reaches the head too
+  head_by_pattern.lora.targets = {".*_proj", "lm_he[a]d"};
+  EXPECT_FALSE(vocab_parallel_on(head_by_pattern));
   const TrainConfig full = from_args({});
   EXPECT_FALSE(vocab_parallel_on(full));
   TrainConfig forced = full;
