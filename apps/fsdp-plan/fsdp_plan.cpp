@@ -216,8 +216,8 @@ bool plan_reads(const std::string& key) {
   for (const char* k :
        {"data.seq_len", "data.batch_size_per_rank", "fsdp.strategy", "fsdp.param_dtype", "fsdp.reduce_dtype",
         "fsdp.prefetch_depth", "fsdp.device", "train.grad_accum_steps", "train.activation_checkpointing",
-        "train.loss_chunk_tokens", "train.async_save", "optim.state_dtype", "train.accumulation", "train.keep_gathered",
-        "fsdp.reshard_after_forward_group", "fsdp.split_root", "fsdp.vocab_parallel"}) {
+        "train.loss_chunk_tokens", "train.async_save", "train.save_in_step", "optim.state_dtype", "train.accumulation",
+        "train.keep_gathered", "fsdp.reshard_after_forward_group", "fsdp.split_root", "fsdp.vocab_parallel"}) {
     if (key == k) return true;
   }
   return false;

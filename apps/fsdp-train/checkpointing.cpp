@@ -30,9 +30,25 @@ std::string Checkpointer::save(int64_t step, int64_t samples_seen, fsdp::FSDPMod
   state.extra = extra;
   auto options = options_;
   options.on_phase(on_phase);
+  last_in_step_bytes_ = 0;
+  std::unique_ptr<fsdp::checkpoint::SaveInStep> begun = std::move(in_step_);
+  // One begun without a phase hook (a test's pause) for this very step finishes; any other is
+  // dropped unfinished (nothing committed) and the save is made whole.
+  if (begun && in_step_step_ == step && !on_phase) {
+    last_in_step_bytes_ = begun->bytes_written_in_step();
+    return begun->finish(state);
+  }
+  begun.reset();
   if (!saver_) return fsdp::checkpoint::save(save_dir_, checkpoint_name(step), root, &optim, state, options);
   saver_->save(save_dir_, checkpoint_name(step), root, &optim, state, options);
   return save_dir_ + "/" + checkpoint_name(step);
+}
+
+void Checkpointer::begin_in_step(int64_t step, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim) {
+  if (saver_) throw std::logic_error("Checkpointer::begin_in_step with async saves");
+  in_step_.reset();  // one at a time: the optimizer has one observer
+  in_step_ = std::make_unique<fsdp::checkpoint::SaveInStep>(save_dir_, checkpoint_name(step), root, optim, options_);
+  in_step_step_ = step;
 }
 
 void Checkpointer::wait() {

@@ -32,6 +32,12 @@ class Checkpointer {
   // (fsdp::checkpoint::SaveOptions::on_phase).
   std::string save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim,
                    const nlohmann::json& extra, const std::function<void(const std::string&)>& on_phase = nullptr);
+  // Begins the synchronous save of step `step` before that step, so that its optimizer step writes
+  // its trainable shards as it holds them (fsdp::checkpoint::SaveInStep); save(step, ...) finishes
+  // it. Collective. Not with async saves (std::logic_error).
+  void begin_in_step(int64_t step, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim);
+  // This rank's bytes of the last save written during its step (0: none, or not begun so).
+  int64_t bytes_written_in_step() const { return last_in_step_bytes_; }
   // Waits for the save in flight; rethrows its error (every rank gets the same one).
   void wait();
   bool async() const { return saver_ != nullptr; }
@@ -40,7 +46,10 @@ class Checkpointer {
  private:
   std::string save_dir_;
   fsdp::checkpoint::SaveOptions options_;
-  std::unique_ptr<fsdp::checkpoint::AsyncSaver> saver_;  // null: synchronous
+  std::unique_ptr<fsdp::checkpoint::AsyncSaver> saver_;    // null: synchronous
+  std::unique_ptr<fsdp::checkpoint::SaveInStep> in_step_;  // begun for step in_step_step_
+  int64_t in_step_step_ = -1;
+  int64_t last_in_step_bytes_ = 0;
 };
 
 struct ResumePoint {

@@ -136,6 +136,10 @@ struct RunConfig {
   // [tokens, vocab] logits never exist whole. 0: whole logits.
   int64_t loss_chunk_tokens = 0;
   bool async_save = false;  // write checkpoints in the background (one in flight)
+  // A synchronous save written during the optimizer step before it (fsdp::checkpoint::SaveInStep):
+  // "on", "off", or "auto": when a master or optimizer state is in the disk tier, which a save
+  // would otherwise read back.
+  std::string save_in_step = "auto";
   // train.budget: per-rank budgets the run's plan (fsdp/plan.h) must fit before anything is
   // allocated; 0: this machine's (host: MemAvailable / ranks on the node; disk: free space under
   // fsdp.offload.dir; device: not checked). check false: the plan is printed, not enforced.

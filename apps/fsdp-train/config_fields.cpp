@@ -457,6 +457,10 @@ std::vector<ConfigField> train_fields() {
       boolean(
           "train", "async_save", [](auto& c) -> auto& { return c.train.async_save; },
           "write checkpoints in the background (one in flight)"),
+      string_choice(
+          "train", "save_in_step", [](auto& c) -> auto& { return c.train.save_in_step; }, {"auto", "on", "off"},
+          "a checkpoint's trainable shards written during the optimizer step before it, as the step holds them "
+          "(not with async_save); auto: when a master or optimizer state is in the disk tier"),
       checked_by(
           integer(
               "train", "max_consecutive_skips", [](auto& c) -> auto& { return c.fsdp.scaler.max_consecutive_skips(); },

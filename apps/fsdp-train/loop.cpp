@@ -12,6 +12,7 @@
 
 #include "base/file_io.h"
 #include "fsdp/stop.h"
+#include "memory_plan.h"
 #include "preemption.h"
 #include "schedule.h"
 
@@ -52,9 +53,11 @@ LoopResult Loop::run() {
   progress_ = std::make_unique<Progress>(r_.step, cfg_.train.steps, cfg_.train.log_every, terminal);
   const int64_t first_step = r_.step;
   const bool offloads = cfg_.fsdp.offload.any();
+  const bool in_step = !s_.flags.save_dir.empty() && save_in_step_on(cfg_);
   if (cfg_.train.eval_every > 0 && r_.step == 0 && cfg_.train.steps > 0) evaluate();
   const auto start = Clock::now();
   while (r_.step < cfg_.train.steps) {
+    if (in_step && save_due(r_.step + 1)) s_.checkpointer->begin_in_step(r_.step + 1, *s_.root, *s_.optim);
     const fsdp::OffloadIo io0 = offloads ? fsdp::offload_io(*s_.root) : fsdp::OffloadIo{};
     train_step();
     // Offload I/O is reported per step after the first (whose execution order is not known yet),
@@ -127,6 +130,7 @@ void Loop::train_step() {
               {"backward", ph.backward}, {"check_finite", ph.check_finite},
               {"clip", ph.clip},         {"optimizer", ph.optimizer}};
   r_.last_loss = m.loss;
+  last_optimizer_s_ = ph.optimizer;
   if (s_.rank == 0) {
     metrics_.step(m);
     progress_->step(m);
@@ -153,6 +157,10 @@ void Loop::evaluate() {
     metrics_.eval(r_.step, r_.last_eval_loss);
     progress_->eval(r_.step, r_.last_eval_loss);
   }
+}
+
+bool Loop::save_due(int64_t step) const {
+  return (cfg_.train.save_every > 0 && step % cfg_.train.save_every == 0) || step == cfg_.train.steps;
 }
 
 // After the step in flight, on every rank: save (with --save-dir), say so, and let the job
@@ -209,11 +217,20 @@ void Loop::save(double pause_s) {
   RankCounters mine;
   mine.peak_rss_bytes = static_cast<double>(rss_watermark());
   const auto all = gather_counters(s_.dist->world(), mine);
+  at::Tensor in_step = at::tensor({static_cast<double>(s_.checkpointer->bytes_written_in_step())}, at::kDouble);
+  s_.dist->world().all_reduce(in_step, fsdp::ReduceOp::kSum, "train/save_in_step_bytes").wait();
   if (s_.rank != 0) return;
   const int64_t bytes = tree_bytes(r_.last_checkpoint);
   std::string line = " in " + fixed(seconds, 1) + " s (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
-                     fixed(static_cast<double>(bytes) / 1e6 / seconds, 0) +
-                     " MB/s); peak RSS per rank during the save:";
+                     fixed(static_cast<double>(bytes) / 1e6 / seconds, 0) + " MB/s)";
+  // A save fused into the step (train.save_in_step): what the step wrote, and how long the step's
+  // optimizer phase took with it, for comparison with the steps without a save.
+  if (in_step.item<double>() > 0) {
+    line = " in " + fixed(seconds, 1) + " s after the step (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
+           fixed(in_step.item<double>() / 1e6, 1) + " MB of it written during step " + std::to_string(r_.step) +
+           "'s optimizer phase, which took " + fixed(last_optimizer_s_, 1) + " s)";
+  }
+  line += "; peak RSS per rank during the save:";
   for (const auto& r : all) line += " " + fixed(r.peak_rss_bytes / (1 << 20), 1) + " MiB";
   progress_->note("saved checkpoint " + r_.last_checkpoint + line);
 }

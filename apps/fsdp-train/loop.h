@@ -39,6 +39,8 @@ class Loop {
   void evaluate();
   void stop_on_request();
   void save(double pause_s = 0);
+  // Whether a save follows step `step` (train.save_every, or the run's last step).
+  bool save_due(int64_t step) const;
 
   Session& s_;
   const TrainConfig& cfg_;
@@ -46,6 +48,7 @@ class Loop {
   std::unique_ptr<Progress> progress_;
   int64_t samples_seen_ = 0;
   LoopResult r_;
+  double last_optimizer_s_ = 0;  // the last step's optimizer phase
 };
 
 }  // namespace train

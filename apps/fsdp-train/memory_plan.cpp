@@ -108,6 +108,7 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.offload = cfg.fsdp.offload;
   r.prefetch_depth = static_cast<int>(cfg.fsdp.prefetch_depth);
   r.async_save = cfg.train.async_save;
+  if (cfg.train.save_in_step != "auto" || cfg.train.async_save) r.save_in_step = save_in_step_on(cfg);
   r.load = run_load;
   r.saves = run_saves;
   r.save_frozen = !cfg.lora.enabled || cfg.lora.save_base;
@@ -152,6 +153,12 @@ fsdp::PlanRequest run_request(const TrainConfig& cfg) {
                                 std::to_string(local));
   }
   return plan_request(cfg, local, world / local);
+}
+
+bool save_in_step_on(const TrainConfig& cfg) {
+  if (cfg.train.save_in_step == "off" || cfg.train.async_save) return false;
+  return cfg.train.save_in_step == "on" || cfg.fsdp.offload.params() == fsdp::OffloadTier::kDisk ||
+         cfg.fsdp.offload.optimizer_state() == fsdp::OffloadTier::kDisk;
 }
 
 bool vocab_parallel_on(const TrainConfig& cfg) {
@@ -274,7 +281,10 @@ std::string levers_summary(const TrainConfig& cfg, int64_t global_batch) {
   s += "; " + std::to_string(t.grad_accum_steps) + " micro-batch(es) of " +
        std::to_string(cfg.data.batch_size_per_rank) + " per rank per step (" + std::to_string(global_batch) +
        " samples per step)";
-  s += std::string("; checkpoints ") + (t.async_save ? "saved in the background" : "saved synchronously");
+  s += std::string("; checkpoints ") +
+       (t.async_save           ? "saved in the background"
+        : save_in_step_on(cfg) ? "saved synchronously, written during the step before each (train.save_in_step)"
+                               : "saved synchronously");
   s += cfg.fsdp.loss_scaling() ? "; dynamic loss scaling from " + nlohmann::json(cfg.fsdp.scaler.init_scale()).dump()
                                : std::string("; no loss scaling");
   const int64_t max_skips = cfg.fsdp.scaler.max_consecutive_skips();

@@ -89,6 +89,9 @@ bool splits_root(const TrainConfig& cfg, fsdp::PlanRequest req);
 // fsdp.vocab_parallel resolved: "auto" is on whenever the embedding and the head are frozen (a
 // LoRA run without lm_head among its targets); "on" otherwise throws std::invalid_argument.
 bool vocab_parallel_on(const TrainConfig& cfg);
+// train.save_in_step resolved: "auto" is on when a master or optimizer state is in the disk tier
+// (fsdp.offload.params or optimizer_state "disk") and saves are synchronous.
+bool save_in_step_on(const TrainConfig& cfg);
 
 // This machine: MemAvailable (/proc/meminfo), and the free bytes of the file system holding
 // `path` (or its nearest existing parent). Throw std::runtime_error when they cannot be read.

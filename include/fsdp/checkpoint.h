@@ -78,6 +78,37 @@ class AsyncSaver {
   std::unique_ptr<Impl> impl_;
 };
 
+// Note [A save fused into the step]
+// A save right after an optimizer step whose state lives in the disk tier would read every byte
+// of that state back from the disk the step has just written it to. SaveInStep avoids the read:
+// made before the step (collective: it lays out root_dir/name.tmp as save() does), it observes
+// the step (ShardedOptimizer::observe_next_step) and writes each chunk of new master values and
+// state into the checkpoint's files while the step holds it in memory; finish(), after the step,
+// writes what the step did not (frozen parameters, buffers, flat params it skipped or that
+// stepped before it was made, or a step that did not run), then commits as save() does. The
+// files are the same bytes save() would write after the step. A second step before finish(), or
+// a write that failed during the step (reported by finish(), on every rank, nothing committed),
+// sends finish() back to writing those flat params itself. Destroyed unfinished, it commits
+// nothing (the next save of the name clears its .tmp). `optimizer` must outlive it.
+class SaveInStep {
+ public:
+  SaveInStep(const std::string& root_dir, const std::string& name, FSDPModule& root, ShardedOptimizer& optimizer,
+             const SaveOptions& options = {});
+  ~SaveInStep();
+  SaveInStep(const SaveInStep&) = delete;
+  SaveInStep& operator=(const SaveInStep&) = delete;
+  // Collective: completes and commits the checkpoint; returns its directory.
+  std::string finish(const TrainState& state);
+  // This rank's bytes written into the checkpoint during the step, so far.
+  int64_t bytes_written_in_step() const;
+  // The host memory its writers hold during the step (staging buffers), per rank.
+  static int64_t memory_bytes(int num_state_names);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // "latest" (or "") -> the directory root_dir/latest names; a path -> itself. Throws if that is not
 // a committed checkpoint.
 std::string resolve(const std::string& root_dir, const std::string& which);

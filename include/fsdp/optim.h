@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -100,6 +101,18 @@ class ShardedOptimizer {
   // Only optimizers that step shard by shard (AdamW, SGD) can; TorchOptimizer cannot (ConfigError).
   void step_in_backward(bool on);
   bool steps_in_backward() const;
+
+  // Called with what the next step() computes, piece by piece as it goes: elements [begin, end)
+  // of a flat param's shard (`state` says which), its updated fp32 master values and its updated
+  // state tensors by name, in host memory and valid during the call only. A disk-tier state's
+  // piece is the chunk the step holds between reading and writing it back, so whoever observes
+  // gets the step's new values without reading the tier again (checkpoint::SaveInStep). Called on
+  // the thread that steps that piece (the optimizer's own with step_in_backward), one call at a
+  // time; it must not throw. Flat params the step skips, or stepped before this is set (in
+  // backward), are not observed. One step only: step() clears it; nullptr clears it before.
+  using StepObserver = std::function<void(const ShardState& state, int64_t begin, int64_t end, const at::Tensor& master,
+                                          const std::map<std::string, at::Tensor>& states)>;
+  void observe_next_step(StepObserver observer);
 
   double lr() const;
   void set_lr(double lr);

@@ -166,6 +166,11 @@ struct PlanRequest {
   // frozen ones (LoRA's adapters): whole on every rank, their gradients all-reduced over every rank.
   bool replicate_adapters = false;
   bool async_save = false;  // a host snapshot of params and state while saving
+  // Saves written during the optimizer step before them (checkpoint::SaveInStep): that step holds
+  // a checkpoint writer per file (the model's and each optimizer state's). Unset: when the plan
+  // puts a master or an optimizer state in the disk tier (which a save would read back) and saves
+  // are synchronous.
+  std::optional<bool> save_in_step;
   // The phases around the steps (Note [The load and the save]): how the model gets its values, and
   // whether the run saves checkpoints, with the frozen parameters (SaveOptions::frozen_params) or not.
   LoadKind load = LoadKind::kInit;
@@ -201,6 +206,7 @@ struct Plan {
   int64_t checkpoint_every = 0;
   int64_t micro_batch = 0, grad_accum_steps = 1;
   bool keep_gathered = false;  // PlanRequest::keep_gathered, as chosen
+  bool save_in_step = false;   // PlanRequest::save_in_step, as resolved (false when the run saves nothing)
   // Peak bytes per rank: device memory (on CPU runs the process's RAM, which is also `host`), host
   // RAM, and disk-tier files.
   PlanTier device, host, disk;

@@ -51,6 +51,9 @@ class DirectWriter {
   const DirectWriteCounters& counters() const { return counters_; }
 
   static constexpr int64_t kDefaultBufferBytes = 16 << 20;
+  // The buffers of a writer open during an optimizer step (checkpoint::SaveInStep: one per file,
+  // beside the step's own window of disk-tier chunks).
+  static constexpr int64_t kInStepBufferBytes = 4 << 20;
   // The host memory a writer holds: its two staging buffers.
   static int64_t memory_bytes(int64_t buffer_bytes = kDefaultBufferBytes);
 

@@ -72,13 +72,14 @@ std::string capture(F&& f) {
   return "";
 }
 
+}  // namespace
+
 std::vector<std::string> file_kinds(const SaveJob& job) {
   std::vector<std::string> kinds{"model"};
   for (const auto& s : job.state_names) kinds.push_back("optim." + s);
   return kinds;
 }
 
-// Tensor specs of one file kind, in layout order. Optimizer files hold trainable tensors only.
 std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::string& kind) {
   std::vector<safetensors::TensorSpec> specs;
   for (const auto& t : job.layout.tensors) {
@@ -92,6 +93,12 @@ std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::st
   return specs;
 }
 
+safetensors::FilePlan file_plan(const SaveJob& job, const std::string& kind) {
+  return safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
+}
+
+namespace {
+
 // The shard tensor a file kind takes its bytes from, or undefined when this rank has none.
 ShardTensor source_for(const SaveJob& job, const std::string& kind, size_t flat) {
   if (kind == "model") return job.data.params[flat];
@@ -104,9 +111,8 @@ void prepare(SaveJob& job, const std::string& tmp) {
   make_dirs(job.root_dir);
   remove_tree(tmp);  // a crashed earlier save of the same name
   make_dirs(tmp);
-  std::map<std::string, std::string> meta{{"format", "pt"}, {"writer", "fsdp"}};
   for (const auto& kind : file_kinds(job)) {
-    const auto plan = safetensors::plan_file(specs_for(job, kind), meta);
+    const auto plan = file_plan(job, kind);
     File f = File::open_write(join(tmp, kind + ".safetensors"), true);
     f.truncate(plan.file_size);
     f.pwrite_all(plan.header_bytes.data(), plan.header_bytes.size(), 0);
@@ -117,7 +123,7 @@ void prepare(SaveJob& job, const std::string& tmp) {
 // Buffers are replicated: the job's rank 0 writes them whole into the model file.
 void write_buffers(SaveJob& job, const std::string& tmp) {
   if (job.layout.buffers.empty() || job.group->rank() != 0) return;
-  const auto plan = safetensors::plan_file(specs_for(job, "model"), {{"format", "pt"}, {"writer", "fsdp"}});
+  const auto plan = file_plan(job, "model");
   File f = File::open_write(join(tmp, "model.safetensors"), false);
   for (size_t i = 0; i < job.layout.buffers.size(); ++i) {
     const at::Tensor& host = job.data.buffers[i];
@@ -128,13 +134,7 @@ void write_buffers(SaveJob& job, const std::string& tmp) {
   f.close();
 }
 
-// One contiguous piece of a file this rank writes: `count` elements from element `shard_begin` of
-// a flat param's shard, at byte `at` of the file. The consecutive tensors of a flat param make one
-// run, so each shard streams through once, in chunks read ahead, to one run of the file.
-struct Run {
-  size_t flat = 0;
-  int64_t shard_begin = 0, count = 0, at = 0;
-};
+}  // namespace
 
 std::vector<Run> runs_for(const SaveJob& job, const std::string& kind, const safetensors::FilePlan& plan) {
   std::vector<Run> runs;
@@ -158,15 +158,22 @@ std::vector<Run> runs_for(const SaveJob& job, const std::string& kind, const saf
   return runs;
 }
 
+namespace {
+
 // Each file's runs through a DirectWriter (Note [Direct writes of a checkpoint] in
 // base/direct_writer.h); a disk-tier state is read by the tier's I/O threads, never through its
 // mapping, whose faults would read it a page at a time.
-void write_shards(SaveJob& job, const std::string& tmp) {
+// `written`: per flat slot, whether its runs are in the files already (SaveInStep); empty: none.
+void write_shards(SaveJob& job, const std::string& tmp, const std::vector<char>& written) {
   write_buffers(job, tmp);
   for (const auto& kind : file_kinds(job)) {
-    const auto plan = safetensors::plan_file(specs_for(job, kind), {{"format", "pt"}, {"writer", "fsdp"}});
-    const std::vector<Run> runs = runs_for(job, kind, plan);
-    if (runs.empty()) continue;  // every shard here is a replica another rank writes
+    const auto plan = file_plan(job, kind);
+    std::vector<Run> runs = runs_for(job, kind, plan);
+    if (!written.empty()) {
+      runs.erase(std::remove_if(runs.begin(), runs.end(), [&](const Run& r) { return written[r.flat] != 0; }),
+                 runs.end());
+    }
+    if (runs.empty()) continue;  // every shard here is a replica another rank writes, or written
     DirectWriter out(join(tmp, kind + ".safetensors"));
     // A stored frozen shard's fp32 values exist from its first run to its last (drop_values set:
     // its view shows unfilled memory), one flat param's at a time as the units' runs follow.
@@ -320,24 +327,41 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
   return job;
 }
 
-void run_save(SaveJob& job) {
-  const std::string final_dir = join(job.root_dir, job.name);
-  const std::string tmp = final_dir + ".tmp";
-  const bool leader = job.group->rank() == 0;
-  job.store->set(job.store_prefix + "rng/" + std::to_string(job.group->rank()),
-                 std::vector<uint8_t>(job.rng.begin(), job.rng.end()));
+std::string tmp_dir(const SaveJob& job) { return join(job.root_dir, job.name) + ".tmp"; }
+
+void agree_on(SaveJob& job, const std::string& phase, const std::function<void()>& work) {
+  agree(job, phase, capture(work));
+}
+
+void prepare_phase(SaveJob& job) {
   agree(job, "preparing the files", capture([&] {
           fault_point(job, "prepare");
-          if (leader) prepare(job, tmp);
+          if (job.group->rank() == 0) prepare(job, tmp_dir(job));
         }));
+}
+
+void write_phase(SaveJob& job, const std::vector<char>& written, const std::function<void()>& first) {
+  // Every rank's RNG state is in the store before the agreement, so the commit finds them all.
+  job.store->set(job.store_prefix + "rng/" + std::to_string(job.group->rank()),
+                 std::vector<uint8_t>(job.rng.begin(), job.rng.end()));
   agree(job, "writing its shards", capture([&] {
           fault_point(job, "write");
-          write_shards(job, tmp);
+          if (first) first();
+          write_shards(job, tmp_dir(job), written);
         }));
+}
+
+void commit_phase(SaveJob& job) {
   agree(job, "committing", capture([&] {
           fault_point(job, "commit");
-          if (leader) commit(job, tmp, final_dir);
+          if (job.group->rank() == 0) commit(job, tmp_dir(job), join(job.root_dir, job.name));
         }));
+}
+
+void run_save(SaveJob& job) {
+  prepare_phase(job);
+  write_phase(job, {}, nullptr);
+  commit_phase(job);
 }
 
 std::string save(const std::string& root_dir, const std::string& name, FSDPModule& root, ShardedOptimizer* optimizer,

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "checkpoint/layout.h"
+#include "safetensors/safetensors.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/comm.h"
 
@@ -38,6 +39,31 @@ SaveJob make_save_job(const std::string& root_dir, const std::string& name, FSDP
                       ShardedOptimizer* optimizer, const TrainState& state, const SaveOptions& options, bool copy);
 // Collective over job.group: prepare, write, commit, agreeing between phases.
 void run_save(SaveJob& job);
+
+// run_save's phases, for a save split around an optimizer step (SaveInStep, save_in_step.cpp).
+// Each is collective and agrees at its end. The write phase runs `first` (may be null; it may
+// throw, which fails the phase) and then writes this rank's shards, skipping the flat slots
+// `written` marks (empty: none).
+std::string tmp_dir(const SaveJob& job);  // root_dir/name.tmp, where the files are laid out
+void prepare_phase(SaveJob& job);
+// Runs `work` on every rank, then agrees (Note [Save agreement]): `phase` names it in the error.
+void agree_on(SaveJob& job, const std::string& phase, const std::function<void()>& work);
+void write_phase(SaveJob& job, const std::vector<char>& written, const std::function<void()>& first);
+void commit_phase(SaveJob& job);
+
+// The files of a save: "model", then "optim.<state name>" each.
+std::vector<std::string> file_kinds(const SaveJob& job);
+// A file kind's tensors, in layout order (optimizer files: trainable tensors only).
+std::vector<safetensors::TensorSpec> specs_for(const SaveJob& job, const std::string& kind);
+safetensors::FilePlan file_plan(const SaveJob& job, const std::string& kind);  // its header and offsets
+// One contiguous piece of a file this rank writes: `count` elements from element `shard_begin` of
+// flat slot `flat`'s shard, at byte `at` of the file. The consecutive tensors of a flat param make
+// one run, so each shard streams through once, to one run of the file.
+struct Run {
+  size_t flat = 0;
+  int64_t shard_begin = 0, count = 0, at = 0;
+};
+std::vector<Run> runs_for(const SaveJob& job, const std::string& kind, const safetensors::FilePlan& plan);
 
 // Tests only: called by every rank at the start of each save phase ("prepare", "write",
 // "commit"; rank 0 also "rename" and "latest" inside the commit), so a test can fail or kill a rank

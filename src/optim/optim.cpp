@@ -168,12 +168,18 @@ void ShardedOptimizer::step() {
   c10::NoGradGuard no_grad;
   Tracer* tracer = impl_->shards.tracer();
   Tracer::Scope span(tracer, "fsdp::optimizer_step", "compute", "<all>");
+  struct ClearObserver {  // one step only, thrown or not
+    Impl& impl;
+    ~ClearObserver() { impl.observer = nullptr; }
+  } clear{*impl_};
   if (impl_->in_backward) {
     impl_->finish_step_in_backward(tracer);
     return;
   }
   impl_->step_after_backward(tracer);
 }
+
+void ShardedOptimizer::observe_next_step(StepObserver observer) { impl_->observer = std::move(observer); }
 
 void ShardedOptimizer::Impl::step_after_backward(Tracer* tracer) {
   // Before anything steps: a half-stepped model would match no checkpoint.
@@ -189,6 +195,7 @@ void ShardedOptimizer::Impl::step_after_backward(Tracer* tracer) {
     if (read_ahead && ready != read_ahead->ready.end() && ready->second.second == tier->generation()) {
       jobs.push_back(std::move(ready->second.first));
       jobs.back().step = step_fn(states[i]);  // this step's learning rate, set after backward or not
+      jobs.back().observe = observer;
     } else {
       jobs.push_back(make_job(states[i]));
     }
@@ -228,6 +235,7 @@ offload::StepJob ShardedOptimizer::Impl::make_job(ShardState& s) {
   };
   job.step = step_fn(s);
   job.after = shard.after_update();
+  job.observe = observer;
   return job;
 }
 

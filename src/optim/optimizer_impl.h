@@ -31,6 +31,7 @@ struct ShardedOptimizer::Impl {
   std::map<int, GroupOptions> groups;
   double lr = 0;
   double default_weight_decay = 0;  // group 0's unless set_group_options overrides it
+  StepObserver observer;            // observe_next_step's, until the step ends
 
   GradShard& shard_of(const ShardState& state) { return shards.all().at(state.flat_index); }
   double group_lr(int group) const;

@@ -123,6 +123,7 @@ class Pipeline {
         if (!grad.defined()) continue;
         job.step(*job.state, job.param, grad);
         if (job.after) job.after(0, job.param.numel(), job.param);
+        if (job.observe) job.observe(*job.state, 0, job.param.numel(), job.param, job.state->tensors);
         continue;
       }
       const size_t begin = next_chunk;
@@ -212,6 +213,7 @@ class Pipeline {
       }
     }
     if (job.after) job.after(a, b, p);
+    if (job.observe) job.observe(*job.state, a, b, p, view.tensors);
     // Write-behind: queued now, waited for at the end of the step (or by a read of the range).
     if (is_disk_backed(job.param)) tier_.write_async(job.param, a, p, "the master shard of " + job.state->tag);
     for (const auto& [name, t] : job.state->tensors) {
@@ -274,6 +276,7 @@ void run_step(std::vector<StepJob>& jobs, Tracer* tracer, RunOptions options) {
       if (!grad.defined()) continue;
       job.step(*job.state, job.param, grad);
       if (job.after) job.after(0, job.param.numel(), job.param);
+      if (job.observe) job.observe(*job.state, 0, job.param.numel(), job.param, job.state->tensors);
     }
     return;
   }

@@ -15,6 +15,8 @@
 #pragma once
 
 #include <functional>
+#include <map>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -45,6 +47,11 @@ struct StepJob {
   ShardStepFn step;
   // Optional: elements [a, b) of the master were updated; `updated` holds their new values.
   std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after;
+  // Optional: elements [a, b) stepped; the master's and the states' new values, before they are
+  // written back (ShardedOptimizer::observe_next_step).
+  std::function<void(const ShardState& state, int64_t a, int64_t b, const at::Tensor& master,
+                     const std::map<std::string, at::Tensor>& states)>
+      observe;
   // Set by prefetch_first_chunk: the reads of elements [0, first_end), by state name ("" for
   // the master), which the step uses instead of reading them again.
   std::vector<std::pair<std::string, IoTicket>> first_reads;

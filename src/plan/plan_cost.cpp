@@ -37,6 +37,7 @@
 
 #include <algorithm>
 
+#include "base/direct_writer.h"
 #include "offload/placement.h"
 #include "offload/frozen_storage.h"
 #include "fsdp/errors.h"
@@ -529,6 +530,12 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   add_working_set(shape, req, c, N, s.working > 0, p);
   host.add("disk tier's mapped window", p.disk_memory_budget);
   if (req.async_save) host.add("async save's snapshot", s.master + s.optimizer);
+  p.save_in_step = req.saves && req.save_in_step.value_or(!req.async_save && (c.params == OffloadTier::kDisk ||
+                                                                              c.optimizer_state == OffloadTier::kDisk));
+  if (p.save_in_step) {
+    host.add("a save written during the step: a checkpoint writer per file (two buffers each)",
+             (1 + req.optimizer_state_tensors) * io::DirectWriter::memory_bytes(io::DirectWriter::kInStepBufferBytes));
+  }
   PhaseInputs phases;
   phases.process = cpu ? req.process_host_bytes.value_or(default_process_host_bytes(req.device))
                        : req.process_device_bytes.value_or(default_process_device_bytes(req.device));

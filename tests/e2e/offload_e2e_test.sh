@@ -64,6 +64,20 @@ else
   bad "resume with the disk tier (rc $RC): $(losses "$TMP/resumed.jsonl" | tr '\n' ' ') vs $(losses "$TMP/none.jsonl" | tail -3 | tr '\n' ' ') $(tail -3 "$TMP/resumed.err")"
 fi
 
+# The save above was written during step 3's optimizer step (train.save_in_step auto, the state in
+# the disk tier): the same files as a save made after the step, and said so.
+train "$TMP/plain" --steps 3 --save-dir "$TMP/ckpt-plain" "${DISK[@]}" --set train.save_in_step=off
+same=yes
+for f in "$TMP/ckpt-plain/step-00000003/"*.safetensors; do
+  cmp -s "$f" "$TMP/ckpt/step-00000003/$(basename "$f")" || same="no: $(basename "$f")"
+done
+if [ "$RC" = 0 ] && [ "$same" = yes ] && grep -q "MB of it written during step 3's optimizer phase" "$TMP/first.out" &&
+  ! grep -q "written during" "$TMP/plain.out" && grep -q "written during the step before each" "$TMP/first.out"; then
+  ok "save written during the step: files equal to a save after it"
+else
+  bad "save in step (rc $RC): files equal: $same; $(grep "saved checkpoint" "$TMP/first.out" "$TMP/plain.out")"
+fi
+
 # optim.step_in_backward: each unit stepped during the backward, its disk-tier state read and
 # written under the rest of it; the same losses as stepping after backward (clipping off in both).
 train "$TMP/noclip" --steps 6 --metrics "$TMP/noclip.jsonl" --set optim.grad_clip=0
