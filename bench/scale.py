@@ -15,7 +15,12 @@ export and token files evicted from the page cache before each phase (posix_fadv
   baseline  fsdp-train --init-only: each rank's RSS with the libraries loaded, no model;
   import    fsdp-train --init-from HF --steps 0;
   train     --init-from HF --steps 3 --save-dir CKPT (the save's own time from --trace's
-            train::checkpoint_save span);
+            train::checkpoint_save span); with the state in the disk tier the save is written
+            during step 3's optimizer step (train.save_in_step auto);
+  train-plain-save  the same with train.save_in_step=off: its save reads the state back from the
+            disk tier after the step. A save written during the step costs the time after the
+            step plus what it added to step 3's optimizer phase, against this run's step 3
+            (that checkpoint is removed after);
   resume    --init-from HF --save-dir CKPT --resume latest --steps 4 (one more step, saved);
   train-memory  --init-from HF --steps 3 with nothing offloaded (FSDP2's placement), where the plan
             fits this machine (fsdp-train refuses it before allocating otherwise), saved at the end
@@ -337,6 +342,14 @@ def parse_train_log(out, res, metrics, trace):
                          r"peak RSS per rank during the save:((?: [0-9.]+ MiB)+)", out):
         saves.append({"step": int(m.group(1)), "seconds": float(m.group(2)), "bytes": float(m.group(3)) * 1e6,
                       "peak_rss_bytes": [float(x) * MIB for x in re.findall(r"([0-9.]+) MiB", m.group(4))]})
+    # A save written during its step's optimizer phase (train.save_in_step): the time after the
+    # step, the bytes written during it, and that optimizer phase's time.
+    for m in re.finditer(r"saved checkpoint \S+/step-0*(\d+) in ([0-9.]+) s after the step \(([0-9.]+) MB, "
+                         r"([0-9.]+) MB of it written during step \d+'s optimizer phase, which took ([0-9.]+) s\); "
+                         r"peak RSS per rank during the save:((?: [0-9.]+ MiB)+)", out):
+        saves.append({"step": int(m.group(1)), "seconds": float(m.group(2)), "bytes": float(m.group(3)) * 1e6,
+                      "in_step_bytes": float(m.group(4)) * 1e6, "optimizer_s": float(m.group(5)),
+                      "peak_rss_bytes": [float(x) * MIB for x in re.findall(r"([0-9.]+) MiB", m.group(6))]})
     if saves:
         res["save_metrics"] = saves
     if trace and os.path.exists(trace):
@@ -419,6 +432,35 @@ def save_rates(dd, rate, reads_tier):
     return out
 
 
+def optimizer_s(phase, step):
+    """The optimizer phase's seconds of `step` in a phase's metrics, or None."""
+    for st in phase.get("steps", []):
+        if st["step"] == step and st.get("phase_s"):
+            return st["phase_s"].get("optimizer")
+    return None
+
+
+def in_step_save_line(r, p, sv, dd):
+    """A save written during its step: its cost is the time after the step plus what it added to the
+    step's optimizer phase, against the same step of the plain-save run (train-plain-save)."""
+    plain = next((q for q in r["phases"] if q["phase"] == "train-plain-save"), None)
+    ref_step = sv["step"]
+    if plain and optimizer_s(plain, ref_step) is None:  # a resumed step past the plain run's last: its last
+        ref_step = max((st["step"] for st in plain.get("steps", [])), default=0)
+    ref = optimizer_s(plain, ref_step) if plain else None
+    head = (f"- {p['phase']}: save of step {sv['step']}, written during its optimizer step: "
+            f"{sv['in_step_bytes'] / MIB:,.0f} of {sv['bytes'] / MIB:,.0f} MiB written during the step, whose "
+            f"optimizer phase took {sv['optimizer_s']:.2f} s; {sv['seconds']:.2f} s after the step")
+    if ref is None:
+        return head + " (no plain-save run to set it against)."
+    cost = sv["seconds"] + sv["optimizer_s"] - ref
+    rate = sv["bytes"] / max(cost, 0.05)
+    return (head + f". The plain-save run's optimizer phase of step {ref_step}: {ref:.2f} s; the save's cost "
+            f"{sv['seconds']:.2f} + {sv['optimizer_s']:.2f} - {ref:.2f} = {cost:.2f} s: {rate / 1e6:,.0f} MB/s "
+            f"({rate / dd['write_Bps']:.2f} of dd's write); peak RSS per rank during the save "
+            f"{' / '.join(mib(x) for x in sv['peak_rss_bytes'])} MiB.")
+
+
 def report(r):
     dd = r["dd"]
     rows = []
@@ -453,6 +495,9 @@ def report(r):
                       f"{size / MIB:,.0f} MiB: {size / p['save_s'] / 1e6:,.0f} MB/s "
                       f"({save_rates(dd, size / p['save_s'], p.get('state_on_disk'))}).")
         for sv in p.get("save_metrics", []):
+            if "in_step_bytes" in sv:
+                md.append(in_step_save_line(r, p, sv, dd))
+                continue
             rate = sv["bytes"] / max(sv["seconds"], 0.05)  # printed to 0.1 s
             md.append(f"- {p['phase']}: save of step {sv['step']} (fsdp-train's stdout): {sv['seconds']:.1f} s for "
                       f"{sv['bytes'] / MIB:,.0f} MiB, {rate / 1e6:,.0f} MB/s "
@@ -645,6 +690,13 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
     sizes = {"hf_bytes": dir_bytes(hf)}
     if os.path.isdir(step3):
         sizes["checkpoint_step_bytes"] = dir_bytes(step3)
+    if ok["train"] and tr.get("state_on_disk"):
+        # The same run saving after the step (the state read back from the disk tier): its step 3 is
+        # what the save written during step 3 is set against.
+        m_plain, ck_plain = os.path.join(work, "train-plain-save.jsonl"), os.path.join(work, "ckpt-plain")
+        phase("train-plain-save", run + train + ["--steps", "3", "--save-dir", ck_plain, "--metrics", m_plain,
+                                                 "--set", "train.save_in_step=off"], m_plain)
+        shutil.rmtree(ck_plain, ignore_errors=True)
     m_res, t_res = os.path.join(work, "resume.jsonl"), os.path.join(work, "resume-trace.json")
     if ok["train"]:
         phase("resume", run + train + ["--steps", "4", "--save-dir", ckpt, "--resume", "latest", "--metrics", m_res,

@@ -226,9 +226,9 @@ void Loop::save(double pause_s) {
   // A save fused into the step (train.save_in_step): what the step wrote, and how long the step's
   // optimizer phase took with it, for comparison with the steps without a save.
   if (in_step.item<double>() > 0) {
-    line = " in " + fixed(seconds, 1) + " s after the step (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
+    line = " in " + fixed(seconds, 2) + " s after the step (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
            fixed(in_step.item<double>() / 1e6, 1) + " MB of it written during step " + std::to_string(r_.step) +
-           "'s optimizer phase, which took " + fixed(last_optimizer_s_, 1) + " s)";
+           "'s optimizer phase, which took " + fixed(last_optimizer_s_, 2) + " s)";
   }
   line += "; peak RSS per rank during the save:";
   for (const auto& r : all) line += " " + fixed(r.peak_rss_bytes / (1 << 20), 1) + " MiB";
