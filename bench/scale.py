@@ -489,7 +489,8 @@ def report(r):
           "one; before the plan had phases, the step's total.", ""]
     s = r.get("sizes", {})
     for p in r["phases"]:
-        if "save_s" in p:
+        # A save written during its step: its span holds only what follows the step (costed below).
+        if "save_s" in p and not any("in_step_bytes" in sv for sv in p.get("save_metrics", [])):
             size = s.get("checkpoint_step_bytes", 0)
             md.append(f"- {p['phase']}: the save took {p['save_s']:.2f} s (train::checkpoint_save in --trace) for "
                       f"{size / MIB:,.0f} MiB: {size / p['save_s'] / 1e6:,.0f} MB/s "
