@@ -9,7 +9,8 @@ bf16, saved over several safetensors files; the model is deleted before anything
 seeded file of random uint32 token ids is the training data. dd then writes (conv=fdatasync) and
 reads (page cache dropped when permitted, else the file's pages evicted) a file as large as the
 weights (at least 64 MiB) in the same folder: the disk's sequential bandwidth. The programs and their
-libraries are read once; then, each in fresh processes, on 2 ranks (fsdp-run), bf16 compute, AdamW
+libraries are started once (--help, so that the libraries' pages are cached as a process maps them,
+not in the large folios a whole-file read leaves); then, each in fresh processes, on 2 ranks (fsdp-run), bf16 compute, AdamW
 state in the disk tier (fsdp.offload.optimizer_state=disk), OMP_NUM_THREADS=1, the model, checkpoint,
 export and token files evicted from the page cache before each phase (posix_fadvise DONTNEED):
   baseline  fsdp-train --init-only: each rank's RSS with the libraries loaded, no model;
@@ -162,15 +163,13 @@ def evict(paths):
 
 
 def warm(bin_dir):
-    """Reads the programs and the libraries they load, so that phases count their data, not these."""
-    files = set(glob.glob(os.path.join(bin_dir, "fsdp-*")))
-    for prog in list(files):
-        out = subprocess.run(["ldd", prog], capture_output=True, text=True).stdout
-        files.update(re.findall(r"=> (/\S+)", out))
-    for f in files:
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+    """Starts each program once (--help), so that its libraries are in the page cache as a process
+    maps them. Reading the files whole instead (read() or touching every page of a mapping) leaves
+    them in large folios, and every process then maps ~160 MiB more of them (Note in docs/NOTES.md,
+    "The process's own RSS depends on the page cache"): the plan's process item was measured the
+    first way. Pages a later phase touches first are read by that phase."""
+    for prog in sorted(glob.glob(os.path.join(bin_dir, "fsdp-*"))):
+        subprocess.run([prog, "--help"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def mem_available():
@@ -793,8 +792,8 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
                        f"transport, FULL_SHARD, bf16 compute (fsdp.param_dtype), fp32 reduce, AdamW state in the "
                        f"disk tier, seq_len {args.seq_len}, batch {args.batch} per rank, train.eval_every 0; "
                        f"FSDP2: torchrun, Gloo; before each phase the model, checkpoint, export and token files are "
-                       "evicted from the page cache (posix_fadvise DONTNEED), the programs and their libraries "
-                       "read once before the phases"
+                       "evicted from the page cache (posix_fadvise DONTNEED), each program started once (--help) "
+                       "before the phases, its libraries cached as a process maps them"
                        + (f"; config.json keys removed before import: {', '.join(drop)}"
                           if drop else "")),
     })

@@ -129,8 +129,8 @@ def run_lora(args, spec, bin_dir, work):
                        f"activation checkpointing on every layer, fsdp.split_root auto, AdamW, adapters-only "
                        f"checkpoints, seq_len {args.seq_len}, batch {args.batch} per rank, random uint32 tokens; "
                        f"before each phase the model, checkpoint, export and token files are evicted from the page "
-                       f"cache (posix_fadvise DONTNEED), the programs and their libraries read once before the "
-                       f"phases; nothing else ran on the machine"),
+                       f"cache (posix_fadvise DONTNEED), each program started once (--help) before the "
+                       f"phases, its libraries cached as a process maps them; nothing else ran on the machine"),
     }
 
 
