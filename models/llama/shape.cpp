@@ -82,7 +82,9 @@ int64_t vocab_parallel_loss_bytes(const LlamaConfig& m, int64_t batch, int64_t s
   // exponentials, and the rows cast to the compute dtype (when stored in another).
   const int64_t chunk_rows = std::min(m.vocab_size, fsdp::sharded_cross_entropy_chunk_rows(tokens, m.hidden_size));
   const int64_t chunk = (8 + e) * tokens * chunk_rows + e * chunk_rows * m.hidden_size;
-  return chunk + (e + 4 + 4) * tokens * m.hidden_size;  // the gathered hidden states, their gradient and its share
+  // The gathered hidden states and the gradient's two fp32 accumulators in forward; in backward
+  // the gradient kept from forward, scaled, and this rank's share.
+  return chunk + (e + 4 + 4) * tokens * m.hidden_size;
 }
 
 namespace {

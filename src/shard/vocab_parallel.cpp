@@ -14,9 +14,15 @@
 // hundred rows of D values each), so the softmax's sums are per rank partial sums over its rows:
 // a running maximum m and sum s = sum(exp(z - m)) per token over its chunks, and the target's
 // logit where the rank holds the target's row; an all-gather of the three then gives every token's
-// log-sum-exp. Backward recomputes each chunk's logits, forms (softmax - one-hot) x the token's
-// scale (its rank's gradient over its rank's count of targets), multiplies by the chunk's rows
-// into an fp32 gradient for every token, and a reduce-scatter sums each rank's tokens back to it.
+// log-sum-exp. When the loss will be differentiated, the same pass over the chunks also forms the
+// hidden states' gradient, so that backward computes no logits again (a product of the head's size
+// fewer per step): beside the sums, an fp32 [tokens, D] accumulator A = sum(exp(z - a) W) over the
+// chunks, rescaled as its own running maximum a grows (as an online softmax rescales its sum), and
+// O, the table's row of each token's target where this rank holds it. Once the log-sum-exp is
+// known, softmax(z) W = A exp(a - lse), so D = A exp(a - lse) - O (plus the split rows' parts) is
+// this rank's share of every token's gradient for a loss gradient of 1 per target. Backward scales
+// each token's row by its rank's gradient over its rank's count of targets, and a reduce-scatter
+// sums each rank's tokens back to it: no table values are read in backward.
 #include "fsdp/vocab_parallel.h"
 
 #include <ATen/ATen.h>
@@ -196,13 +202,14 @@ at::Tensor sharded_embedding(const torch::nn::Module& module, const at::Tensor& 
 
 namespace {
 
-// The cross-entropy's state from forward to backward: every rank's tokens (hidden states X in the
-// compute dtype, targets T, each row's log-sum-exp) and the split rows' logits.
+// The cross-entropy's state: every rank's tokens (hidden states X in the compute dtype, targets T,
+// each row's log-sum-exp), the split rows' logits, and for backward this rank's share D of every
+// token's gradient (Note [Vocab-parallel tables]); backward keeps T and D only.
 struct Saved {
   Saved() = default;
   explicit Saved(TablePart part) : t(std::move(part)) {}
   TablePart t;
-  at::Tensor X, T, lse, split_z;
+  at::Tensor X, T, lse, split_z, D;
   int64_t m = 0, n = 0, chunk = 0, ignore = -100, count = 0;
   std::vector<int64_t> hidden_shape;
   at::ScalarType hidden_dtype = at::kFloat;
@@ -255,29 +262,72 @@ at::Tensor split_logits(const Saved& s, const at::Tensor& shard) {
   return P.to(t.dtype()).to(at::kFloat);
 }
 
-// Forward: fills s.lse and s.split_z; returns this rank's mean loss.
-at::Tensor forward_loss(Saved& s) {
+// The gradient's accumulators over the chunks (Note [Vocab-parallel tables]): A relative to its
+// running maximum am, and O, the target rows.
+struct GradSums {
+  at::Tensor A, O, am;
+  // Chunk z ([M, c] fp32) of rows [a, a + c), whose rows in the compute dtype are W ([c, D]).
+  void add(const at::Tensor& z, int64_t a, const at::Tensor& W, const at::Tensor& T) {
+    const at::Tensor nm = at::maximum(am, z.amax(1));
+    A.mul_((am - nm).exp_().unsqueeze(1));  // the first chunk: exp(-inf) = 0 on zeros
+    am = nm;
+    const at::Tensor p = (z - am.unsqueeze(1)).exp_();
+    if (W.scalar_type() == at::kFloat) {
+      A.addmm_(p, W);
+    } else {
+      A.add_(at::mm(p.to(W.scalar_type()), W));
+    }
+    const auto [in, col] = targets_in(T, a, z.size(1));
+    const at::Tensor rows = in.nonzero().squeeze(1);
+    if (rows.numel() > 0) O.index_add_(0, rows, W.index_select(0, col.squeeze(1).index_select(0, rows)).to(at::kFloat));
+  }
+};
+
+// D: this rank's share of every token's gradient for a loss gradient of 1 per target.
+at::Tensor gradient_share(const Saved& s, const GradSums& g, const at::Tensor& shard) {
+  const TablePart& t = s.t;
+  at::Tensor D = g.A.mul_((g.am - s.lse).exp_().unsqueeze(1)).sub_(g.O);
+  for (size_t j = 0; j < t.split_rows.size(); ++j) {
+    int64_t c0 = 0, c1 = 0, at = 0;
+    const int64_t q = t.split_rows[j];
+    if (!t.piece(q, c0, c1, at)) continue;
+    at::Tensor dz = (s.split_z.select(1, static_cast<int64_t>(j)) - s.lse).exp_();
+    dz.sub_(s.T.eq(q).to(at::kFloat));
+    D.narrow(1, c0, c1 - c0)
+        .add_(dz.unsqueeze(1) * shard.narrow(0, at, c1 - c0).to(t.dtype()).to(at::kFloat).unsqueeze(0));
+  }
+  return D;
+}
+
+// Forward: fills s.lse and s.split_z, and with `grad` s.D; returns this rank's mean loss.
+at::Tensor forward_loss(Saved& s, bool grad) {
   const TablePart& t = s.t;
   Communicator& g = t.group();
   const int64_t M = s.X.size(0);
   const auto f32 = s.X.options().dtype(at::kFloat);
   at::Tensor mx = at::full({M}, -std::numeric_limits<float>::infinity(), f32);
   at::Tensor sum = at::zeros({M}, f32), tl = at::zeros({M}, f32);
+  GradSums sums;
+  if (grad) sums = {at::zeros({M, t.dim}, f32), at::zeros({M, t.dim}, f32), mx.clone()};
   t.fp->with_shard_values([&](const at::Tensor& shard) {
-    for_each_chunk(s, shard,
-                   [&](int64_t a, int64_t, const at::Tensor&, const at::Tensor& z) { fold(z, a, s.T, mx, sum, tl); });
+    for_each_chunk(s, shard, [&](int64_t a, int64_t, const at::Tensor& W, const at::Tensor& z) {
+      fold(z, a, s.T, mx, sum, tl);
+      if (grad) sums.add(z, a, W, s.T);
+    });
     s.split_z = split_logits(s, shard);
+    for (size_t j = 0; j < t.split_rows.size(); ++j) {
+      if (t.split_owner[j] != g.rank()) continue;
+      fold(s.split_z.narrow(1, static_cast<int64_t>(j), 1), t.split_rows[j], s.T, mx, sum, tl);
+    }
+    at::Tensor all = at::empty({g.size() * 3 * M}, f32);
+    g.all_gather(all, at::stack({mx, sum, tl}).reshape({-1}), t.tag("sums")).wait();
+    all = all.view({g.size(), 3, M});
+    const at::Tensor gm = all.select(1, 0).amax(0);
+    s.lse = gm + (all.select(1, 1) * (all.select(1, 0) - gm).exp()).sum(0).log();
+    tl = all.select(1, 2).sum(0);
+    if (grad) s.D = gradient_share(s, sums, shard);
   });
-  for (size_t j = 0; j < t.split_rows.size(); ++j) {
-    if (t.split_owner[j] != g.rank()) continue;
-    fold(s.split_z.narrow(1, static_cast<int64_t>(j), 1), t.split_rows[j], s.T, mx, sum, tl);
-  }
-  at::Tensor all = at::empty({g.size() * 3 * M}, f32);
-  g.all_gather(all, at::stack({mx, sum, tl}).reshape({-1}), t.tag("sums")).wait();
-  all = all.view({g.size(), 3, M});
-  const at::Tensor gm = all.select(1, 0).amax(0);
-  s.lse = gm + (all.select(1, 1) * (all.select(1, 0) - gm).exp()).sum(0).log();
-  const at::Tensor target_logit = all.select(1, 2).sum(0);
+  const at::Tensor target_logit = tl;
   const int64_t own = g.rank() * s.m;
   const at::Tensor T = s.T.narrow(0, own, s.n);
   const at::Tensor valid = T.ne(s.ignore);
@@ -286,40 +336,17 @@ at::Tensor forward_loss(Saved& s) {
   return at::where(valid, per, at::zeros_like(per)).sum() / static_cast<double>(s.count);
 }
 
-// Backward: the gradient of this rank's hidden states for the loss's gradient `grad`.
+// Backward: the gradient of this rank's hidden states for the loss's gradient `grad`: each token's
+// row of s.D scaled by its rank's gradient over its rank's count of targets, summed over the ranks.
 at::Tensor backward_hidden(const Saved& s, const at::Tensor& grad) {
   const TablePart& t = s.t;
   Communicator& g = t.group();
-  const int64_t M = s.X.size(0);
-  const auto f32 = s.X.options().dtype(at::kFloat);
+  const auto f32 = s.D.options();
   at::Tensor scale = (grad.to(f32).reshape({1}) / static_cast<double>(s.count)).contiguous();
   at::Tensor scales = at::empty({g.size()}, f32);
   g.all_gather(scales, scale, t.tag("scales")).wait();
   const at::Tensor tok = scales.repeat_interleave(s.m) * s.T.ne(s.ignore).to(at::kFloat);
-  at::Tensor dX = at::zeros({M, t.dim}, f32);
-  t.fp->with_shard_values([&](const at::Tensor& shard) {
-    for_each_chunk(s, shard, [&](int64_t a, int64_t c, const at::Tensor& W, const at::Tensor& z) {
-      at::Tensor dz = z.sub_(s.lse.unsqueeze(1)).exp_();
-      const auto [in, col] = targets_in(s.T, a, c);
-      dz.scatter_add_(1, col, -in.to(at::kFloat).unsqueeze(1));
-      dz.mul_(tok.unsqueeze(1));
-      if (t.dtype() == at::kFloat) {
-        dX.addmm_(dz, W);
-      } else {
-        dX.add_(at::mm(dz.to(t.dtype()), W));
-      }
-    });
-    for (size_t j = 0; j < t.split_rows.size(); ++j) {
-      int64_t c0 = 0, c1 = 0, at = 0;
-      const int64_t q = t.split_rows[j];
-      if (!t.piece(q, c0, c1, at)) continue;
-      at::Tensor dz = (s.split_z.select(1, static_cast<int64_t>(j)) - s.lse).exp_();
-      dz.sub_(s.T.eq(q).to(at::kFloat)).mul_(tok);
-      dz = dz.to(t.dtype()).to(at::kFloat);
-      dX.narrow(1, c0, c1 - c0)
-          .add_(dz.unsqueeze(1) * shard.narrow(0, at, c1 - c0).to(t.dtype()).to(at::kFloat).unsqueeze(0));
-    }
-  });
+  const at::Tensor dX = s.D * tok.unsqueeze(1);
   at::Tensor mine = at::empty({s.m, t.dim}, f32);
   g.reduce_scatter(mine, dX, ReduceOp::kSum, t.tag("grads")).wait();
   return mine.narrow(0, 0, s.n).to(s.hidden_device, s.hidden_dtype).view(s.hidden_shape);
@@ -365,6 +392,7 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
     throw UsageError("fsdp::sharded_cross_entropy: hidden's last dimension is " + std::to_string(hidden.size(-1)) +
                      ", the table's rows have " + std::to_string(s.t.dim));
   }
+  const bool grad = hidden.requires_grad() && c10::GradMode::is_enabled();
   at::Tensor loss;
   {
     c10::NoGradGuard no_grad;
@@ -383,9 +411,10 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
     s.hidden_shape = hidden.sizes().vec();
     s.hidden_dtype = hidden.scalar_type();
     s.hidden_device = hidden.device();
-    loss = forward_loss(s);
+    loss = forward_loss(s, grad);
+    s.X = s.lse = s.split_z = at::Tensor();  // backward reads T and D only
   }
-  if (hidden.requires_grad() && c10::GradMode::is_enabled()) {
+  if (grad) {
     auto node =
         std::shared_ptr<VocabCrossEntropyBackward>(new VocabCrossEntropyBackward(), torch::autograd::deleteNode);
     node->unit = unit->shared_from_this();
