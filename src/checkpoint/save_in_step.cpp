@@ -24,14 +24,14 @@ struct SaveInStep::Impl {
 
   ShardedOptimizer& optimizer;
   SaveJob job;
-  std::vector<std::string> kinds;                           // file_kinds(job)
-  std::vector<std::map<size_t, std::vector<Run>>> runs;     // per kind: this rank's runs by flat slot
+  std::vector<std::string> kinds;                          // file_kinds(job)
+  std::vector<std::map<size_t, std::vector<Run>>> runs;    // per kind: this rank's runs by flat slot
   std::vector<std::unique_ptr<io::DirectWriter>> writers;  // per kind; null where this rank writes nothing
-  std::vector<int64_t> expected;                            // per slot: elements of its model-file runs
-  std::vector<int64_t> covered;                             // per slot: of those, written during the step
-  std::vector<int64_t> step_seen;                           // per slot: its ShardState::step then
-  std::mutex mutex;                                         // observe() against the getters and finish()
-  std::string error;                                        // the first write that failed during the step
+  std::vector<int64_t> expected;                           // per slot: elements of its model-file runs
+  std::vector<int64_t> covered;                            // per slot: of those, written during the step
+  std::vector<int64_t> step_seen;                          // per slot: its ShardState::step then
+  std::mutex mutex;                                        // observe() against the getters and finish()
+  std::string error;                                       // the first write that failed during the step
   int64_t bytes = 0;
   bool finished = false;
 
@@ -100,10 +100,9 @@ SaveInStep::SaveInStep(const std::string& root_dir, const std::string& name, FSD
     }
   });
   Impl* impl = impl_.get();
-  optimizer.observe_next_step([impl](const ShardState& state, int64_t a, int64_t b, const at::Tensor& master,
-                                     const std::map<std::string, at::Tensor>& states) {
-    impl->observe(state, a, b, master, states);
-  });
+  optimizer.observe_next_step(
+      [impl](const ShardState& state, int64_t a, int64_t b, const at::Tensor& master,
+             const std::map<std::string, at::Tensor>& states) { impl->observe(state, a, b, master, states); });
 }
 
 SaveInStep::~SaveInStep() {
@@ -129,8 +128,8 @@ std::string SaveInStep::finish(const TrainState& state) {
   std::vector<char> written(s.job.layout.flats.size(), 0);
   for (size_t slot = 0; slot < written.size(); ++slot) {
     const ShardState* st = s.job.layout.flats[slot].optim_state;
-    written[slot] = st != nullptr && s.expected[slot] > 0 && s.covered[slot] == s.expected[slot] &&
-                    s.step_seen[slot] == st->step;
+    written[slot] =
+        st != nullptr && s.expected[slot] > 0 && s.covered[slot] == s.expected[slot] && s.step_seen[slot] == st->step;
   }
   write_phase(s.job, written, [&s] {
     for (auto& w : s.writers) {

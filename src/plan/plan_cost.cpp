@@ -501,6 +501,17 @@ int64_t compute_libraries(const PlanRequest& req) {
   return req.param_dtype == at::kFloat ? int64_t{16} << 20 : int64_t{32} << 20;
 }
 
+// What a step holds for the saves: an async save's snapshot (`snapshot` bytes), or, PlanRequest::
+// save_in_step resolved, a checkpoint writer per file when a save follows the step.
+void add_saves_in_step(const PlanRequest& req, const Choices& c, int64_t snapshot, PlanTier& host, Plan& p) {
+  if (req.async_save) host.add("async save's snapshot", snapshot);
+  p.save_in_step = req.saves && req.save_in_step.value_or(!req.async_save && (c.params == OffloadTier::kDisk ||
+                                                                              c.optimizer_state == OffloadTier::kDisk));
+  if (!p.save_in_step) return;
+  host.add("a save written during the step: a checkpoint writer per file (two buffers each)",
+           (1 + req.optimizer_state_tensors) * io::DirectWriter::memory_bytes(io::DirectWriter::kInStepBufferBytes));
+}
+
 Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   Plan p;
   const int N = shard_size_of(c.strategy, req);
@@ -529,13 +540,7 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   p.disk.add("sharded states in the disk tier", s.tier[OffloadTier::kDisk]);
   add_working_set(shape, req, c, N, s.working > 0, p);
   host.add("disk tier's mapped window", p.disk_memory_budget);
-  if (req.async_save) host.add("async save's snapshot", s.master + s.optimizer);
-  p.save_in_step = req.saves && req.save_in_step.value_or(!req.async_save && (c.params == OffloadTier::kDisk ||
-                                                                              c.optimizer_state == OffloadTier::kDisk));
-  if (p.save_in_step) {
-    host.add("a save written during the step: a checkpoint writer per file (two buffers each)",
-             (1 + req.optimizer_state_tensors) * io::DirectWriter::memory_bytes(io::DirectWriter::kInStepBufferBytes));
-  }
+  add_saves_in_step(req, c, s.master + s.optimizer, host, p);
   PhaseInputs phases;
   phases.process = cpu ? req.process_host_bytes.value_or(default_process_host_bytes(req.device))
                        : req.process_device_bytes.value_or(default_process_device_bytes(req.device));

@@ -66,9 +66,7 @@ void check_case(const Case& c, const std::string& dir) {
         st.step = 5;
         checkpoint::SaveInStep fused(dir, "fused", *j.root, *j.optim);
         switch (c.between) {
-          case Between::kStep:
-            step(c.steps_before);
-            break;
+          case Between::kStep: step(c.steps_before); break;
           case Between::kSkippedStep: {
             auto x = at::randn({kGlobalBatch / kWorld, 7}), y = at::randn({kGlobalBatch / kWorld, 5});
             at::mse_loss(fsdp::call(j.model, x), y).backward();
@@ -111,10 +109,8 @@ TEST(SaveInStep, FilesEqualASaveAfterTheStep) {
   const std::vector<Case> cases = {
       {"memory", std::nullopt},
       {"disk tier", disk_policy(io::join(dir, "tier-a"))},
-      {"disk tier, budgetless, first step", OffloadPolicy()
-                                                .params(OffloadTier::kDisk)
-                                                .optimizer_state(OffloadTier::kDisk)
-                                                .dir(io::join(dir, "tier-b")),
+      {"disk tier, budgetless, first step",
+       OffloadPolicy().params(OffloadTier::kDisk).optimizer_state(OffloadTier::kDisk).dir(io::join(dir, "tier-b")),
        Between::kStep, 0},
       {"disk tier, step in backward", disk_policy(io::join(dir, "tier-c")), Between::kStep, 1, true},
       {"disk tier, skipped step", disk_policy(io::join(dir, "tier-d")), Between::kSkippedStep},
@@ -139,9 +135,7 @@ TEST(SaveInStep, DroppedUnfinishedCommitsNothing) {
         DeviceMesh mesh(dist);
         Job j = build(mesh, disk_policy(io::join(dir, "tier")));
         train_step(j, 0, dist->rank());
-        {
-          checkpoint::SaveInStep dropped(dir, "dropped", *j.root, *j.optim);
-        }
+        { checkpoint::SaveInStep dropped(dir, "dropped", *j.root, *j.optim); }
         train_step(j, 1, dist->rank());  // observed by nobody: the SaveInStep is gone
         checkpoint::SaveInStep twice(dir, "twice", *j.root, *j.optim);
         train_step(j, 2, dist->rank());
