@@ -18,10 +18,8 @@ export and token files evicted from the page cache before each phase (posix_fadv
   train     --init-from HF --steps 3 --save-dir CKPT (the save's own time from --trace's
             train::checkpoint_save span); with the state in the disk tier the save is written
             during step 3's optimizer step (train.save_in_step auto);
-  train-plain-save  the same with train.save_in_step=off: its save reads the state back from the
-            disk tier after the step. A save written during the step costs the time after the
-            step plus what it added to step 3's optimizer phase, against this run's step 3
-            (that checkpoint is removed after);
+  train-plain-save  the same, train.save_in_step=off (its save reads the state back; its step 3
+            is what a save written during step 3 is costed against; its checkpoint removed after);
   resume    --init-from HF --save-dir CKPT --resume latest --steps 4 (one more step, saved);
   train-memory  --init-from HF --steps 3 with nothing offloaded (FSDP2's placement), where the plan
             fits this machine (fsdp-train refuses it before allocating otherwise), saved at the end
@@ -163,11 +161,9 @@ def evict(paths):
 
 
 def warm(bin_dir):
-    """Starts each program once (--help), so that its libraries are in the page cache as a process
-    maps them. Reading the files whole instead (read() or touching every page of a mapping) leaves
-    them in large folios, and every process then maps ~160 MiB more of them (Note in docs/NOTES.md,
-    "The process's own RSS depends on the page cache"): the plan's process item was measured the
-    first way. Pages a later phase touches first are read by that phase."""
+    """Starts each program once (--help), so its libraries are cached as a process maps them: a whole
+    read leaves them in large folios, ~160 MiB more per process (docs/NOTES.md, "The process's own
+    RSS depends on the page cache"), not how the plan's process item was measured."""
     for prog in sorted(glob.glob(os.path.join(bin_dir, "fsdp-*"))):
         subprocess.run([prog, "--help"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -440,8 +436,8 @@ def optimizer_s(phase, step):
 
 
 def in_step_save_line(r, p, sv, dd):
-    """A save written during its step: its cost is the time after the step plus what it added to the
-    step's optimizer phase, against the same step of the plain-save run (train-plain-save)."""
+    """A save written during its step costs the time after it plus what it added to the step's
+    optimizer phase against the same step of train-plain-save."""
     plain = next((q for q in r["phases"] if q["phase"] == "train-plain-save"), None)
     ref_step = sv["step"]
     if plain and optimizer_s(plain, ref_step) is None:  # a resumed step past the plain run's last: its last
@@ -691,8 +687,7 @@ def run_all(args, spec, shard_size, drop, bin_dir, work):
     if os.path.isdir(step3):
         sizes["checkpoint_step_bytes"] = dir_bytes(step3)
     if ok["train"] and tr.get("state_on_disk"):
-        # The same run saving after the step (the state read back from the disk tier): its step 3 is
-        # what the save written during step 3 is set against.
+        # The same run saving after the step: its step 3 costs the save written during step 3.
         m_plain, ck_plain = os.path.join(work, "train-plain-save.jsonl"), os.path.join(work, "ckpt-plain")
         phase("train-plain-save", run + train + ["--steps", "3", "--save-dir", ck_plain, "--metrics", m_plain,
                                                  "--set", "train.save_in_step=off"], m_plain)

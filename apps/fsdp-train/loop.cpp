@@ -217,17 +217,22 @@ void Loop::save(double pause_s) {
   RankCounters mine;
   mine.peak_rss_bytes = static_cast<double>(rss_watermark());
   const auto all = gather_counters(s_.dist->world(), mine);
-  at::Tensor in_step = at::tensor({static_cast<double>(s_.checkpointer->bytes_written_in_step())}, at::kDouble);
-  s_.dist->world().all_reduce(in_step, fsdp::ReduceOp::kSum, "train/save_in_step_bytes").wait();
+  // Every rank knows from the config whether saves are written during the step (the collective).
+  double in_step_bytes = 0;
+  if (save_in_step_on(cfg_)) {
+    at::Tensor t = at::tensor({static_cast<double>(s_.checkpointer->bytes_written_in_step())}, at::kDouble);
+    s_.dist->world().all_reduce(t, fsdp::ReduceOp::kSum, "train/save_in_step_bytes").wait();
+    in_step_bytes = t.item<double>();
+  }
   if (s_.rank != 0) return;
   const int64_t bytes = tree_bytes(r_.last_checkpoint);
   std::string line = " in " + fixed(seconds, 1) + " s (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
                      fixed(static_cast<double>(bytes) / 1e6 / seconds, 0) + " MB/s)";
   // A save fused into the step (train.save_in_step): what the step wrote, and how long the step's
   // optimizer phase took with it, for comparison with the steps without a save.
-  if (in_step.item<double>() > 0) {
+  if (in_step_bytes > 0) {
     line = " in " + fixed(seconds, 2) + " s after the step (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
-           fixed(in_step.item<double>() / 1e6, 1) + " MB of it written during step " + std::to_string(r_.step) +
+           fixed(in_step_bytes / 1e6, 1) + " MB of it written during step " + std::to_string(r_.step) +
            "'s optimizer phase, which took " + fixed(last_optimizer_s_, 2) + " s)";
   }
   line += "; peak RSS per rank during the save:";

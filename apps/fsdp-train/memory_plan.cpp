@@ -157,8 +157,8 @@ fsdp::PlanRequest run_request(const TrainConfig& cfg) {
 
 bool save_in_step_on(const TrainConfig& cfg) {
   if (cfg.train.save_in_step == "off" || cfg.train.async_save) return false;
-  return cfg.train.save_in_step == "on" || cfg.fsdp.offload.params() == fsdp::OffloadTier::kDisk ||
-         cfg.fsdp.offload.optimizer_state() == fsdp::OffloadTier::kDisk;
+  return cfg.train.save_in_step == "on" ||
+         fsdp::save_in_step_pays(cfg.fsdp.offload.params(), cfg.fsdp.offload.optimizer_state(), false);
 }
 
 bool vocab_parallel_on(const TrainConfig& cfg) {

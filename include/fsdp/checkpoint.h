@@ -101,8 +101,6 @@ class SaveInStep {
   std::string finish(const TrainState& state);
   // This rank's bytes written into the checkpoint during the step, so far.
   int64_t bytes_written_in_step() const;
-  // The host memory its writers hold during the step (staging buffers), per rank.
-  static int64_t memory_bytes(int num_state_names);
 
  private:
   struct Impl;

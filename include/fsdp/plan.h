@@ -167,9 +167,8 @@ struct PlanRequest {
   bool replicate_adapters = false;
   bool async_save = false;  // a host snapshot of params and state while saving
   // Saves written during the optimizer step before them (checkpoint::SaveInStep): that step holds
-  // a checkpoint writer per file (the model's and each optimizer state's). Unset: when the plan
-  // puts a master or an optimizer state in the disk tier (which a save would read back) and saves
-  // are synchronous.
+  // a checkpoint writer per file (the model's and each optimizer state's). Unset: as
+  // save_in_step_pays says for the plan's tiers.
   std::optional<bool> save_in_step;
   // The phases around the steps (Note [The load and the save]): how the model gets its values, and
   // whether the run saves checkpoints, with the frozen parameters (SaveOptions::frozen_params) or not.
@@ -183,6 +182,11 @@ struct PlanRequest {
   // its own configuration (fsdp-train, fsdp-plan) translates them into its keys here. Unset: as is.
   std::function<std::string(const std::string& option)> option_name;
 };
+
+// Whether a save written during the optimizer step (checkpoint::SaveInStep) is worth its writers:
+// a master or optimizer state in the disk tier, which a save after the step would read back, and
+// synchronous saves (an async save snapshots instead). PlanRequest::save_in_step's default.
+bool save_in_step_pays(OffloadTier params, OffloadTier optimizer_state, bool async_save);
 
 // Bytes per rank in one place, item by item. The peak of a training step comes at one of two
 // moments that do not overlap: the start of backward (every activation alive, the loss's

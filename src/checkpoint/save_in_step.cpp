@@ -15,9 +15,6 @@
 #include "fsdp/optim.h"
 
 namespace fsdp::checkpoint {
-namespace {
-constexpr int64_t kBufferBytes = io::DirectWriter::kInStepBufferBytes;
-}  // namespace
 
 struct SaveInStep::Impl {
   explicit Impl(ShardedOptimizer& o) : optimizer(o) {}
@@ -47,10 +44,10 @@ struct SaveInStep::Impl {
         auto it = runs[k].find(slot);
         if (it == runs[k].end()) continue;
         at::Tensor source = master;
-        if (k > 0) {
-          auto s = states.find(kinds[k].substr(6));  // "optim." + name
+        if (k > 0) {  // file "optim." + the optimizer's (k-1)th state name
+          auto s = states.find(job.state_names[k - 1]);
           if (s == states.end() || !s->second.defined()) {
-            throw CheckpointError("the step did not pass its state '" + kinds[k].substr(6) + "' of " + state.tag);
+            throw CheckpointError("the step did not pass its state '" + job.state_names[k - 1] + "' of " + state.tag);
           }
           source = s->second;
         }
@@ -93,9 +90,10 @@ SaveInStep::SaveInStep(const std::string& root_dir, const std::string& name, FSD
         by_slot[run.flat].push_back(run);
         if (kind == "model") s.expected[run.flat] += run.count;
       }
-      s.writers.push_back(by_slot.empty() ? nullptr
-                                          : std::make_unique<io::DirectWriter>(
-                                                io::join(tmp_dir(s.job), kind + ".safetensors"), kBufferBytes));
+      s.writers.push_back(by_slot.empty()
+                              ? nullptr
+                              : std::make_unique<io::DirectWriter>(io::join(tmp_dir(s.job), kind + ".safetensors"),
+                                                                   io::DirectWriter::kInStepBufferBytes));
       s.runs.push_back(std::move(by_slot));
     }
   });
@@ -144,10 +142,6 @@ std::string SaveInStep::finish(const TrainState& state) {
 int64_t SaveInStep::bytes_written_in_step() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->bytes;
-}
-
-int64_t SaveInStep::memory_bytes(int num_state_names) {
-  return (1 + num_state_names) * io::DirectWriter::memory_bytes(kBufferBytes);
 }
 
 }  // namespace fsdp::checkpoint

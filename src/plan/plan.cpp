@@ -64,6 +64,10 @@ LoadKind parse_load_kind(const std::string& name) {
   throw ConfigError("fsdp: unknown load '" + name + "' (expected " + base::names_text(kLoadKinds) + ")");
 }
 
+bool save_in_step_pays(OffloadTier params, OffloadTier optimizer_state, bool async_save) {
+  return !async_save && (params == OffloadTier::kDisk || optimizer_state == OffloadTier::kDisk);
+}
+
 int64_t Plan::peak() const { return std::max({device.total(), load.total(), save.total()}); }
 
 const char* Plan::peak_phase() const {

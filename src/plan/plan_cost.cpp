@@ -505,8 +505,8 @@ int64_t compute_libraries(const PlanRequest& req) {
 // save_in_step resolved, a checkpoint writer per file when a save follows the step.
 void add_saves_in_step(const PlanRequest& req, const Choices& c, int64_t snapshot, PlanTier& host, Plan& p) {
   if (req.async_save) host.add("async save's snapshot", snapshot);
-  p.save_in_step = req.saves && req.save_in_step.value_or(!req.async_save && (c.params == OffloadTier::kDisk ||
-                                                                              c.optimizer_state == OffloadTier::kDisk));
+  p.save_in_step =
+      req.saves && req.save_in_step.value_or(save_in_step_pays(c.params, c.optimizer_state, req.async_save));
   if (!p.save_in_step) return;
   host.add("a save written during the step: a checkpoint writer per file (two buffers each)",
            (1 + req.optimizer_state_tensors) * io::DirectWriter::memory_bytes(io::DirectWriter::kInStepBufferBytes));

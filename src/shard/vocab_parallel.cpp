@@ -235,14 +235,18 @@ std::pair<at::Tensor, at::Tensor> targets_in(const at::Tensor& T, int64_t a, int
 }
 
 // Folds logits z ([M, c], rows [a, a + c)) into the running maximum, sum and target logit.
-void fold(const at::Tensor& z, int64_t a, const at::Tensor& T, at::Tensor& mx, at::Tensor& sum, at::Tensor& tl) {
+// Returns exp(z - cm) and cm, each token's maximum over the chunk, for the gradient's sums.
+std::pair<at::Tensor, at::Tensor> fold(const at::Tensor& z, int64_t a, const at::Tensor& T, at::Tensor& mx,
+                                       at::Tensor& sum, at::Tensor& tl) {
   const at::Tensor cm = z.amax(1);
-  const at::Tensor cs = (z - cm.unsqueeze(1)).exp_().sum(1);
+  at::Tensor e = (z - cm.unsqueeze(1)).exp_();
+  const at::Tensor cs = e.sum(1);
   const at::Tensor nm = at::maximum(mx, cm);
   sum = sum * (mx - nm).exp_() + cs * (cm - nm).exp_();
   mx = nm;
   const auto [in, col] = targets_in(T, a, z.size(1));
   tl.add_(at::where(in, z.gather(1, col).squeeze(1), at::zeros_like(tl)));
+  return {e, cm};
 }
 
 // The split rows' logits for every token ([M, split rows], fp32, rounded to the compute dtype as
@@ -266,18 +270,19 @@ at::Tensor split_logits(const Saved& s, const at::Tensor& shard) {
 // running maximum am, and O, the target rows.
 struct GradSums {
   at::Tensor A, O, am;
-  // Chunk z ([M, c] fp32) of rows [a, a + c), whose rows in the compute dtype are W ([c, D]).
-  void add(const at::Tensor& z, int64_t a, const at::Tensor& W, const at::Tensor& T) {
-    const at::Tensor nm = at::maximum(am, z.amax(1));
+  // The chunk of rows [a, a + c) whose rows in the compute dtype are W ([c, D]), as fold() left
+  // it: e = exp(z - cm) ([M, c] fp32), cm each token's maximum over the chunk.
+  void add(at::Tensor& e, const at::Tensor& cm, int64_t a, const at::Tensor& W, const at::Tensor& T) {
+    const at::Tensor nm = at::maximum(am, cm);
     A.mul_((am - nm).exp_().unsqueeze(1));  // the first chunk: exp(-inf) = 0 on zeros
     am = nm;
-    const at::Tensor p = (z - am.unsqueeze(1)).exp_();
+    const at::Tensor p = e.mul_((cm - am).exp_().unsqueeze(1));  // exp(z - am)
     if (W.scalar_type() == at::kFloat) {
       A.addmm_(p, W);
     } else {
       A.add_(at::mm(p.to(W.scalar_type()), W));
     }
-    const auto [in, col] = targets_in(T, a, z.size(1));
+    const auto [in, col] = targets_in(T, a, e.size(1));
     const at::Tensor rows = in.nonzero().squeeze(1);
     if (rows.numel() > 0) O.index_add_(0, rows, W.index_select(0, col.squeeze(1).index_select(0, rows)).to(at::kFloat));
   }
@@ -311,8 +316,8 @@ at::Tensor forward_loss(Saved& s, bool grad) {
   if (grad) sums = {at::zeros({M, t.dim}, f32), at::zeros({M, t.dim}, f32), mx.clone()};
   t.fp->with_shard_values([&](const at::Tensor& shard) {
     for_each_chunk(s, shard, [&](int64_t a, int64_t, const at::Tensor& W, const at::Tensor& z) {
-      fold(z, a, s.T, mx, sum, tl);
-      if (grad) sums.add(z, a, W, s.T);
+      auto [e, cm] = fold(z, a, s.T, mx, sum, tl);
+      if (grad) sums.add(e, cm, a, W, s.T);
     });
     s.split_z = split_logits(s, shard);
     for (size_t j = 0; j < t.split_rows.size(); ++j) {
