@@ -7,6 +7,12 @@
 //   bench_unsharded [same] --dump-data batches.bin --world 2
 //   bench_unsharded [same] --init-only --metrics base.jsonl   # memory baseline: no model built
 //
+// On `--set fsdp.device=cuda` it trains on the current CUDA device (the GPU check's floor); with
+// `fsdp.param_dtype` bfloat16 or float16 the model computes in that dtype from an fp32 master per
+// parameter (the master stepped, then copied into the model): the same mixed precision as
+// fsdp-train's, without sharding. Each --metrics line then has `peak_device_allocated_bytes` and
+// `peak_device_reserved_bytes` (the caching allocator's high-water marks since the start).
+//
 // The optimizer step and clipping use fsdp's own element-wise kernels (kernels/ops.h) on each
 // unsharded parameter, in fsdp's two groups (weight decay on >= 2-D parameters only): the same
 // arithmetic fsdp's sharded AdamW and clip_grad_norm do, so "fsdp on 1 rank / this" is the cost of
@@ -17,6 +23,7 @@
 // --dump-data writes int64 little-endian [steps, world, 2 (inputs, targets), batch_per_rank,
 // seq_len]: rank r of step s trains on element [s, r], as fsdp-train's rank_batch gives it.
 #include <ATen/Parallel.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -103,31 +110,44 @@ double lr_at(const train::OptimConfig& o, int64_t step, int64_t total_steps) {
   return fsdp::WarmupCosine(o.lr, o.warmup_steps, total_steps, o.min_lr).lr_at(step);
 }
 
-// One unsharded parameter and its AdamW state, stepped by fsdp's fused kernel.
+// One unsharded parameter and its AdamW state, stepped by fsdp's fused kernel. `master` is the
+// fp32 value the optimizer steps: the parameter itself in fp32 compute, else a copy of its own.
 struct ParamState {
-  at::Tensor param, exp_avg, exp_avg_sq;
+  at::Tensor param, master, exp_avg, exp_avg_sq;
   double weight_decay = 0;
   int64_t step = 0;
 };
 
+// Each parameter's gradient in fp32, as fsdp's reduced gradient shards are (undefined where none).
+std::vector<at::Tensor> fp32_grads(const std::vector<ParamState>& states) {
+  std::vector<at::Tensor> grads;
+  for (const auto& s : states) {
+    const at::Tensor& g = s.param.grad();
+    grads.push_back(!g.defined() || g.scalar_type() == at::kFloat ? g : g.to(at::kFloat));
+  }
+  return grads;
+}
+
 // fsdp::clip_grad_norm's arithmetic on unsharded gradients: the sum of squares in double, one
 // scale when the norm exceeds max_norm.
-void clip_grad_norm(const std::vector<ParamState>& states, double max_norm) {
-  auto sq = at::zeros({1}, at::kDouble);
-  for (const auto& s : states) {
-    if (s.param.grad().defined()) fsdp::kernels::sum_of_squares(s.param.grad(), sq);
+void clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm, const c10::Device& device) {
+  auto sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (const auto& g : grads) {
+    if (g.defined()) fsdp::kernels::sum_of_squares(g, sq);
   }
   const double coef = max_norm / (std::sqrt(sq.item<double>()) + 1e-6);
   if (coef >= 1) return;
-  for (const auto& s : states) {
-    if (s.param.grad().defined()) fsdp::kernels::scale_(s.param.grad(), coef);
+  for (const auto& g : grads) {
+    if (g.defined()) fsdp::kernels::scale_(g, coef);
   }
 }
 
-void adamw_step(std::vector<ParamState>& states, const train::OptimConfig& o, double lr) {
+void adamw_step(std::vector<ParamState>& states, const std::vector<at::Tensor>& grads, const train::OptimConfig& o,
+                double lr) {
   at::NoGradGuard no_grad;
-  for (auto& s : states) {
-    if (!s.param.grad().defined()) continue;
+  for (size_t i = 0; i < states.size(); ++i) {
+    ParamState& s = states[i];
+    if (!grads[i].defined()) continue;
     fsdp::kernels::AdamWArgs args;
     args.lr = lr;
     args.beta1 = o.betas[0];
@@ -135,8 +155,17 @@ void adamw_step(std::vector<ParamState>& states, const train::OptimConfig& o, do
     args.eps = o.eps;
     args.weight_decay = s.weight_decay;
     args.step = ++s.step;
-    fsdp::kernels::fused_adamw(args, s.param, s.param.grad(), s.exp_avg, s.exp_avg_sq);
+    fsdp::kernels::fused_adamw(args, s.master, grads[i], s.exp_avg, s.exp_avg_sq);
+    if (!s.master.is_same(s.param)) s.param.copy_(s.master);
   }
+}
+
+// The caching allocator's peak allocated and reserved bytes on `device` (0, 0 on the CPU).
+std::pair<double, double> device_peaks(const c10::Device& device) {
+  if (device.is_cpu()) return {0, 0};
+  const auto stats = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index());
+  const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  return {static_cast<double>(stats.allocated_bytes[all].peak), static_cast<double>(stats.reserved_bytes[all].peak)};
 }
 
 void write_line(std::FILE* metrics, const nlohmann::json& line) {
@@ -162,13 +191,23 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
   // The same initial values as fsdp-train's: its shards are materialised from this function too.
   llama::LlamaForCausalLM model(cfg.model, at::kMeta);
   fsdp::init::materialize(*model, llama::llama_init_fn(cfg.model, cfg.train.seed));
+  c10::Device device(cfg.fsdp.device);
+  if (!device.is_cpu() && !device.has_index()) device = c10::Device(device.type(), 0);  // one process: device 0
+  const at::ScalarType compute = cfg.fsdp.param_dtype;
+  std::vector<at::Tensor> masters;  // fp32, on the device, before the model is cast
+  if (compute != at::kFloat) {
+    for (const auto& p : llama::unique_parameters(*model))
+      masters.push_back(p.detach().to(device, at::kFloat, false, true));
+  }
+  model->to(device, compute);
   const auto& o = cfg.optim;
   std::vector<ParamState> states;
   for (const auto& p : llama::unique_parameters(*model)) {
     ParamState s;
     s.param = p;
-    s.exp_avg = at::zeros_like(p);
-    s.exp_avg_sq = at::zeros_like(p);
+    s.master = masters.empty() ? p : masters.at(states.size());
+    s.exp_avg = at::zeros_like(s.master);
+    s.exp_avg_sq = at::zeros_like(s.master);
     s.weight_decay = fsdp::default_param_group("", p) == 0 ? o.weight_decay : 0.0;
     states.push_back(std::move(s));
   }
@@ -185,35 +224,43 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
     };
     const double lr = lr_at(o, step, cfg.train.steps);
     const auto b = train::rank_batch(data, step * batch, batch, 0, train::Split::kTrain);
+    const auto inputs = b.inputs.to(device), targets = b.targets.to(device);
     const double data_s = since();
-    auto loss = llama::loss(model->forward(b.inputs), b.targets);
+    auto loss = llama::loss(model->forward(inputs), targets);
     const double forward_s = since();
     loss.backward();
     const double backward_s = since();
-    if (o.grad_clip > 0) clip_grad_norm(states, o.grad_clip);
+    const auto grads = fp32_grads(states);
+    if (o.grad_clip > 0) clip_grad_norm(grads, o.grad_clip, device);
     const double clip_s = since();
-    adamw_step(states, o, lr);
+    adamw_step(states, grads, o, lr);
     for (auto& s : states) s.param.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
     const double optimizer_s = since();
     const double loss_value = loss.item<double>();
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     total_s += dt;
+    const auto [peak_allocated, peak_reserved] = device_peaks(device);
     if (metrics != nullptr) {
-      write_line(metrics, {{"step", step + 1},
-                           {"loss", loss_value},
-                           {"lr", lr},
-                           {"step_time_s", dt},
-                           {"tokens_per_s", static_cast<double>(batch * cfg.data.seq_len) / dt},
-                           {"allgather_bytes", {0.0}},
-                           {"reduce_scatter_bytes", {0.0}},
-                           {"comm_wait_s", {0.0}},
-                           {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}},
-                           {"phase_s",
-                            {{"data", data_s},
-                             {"forward", forward_s},
-                             {"backward", backward_s},
-                             {"clip", clip_s},
-                             {"optimizer", optimizer_s}}}});
+      nlohmann::json line = {{"step", step + 1},
+                             {"loss", loss_value},
+                             {"lr", lr},
+                             {"step_time_s", dt},
+                             {"tokens_per_s", static_cast<double>(batch * cfg.data.seq_len) / dt},
+                             {"allgather_bytes", {0.0}},
+                             {"reduce_scatter_bytes", {0.0}},
+                             {"comm_wait_s", {0.0}},
+                             {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}},
+                             {"phase_s",
+                              {{"data", data_s},
+                               {"forward", forward_s},
+                               {"backward", backward_s},
+                               {"clip", clip_s},
+                               {"optimizer", optimizer_s}}}};
+      if (!device.is_cpu()) {
+        line["peak_device_allocated_bytes"] = {peak_allocated};
+        line["peak_device_reserved_bytes"] = {peak_reserved};
+      }
+      write_line(metrics, line);
     }
   }
   if (metrics != nullptr) std::fclose(metrics);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -33,10 +34,7 @@ bool takes_value(const std::string& flag) {
 
 // Records one flag that takes a value.
 void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
-  if (arg == "--config") {
-    f.config_path = v;
-    if (f.config_path.empty()) throw UsageError("flag --config needs a file name");
-  } else if (arg == "--set") {
+  if (arg == "--set") {
     const size_t eq = v.find('=');
     if (eq == std::string::npos || eq == 0) {
       throw UsageError("flag --set expects KEY=VALUE (e.g. optim.lr=1e-3), got '" + v + "'");
@@ -53,21 +51,17 @@ void apply_flag(Flags& f, const std::string& arg, const std::string& v) {
     // replace: a path that is not UTF-8 then fails to open, naming it, instead of throwing here.
     f.overrides.emplace_back("data.path",
                              nlohmann::json(v).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
-  } else if (arg == "--save-dir") {
-    f.save_dir = v;
-    if (f.save_dir.empty()) throw UsageError("flag --save-dir needs a directory");
-  } else if (arg == "--resume") {
-    f.resume = v;
-    if (f.resume.empty()) throw UsageError("flag --resume needs 'latest' or a checkpoint directory");
-  } else if (arg == "--metrics") {
-    f.metrics = v;
-    if (f.metrics.empty()) throw UsageError("flag --metrics needs a file name");
-  } else if (arg == "--init-from") {
-    f.init_from = v;
-    if (f.init_from.empty()) throw UsageError("flag --init-from needs a Hugging Face model directory");
-  } else {  // --trace
-    f.trace = v;
-    if (f.trace.empty()) throw UsageError("flag --trace needs a file name");
+  } else {  // --config, --save-dir, --resume, --metrics, --init-from, --trace: a value that is not empty
+    static const std::map<std::string, std::pair<std::string Flags::*, const char*>> kValues = {
+        {"--config", {&Flags::config_path, "a file name"}},
+        {"--save-dir", {&Flags::save_dir, "a directory"}},
+        {"--resume", {&Flags::resume, "'latest' or a checkpoint directory"}},
+        {"--metrics", {&Flags::metrics, "a file name"}},
+        {"--init-from", {&Flags::init_from, "a Hugging Face model directory"}},
+        {"--trace", {&Flags::trace, "a file name"}}};
+    const auto& [field, what] = kValues.at(arg);
+    if (v.empty()) throw UsageError("flag " + arg + " needs " + what);
+    f.*field = v;
   }
 }
 

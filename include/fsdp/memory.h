@@ -27,6 +27,11 @@ struct MemoryReport {
   int64_t tier_host = 0;      // host tier: host memory (pinned with CUDA)
   int64_t tier_disk = 0;      // disk tier: bytes in files under offload.dir
   int64_t disk_resident = 0;  // of the disk tier, pages in memory now
+  // With the model on an accelerator (CUDA), its caching allocator's high-water marks on the
+  // current device since the process started (or since the allocator's peaks were last reset):
+  // what the model, its activations and everything else the process allocated there needed at
+  // most (allocated), and what the allocator held from the device for it (reserved). 0 on the CPU.
+  int64_t device_peak_allocated = 0, device_peak_reserved = 0;
   int64_t model_state() const { return sharded_params + sharded_grads + optimizer_state; }
   std::string to_string() const;
 };

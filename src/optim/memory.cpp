@@ -2,6 +2,8 @@
 // held now), offload_plan (what the offload tiers will hold and move per step, by the placement
 // rules: Note [Placement rules]), offload_io (what they moved) and disk_tier_stats, from the shard
 // layer's facts (shard/model_figures.h) and the optimizer's state.
+#include <ATen/DeviceAccelerator.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -45,6 +47,10 @@ std::string MemoryReport::to_string() const {
     s << "; by tier: device " << mib(tier_device) << " MiB, host " << mib(tier_host) << " MiB, disk " << mib(tier_disk)
       << " MiB (" << mib(disk_resident) << " MiB of it in memory now)";
   }
+  if (device_peak_reserved > 0) {
+    s << "; device peak " << mib(device_peak_allocated) << " MiB allocated, " << mib(device_peak_reserved)
+      << " MiB reserved";
+  }
   return s.str();
 }
 
@@ -67,6 +73,12 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
     r.unsharded_grads_alive += f.grad_buffer_bytes;
   }
   r.peak_unsharded = m.peak_gathered_bytes;
+  if (std::any_of(m.flats.begin(), m.flats.end(), [](const FlatFigures& f) { return !f.io.device_is_cpu; })) {
+    const auto stats = at::accelerator::getDeviceStats(at::accelerator::getDeviceIndex());
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    r.device_peak_allocated = stats.allocated_bytes[all].peak;
+    r.device_peak_reserved = stats.reserved_bytes[all].peak;
+  }
   if (m.disk_tier != nullptr) r.disk_resident = m.disk_tier->resident_bytes();
   if (optimizer == nullptr) return r;
   for (const auto& s : optimizer->states()) {
