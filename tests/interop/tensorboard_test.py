@@ -3,7 +3,7 @@
 Usage: FSDP_RUN=build/bin/fsdp-run FSDP_TRAIN=build/bin/fsdp-train .venv/bin/python tests/interop/tensorboard_test.py
 (ctest sets them.)
 
-  1. A tiny fsdp-train job (2 ranks under fsdp-run, 6 steps, an evaluation every 3 steps) writes its
+  1. A tiny fsdp-train job (2 ranks under fsdp-run, 6 steps, evaluations at 0, 3 and 6) writes its
      metrics while `scripts/tensorboard --follow --pid` converts them live (started before the file
      exists, stopping once the job has exited); then a one-shot conversion of the same file. Both
      folders, read back with tensorboard.backend.event_processing.event_accumulator.EventAccumulator:
@@ -151,9 +151,9 @@ def real_run(tmp, programs):
     for tag in ("train/loss", "train/lr", "train/step_time_s", "train/tokens_per_s", "train/peak_rss_bytes/rank0",
                 "train/peak_rss_bytes/rank1", "train/allgather_bytes/rank1", "eval/loss", "eval/perplexity"):
         check(f"the JSONL has {tag}", tag in want, sorted(want))
-    check("the JSONL has steps 1..6 and evaluations at 3 and 6",
+    check("the JSONL has steps 1..6 and evaluations at 0 (before training), 3 and 6",
           [s for s, _ in want.get("train/loss", [])] == [1, 2, 3, 4, 5, 6] and
-          [s for s, _ in want.get("eval/loss", [])] == [3, 6], want.get("train/loss"))
+          [s for s, _ in want.get("eval/loss", [])] == [0, 3, 6], (want.get("train/loss"), want.get("eval/loss")))
     for name, logdir in (("followed live", live), ("converted once", once)):
         got, plugins = read_back(logdir, plugin=False)
         compare(f"{name}, event_accumulator", want, got)
