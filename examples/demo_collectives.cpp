@@ -67,6 +67,7 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-demo: %s\n", e.what());
+    fsdp::write_launcher_error(e);  // under torchrun, its summary shows the error
     return 1;
   }
 }

@@ -22,6 +22,7 @@
 #include "base/host_malloc.h"
 #include "ckpt_commands.h"
 #include "ckpt_view.h"
+#include "fsdp/launcher_error.h"
 
 namespace {
 
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "fsdp-ckpt: error: %s\n", e.what());
+    fsdp::write_launcher_error(e);  // started by torchrun (a job step): its summary shows the error
     return command == "diff" ? 2 : 1;
   }
 }

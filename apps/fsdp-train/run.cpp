@@ -3,7 +3,7 @@
 // Exit status: 0 on success, 2 for a usage or config error (reported before joining the job when
 // it can be), 1 for any other failure, 128 + S after signal S, SIGTERM or SIGINT (preemption.h:
 // every rank stops after the step in flight and saves a checkpoint with --save-dir). Errors go to
-// stderr as "fsdp-train: error: <what>".
+// stderr as "fsdp-train: error: <what>", and under torchrun in its error file (TORCHELASTIC_ERROR_FILE).
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 
@@ -23,6 +23,7 @@
 #include "data.h"
 #include "flags.h"
 #include "fsdp/errors.h"
+#include "fsdp/launcher_error.h"
 #include "hooks.h"
 #include "memory_plan.h"
 #include "preemption.h"
@@ -103,6 +104,14 @@ void check_plan(const TrainConfig& config) {
   }
 }
 
+// Every rank reports, on stderr and in torchrun's error file (its summary then names the cause):
+// a launcher may stop rank 0 before it prints when another rank exits first.
+int report_error(const std::exception& e, int status) {
+  std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+  fsdp::write_launcher_error(e);
+  return status;
+}
+
 }  // namespace
 
 int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
@@ -128,21 +137,14 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
                    !flags.save_dir.empty());
     if (flags.plan) return print_plan(config);
     if (!flags.init_only) check_plan(config);
-  } catch (const std::exception& e) {
-    // Every rank reports: a launcher may stop rank 0 before it prints when another rank exits first.
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
-  }
-  // Note [fsdp-train's threads] (flags.cpp): ranks on one machine share its cores.
-  try {
+    // Note [fsdp-train's threads] (flags.cpp): ranks on one machine share its cores.
     cpu_set_t set;
     CPU_ZERO(&set);
     const int cores = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
     at::set_num_threads(intra_op_threads(std::getenv("FSDP_THREADS"), std::getenv("OMP_NUM_THREADS"),
                                          std::getenv("LOCAL_WORLD_SIZE"), cores));
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
+  } catch (const std::exception& e) {
+    return report_error(e, 2);
   }
   try {
     // Before the job joins: a SIGTERM during start-up stops it after its first step.
@@ -150,14 +152,11 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     hooks.check();  // a bad test setting fails now, not at the stop
     return run_training(config, flags, std::move(*data), hooks);
   } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
+    return report_error(e, 2);
   } catch (const fsdp::ConfigError& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 2;
+    return report_error(e, 2);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return 1;
+    return report_error(e, 1);
   }
 }
 

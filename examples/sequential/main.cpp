@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
     return train(args);
   } catch (const std::exception& e) {  // fsdp's errors name what is wrong and what to do
     std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
+    fsdp::write_launcher_error(e);  // under torchrun, its summary shows the error
     return 1;
   }
 }

@@ -1,4 +1,4 @@
-// Process-group set-up: reading the launch environment (torchrun, Slurm, OpenMPI), TCPStore
+// Process-group set-up: reading the launch environment (torchrun, Slurm, OpenMPI, MPICH / Intel MPI), TCPStore
 // rendezvous, and the `Dist` context that owns the world communicator. Nothing here is global:
 // a `Dist` is passed explicitly to the mesh and everything built on it.
 #pragma once
@@ -30,7 +30,8 @@ struct DistEnv {
   int local_world_size = 1;
   std::string master_addr;
   int master_port = 0;
-  // "torchrun", "slurm", "openmpi", or "none" (no variables: a single process).
+  // "torchrun", "openmpi", "mpich" (Hydra's mpiexec: MPICH, Intel MPI), "slurm", or "none" (no
+  // variables: a single process).
   std::string launcher = "none";
   // FSDP_MASTER_LISTEN_FD: a socket already bound (and usually listening) on MASTER_PORT that
   // rank 0 hosts the store on, handed down by the launcher so that no other process can take the
@@ -46,7 +47,11 @@ struct DistEnv {
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
 
 // Reads the launch environment. Precedence: torchrun's RANK/WORLD_SIZE, then OpenMPI's
-// OMPI_COMM_WORLD_*, then Slurm's SLURM_PROCID/SLURM_NTASKS; none of them means one process.
+// OMPI_COMM_WORLD_*, then MPICH's and Intel MPI's PMI_RANK/PMI_SIZE (local rank and size from
+// Hydra's MPI_LOCALRANKID/MPI_LOCALNRANKS; skipped for srun --mpi=pmi2, which sets PMI_RANK but
+// not MPI_LOCALRANKID, in favour of its SLURM_*), then Slurm's SLURM_PROCID/SLURM_NTASKS; none of
+// them means one process. Under MPI and Slurm, MASTER_ADDR/MASTER_PORT are exported by the user
+// (torchrun sets them itself).
 // Throws EnvError naming the variable when one is missing, not an integer, or out of range.
 // Touches no network, so a bad environment fails at once.
 DistEnv parse_dist_env(const EnvLookup& lookup);

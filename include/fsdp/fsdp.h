@@ -23,6 +23,7 @@
 #include "fsdp/grad_scaler.h"
 #include "fsdp/init.h"
 #include "fsdp/join.h"
+#include "fsdp/launcher_error.h"
 #include "fsdp/lora.h"
 #include "fsdp/loss.h"
 #include "fsdp/memory.h"

@@ -1,5 +1,5 @@
-// Reading the launch environment: torchrun, OpenMPI and Slurm variables. Pure parsing, no network,
-// so a missing or malformed variable fails at once with its name.
+// Reading the launch environment: torchrun, OpenMPI, MPICH / Intel MPI (Hydra) and Slurm variables.
+// Pure parsing, no network, so a missing or malformed variable fails at once with its name.
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
@@ -110,6 +110,20 @@ DistEnv parse_dist_env(const EnvLookup& lookup) {
     out.local_rank = env.optional_integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, 0, kMaxInt, ctx);
     if (out.world_size > 1) read_master(env, out, ctx);
     check_rank(out, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+  } else if ((env.has("PMI_RANK") || env.has("PMI_SIZE")) &&
+             (env.has("MPI_LOCALRANKID") || !(env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")))) {
+    // Hydra's mpiexec (MPICH, Intel MPI) sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS;
+    // its ranks may inherit a batch script's SLURM_* too, which then describe the script, not them.
+    // srun --mpi=pmi2 sets PMI_RANK without MPI_LOCALRANKID: its own SLURM_* are read below.
+    const std::string ctx =
+        " (MPICH / Intel MPI launch: export MASTER_ADDR and MASTER_PORT before mpiexec, or pass them with -genv)";
+    out.launcher = "mpich";
+    out.world_size = env.integer("PMI_SIZE", 1, kMaxInt, ctx);
+    out.rank = env.integer("PMI_RANK", 0, kMaxInt, ctx);
+    out.local_world_size = env.optional_integer("MPI_LOCALNRANKS", out.world_size, 1, kMaxInt, ctx);
+    out.local_rank = env.optional_integer("MPI_LOCALRANKID", 0, 0, kMaxInt, ctx);
+    if (out.world_size > 1) read_master(env, out, ctx);
+    check_rank(out, "PMI_RANK", "PMI_SIZE");
   } else if (env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")) {
     const std::string ctx =
         " (Slurm launch: export MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT before srun)";

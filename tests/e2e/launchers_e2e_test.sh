@@ -7,8 +7,12 @@
 #  - torchrun --max-restarts 1 with one rank SIGKILLed mid-run: the agent restarts the job, which
 #    resumes from the latest checkpoint by itself (--resume latest from the first launch on: with no
 #    checkpoint yet it starts fresh) and ends with the uninterrupted run's losses and checkpoint;
+#  - torchrun with rank 1 failing on a bad config key: torchrun's summary shows fsdp-train's error
+#    (TORCHELASTIC_ERROR_FILE);
 #  - OpenMPI's mpirun when it is installed, else the environment it sets up; Slurm's environment
-#    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), as srun sets it without a running cluster.
+#    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), as srun sets it without a running cluster; MPICH's
+#    and Intel MPI's mpiexec (Hydra) when installed, else its environment (PMI_RANK, PMI_SIZE,
+#    MPI_LOCALRANKID, MPI_LOCALNRANKS).
 # Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... FSDP_TORCHRUN=.venv/bin/torchrun \
 #        FSDP_PYTHON=.venv/bin/python tests/e2e/launchers_e2e_test.sh        (ctest sets them)
 set -u
@@ -50,6 +54,23 @@ timeout -k 5 180 "$TORCHRUN" --standalone --nproc-per-node 2 --no-python "$TRAIN
 rc=$?
 same_as "$TMP/ref.jsonl" "$TMP/standalone.jsonl" "torchrun --standalone, 2 processes (exit $rc): same losses as fsdp-run" \
   "$TMP/standalone.out"
+
+# ---- torchrun's summary names a failing rank's error ----------------------------------------------------
+# Rank 1 alone gets a config key that does not exist; it writes its error to TORCHELASTIC_ERROR_FILE,
+# which torchrun's failure summary prints as the root cause ("traceback : ..."), rather than only
+# "exitcode: 2". Rank 0, left waiting for it, times out 5 s later (its own error comes second).
+timeout -k 5 120 "$TORCHRUN" --standalone --nproc-per-node 2 --no-python bash -c \
+  'if [ "$RANK" = 1 ]; then exec "$0" "$@" --set train.no_such_key=1; else exec "$0" "$@"; fi' \
+  "$TRAIN" "${TINY[@]}" --set fsdp.timeout_s=5 --steps $STEPS >"$TMP/failing.out" 2>&1 </dev/null
+rc=$?
+msg=$(grep -m 1 "train.no_such_key" "$TMP/failing.out" | sed -n 's/^fsdp-train: error: //p')
+ok=0
+if [ "$rc" -ne 0 ] && [ -n "$msg" ] && sed -n '/Root Cause/,$p' "$TMP/failing.out" | grep -qF "traceback : $msg" &&
+   grep -q "error_file: .*/1/error.json" "$TMP/failing.out"; then
+  ok=1
+fi
+record "torchrun, rank 1 fails on a bad config key (exit $rc): torchrun's summary shows fsdp-train's error" $ok \
+  "$TMP/failing.out"
 
 # ---- two torchrun agents as two nodes ----------------------------------------------------------------
 # The rendezvous endpoint is a store that a helper hosts on a port the kernel chose (published in a
@@ -171,6 +192,26 @@ done
 wait
 same_as "$TMP/ref.jsonl" "$TMP/slurm.jsonl" "Slurm's environment (SLURM_PROCID/NTASKS/LOCALID, as srun sets it): same losses as fsdp-run" \
   "$TMP/slurm.r0.out" "$TMP/slurm.r1.out"
+
+# MPICH and Intel MPI: Hydra's mpiexec gives each rank PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and
+# MPI_LOCALNRANKS; the real mpiexec when MPICH's is installed, else that environment.
+hydra=$(command -v mpiexec.hydra || command -v mpiexec.mpich || true)
+if [ -n "$hydra" ]; then
+  timeout -k 5 120 "$hydra" -n 2 -genv OMP_NUM_THREADS 1 \
+    bash "$RANK_SH" PMI_RANK "$TMP/hydra.port" "$TRAIN" "${TINY[@]}" --steps $STEPS \
+    --metrics "$TMP/hydra.jsonl" >"$TMP/hydra.out" 2>&1 </dev/null
+  what="$(basename "$hydra") -n 2 (exit $?)"
+else
+  for r in 0 1; do
+    PMI_RANK=$r PMI_SIZE=2 MPI_LOCALRANKID=$r MPI_LOCALNRANKS=2 \
+      timeout -k 5 120 bash "$RANK_SH" PMI_RANK "$TMP/hydra.port" "$TRAIN" "${TINY[@]}" --steps $STEPS \
+      --metrics "$TMP/hydra.jsonl" >"$TMP/hydra.r$r.out" 2>&1 </dev/null &
+  done
+  wait
+  cat "$TMP"/hydra.r*.out >"$TMP/hydra.out"
+  what="MPICH's and Intel MPI's environment (PMI_RANK/PMI_SIZE/MPI_LOCALRANKID/MPI_LOCALNRANKS; no mpiexec.hydra)"
+fi
+same_as "$TMP/ref.jsonl" "$TMP/hydra.jsonl" "$what: same losses as fsdp-run" "$TMP/hydra.out"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,24 +1,33 @@
 // Launch-environment parsing and rendezvous errors: every bad or partial environment names its
-// variable at once; a port in use and a rank that never joins fail within the timeout.
+// variable at once; a port in use and a rank that never joins fail within the timeout. A failing
+// rank's error file for torchrun (write_launcher_error).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <iterator>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "base/file_io.h"
 #include "base/host_malloc.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
+#include "fsdp/launcher_error.h"
 #include "support/ranks.h"
 
 namespace fsdp {
@@ -122,6 +131,111 @@ TEST(Env, OpenMpi) {
   EXPECT_EQ(env.world_size, 3);
   expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT");
   expect_env_error({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_SIZE");
+}
+
+// Hydra's mpiexec (MPICH, Intel MPI): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS.
+const Vars kHydra = {{"PMI_RANK", "2"},        {"PMI_SIZE", "4"},           {"MPI_LOCALRANKID", "0"},
+                     {"MPI_LOCALNRANKS", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}};
+
+TEST(Env, MpichAndIntelMpi) {
+  auto env = parse(kHydra);
+  EXPECT_EQ(env.launcher, "mpich");
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.local_world_size, 2);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+  env = parse(without(without(kHydra, "MPI_LOCALRANKID"), "MPI_LOCALNRANKS"));  // PMI_* alone: one host
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.local_world_size, 4);
+  env = parse({{"PMI_RANK", "0"}, {"PMI_SIZE", "1"}});  // one process needs no master
+  EXPECT_EQ(env.launcher, "mpich");
+  EXPECT_EQ(env.world_size, 1);
+  expect_env_error(without(kHydra, "MASTER_ADDR"), "MASTER_ADDR is not set (MPICH / Intel MPI launch");
+  expect_env_error(without(kHydra, "MASTER_PORT"), "-genv");
+  expect_env_error(without(kHydra, "PMI_SIZE"), "PMI_SIZE is not set");
+  expect_env_error(without(kHydra, "PMI_RANK"), "PMI_RANK is not set");
+  expect_env_error(with(kHydra, "PMI_RANK", "4"), "PMI_RANK=4 must be less than PMI_SIZE=4");
+  expect_env_error(with(kHydra, "PMI_SIZE", "0"), "PMI_SIZE=0 is out of range");
+  expect_env_error(with(kHydra, "MPI_LOCALRANKID", "x"), "MPI_LOCALRANKID='x' is not an integer");
+  expect_env_error(with(kHydra, "MPI_LOCALRANKID", "2"), "local rank 2 must be less than the local world size 2");
+  expect_env_error(with(kHydra, "MPI_LOCALNRANKS", "0"), "MPI_LOCALNRANKS=0 is out of range");
+}
+
+TEST(Env, MpichUnderSlurm) {
+  // mpiexec in a batch script: every rank inherits the script's SLURM_PROCID=0; Hydra's variables win.
+  auto env = parse(with(with(with(kHydra, "SLURM_PROCID", "0"), "SLURM_NTASKS", "8"), "SLURM_LOCALID", "0"));
+  EXPECT_EQ(env.launcher, "mpich");
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 4);
+  // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not MPI_LOCALRANKID: Slurm's own variables,
+  // with the local rank (SLURM_LOCALID), are read.
+  env = parse({{"PMI_RANK", "3"},
+               {"PMI_SIZE", "8"},
+               {"SLURM_PROCID", "3"},
+               {"SLURM_NTASKS", "8"},
+               {"SLURM_LOCALID", "1"},
+               {"MASTER_ADDR", "h"},
+               {"MASTER_PORT", "1"}});
+  EXPECT_EQ(env.launcher, "slurm");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.local_rank, 1);
+  // OpenMPI's variables come first.
+  EXPECT_EQ(parse(with(with(kHydra, "OMPI_COMM_WORLD_RANK", "0"), "OMPI_COMM_WORLD_SIZE", "1")).launcher, "openmpi");
+}
+
+// A temporary folder, removed with what is in it; TORCHELASTIC_ERROR_FILE unset before and after.
+class LauncherError : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/fsdp-launcher-error-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    ::unsetenv("TORCHELASTIC_ERROR_FILE");
+  }
+  void TearDown() override {
+    ::unsetenv("TORCHELASTIC_ERROR_FILE");
+    std::remove(file().c_str());
+    ::rmdir(dir_.c_str());
+  }
+  std::string file() const { return dir_ + "/error.json"; }
+  std::string dir_;
+};
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST_F(LauncherError, WritesTorchrunsFormatOnce) {
+  const std::runtime_error first("fsdp: config: unknown key \"model.bogus\"\nsecond line \xff");
+  ASSERT_EQ(::setenv("TORCHELASTIC_ERROR_FILE", file().c_str(), 1), 0);
+  const auto t0 = static_cast<int64_t>(std::time(nullptr));
+  EXPECT_TRUE(write_launcher_error(first));
+  const auto t1 = static_cast<int64_t>(std::time(nullptr));
+  const std::string text = read_all(file());
+  const auto j = nlohmann::json::parse(text);  // valid JSON, invalid UTF-8 replaced
+  const std::string expected = "fsdp: config: unknown key \"model.bogus\"\nsecond line \xef\xbf\xbd";
+  EXPECT_EQ(j.at("message").at("message").get<std::string>(), expected) << text;
+  EXPECT_EQ(j.at("message").at("extraInfo").at("py_callstack").get<std::string>(), expected) << text;
+  // torchrun's ProcessFailure reads int(message["extraInfo"]["timestamp"]): seconds, as a string.
+  const std::string ts = j.at("message").at("extraInfo").at("timestamp").get<std::string>();
+  EXPECT_GE(std::stoll(ts), t0);
+  EXPECT_LE(std::stoll(ts), t1);
+  // A later error leaves the first one, the root cause, in place.
+  EXPECT_FALSE(write_launcher_error(std::runtime_error("a later error")));
+  EXPECT_EQ(read_all(file()), text);
+}
+
+TEST_F(LauncherError, NothingWithoutAFileAndNeverThrows) {
+  const std::runtime_error e("boom");
+  EXPECT_FALSE(write_launcher_error(e));                     // unset: not under torchrun
+  ASSERT_EQ(::setenv("TORCHELASTIC_ERROR_FILE", "", 1), 0);  // torchrun without a log folder
+  EXPECT_FALSE(write_launcher_error(e));
+  ASSERT_EQ(::setenv("TORCHELASTIC_ERROR_FILE", (dir_ + "/missing/error.json").c_str(), 1), 0);
+  EXPECT_FALSE(write_launcher_error(e));  // cannot be created: skipped, no exception
+  EXPECT_FALSE(io::exists(file()));
 }
 
 TEST(Env, LaunchersStoreHints) {
