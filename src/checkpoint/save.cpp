@@ -300,6 +300,12 @@ void commit(SaveJob& job, const std::string& tmp, const std::string& final_dir) 
   for (const auto& kind : file_kinds(job)) {
     safetensors::Index index;
     index.metadata = {{"format_version", kFormatVersion}, {"step", job.state.step}};
+    if (kind == "model") {  // the buffers, each in the dtype it is saved in: the rest are F32 masters
+      index.metadata["buffers"] = nlohmann::json::object();
+      for (const auto& b : job.layout.buffers) {
+        index.metadata["buffers"][b.name] = safetensors::dtype_name(safetensors::from_scalar_type(b.dtype));
+      }
+    }
     for (const auto& spec : specs_for(job, kind)) index.weight_map[spec.name] = kind + ".safetensors";
     File f = File::open_write(join(tmp, kind + ".safetensors.index.json"), true);
     const std::string text = safetensors::index_to_json(index);
