@@ -8,6 +8,8 @@
 //   - rng_states, always: each process's CPU generator state, which fsdp-train does not draw
 //     from for anything that reaches the tensors (init and data order are keyed by seed and
 //     step), and which depends on how many ranks ran;
+//   - commit_index, always: the checkpoint's place among the commits into its save root (for
+//     SaveOptions::keep_last), which says nothing of the training state;
 //   - world_size and strategy, with --ignore-world, to compare runs of one job on different
 //     world sizes or sharding strategies. A trainer also records those in extra (e.g. fsdp-train's
 //     extra.config.fsdp and extra.config.data.batch_size_per_rank); leave those out with
@@ -37,7 +39,7 @@ namespace {
 constexpr uint64_t kDiffChunkBytes = 16 << 20;
 
 struct DiffOptions {
-  std::vector<std::string> ignore{"/rng_states"};
+  std::vector<std::string> ignore{"/rng_states", "/commit_index"};
   size_t max_diffs = 20;
   std::string a, b;
 };

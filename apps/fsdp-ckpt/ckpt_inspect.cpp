@@ -10,9 +10,11 @@
 //     files as train_state.json "files";
 //   - each file set: its index parses, every header parses (Note [Safetensors validation]), and
 //     index and headers agree (check_index_against_headers);
-//   - model tensors are F32 (the loader refuses anything else); every optimizer file set holds
-//     exactly the trainable tensors (the keys of optimizer.steps), each with the model tensor's
-//     dtype and shape;
+//   - model tensors are F32 master weights, except buffers, which are saved in their own dtype:
+//     each has the dtype the model index records for it (metadata.buffers); an index without
+//     that record (saved before fsdp kept it) lets a tensor that is not trainable keep its dtype;
+//     every optimizer file set holds exactly the trainable tensors (the keys of optimizer.steps),
+//     each with the model tensor's dtype and shape;
 //   - when fsdp-train saved it (extra.config.model): the model tensors are those of
 //     LlamaForCausalLM of that config;
 //   - every byte of every file reads back (short files, IO errors).
@@ -229,11 +231,17 @@ int run_verify(const Args& args) {
     }
   }
   if (model != nullptr) {
+    const json& meta = model->index.metadata;
+    const bool recorded = meta.contains("buffers") && meta["buffers"].is_object();
     for (const auto& name : model->order) {
       const auto& t = model->tensors.at(name);
-      if (t.entry.dtype != st::DType::F32) {
-        problems.add("checkpoint " + dir + " (" + t.file + "): tensor '" + name + "' is " +
-                     st::dtype_name(t.entry.dtype) + "; model tensors are F32 master weights");
+      const std::string is =
+          "checkpoint " + dir + " (" + t.file + "): tensor '" + name + "' is " + st::dtype_name(t.entry.dtype);
+      if (recorded && meta["buffers"].contains(name)) {
+        if (meta["buffers"][name] != st::dtype_name(t.entry.dtype))
+          problems.add(is + "; the index records the buffer as " + meta["buffers"][name].dump());
+      } else if (t.entry.dtype != st::DType::F32 && (recorded || fields.trainable.count(name))) {
+        problems.add(is + "; model tensors other than buffers are F32 master weights");
       }
     }
     for (const auto& set : sets) {

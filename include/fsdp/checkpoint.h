@@ -41,7 +41,11 @@ struct TrainState {
 };
 
 struct SaveOptions {
-  TORCH_ARG(int, keep_last) = 0;          // keep the newest K committed checkpoints (0: keep all)
+  // Keep the newest K committed checkpoints of root_dir (0: keep all). Newest by the step each
+  // records (TrainState::step), then, among equal steps, by the order they were committed in
+  // (train_state.json's commit_index), never by name; the one just saved and the one `latest`
+  // names are never removed.
+  TORCH_ARG(int, keep_last) = 0;
   TORCH_ARG(bool, update_latest) = true;  // point dir/latest at this checkpoint after the commit
   // Called on every rank as each phase begins: "prepare" (the files are laid out), "write" (this
   // rank's shards), "commit" (rank 0 makes it visible). For progress reports; it must not throw.
@@ -54,7 +58,10 @@ struct SaveOptions {
 
 // Saves into root_dir/name atomically (written as name.tmp, renamed on success). Collective: every
 // rank calls it. A failure on any rank raises the same error on every rank naming the failing
-// rank, and nothing is committed. Returns the committed directory.
+// rank, nothing is committed and name.tmp is removed. A save also removes the *.tmp directories
+// that earlier saves into root_dir left when their process died (never a save in progress, here or
+// in another process: see Note [Orphaned saves] in src/checkpoint/save.cpp). Returns the committed
+// directory.
 std::string save(const std::string& root_dir, const std::string& name, FSDPModule& root, ShardedOptimizer* optimizer,
                  const TrainState& state, const SaveOptions& options = {});
 
@@ -119,10 +126,12 @@ TrainState read_train_state(const std::string& dir);
 // The one schema of train_state.json, the file save() writes last: format_version (==
 // kFormatVersion), step and samples_seen (integers >= 0), world_size (>= 1), strategy (a
 // ShardingStrategy name), rng_states (one base64 RNG state per rank), extra (an object), optimizer
-// {type: a string, state_names: non-empty strings, steps: {tensor: integer >= 0}} and files (the
-// safetensors file names). check_train_state checks a parsed document against it and returns every
-// problem found (empty: it holds), each "<where>field 'KEY' is VALUE, not WHAT" or "<where>field
-// 'KEY' is missing". read_train_state and load() throw the first; fsdp-ckpt verify prints them all.
+// {type: a string, state_names: non-empty strings, steps: {tensor: integer >= 0}}, files (the
+// safetensors file names) and, optional (absent before it was recorded), commit_index (an integer
+// >= 0: 1 + the largest commit_index in root_dir at the commit; SaveOptions::keep_last).
+// check_train_state checks a parsed document against it and returns every problem found (empty:
+// it holds), each "<where>field 'KEY' is VALUE, not WHAT" or "<where>field 'KEY' is missing".
+// read_train_state and load() throw the first; fsdp-ckpt verify prints them all.
 std::vector<std::string> check_train_state(const nlohmann::json& doc, const std::string& where);
 
 // True when root_dir/latest names a committed checkpoint.

@@ -1,7 +1,9 @@
 // See file_io.h.
 #include "base/file_io.h"
+#include "base/file_lock.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,11 +12,22 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <mutex>
+#include <set>
 
 #include "fsdp/errors.h"
 
 namespace fsdp::io {
 namespace {
+
+struct Locks {  // the lock files this process holds (try_lock_file)
+  std::mutex mutex;
+  std::set<std::pair<dev_t, ino_t>> held;
+};
+Locks& locks() {
+  static Locks* l = new Locks;  // never destroyed: a save may release its lock during exit
+  return *l;
+}
 
 [[noreturn]] void fail(const std::string& what, const std::string& path, int err) {
   throw CheckpointError("fsdp: " + what + " " + path + ": " + std::strerror(err));
@@ -206,6 +219,26 @@ void remove_tree(const std::string& path) {
 
 void rename_path(const std::string& from, const std::string& to) {
   if (::rename(from.c_str(), to.c_str()) != 0) fail("cannot rename " + from + " to", to, errno);
+}
+
+std::shared_ptr<void> try_lock_file(const std::string& path, bool create) {
+  std::lock_guard<std::mutex> guard(locks().mutex);
+  struct stat st {};
+  if (!create && (::stat(path.c_str(), &st) != 0 || locks().held.count({st.st_dev, st.st_ino}) != 0)) return nullptr;
+  if (create) File::open_write(path, true).close();  // throws naming the path and the reason
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  const bool locked = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  if (fd < 0 || ::fstat(fd, &st) != 0 || (!locked && !create)) {
+    if (fd >= 0) ::close(fd);
+    return nullptr;
+  }
+  const std::pair<dev_t, ino_t> id{st.st_dev, st.st_ino};
+  locks().held.insert(id);
+  return std::shared_ptr<void>(&locks(), [fd, id](void*) {  // not null: a lock held
+    std::lock_guard<std::mutex> release(locks().mutex);
+    locks().held.erase(id);
+    ::close(fd);
+  });
 }
 
 }  // namespace fsdp::io

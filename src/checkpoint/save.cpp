@@ -5,15 +5,18 @@
 //   write (every rank): its own shards' bytes at their offsets, fsync;
 //   commit (rank 0):  indexes, then train_state.json last, fsync, rename NAME.tmp -> NAME, fsync
 //                     the parent, update `latest`, drop checkpoints beyond keep_last.
+// A failed save removes its NAME.tmp; the next save clears orphaned ones (Note [Orphaned saves]).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <tuple>
 
 #include "base/strings.h"
 #include "base/direct_writer.h"
 #include "base/file_io.h"
+#include "base/file_lock.h"
 #include "safetensors/index.h"
 #include "checkpoint/layout.h"
 #include "safetensors/safetensors.h"
@@ -40,6 +43,40 @@ void fault_point(const SaveJob& job, const std::string& phase) {
   if (fault_hook()) fault_hook()(phase, job.group->rank());
 }
 
+// Note [Orphaned saves]
+// Rank 0 lays a save out in NAME.tmp with a lock file, kLockFile, that it holds under flock(2)
+// until the save ends and unlinks just after the rename that commits. A failed save's rank 0
+// removes NAME.tmp once the ranks have agreed on the failure (so none writes there any more). What
+// a save cannot remove itself (its process killed, its node lost) is an orphan, which the next save
+// into the same folder clears: it removes each *.tmp directory there whose lock file it can lock
+// at once (io::try_lock_file): never one a save of this process holds, and the kernel drops a dead
+// process's lock, while a live save in another process (on another host too, where the file system
+// carries locks) holds its own. A *.tmp without a lock file (not written by this fsdp) or whose
+// lock cannot be taken (held, or a file system without locks) is left alone. So a save in progress
+// is never removed; at worst another process's save that is creating its lock file at that very
+// instant fails, as any save that loses its NAME.tmp does; nothing committed is touched.
+constexpr const char* kLockFile = ".fsdp-save.lock";
+
+void clear_orphans(const std::string& root_dir) {
+  for (const auto& n : list_dir(root_dir)) {
+    if (!base::ends_with(n, ".tmp")) continue;
+    const std::shared_ptr<void> lock = try_lock_file(join(join(root_dir, n), kLockFile), false);
+    try {
+      if (lock) remove_tree(join(root_dir, n));
+    } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): left for a later save
+    }
+  }
+}
+
+// A failed save's rank 0, once every rank has stopped (Note [Orphaned saves]).
+void discard_tmp(SaveJob& job) {
+  try {
+    remove_tree(tmp_dir(job));
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): an orphan for the next save
+  }
+  job.lock.reset();
+}
+
 // Note [Save agreement]
 // After each phase every rank contributes a flag (did my part fail?) to an all-reduce over the
 // save's own communicator; a failing rank first leaves its message in the store. Every rank then
@@ -56,6 +93,7 @@ void agree(SaveJob& job, const std::string& phase, const std::string& local_erro
   job.group->all_reduce(flags, ReduceOp::kSum, "checkpoint/" + phase).wait();
   for (int r = 0; r < world; ++r) {
     if (flags[r].item<float>() == 0) continue;
+    if (job.group->rank() == 0) discard_tmp(job);
     const auto bytes = job.store->get(key + std::to_string(r));
     throw CheckpointError("fsdp: saving checkpoint '" + job.name + "' failed on rank " + std::to_string(r) + " while " +
                           phase + ": " + std::string(bytes.begin(), bytes.end()) + " (nothing was committed)");
@@ -109,8 +147,10 @@ ShardTensor source_for(const SaveJob& job, const std::string& kind, size_t flat)
 
 void prepare(SaveJob& job, const std::string& tmp) {
   make_dirs(job.root_dir);
+  clear_orphans(job.root_dir);
   remove_tree(tmp);  // a crashed earlier save of the same name
   make_dirs(tmp);
+  job.lock = try_lock_file(join(tmp, kLockFile), true);
   for (const auto& kind : file_kinds(job)) {
     const auto plan = file_plan(job, kind);
     File f = File::open_write(join(tmp, kind + ".safetensors"), true);
@@ -202,10 +242,11 @@ void write_shards(SaveJob& job, const std::string& tmp, const std::vector<char>&
   }
 }
 
-nlohmann::json train_state_json(SaveJob& job) {
+nlohmann::json train_state_json(SaveJob& job, int64_t commit_index) {
   nlohmann::json j;
   j["format_version"] = kFormatVersion;
   j["step"] = job.state.step;
+  j["commit_index"] = commit_index;
   j["samples_seen"] = job.state.samples_seen;
   j["world_size"] = job.group->size();
   j["strategy"] = job.strategy;
@@ -227,10 +268,44 @@ nlohmann::json train_state_json(SaveJob& job) {
   return j;
 }
 
+// A committed checkpoint of a save root, in keep_last's order (fsdp/checkpoint.h): by the step
+// it records, then by commit_index; an unreadable train_state.json counts as the oldest.
+struct Committed {
+  int64_t step = -1, index = 0;
+  std::string name;
+  bool operator<(const Committed& o) const { return std::tie(step, index, name) < std::tie(o.step, o.index, o.name); }
+};
+
+std::vector<Committed> committed_in(const std::string& root_dir) {
+  std::vector<Committed> out;
+  for (const auto& n : list_dir(root_dir)) {
+    const std::string state = join(join(root_dir, n), "train_state.json");
+    if (base::ends_with(n, ".tmp") || base::ends_with(n, ".old") || !exists(state)) continue;
+    Committed c{-1, 0, n};
+    try {
+      const auto j = nlohmann::json::parse(read_small_file(state));
+      c.step = j.at("step").get<int64_t>();
+      c.index = j.value("commit_index", int64_t{0});
+    } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): the oldest
+    }
+    out.push_back(c);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 void commit(SaveJob& job, const std::string& tmp, const std::string& final_dir) {
+  int64_t commit_index = 1;
+  for (const auto& c : committed_in(job.root_dir)) commit_index = std::max(commit_index, c.index + 1);
   for (const auto& kind : file_kinds(job)) {
     safetensors::Index index;
     index.metadata = {{"format_version", kFormatVersion}, {"step", job.state.step}};
+    if (kind == "model") {  // the buffers, each in the dtype it is saved in: the rest are F32 masters
+      index.metadata["buffers"] = nlohmann::json::object();
+      for (const auto& b : job.layout.buffers) {
+        index.metadata["buffers"][b.name] = safetensors::dtype_name(safetensors::from_scalar_type(b.dtype));
+      }
+    }
     for (const auto& spec : specs_for(job, kind)) index.weight_map[spec.name] = kind + ".safetensors";
     File f = File::open_write(join(tmp, kind + ".safetensors.index.json"), true);
     const std::string text = safetensors::index_to_json(index);
@@ -239,7 +314,7 @@ void commit(SaveJob& job, const std::string& tmp, const std::string& final_dir) 
   }
   {
     // Written last: its presence is what marks a directory as a committed checkpoint.
-    const std::string text = train_state_json(job).dump(2) + "\n";
+    const std::string text = train_state_json(job, commit_index).dump(2) + "\n";
     File f = File::open_write(join(tmp, "train_state.json"), true);
     f.pwrite_all(text.data(), text.size(), 0);
     f.sync();
@@ -252,27 +327,22 @@ void commit(SaveJob& job, const std::string& tmp, const std::string& final_dir) 
     rename_path(final_dir, old);
   }
   rename_path(tmp, final_dir);
+  remove_tree(join(final_dir, kLockFile));  // (after the rename: a NAME.tmp always holds its lock file)
+  job.lock.reset();
   fsync_dir(job.root_dir);
   remove_tree(old);
   fault_point(job, "latest");
   if (job.options.update_latest()) {
     write_file_atomic(join(job.root_dir, "latest"), job.name + "\n");
   }
-  if (job.options.keep_last() > 0) {
-    auto ends_with = [](const std::string& n, const std::string& suffix) {
-      return n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
-    };
-    std::vector<std::string> committed;
-    for (const auto& n : list_dir(job.root_dir)) {
-      if (is_dir(join(job.root_dir, n)) && exists(join(join(job.root_dir, n), "train_state.json")) &&
-          !ends_with(n, ".tmp") && !ends_with(n, ".old")) {
-        committed.push_back(n);
-      }
-    }
-    std::sort(committed.begin(), committed.end());
+  if (job.options.keep_last() > 0) {  // never the checkpoint just saved, nor the one `latest` names
+    const std::string latest_file = join(job.root_dir, "latest");
+    const std::string latest = exists(latest_file) ? base::first_line(read_small_file(latest_file)) : "";
+    const std::vector<Committed> committed = committed_in(job.root_dir);
     const int excess = static_cast<int>(committed.size()) - job.options.keep_last();
     for (int i = 0; i < excess; ++i) {
-      if (committed[i] != job.name) remove_tree(join(job.root_dir, committed[i]));
+      const std::string& n = committed[i].name;
+      if (n != job.name && n != latest) remove_tree(join(job.root_dir, n));
     }
   }
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,8 @@ struct SaveJob {
   std::string strategy;
   std::string optim_type;
   std::vector<std::string> state_names;
-  std::string rng;  // this rank's CPU generator state, base64
+  std::string rng;             // this rank's CPU generator state, base64
+  std::shared_ptr<void> lock;  // rank 0, from prepare to the end: NAME.tmp's lock (Note [Orphaned saves])
 };
 
 // copy = true snapshots the shards into host memory (background saves).

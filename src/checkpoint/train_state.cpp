@@ -93,6 +93,9 @@ std::vector<std::string> check_train_state(const json& doc, const std::string& w
   for (const char* key : {"step", "samples_seen"}) {
     if (const json* v = c.need(key); v && !is_nonneg_int(*v)) c.bad(key, *v, "a non-negative integer");
   }
+  if (doc.contains("commit_index") && !is_nonneg_int(doc["commit_index"])) {
+    c.bad("commit_index", doc["commit_index"], "a non-negative integer");
+  }
   int64_t world_size = -1;
   if (const json* v = c.need("world_size")) {
     if (v->is_number_integer() && v->get<int64_t>() >= 1 && v->get<int64_t>() <= (1 << 30)) {

@@ -2,12 +2,13 @@
 # The examples a user copies, run as a user runs them: each on 1 and 2 ranks over the same global
 # batch must print the same loss at every step (relative 1e-5); the Sequential example saved at
 # step 3 and resumed to step 6 must print the uninterrupted run's losses and eval loss (which reads
-# BatchNorm's running statistics, so a resume that lost the buffers shows here).
-# Usage: FSDP_RUN=... FSDP_EXAMPLE_SEQUENTIAL=... FSDP_EXAMPLE_TWO_HEADS=... tests/e2e/examples_test.sh
+# BatchNorm's running statistics, so a resume that lost the buffers shows here); fsdp-ckpt verify
+# passes its checkpoint.
+# Usage: FSDP_RUN=... FSDP_EXAMPLE_SEQUENTIAL=... FSDP_EXAMPLE_TWO_HEADS=... FSDP_CKPT=... tests/e2e/examples_test.sh
 set -u
 
 . "$(dirname "${BASH_SOURCE[0]}")/support/record.sh"
-require_programs FSDP_RUN FSDP_EXAMPLE_SEQUENTIAL FSDP_EXAMPLE_TWO_HEADS
+require_programs FSDP_RUN FSDP_EXAMPLE_SEQUENTIAL FSDP_EXAMPLE_TWO_HEADS FSDP_CKPT
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
@@ -67,6 +68,42 @@ if [ $rc_first = 0 ] && [ $rc_second = 0 ] && same "$TMP/SEQUENTIAL.2" "$TMP/res
 else
   record "SEQUENTIAL: save at 3 + resume to 6 equals 6 uninterrupted (losses and eval loss)" 0 \
     "$TMP/first.err" "$TMP/second.err" "$TMP/resume.cmp" "$TMP/resumed" "$TMP/SEQUENTIAL.2"
+fi
+
+# fsdp-ckpt verify passes the Sequential's checkpoint (BatchNorm's buffers in their own dtypes,
+# num_batches_tracked I64) and still refuses a master weight that is not F32 and a buffer in
+# another dtype than the one it was saved in (each retyped in its header, same item size).
+retype() {  # retype DIR TENSOR DTYPE
+  python3 - "$@" <<'PY'
+import glob, json, struct, sys
+for path in glob.glob(sys.argv[1] + "/model*.safetensors"):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    if sys.argv[2] in header:
+        header[sys.argv[2]]["dtype"] = sys.argv[3]
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        open(path, "wb").write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+PY
+}
+good="$TMP/resume/$(cat "$TMP/resume/latest" 2>/dev/null)"
+timeout -k 5 60 "$FSDP_CKPT" verify "$good" >"$TMP/verify-good.out" 2>&1
+rc_good=$?
+rm -rf "$TMP/bad-master" "$TMP/bad-buffer"
+cp -r "$good" "$TMP/bad-master" && retype "$TMP/bad-master" 0.weight I32
+timeout -k 5 60 "$FSDP_CKPT" verify "$TMP/bad-master" >"$TMP/verify-master.out" 2>&1
+rc_master=$?
+cp -r "$good" "$TMP/bad-buffer" && retype "$TMP/bad-buffer" 1.num_batches_tracked F64
+timeout -k 5 60 "$FSDP_CKPT" verify "$TMP/bad-buffer" >"$TMP/verify-buffer.out" 2>&1
+rc_buffer=$?
+if [ $rc_good = 0 ] && [ $rc_master = 1 ] && [ $rc_buffer = 1 ] &&
+   grep -q "tensor '0.weight' is I32; model tensors other than buffers are F32" "$TMP/verify-master.out" &&
+   grep -q "tensor '1.num_batches_tracked' is F64; the index records the buffer as \"I64\"" "$TMP/verify-buffer.out"; then
+  record "SEQUENTIAL: fsdp-ckpt verify passes its checkpoint (I64 buffers) and refuses a retyped master or buffer" 1
+else
+  record "SEQUENTIAL: fsdp-ckpt verify passes its checkpoint (I64 buffers) and refuses a retyped master or buffer" 0 \
+    "$TMP/verify-good.out" "$TMP/verify-master.out" "$TMP/verify-buffer.out"
 fi
 
 # Malformed input: the saved checkpoint's BatchNorm running_mean rewritten as [32, 2] (same bytes,

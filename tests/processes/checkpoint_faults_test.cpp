@@ -150,8 +150,9 @@ TEST(CheckpointFaults, DiskFullOnOneRankFailsEveryRankAndKeepsEarlierCheckpoints
   });
   testing::expect_all_ok(results);
   print_outcome(results, "disk full (RLIMIT_FSIZE) on rank 1 during save");
-  // Never committed (its NAME.tmp/ stays until a save of the same name; resolve never takes it).
+  // Never committed, and its NAME.tmp/ removed (Note [Orphaned saves]).
   EXPECT_FALSE(io::exists(join(dir, "step-00000002")));
+  EXPECT_FALSE(io::exists(join(dir, "step-00000002.tmp")));
   expect_earlier_intact(dir, before, "step-00000003");
   io::remove_tree(dir);
 }

@@ -6,10 +6,14 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <utility>
@@ -228,6 +232,102 @@ TEST(Checkpoint, KeepLastRetention) {
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000003", "step-00000004"}));
 }
 
+// keep_last keeps the newest by the step each checkpoint records, then by commit order, never by
+// name: "step9" sorts after "step10" and "step11", and names without a number, saved without a
+// step, keep the order they were committed in.
+TEST(Checkpoint, KeepLastKeepsTheNewestByStepThenCommitOrder) {
+  const std::string dir = tmp_dir("ckpt-keep-order");
+  testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    auto t = make_trained(mesh, 1);
+    auto save = [&](const std::string& root, const std::string& name, int64_t step) {
+      checkpoint::TrainState st;
+      st.step = step;
+      checkpoint::save(join(dir, root), name, *t.root, t.optim.get(), st, checkpoint::SaveOptions().keep_last(2));
+    };
+    for (int s = 1; s <= 11; ++s) save("numbered", "step" + std::to_string(s), s);
+    for (const char* name : {"zulu", "alpha", "mike"}) save("unnumbered", name, 0);
+  });
+  EXPECT_EQ(io::list_dir(join(dir, "numbered")), (std::vector<std::string>{"latest", "step10", "step11"}));
+  EXPECT_EQ(io::list_dir(join(dir, "unnumbered")), (std::vector<std::string>{"alpha", "latest", "mike"}));
+  EXPECT_EQ(checkpoint::resolve(join(dir, "unnumbered"), "latest"), join(join(dir, "unnumbered"), "mike"));
+  io::remove_tree(dir);
+}
+
+// Writes the file `path` until the file system that holds it is full.
+void fill_up(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  const std::vector<char> block(64 << 10, 1);
+  while (::write(fd, block.data(), block.size()) > 0) {
+  }
+  EXPECT_EQ(errno, ENOSPC) << std::strerror(errno);
+  ::close(fd);
+}
+
+// A save into a file system that fills up (a 1 MiB tmpfs mounted for the test: skipped where
+// mounting is not permitted) fails on every rank and leaves no NAME.tmp; the earlier checkpoint
+// stays `latest` and loads; the orphan a killed save left (its lock file unlocked) is cleared,
+// while a save in progress elsewhere (its lock file held) is left alone; once space returns, the
+// next save commits with nothing left over (Note [Orphaned saves]).
+TEST(Checkpoint, FullDiskSaveLeavesNothingBehindAndOrphansAreCleared) {
+  const std::string dir = tmp_dir("ckpt-full");
+  if (::mount("tmpfs", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, "size=1m") != 0) {
+    const int err = errno;
+    io::remove_tree(dir);
+    GTEST_SKIP() << "cannot mount a 1 MiB tmpfs at " << dir << " (" << std::strerror(err)
+                 << "): this test needs root with the right to mount";
+  }
+  struct Unmount {
+    std::string dir;
+    ~Unmount() {
+      ::umount2(dir.c_str(), MNT_DETACH);
+      io::remove_tree(dir);
+    }
+  } unmount{dir};
+  save_on(2, dir, "first", 1);
+  const auto before = snapshot_files(join(dir, "first"));
+  const std::string lock_file = ".fsdp-save.lock";  // save.cpp's kLockFile
+  for (const char* orphan : {"killed.tmp", "elsewhere.tmp"}) {
+    io::make_dirs(join(dir, orphan));
+    std::ofstream(join(join(dir, orphan), lock_file)).flush();  // empty: it takes no space
+  }
+  const int held = ::open(join(join(dir, "elsewhere.tmp"), lock_file).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0) << std::strerror(errno);
+  fill_up(join(dir, "filler"));
+  std::mutex mu;
+  std::vector<std::string> errors;
+  auto save = [&](const std::string& name) {
+    testing::run_threads(2, [&](const std::shared_ptr<Dist>& dist) {
+      DeviceMesh mesh(dist);
+      auto t = make_trained(mesh, 2);
+      try {
+        checkpoint::save(dir, name, *t.root, t.optim.get(), {});
+      } catch (const CheckpointError& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        errors.push_back(e.what());
+      }
+    });
+  };
+  save("second");
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_NE(errors[0].find(std::strerror(ENOSPC)), std::string::npos) << errors[0];
+  EXPECT_EQ(io::list_dir(dir), (std::vector<std::string>{"elsewhere.tmp", "filler", "first", "latest"}));
+  EXPECT_EQ(snapshot_files(join(dir, "first")), before);
+  EXPECT_EQ(checkpoint::resolve(dir, "latest"), join(dir, "first"));
+  EXPECT_FALSE(full_params(join(dir, "first")).empty());
+  io::remove_tree(join(dir, "filler"));  // space returns
+  errors.clear();
+  save("third");
+  EXPECT_TRUE(errors.empty()) << errors[0];
+  EXPECT_EQ(io::list_dir(dir), (std::vector<std::string>{"elsewhere.tmp", "first", "latest", "third"}));
+  ::close(held);  // the save elsewhere died: its NAME.tmp is an orphan now
+  save("fourth");
+  EXPECT_TRUE(errors.empty()) << errors[0];
+  EXPECT_EQ(io::list_dir(dir), (std::vector<std::string>{"first", "fourth", "latest", "third"}));
+  EXPECT_EQ(checkpoint::resolve(dir, "latest"), join(dir, "fourth"));
+}
+
 // Pages of `path` in the page cache now, and in all.
 std::pair<int64_t, int64_t> cached_pages(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -355,6 +455,7 @@ TEST(Checkpoint, WriteFailureOnRank1FailsEveryRankNamingIt) {
   EXPECT_NE(errors[0].find("failed on rank 1 while writing its shards: No space left on device"), std::string::npos)
       << errors[0];
   EXPECT_FALSE(exists(join(dir, "step-00000002")));
+  EXPECT_FALSE(exists(join(dir, "step-00000002.tmp")));  // rank 0 removed what rank 1 failed to write
   EXPECT_EQ(checkpoint::resolve(dir, "latest"), join(dir, "step-00000001"));
 }
 
@@ -401,6 +502,10 @@ TEST_P(CrashDuringSave, PreviousCheckpointSurvivesAndNewOneIsNeverComplete) {
   EXPECT_EQ(latest, join(dir, "step-00000001"));
   const auto full = full_params(latest);  // and it loads
   EXPECT_FALSE(full.empty());
+  if (!child) {  // the next save clears the killed one's NAME.tmp (Note [Orphaned saves])
+    save_on(2, dir, "step-00000003", 3);
+    EXPECT_FALSE(exists(join(dir, "step-00000002.tmp")));
+  }
   if (!child) io::remove_tree(dir);
 }
 
