@@ -27,7 +27,6 @@ class DeviceMesh {
   int replicate_size() const { return replicate_size_; }
 
   Dist& dist() const { return *dist_; }
-  const std::shared_ptr<Dist>& dist_ptr() const { return dist_; }
   // The ranks a parameter is sharded over.
   Communicator& shard_group() const { return *shard_group_; }
   // The ranks holding the same shard (size 1 on a 1-D mesh).

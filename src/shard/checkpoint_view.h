@@ -35,9 +35,8 @@ class ShardTensor {
   int64_t numel() const { return t_.defined() ? t_.numel() : 0; }
   // The 1-D elements: fp32, or bf16 for an optimizer state kept in bf16 (read() and the
   // checkpoint's reads give fp32 either way). Writes land in the state itself (not a copy).
-  // Host-addressable (data_ptr) unless is_device().
+  // Host-addressable (data_ptr) unless on a device.
   const at::Tensor& values() const { return t_; }
-  bool is_device() const { return t_.defined() && !t_.is_cpu(); }
   // Elements [begin, end) were read or written: a disk tier writes them back and drops their pages
   // (the data stays).
   void done(int64_t begin, int64_t end) const;

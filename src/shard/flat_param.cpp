@@ -69,19 +69,24 @@ FlatParam::FlatParam(std::vector<FlatParamEntry> entries, FlatParamConfig config
   where.tag = config_.tag;
   where.values = values_in_shard();
   residency_ = std::make_unique<Residency>(master, std::move(where));
-  aliases_master_ = world == 1 && config_.compute_dtype == at::kFloat && !stored_;
-  if (aliases_master_) {
-    unsharded_ = master;
-  } else {
-    unsharded_ = at::empty({padded_numel_}, at::TensorOptions().dtype(config_.compute_dtype).device(config_.device));
-  }
+  // One rank (no padding unless quantized): a shard kept in the compute dtype is the gathered buffer
+  // (docs/ARCHITECTURE.md, "A flat parameter's life"); deferred init's fp32 values once stored.
+  aliases_master_ =
+      world == 1 && (stored_ ? frozen::stored_dtype(config_.storage) : at::kFloat) == config_.compute_dtype;
+  const bool alias = aliases_master_ && !needs_encode_;
+  unsharded_ = alias ? master : at::empty({padded_numel_}, master.options().dtype(config_.compute_dtype));
   use_unsharded_views();  // views are created while the storage has its bytes (bounds-checked)
   make_guards();
-  if (!aliases_master_) {
-    offload::set_storage_alive(unsharded_, false);
-    use_guards();
-  }
-  state_ = aliases_master_ ? ShardedState::kUnsharded : ShardedState::kSharded;
+  state_ = alias ? ShardedState::kUnsharded : ShardedState::kSharded;
+  if (!alias) offload::set_storage_alive(unsharded_, false);
+  if (!alias) use_guards();
+}
+
+void FlatParam::alias_master() {  // the params as views of the shard (its working copy when it follows its state)
+  if (!aliases_master_ || needs_encode_) return;
+  unsharded_ = residency_->master_follows_state() ? residency_->working() : residency_->master();
+  use_unsharded_views();
+  state_ = ShardedState::kUnsharded;
 }
 
 // This rank's fp32 master shard, from the parameters' current values (meta: left for materialize).
@@ -185,6 +190,7 @@ void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix, 
     needs_encode_ = false;
   }
   residency_->materialized();
+  alias_master();
 }
 
 // The gathered stored forms, rank by rank, decoded into the compute-dtype buffer.
@@ -349,8 +355,8 @@ void FlatParam::loaded() {  // a load wrote the values deferred init left to it
 // keeps its params until its backward) holds the old values; it goes, the next use gathers anew.
 void FlatParam::drop_stale_gather() {
   post_forward_part_ = at::Tensor();
-  if (aliases_master_ || (state_ != ShardedState::kUnsharded && !gather_pending_)) return;
-  reshard();
+  if (aliases_master_) return alias_master();  // a load may have replaced the stored form
+  if (state_ == ShardedState::kUnsharded || gather_pending_) reshard();
 }
 
 std::function<void(int64_t, int64_t, const at::Tensor&)> FlatParam::after_optimizer_update() {
@@ -385,11 +391,7 @@ void FlatParam::set_offload(OffloadPlacement placement) {
     state_ = ShardedState::kSharded;
   }
   if (p.grads != OffloadTier::kNone && grads_.shard().defined()) residency_->place_grad(grads_.shard());
-  if (residency_->master_follows_state() && aliases_master_) {
-    // One rank, fp32: the parameters are views of the working copy.
-    unsharded_ = residency_->working();
-    use_unsharded_views();
-  }
+  alias_master();  // the master may have moved, or follows its state (the working copy)
 }
 
 void FlatParam::read_ahead() {

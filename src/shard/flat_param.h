@@ -234,6 +234,7 @@ class FlatParam {
   void gather_in_group();  // Note [Resharding to a group]
   void drop_stale_gather();
   void use_unsharded_views();
+  void alias_master();
   void loaded();
   void make_guards();
   void use_guards();  // while sharded: see Note [Guarded parameters] in param_data.h
@@ -246,7 +247,7 @@ class FlatParam {
   int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, shard_offset_ = 0;
   bool needs_materialize_ = false;
   bool awaits_load_ = false;  // materialize(.., load_writes): a load writes the values
-  // The unsharded buffer is the master shard itself: one rank per shard, fp32 compute.
+  // The unsharded buffer is the shard itself: one rank per shard, kept in the compute dtype.
   bool aliases_master_ = false;
   // Frozen, kept in config_.storage (the master is the stored form); a gather that needs decoding
   // lands in gathered_stored_ first.

@@ -14,7 +14,6 @@ const std::string& GradShard::tag() const { return flat_->config().tag; }
 int GradShard::group() const { return flat_->config().group; }
 bool GradShard::trainable() const { return flat_->config().requires_grad; }
 int64_t GradShard::numel() const { return flat_->shard_numel(); }
-OffloadTier GradShard::params_tier() const { return flat_->offload().params; }
 OffloadTier GradShard::grads_tier() const { return flat_->offload().grads; }
 OffloadTier GradShard::state_tier() const { return flat_->offload().optimizer_state; }
 offload::DiskTier* GradShard::disk_tier() const { return flat_->offload().disk.get(); }

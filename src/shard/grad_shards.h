@@ -45,7 +45,6 @@ class GradShard {
   int64_t numel() const;           // elements of this rank's shard
 
   // Where its sharded states live (resolved by the root's lazy init).
-  OffloadTier params_tier() const;
   OffloadTier grads_tier() const;
   OffloadTier state_tier() const;
   // The rank's disk tier when any state of this flat param is in it, else null.

@@ -589,5 +589,153 @@ TEST(LoraSharded, ReplicatedAdaptersUnderHybridSharding) {
   });
 }
 
+// ---- one rank, a bf16 base at bf16 compute (docs/ARCHITECTURE.md, "A flat parameter's life")
+
+const FullyShardOptions kOneRankBf16 =
+    FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+
+// B non-zero, so that every adapter has a gradient at the first step.
+Net one_rank_net(bool meta = false) {
+  Net net{nullptr};
+  if (meta) {
+    MetaDeviceGuard guard;
+    net = Net();
+  } else {
+    net = make_net();
+  }
+  lora(*net, lora_options(FrozenStorage::kParamDtype), 7);
+  return net;
+}
+
+void fill_lora_b(Net& net, double value) {
+  at::NoGradGuard g;
+  for (auto& p : net->named_parameters()) {
+    if (p.key().find("lora_B") != std::string::npos) p.value().fill_(value);
+  }
+}
+
+std::shared_ptr<FSDPModule> shard_one_rank(Net& net, DeviceMesh& mesh, const FullyShardOptions& opts) {
+  fully_shard(net->b0, mesh, opts);
+  fully_shard(net->b1, mesh, opts);
+  return fully_shard(net, mesh, opts);
+}
+
+// Every frozen flat param's stored bf16 shard is its gathered params: never resharded, no buffer
+// of its own, each parameter a view into the shard.
+void expect_base_is_the_stored_shard(const FSDPModule& root, const std::string& when) {
+  int frozen = 0;
+  for (FlatParam* fp : fsdp::testing::flat_params(root)) {
+    if (fp->config().requires_grad) continue;
+    ++frozen;
+    const at::Tensor& shard = fp->sharded_param();
+    ASSERT_EQ(shard.scalar_type(), at::kBFloat16) << fp->config().tag;
+    ASSERT_EQ(shard.numel(), fp->padded_numel()) << fp->config().tag << ": padded at one rank";
+    ASSERT_EQ(fp->state(), ShardedState::kUnsharded) << fp->config().tag << " " << when << ": resharded";
+    EXPECT_EQ(fp->unsharded_bytes(), 0) << fp->config().tag << " " << when;
+    for (const auto& e : fp->entries()) {
+      const void* in_shard = shard.data_ptr<at::BFloat16>() + e.offset;
+      EXPECT_EQ(e.param.data_ptr(), in_shard) << e.name << " " << when << ": not a view of the stored shard";
+    }
+  }
+  EXPECT_EQ(frozen, 6);  // the root's, b0's and b1's: 2-D weights and 1-D params (optimizer groups) apart
+}
+
+// On one rank the frozen base kept in bf16 is the gathered params themselves: no second copy at any
+// moment and none made per forward or backward, while a LoRA step's losses and gradients equal an
+// unsharded bf16 model's bit for bit (its adapters stepped in fp32, as the masters are).
+TEST(LoraOneRank, BFloat16BaseIsTheGatheredParamsAndStepsAsTheUnshardedModel) {
+  testing::run_threads(1, [](const std::shared_ptr<Dist>& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(dist);
+    Net ref = one_rank_net(), net = one_rank_net();
+    fill_lora_b(ref, 0.05);
+    fill_lora_b(net, 0.05);
+    std::map<std::string, at::Tensor> masters;  // the reference adapters' fp32 values
+    int64_t adapters = 0;
+    for (const auto& p : ref->named_parameters()) {
+      if (!p.value().requires_grad()) continue;
+      masters[p.key()] = p.value().detach().clone();
+      adapters += p.value().numel();
+    }
+    ref->to(at::kBFloat16);
+    auto ref_params = ref->named_parameters();
+    std::map<const void*, std::string> names;
+    for (const auto& p : net->named_parameters()) names[p.value().unsafeGetTensorImpl()] = p.key();
+    auto root = shard_one_rank(net, mesh, kOneRankBf16);
+    SGD optim(root, SGDOptions(0.5));
+    expect_base_is_the_stored_shard(*root, "before the first forward");
+    for (int step = 0; step < 3; ++step) {
+      const auto [x, y] = batch(step, 0, 1);
+      at::Tensor loss = at::mse_loss(fsdp::call(net, x).to(at::kFloat), y);
+      loss.backward();
+      {
+        at::NoGradGuard g;
+        for (const auto& [name, m] : masters) ref_params[name].copy_(m);
+      }
+      at::Tensor ref_loss = at::mse_loss(ref->forward(x.to(at::kBFloat16)).to(at::kFloat), y);
+      ref_loss.backward();
+      EXPECT_TRUE(at::equal(loss.detach(), ref_loss.detach()))
+          << "step " << step << ": " << loss.item<double>() << " against " << ref_loss.item<double>();
+      int compared = 0;
+      for (FlatParam* fp : fsdp::testing::flat_params(*root)) {
+        if (!fp->config().requires_grad) continue;
+        fp->finalize_grads();
+        for (const auto& e : fp->entries()) {
+          const std::string& name = names.at(e.param.unsafeGetTensorImpl());
+          const at::Tensor got = fp->sharded_grad().narrow(0, e.offset, e.numel).view(e.shape);
+          EXPECT_TRUE(at::equal(got, ref_params[name].grad().to(at::kFloat))) << name << " step " << step;
+          ++compared;
+        }
+      }
+      EXPECT_EQ(compared, static_cast<int>(masters.size()));
+      optim.step();
+      optim.zero_grad();
+      at::NoGradGuard g;
+      for (auto& [name, m] : masters) {
+        m.sub_(ref_params[name].grad().to(at::kFloat) * 0.5);
+        ref_params[name].mutable_grad() = at::Tensor();
+      }
+      expect_base_is_the_stored_shard(*root, "after step " + std::to_string(step));
+    }
+    // The gathered bytes never held more than the adapters' bf16 params and gradient buffers: a
+    // gathered copy of any block's base (5,248 bf16 values) would pass that.
+    EXPECT_LE(memory_report(*root).peak_unsharded, adapters * 2 * 2);
+  });
+}
+
+// On one rank a checkpoint load writes the bf16 base in place, and the params, which are that
+// shard, see it; a model built on the meta device, whose deferred init leaves the base to an import
+// (a new stored shard, made as the import reads it), takes that shard as its params.
+TEST(LoraOneRank, LoadsWriteTheStoredShardTheParamsAre) {
+  const std::string dir = testing::temp_path("lora-one-rank");
+  io::make_dirs(dir);
+  testing::run_threads(1, [&](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    const auto [x, y] = batch(0, 0, 1);
+    Net a = one_rank_net();
+    fill_lora_b(a, 0.05);
+    auto a_root = shard_one_rank(a, mesh, kOneRankBf16);
+    const at::Tensor want = fsdp::call(a, x).detach();
+    checkpoint::save(dir, "all", *a_root, nullptr, {});
+    Net b = one_rank_net();  // another base
+    {
+      at::NoGradGuard g;
+      for (auto& p : b->parameters()) p.add_(1.0);
+    }
+    auto b_root = shard_one_rank(b, mesh, kOneRankBf16);
+    EXPECT_FALSE(at::equal(fsdp::call(b, x).detach(), want));
+    checkpoint::load(io::join(dir, "all"), *b_root, nullptr);
+    expect_base_is_the_stored_shard(*b_root, "after a load");
+    EXPECT_TRUE(at::equal(b->b0->q->named_parameters(false)["weight"], a->b0->q->named_parameters(false)["weight"]));
+    EXPECT_TRUE(at::equal(fsdp::call(b, x).detach(), want));
+    Net c = one_rank_net(/*meta=*/true);
+    auto c_root = shard_one_rank(c, mesh, FullyShardOptions(kOneRankBf16).init(init::normal(0.2, 11)));
+    checkpoint::import_weights(io::join(dir, "all"), *c_root);
+    expect_base_is_the_stored_shard(*c_root, "after deferred init left it to an import");
+    EXPECT_TRUE(at::equal(fsdp::call(c, x).detach(), want));
+  });
+  io::remove_tree(dir);
+}
+
 }  // namespace
 }  // namespace fsdp
