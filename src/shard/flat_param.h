@@ -125,7 +125,6 @@ class FlatParam {
   int64_t stored_bytes() const;
 
   // ---- the optimizer's side (through shard/grad_shards.h)
-  at::Tensor& optimizer_master() { return sharded_param(); }
   // Collects the gradient and returns what the optimizer reads: the gradient shard, or its host
   // copy (through pinned staging on a device) when the master follows the state. Undefined when
   // the flat param has no gradient yet.
