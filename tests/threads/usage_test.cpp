@@ -5,8 +5,8 @@
 // zero_grad over those parameters stays harmless and correct programs train bit for bit as
 // before; reading a weight between steps names unshard/reshard and checkpoints, and the first
 // gives the unsharded model's trained weight; errors name modules by their paths (a parameter tied across two
-// units, a unit run before its root, a child sharded after its parent);
-// and an optimizer step with no gradient since zero_grad is a UsageError on every rank.
+// units, a unit run before its root, a child sharded after its parent, a module registered at two
+// paths); and an optimizer step with no gradient since zero_grad is a UsageError on every rank.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -419,6 +419,31 @@ TEST(StepWithoutGradient, TorchOptimizerFrozenModelAndAPartialBackward) {
       EXPECT_NO_THROW(optim.step());
       EXPECT_FALSE(at::equal(masters(*root), start));
     }
+  });
+}
+
+// ---- a sharded module registered at two paths
+
+class TwiceImpl : public torch::nn::Module {
+ public:
+  TwiceImpl() : block(register_module("first", Dense(6, 6))) { register_module("again", block); }
+  at::Tensor forward(const at::Tensor& x) { return fsdp::call(block, at::tanh(fsdp::call(block, x))); }
+  Dense block;
+};
+TORCH_MODULE(Twice);
+
+// One module instance registered at two paths and sharded is refused at the root's first use,
+// naming both paths.
+TEST(ErrorPaths, ModuleRegisteredAtTwoPathsNamesBoth) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Twice net;
+    fully_shard(net->block, mesh);
+    auto root = fully_shard(net, mesh);
+    const std::string what = config_error_of([&] { fsdp::call(net, at::ones({2, 6})); });
+    EXPECT_NE(what.find("sharded module 'first' is registered at two paths, also as 'again'"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("register it at one path"), std::string::npos) << what;
   });
 }
 
