@@ -22,7 +22,9 @@
 //    gradients, any number per rank;
 //  - a unit that one rank's forward skips, in eval or in training: its gathers are shared as
 //    above, and its gradient is reduced on every rank (zero where the unit did not run), so the
-//    step equals the unsharded model's on the whole batch.
+//    step equals the unsharded model's on the whole batch;
+//  - ordinary steps after finish(), whatever each rank ran inside: the Join's forwards are left
+//    out of the execution order each rank predicts its gathers by (Note [Join rounds]).
 // What it refuses: a training step (a backward) while some rank has finished: that rank's shard
 // would miss the optimizer step. Every rank then throws fsdp::UsageError; give every rank the same
 // number of training steps (drop or pad the remainder) and use the Join for what is uneven

@@ -79,8 +79,11 @@ class ShardedOptimizer {
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
   // Steps every flat param that has a gradient shard (one with none, e.g. a unit unused so far,
-  // is skipped and its step count stays). With step_in_backward on: steps the flat params the
-  // backward did not step yet and waits for those it did. With state in the disk tier, the
+  // is skipped and its step count stays). A step with no gradient reduced since the last
+  // zero_grad() (no backward ran, or each ran with set_requires_gradient_sync(false)) is a
+  // UsageError on every rank, before anything changes (Note [A step needs a gradient] in
+  // optim.cpp); a model with nothing trainable steps nothing. With step_in_backward on: steps the
+  // flat params the backward did not step yet and waits for those it did. With state in the disk tier, the
   // backward has read the first chunks ahead, and the last writes drain under the next forward
   // (Note [The disk tier around the step after backward] in optim.cpp).
   virtual void step();
@@ -155,9 +158,10 @@ class ShardedOptimizer {
   // optimizer group and whether its optimizer state is offloaded.
   at::Tensor& master_shard(const ShardState& state) const;
   at::Tensor collect_grad(const ShardState& state) const;
-  // UsageError when a gradient holds sums never all-reduced across the replicas
-  // (FSDPModule::set_requires_all_reduce(false) on the last micro-batch too): before a step.
-  void check_gradients_all_reduced() const;
+  // Before a step: UsageError when no gradient was reduced since the last zero_grad (Note [A step
+  // needs a gradient] in optim.cpp), or when a gradient holds sums never all-reduced across the
+  // replicas (FSDPModule::set_requires_all_reduce(false) on the last micro-batch too).
+  void check_gradients_for_step() const;
   int group_of(const ShardState& state) const;
   bool state_offloaded(const ShardState& state) const;
   OffloadTier state_tier(const ShardState& state) const;

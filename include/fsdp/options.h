@@ -58,8 +58,7 @@ enum class BufferSync {
   kLocal,      // left alone: each rank keeps its own
 };
 
-const char* buffer_sync_name(BufferSync s);             // "broadcast", "average", "local"
-BufferSync parse_buffer_sync(const std::string& name);  // throws ConfigError naming it
+const char* buffer_sync_name(BufferSync s);  // "broadcast", "average", "local"
 
 // Buffers, read on the root. LibTorch has no notion of a non-persistent buffer (Python's
 // register_buffer(..., persistent=False)), so it is declared here: a non-persistent buffer is

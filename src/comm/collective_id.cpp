@@ -102,7 +102,9 @@ std::string WireId::describe() const {
 
 const char* const kLikelyMismatchCause =
     "The ranks no longer issue the same collectives in the same order: most likely one rank skipped or repeated a "
-    "forward or backward (or ran another number of micro-batches, steps or evaluations)";
+    "forward or backward (or ran another number of micro-batches, steps or evaluations). Forwards that differ "
+    "between ranks (uneven eval or generation, a unit one rank's batch skips) must run inside an fsdp::Join "
+    "(fsdp/join.h)";
 
 std::string mismatch_text(int rank, const WireId& mine, int peer, const WireId& theirs) {
   std::ostringstream s;

@@ -125,7 +125,8 @@ std::string who_is_behind(const CommunicatorOptions& options, int rank, int size
   for (size_t i = 0; i < groups.size(); ++i) {
     msg << (i ? "; " : "") << rank_list(groups[i].second) << " issued " << groups[i].first.describe();
   }
-  msg << " (every rank must issue the same collectives in the same order)";
+  msg << " (every rank must issue the same collectives in the same order; forwards that differ between ranks, "
+         "such as uneven eval or generation or a unit one rank's batch skips, must run inside an fsdp::Join)";
   throw OrderMismatch(msg.str());
 }
 

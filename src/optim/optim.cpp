@@ -79,7 +79,25 @@ int ShardedOptimizer::group_of(const ShardState& s) const { return impl_->shard_
 
 bool ShardedOptimizer::state_offloaded(const ShardState& s) const { return state_tier(s) != OffloadTier::kNone; }
 
-void ShardedOptimizer::check_gradients_all_reduced() const {
+// Note [A step needs a gradient]
+// A step with no gradient reduced since the last zero_grad() is a slip (a backward forgotten, step()
+// called twice, every micro-batch without gradient sync), and would apply zero gradients: AdamW's
+// moments, weight decay and step count move. A stock optimizer skips a param whose grad is undefined;
+// a skip here would hide the slip as well, so it is a UsageError, before anything changes. It asks
+// about the whole model (a unit that got no gradient while others did keeps its state) and is alike
+// on every rank: reductions are collectives, and every rank calls zero_grad. A model with nothing
+// trainable steps nothing; a step GradScaler skips never calls step(); with step_in_backward the
+// reductions of the backward that stepped count as well.
+void ShardedOptimizer::check_gradients_for_step() const {
+  const auto reduced = [this](const ShardState& s) { return impl_->shard_of(s).reduced_since_zero_grad(); };
+  if (!impl_->states.empty() && std::none_of(impl_->states.begin(), impl_->states.end(), reduced)) {
+    throw UsageError("fsdp: " + type_name() +
+                     ".step() with no gradient reduced since the last zero_grad(): no backward ran through the "
+                     "sharded model since then (or each ran with set_requires_gradient_sync(false)), so the step "
+                     "would apply zero gradients (moving momentum, weight decay and the step count). Run "
+                     "loss.backward() before each step(), with gradient sync on for the last micro-batch, and "
+                     "zero_grad() after it");
+  }
   for (auto& s : impl_->states) impl_->shard_of(s).check_all_reduced("an optimizer step");
 }
 
@@ -183,7 +201,7 @@ void ShardedOptimizer::observe_next_step(StepObserver observer) { impl_->observe
 
 void ShardedOptimizer::Impl::step_after_backward(Tracer* tracer) {
   // Before anything steps: a half-stepped model would match no checkpoint.
-  self.check_gradients_all_reduced();
+  self.check_gradients_for_step();
   settle_writes();  // the last step's, drained under this step's forward and backward
   reserve_offloaded_state();
   // Backward reduces the last units first: step in that order, collecting each flat param's

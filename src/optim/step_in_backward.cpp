@@ -159,6 +159,7 @@ void ShardedOptimizer::Impl::wait_for_backward_steps() {
 void ShardedOptimizer::Impl::finish_step_in_backward(Tracer* tracer) {
   InBackward& ib = *in_backward;
   wait_for_backward_steps();
+  self.check_gradients_for_step();  // Note [A step needs a gradient]
   std::vector<char> stepped(states.size(), 0);
   std::swap(stepped, ib.stepped);
   const bool reserved = ib.reserved;

@@ -205,7 +205,7 @@ void TorchOptimizer::step() {
   // Collect the last reductions first (backward finished them last), once every gradient is known
   // to be whole: a refusal must come before any state changes.
   auto& all = states();
-  check_gradients_all_reduced();
+  check_gradients_for_step();
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     at::Tensor grad = collect_grad(*it);
     master_shard(*it).mutable_grad() = grad;  // undefined: the optimizer skips the shard

@@ -125,7 +125,6 @@ class FlatParam {
   int64_t stored_bytes() const;
 
   // ---- the optimizer's side (through shard/grad_shards.h)
-  at::Tensor& optimizer_master() { return sharded_param(); }
   // Collects the gradient and returns what the optimizer reads: the gradient shard, or its host
   // copy (through pinned staging on a device) when the master follows the state. Undefined when
   // the flat param has no gradient yet.
@@ -206,6 +205,7 @@ class FlatParam {
   bool requires_all_reduce() const { return requires_all_reduce_; }
   // Gradient sums reduce-scattered but not yet all-reduced across the replicas, and their bytes.
   bool holds_partial_grads() const { return grads_.holds_partial(); }
+  bool grads_reduced_since_zero() const { return grads_.reduced_since_zero(); }
   int64_t partial_grad_bytes() const { return grads_.partial_bytes(); }
   void flush_partial_grads() { grads_.flush_partial(); }
   // UsageError when partial sums wait for an all-reduce that never came, naming `what` read them.

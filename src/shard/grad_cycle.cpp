@@ -158,7 +158,7 @@ void GradCycle::reduce_scatter() {
   if (all_reduce_issued_) {
     reduce_handle_ = fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag);
   }
-  reduce_issued_ = true;
+  reduce_issued_ = reduced_since_zero_ = true;
 }
 
 // Note [Accumulation without the all-reduce]
@@ -233,6 +233,7 @@ void GradCycle::finalize() {
 
 void GradCycle::zero() {
   partial_ = at::Tensor();
+  reduced_since_zero_ = false;
   if (shard_.defined()) shard_.zero_();
   fp_.residency_->grad_written(shard_);
 }

@@ -30,6 +30,7 @@ class GradCycle {
   void finalize();
   void zero();
   at::Tensor& shard() { return shard_; }  // fp32 gradient shard, undefined until the first reduction
+  bool reduced_since_zero() const { return reduced_since_zero_; }  // a reduction was issued since zero()
   int64_t buffer_bytes() const;
   // Partial sums, or a reduction in flight that will add to them.
   // (A reduction in flight decides: a deferred one adds to the sums, another all-reduces them.)
@@ -54,6 +55,7 @@ class GradCycle {
   at::Tensor reduce_output_;  // [shard] reduce dtype
   CommHandle reduce_handle_;
   bool reduce_issued_ = false;
+  bool reduced_since_zero_ = false;
   // Note [Accumulation without the all-reduce]: this reduction skips the replicas' all-reduce, and
   // the fp32 sum of the reductions that skipped it so far (undefined when none did).
   bool defer_all_reduce_ = false;

@@ -28,6 +28,7 @@ at::Tensor GradShard::new_state_tensor(const std::string& what, at::ScalarType d
 }
 
 void GradShard::check_all_reduced(const std::string& what) const { flat_->check_no_partial_grads(what); }
+bool GradShard::reduced_since_zero_grad() const { return flat_->grads_reduced_since_zero(); }
 
 at::Tensor GradShard::collect_grad() {
   flat_->finalize_grads();

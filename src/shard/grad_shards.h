@@ -75,6 +75,7 @@ class GradShard {
   at::Tensor grad_for_step();
   // Collects it and drops the shard's values to zero (the buffer stays).
   void zero_grad();
+  bool reduced_since_zero_grad() const;  // a reduction into it since zero_grad (a collective)
   // The group the shard's elements are distinct over (null when the shard is the whole flat
   // param): a norm sums each group's shards once.
   Communicator* norm_group() const;

@@ -22,6 +22,8 @@ namespace fsdp {
 // on every rank, each unit's in unit order (a unit a rank skipped reduces zeros). kReduce beside
 // kDone means a rank has finished while others train: every rank throws (the finished rank's
 // shard would miss the step).
+// A Join's forwards differ by rank, so the execution order (keep-for-backward, prefetch) leaves
+// them out: the step after the Join predicts by the last before it, alike on every rank.
 namespace {
 
 struct RoundResult {
@@ -36,13 +38,7 @@ RoundResult run_round(RootState& rs, Communicator& world, size_t key) {
   world.all_reduce(counts, ReduceOp::kSum, "join round").wait();
   RoundResult r;
   const float* c = counts.data_ptr<float>();
-  r.winner = done;
-  for (size_t k = 0; k <= done; ++k) {
-    if (c[k] > 0.5f) {
-      r.winner = k;
-      break;
-    }
-  }
+  while (r.winner < done && !(c[r.winner] > 0.5f)) ++r.winner;  // the lowest key proposed (done if none below)
   r.someone_done = c[done] > 0.5f;
   return r;
 }
@@ -95,8 +91,10 @@ void ShardedUnit::join_finish() {
     if (r.winner == reduce) throw finished_while_training();
     shadow(rs, r.winner);
   }
-  // A training-mode forward without a backward changed buffers: every rank is here together.
-  if (rs.buffers_dirty) sync_buffers();
+  // A training-mode forward without a backward changed buffers, on some ranks: every rank is here.
+  at::Tensor dirty = at::full({1}, rs.buffers_dirty ? 1.0f : 0.0f);
+  world.all_reduce(dirty, ReduceOp::kSum, "join buffers").wait();
+  if (dirty.item<float>() > 0) sync_buffers();
 }
 
 void ShardedUnit::set_joined(bool joined) {

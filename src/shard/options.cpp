@@ -36,11 +36,6 @@ ShardingStrategy parse_strategy(const std::string& name) {
 
 const char* buffer_sync_name(BufferSync s) { return base::name_of(kBufferSyncs, s, "unknown"); }
 
-BufferSync parse_buffer_sync(const std::string& name) {
-  if (auto s = base::value_of(kBufferSyncs, name)) return *s;
-  throw ConfigError("fsdp: unknown buffer sync '" + name + "' (expected " + base::names_text(kBufferSyncs) + ")");
-}
-
 int default_param_group(const std::string&, const at::Tensor& param) { return param.dim() < 2 ? 1 : 0; }
 
 }  // namespace fsdp

@@ -232,12 +232,12 @@ void ShardedUnit::pre_forward() {
       unit->inputs_pending_ = unit->inputs_seen_ = 0;           // a forward that no backward followed
       unit->awaits_backward_ = false;
     }
-    rs.order.begin_step();
+    if (!rs.joined) rs.order.begin_step();  // Note [Join rounds]: a Join's forwards are not recorded
     rs.step_trains = c10::GradMode::is_enabled();
     choose_kept_masters();
     if (rs.buffers_dirty && !rs.joined) sync_buffers();  // inside a Join: at Join::finish
   }
-  if (!recompute) rs.order.record(index_);
+  if (!recompute && !rs.joined) rs.order.record(index_);
   if (recompute) rs.recomputed = true;
   // A forward without gradients may be an activation checkpoint's, recomputed in backward: its
   // backward may come, and the prefetch should not pass it by.

@@ -190,7 +190,6 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
     options_.reshard_after_forward_explicit = true;
   }
   void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
-  bool reshard_after_backward() const { return reshard_after_backward_; }
   std::weak_ptr<torch::nn::Module> module() const { return module_; }
   bool nested() const { return nested_; }
 

@@ -505,6 +505,9 @@ void ShardedUnit::lazy_init(const std::function<bool(const std::string& name)>& 
   for (const auto& item : module->named_modules("", /*include_self=*/true)) {
     ShardedUnit* unit = detail::unit_of(*item.value());
     if (unit == nullptr) continue;
+    if (unit != this && unit->root_ == this)  // one module instance registered at two paths
+      throw ConfigError("fsdp: sharded module '" + unit->name() + "' is registered at two paths, also as '" +
+                        item.key() + "': register it at one path (a unit may run more than once in a forward)");
     if (unit != this) {
       unit->root_ = this;
       unit->root_state_.reset();

@@ -1,14 +1,18 @@
 // Uneven inputs under fsdp::Join (fsdp/join.h): generation of different lengths per rank, an eval
 // set that does not divide evenly, and a unit one rank's batch skips in training, each against the
-// unsharded model; a finished rank while another trains is a UsageError on every rank; and the
-// same divergence without a Join still fails at once.
+// unsharded model; ordinary training steps after a Join in which one rank ran no forward or
+// skipped a unit, against the unsharded model; a finished rank while another trains is a
+// UsageError on every rank; and the same divergence without a Join still fails at once, naming
+// fsdp::Join.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
 #include <mutex>
 
 #include "fsdp/fsdp.h"
@@ -158,6 +162,125 @@ TEST(Join, TrainingStepsWhereOneRanksBatchSkipsAUnit) {
   });
 }
 
+// One training step on both ranks (rank r's batch: data[r], along route(r)) and the unsharded
+// model's step on the whole batch: the losses agree.
+void train_step(Net& net, Net& ref, TorchOptimizer& optim, torch::optim::SGD& ref_optim, const at::Tensor& data,
+                int rank, const std::function<std::vector<int64_t>(int)>& route) {
+  at::Tensor loss = lm_loss(fsdp::call(net, data[rank], route(rank)), data[rank]);
+  loss.backward();
+  optim.step();
+  optim.zero_grad();
+  std::vector<at::Tensor> ref_losses;
+  for (int r = 0; r < 2; ++r) ref_losses.push_back(lm_loss(ref->forward(data[r], route(r)), data[r]));
+  ref_optim.zero_grad();
+  ((ref_losses[0] + ref_losses[1]) / 2).backward();
+  ref_optim.step();
+  EXPECT_NEAR(loss.item<double>(), ref_losses[rank].item<double>(), 1e-5);
+}
+
+void expect_params_equal(Net& net, Net& ref, const std::vector<std::shared_ptr<FSDPModule>>& units) {
+  for (auto& unit : units) unit->unshard();
+  auto ref_params = ref->named_parameters();
+  for (const auto& p : net->named_parameters()) {
+    EXPECT_TRUE(at::allclose(p.value().detach(), ref_params[p.key()].detach(), 1e-5, 1e-6)) << p.key();
+  }
+  for (auto& unit : units) unit->reshard();
+}
+
+std::vector<int64_t> all_units(int) { return kAll; }
+
+// After a Join in which the ranks ran different forwards, ordinary training steps run in step again:
+// which unit keeps its params for backward and what to prefetch each rank decides from its
+// recorded execution order, which leaves out the Join's forwards. Here an eval set smaller than
+// the world comes first: rank 1 runs no forward at all inside the Join, rank 0 one; every rank
+// then trains, as the unsharded model does.
+TEST(Join, TrainingAfterAJoinWhereOneRankRanNoForward) {
+  testing::run_threads(
+      2,
+      [](const std::shared_ptr<Dist>& dist) {
+        DeviceMesh mesh(dist);
+        Net ref = make_net(), net = make_net();
+        const auto units = shard_all(net, mesh);
+        auto optim = TorchOptimizer::make<torch::optim::SGD>(units.back(), torch::optim::SGDOptions(0.5));
+        torch::optim::SGD ref_optim(ref->parameters(), torch::optim::SGDOptions(0.5));
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+        const at::Tensor eval = at::randint(20, {1, 2, 6}, gen), data = at::randint(20, {3, 2, 3, 5}, gen);
+        {
+          c10::NoGradGuard no_grad;
+          Join join(*units.back());
+          for (int64_t b = dist->rank(); b < eval.size(0); b += 2) {
+            EXPECT_TRUE(at::allclose(fsdp::call(net, eval[b], kAll), ref->forward(eval[b], kAll), 1e-6, 1e-7));
+          }
+          join.finish();
+        }
+        for (int step = 0; step < 3; ++step)
+          train_step(net, ref, *optim, ref_optim, data[step], dist->rank(), all_units);
+        expect_params_equal(net, ref, units);
+      },
+      std::chrono::seconds(60));
+}
+
+// The same after a Join whose training step's forward skipped a unit on rank 1 (a layer drop, an
+// expert no token reached), with ordinary steps before and after it.
+TEST(Join, TrainingAfterAJoinWhereOneRanksForwardSkippedAUnit) {
+  testing::run_threads(
+      2,
+      [](const std::shared_ptr<Dist>& dist) {
+        DeviceMesh mesh(dist);
+        Net ref = make_net(), net = make_net();
+        const auto units = shard_all(net, mesh);
+        auto optim = TorchOptimizer::make<torch::optim::SGD>(units.back(), torch::optim::SGDOptions(0.5));
+        torch::optim::SGD ref_optim(ref->parameters(), torch::optim::SGDOptions(0.5));
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+        const at::Tensor data = at::randint(20, {4, 2, 3, 5}, gen);
+        const int rank = dist->rank();
+        train_step(net, ref, *optim, ref_optim, data[0], rank, all_units);
+        {
+          Join join(*units.back());
+          train_step(net, ref, *optim, ref_optim, data[1], rank, [](int r) {
+            return r == 0 ? kAll : std::vector<int64_t>{0, 2};
+          });
+          join.finish();
+        }
+        for (int step = 2; step < 4; ++step) train_step(net, ref, *optim, ref_optim, data[step], rank, all_units);
+        expect_params_equal(net, ref, units);
+      },
+      std::chrono::seconds(60));
+}
+
+struct NormedImpl : torch::nn::Module {
+  NormedImpl()
+      : fc(register_module("fc", torch::nn::Linear(4, 4))), bn(register_module("bn", torch::nn::BatchNorm1d(4))) {}
+  at::Tensor forward(const at::Tensor& x) { return bn(fc(x)); }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+};
+TORCH_MODULE(Normed);
+
+// A training-mode forward inside a Join on rank 0 only changes its BatchNorm statistics: finish()
+// synchronises them on every rank (rank 1 ran no forward), and the ranks stay in step.
+TEST(Join, BuffersChangedOnOneRankAreSynchronisedAtFinish) {
+  testing::run_threads(
+      2,
+      [](const std::shared_ptr<Dist>& dist) {
+        DeviceMesh mesh(dist);
+        Normed net;
+        auto root = fully_shard(net, mesh);
+        {
+          c10::NoGradGuard no_grad;
+          Join join(*root);
+          if (dist->rank() == 0) fsdp::call(net, at::randn({6, 4}) + 3);
+          join.finish();
+        }
+        at::Tensor mean = net->bn->running_mean.detach().clone();
+        at::Tensor both = at::empty({2, 4});
+        dist->world().all_gather(both, mean, "test").wait();
+        EXPECT_TRUE(at::equal(both[0], both[1])) << both;
+        EXPECT_GT(mean.abs().sum().item<double>(), 0);  // rank 0's statistics, not the initial zeros
+      },
+      std::chrono::seconds(60));
+}
+
 // A rank that finished while the other runs a backward: a UsageError on both, naming the fix.
 TEST(Join, FinishedRankWhileAnotherTrainsIsAUsageErrorOnEveryRank) {
   testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
@@ -194,6 +317,7 @@ TEST(Join, WithoutAJoinASkippedUnitStillFailsAtOnce) {
           ADD_FAILURE() << "no error";
         } catch (const std::exception& e) {
           EXPECT_NE(std::string(e.what()).find("experts.1"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("inside an fsdp::Join"), std::string::npos) << e.what();
         }
       },
       std::chrono::seconds(30));

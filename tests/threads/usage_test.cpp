@@ -4,8 +4,9 @@
 // on every path (FULL_SHARD, NO_SHARD, one rank in fp32, accumulation without sync), while
 // zero_grad over those parameters stays harmless and correct programs train bit for bit as
 // before; reading a weight between steps names unshard/reshard and checkpoints, and the first
-// gives the unsharded model's trained weight; and errors name modules by their paths (a parameter tied across two
-// units, a unit run before its root, a child sharded after its parent).
+// gives the unsharded model's trained weight; errors name modules by their paths (a parameter tied across two
+// units, a unit run before its root, a child sharded after its parent, a module registered at two
+// paths); and an optimizer step with no gradient since zero_grad is a UsageError on every rank.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -13,6 +14,7 @@
 
 #include <functional>
 #include <mutex>
+#include <utility>
 
 #include "fsdp/fsdp.h"
 #include "shard/testing.h"
@@ -330,6 +332,118 @@ TEST(ErrorPaths, UnitRunBeforeItsRootAndShardedTwiceByPath) {
               std::string::npos)
         << child;
     EXPECT_NE(child.find("bottom-up"), std::string::npos) << child;
+  });
+}
+
+// ---- an optimizer step with no gradient (Note [A step needs a gradient] in src/optim/optim.cpp)
+
+std::string step_error(ShardedOptimizer& optim) {
+  const std::string what = usage_error_of([&] { optim.step(); });
+  EXPECT_NE(what.find(".step() with no gradient reduced since the last zero_grad()"), std::string::npos) << what;
+  EXPECT_NE(what.find("Run loss.backward() before each step()"), std::string::npos) << what;
+  return what;
+}
+
+// The first step, a step after zero_grad, and a step after micro-batches that all skipped the
+// gradient sync are each a UsageError on every rank that changes neither the params nor the state;
+// with step_in_backward too. A backward whose last micro-batch syncs steps as before.
+TEST(StepWithoutGradient, IsAUsageErrorOnEveryRankAndChangesNothing) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    for (bool in_backward : {false, true}) {
+      std::shared_ptr<FSDPModule> root;
+      Net net = shard(mesh, root, ShardingStrategy::kFullShard);
+      AdamW optim(root, AdamWOptions(1e-2).weight_decay(0.1));
+      optim.step_in_backward(in_backward);
+      const at::Tensor start = masters(*root);
+      step_error(optim);
+      EXPECT_TRUE(at::equal(masters(*root), start));
+      for (const auto& s : std::as_const(optim).states()) EXPECT_EQ(s.step, 0) << s.tag;
+      auto [x, y] = batch(dist, 0);
+      at::mse_loss(fsdp::call(net, x), y).backward();
+      optim.step();
+      optim.zero_grad();
+      const at::Tensor stepped = masters(*root);
+      EXPECT_FALSE(at::equal(stepped, start));
+      step_error(optim);  // a second step() with no backward since zero_grad
+      EXPECT_TRUE(at::equal(masters(*root), stepped));
+      for (const auto& s : std::as_const(optim).states()) EXPECT_EQ(s.step, 1) << s.tag;
+      root->set_requires_gradient_sync(false);  // accumulation: these micro-batches reduce nothing
+      at::mse_loss(fsdp::call(net, x), y).backward();
+      if (!in_backward) step_error(optim);
+      root->set_requires_gradient_sync(true);  // the last one does
+      at::mse_loss(fsdp::call(net, x), y).backward();
+      optim.step();
+      optim.zero_grad();
+      EXPECT_FALSE(at::equal(masters(*root), stepped));
+      for (const auto& s : std::as_const(optim).states()) EXPECT_EQ(s.step, 2) << s.tag;
+    }
+  });
+}
+
+// TorchOptimizer refuses the same; a model with nothing trainable steps nothing, without error;
+// a step whose backward reached only some units (a block whose output is unused) steps.
+TEST(StepWithoutGradient, TorchOptimizerFrozenModelAndAPartialBackward) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    {
+      std::shared_ptr<FSDPModule> root;
+      Net net = shard(mesh, root, ShardingStrategy::kFullShard);
+      auto optim = TorchOptimizer::make<torch::optim::Adam>(root, torch::optim::AdamOptions(1e-2));
+      const at::Tensor start = masters(*root);
+      step_error(*optim);
+      EXPECT_TRUE(at::equal(masters(*root), start));
+    }
+    {
+      Net net = make_net();
+      for (auto& p : net->parameters()) p.requires_grad_(false);
+      for (auto& b : net->blocks) fully_shard(b, mesh);
+      auto root = fully_shard(net, mesh);
+      AdamW optim(root, AdamWOptions(1e-2));
+      EXPECT_NO_THROW(optim.step());
+    }
+    {
+      NetOptions o;
+      o.skip_block = 1;
+      Net net = [&] {
+        std::lock_guard<std::mutex> lock(g_seed_mutex);
+        at::manual_seed(23);
+        return Net(o);
+      }();
+      for (auto& b : net->blocks) fully_shard(b, mesh);
+      auto root = fully_shard(net, mesh);
+      AdamW optim(root, AdamWOptions(1e-2));
+      const at::Tensor start = masters(*root);
+      auto [x, y] = batch(dist, 0);
+      at::mse_loss(fsdp::call(net, x), y).backward();
+      EXPECT_NO_THROW(optim.step());
+      EXPECT_FALSE(at::equal(masters(*root), start));
+    }
+  });
+}
+
+// ---- a sharded module registered at two paths
+
+class TwiceImpl : public torch::nn::Module {
+ public:
+  TwiceImpl() : block(register_module("first", Dense(6, 6))) { register_module("again", block); }
+  at::Tensor forward(const at::Tensor& x) { return fsdp::call(block, at::tanh(fsdp::call(block, x))); }
+  Dense block;
+};
+TORCH_MODULE(Twice);
+
+// One module instance registered at two paths and sharded is refused at the root's first use,
+// naming both paths.
+TEST(ErrorPaths, ModuleRegisteredAtTwoPathsNamesBoth) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    Twice net;
+    fully_shard(net->block, mesh);
+    auto root = fully_shard(net, mesh);
+    const std::string what = config_error_of([&] { fsdp::call(net, at::ones({2, 6})); });
+    EXPECT_NE(what.find("sharded module 'first' is registered at two paths, also as 'again'"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("register it at one path"), std::string::npos) << what;
   });
 }
 
