@@ -26,6 +26,11 @@ ParamInitFn uniform(double lo, double hi, uint64_t seed);
 ParamInitFn constant(double value);
 // The first rule whose name suffix matches `name` (e.g. "norm.weight"), else `fallback`.
 ParamInitFn by_suffix(std::vector<std::pair<std::string, ParamInitFn>> rules, ParamInitFn fallback);
+// No values of its own: for a meta-built model whose values a load writes (fsdp::checkpoint::load
+// or import_weights) before its first forward. fully_shard refuses meta parameters without an
+// init, so a model to be loaded says so with this one; it throws UsageError, naming the tensor,
+// if the model is used before a load has written it.
+ParamInitFn from_load();
 
 // Fills every parameter of `module` with `fn` (computed in fp32, stored in the parameter's dtype);
 // parameters on the meta device are allocated on the CPU and replaced in place (set_data),

@@ -73,6 +73,15 @@ ParamInitFn constant(double value) {
   return [value](const std::string&, at::IntArrayRef, int64_t, at::Tensor& out) { out.fill_(value); };
 }
 
+ParamInitFn from_load() {
+  return [](const std::string& name, at::IntArrayRef, int64_t, at::Tensor&) {
+    throw UsageError("fsdp: '" + name +
+                     "' was left to a load (FullyShardOptions::init(fsdp::init::from_load())), but the model was used "
+                     "before a load wrote it: call fsdp::checkpoint::load or import_weights before the first forward, "
+                     "or give FullyShardOptions::init an initialiser (fsdp/init.h)");
+  };
+}
+
 ParamInitFn by_suffix(std::vector<std::pair<std::string, ParamInitFn>> rules, ParamInitFn fallback) {
   return [rules = std::move(rules), fallback = std::move(fallback)](const std::string& name, at::IntArrayRef shape,
                                                                     int64_t offset, at::Tensor& out) {

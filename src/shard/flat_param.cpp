@@ -153,11 +153,7 @@ void FlatParam::set_tag(std::string tag) {
 void FlatParam::materialize(const ParamInitFn& init, const std::string& prefix, bool load_writes) {
   if (!needs_materialize_) return;
   awaits_load_ = load_writes;
-  if (load_writes) return;
-  if (!init) {
-    throw ConfigError("fsdp: parameter '" + prefix + entries_.front().name +
-                      "' is on the meta device but FullyShardOptions::init is not set");
-  }
+  if (load_writes) return;  // fully_shard refused a meta flat param without an init
   const int64_t lo = shard_offset_, hi = shard_offset_ + shard_numel_;
   c10::NoGradGuard no_grad;
   // Values to be quantized: the gaps between parameters share their blocks, so they are zero.

@@ -88,6 +88,7 @@ class FlatParam {
   // master_written() or store_frozen() ends the wait; a later call without it fills them.
   void materialize(const ParamInitFn& init, const std::string& prefix, bool load_writes = false);
   bool awaits_load() const { return awaits_load_; }
+  bool needs_materialize() const { return needs_materialize_; }  // meta: deferred init or a load fills it
 
   // Moves the sharded states to their tiers (before materialize(), so deferred init writes
   // straight into them). Called once, by the root's lazy init.

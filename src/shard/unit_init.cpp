@@ -255,6 +255,12 @@ void ShardedUnit::build() {
                       "modules that hold parameters");
   }
   make_flat_params(*module);
+  for (const auto& fp : flat_params_) {
+    if (fp->needs_materialize() && !options_.init)
+      throw ConfigError("fsdp: parameter '" + fp->entries().front().name +
+                        "' is on the meta device but FullyShardOptions::init is not set: give it an initialiser "
+                        "(fsdp/init.h), or fsdp::init::from_load() when a load or import_weights writes it first");
+  }
   if (options_.vocab_parallel) check_vocab_table();
   record_owned();
   register_grad_hooks();
