@@ -96,9 +96,10 @@ struct Imported {
   std::shared_ptr<FSDPModule> root;
 };
 
-// Built on the meta device, by default with no init: the import writes every parameter, and its
-// lazy init leaves them to it (Note [Deferred init leaves what a load writes]).
-Imported sharded(const llama::LlamaConfig& c, DeviceMesh& mesh, const FullyShardOptions& opts = {}) {
+// Built on the meta device, by default with init::from_load(): the import writes every parameter,
+// and its lazy init leaves them to it (Note [Deferred init leaves what a load writes]).
+Imported sharded(const llama::LlamaConfig& c, DeviceMesh& mesh, FullyShardOptions opts = {}) {
+  if (!opts.init()) opts.init(init::from_load());
   Imported m{llama::LlamaForCausalLM(c, at::kMeta), nullptr};
   for (auto& layer : m.model->model->layers) fully_shard(layer, mesh, opts);
   m.root = fully_shard(m.model, mesh, opts);

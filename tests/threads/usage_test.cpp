@@ -447,5 +447,35 @@ TEST(ErrorPaths, ModuleRegisteredAtTwoPathsNamesBoth) {
   });
 }
 
+// A model built on the meta device without an init is refused at fully_shard, naming a parameter
+// and both remedies; with init::from_load() it waits for a load, and a forward before any load is a
+// UsageError naming the parameter.
+TEST(ErrorPaths, MetaModelWithoutInitRefusedAtFullyShard) {
+  testing::run_threads(2, [](const std::shared_ptr<Dist>& dist) {
+    DeviceMesh mesh(dist);
+    NetOptions o;
+    o.device = at::kMeta;
+    Net net(o);
+    std::string what;
+    try {
+      fully_shard(net->blocks[0], mesh);
+      ADD_FAILURE() << "a meta block without an init was sharded";
+    } catch (const ConfigError& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find("is on the meta device but FullyShardOptions::init is not set"), std::string::npos) << what;
+    EXPECT_NE(what.find("fsdp::init::from_load()"), std::string::npos) << what;
+    EXPECT_NE(what.find("'fc1.weight'"), std::string::npos) << what;
+
+    Net loaded(o);
+    const auto opts = FullyShardOptions().init(init::from_load());
+    for (auto& block : loaded->blocks) fully_shard(block, mesh, opts);
+    fully_shard(loaded, mesh, opts);
+    const std::string used = testing::usage_error_of([&] { fsdp::call(loaded, at::ones({2, o.in})); });
+    EXPECT_NE(used.find("was left to a load"), std::string::npos) << used;
+    EXPECT_NE(used.find("before a load wrote it"), std::string::npos) << used;
+  });
+}
+
 }  // namespace
 }  // namespace fsdp
