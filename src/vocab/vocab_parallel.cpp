@@ -31,28 +31,28 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "fsdp/errors.h"
-#include "shard/flat_param.h"
-#include "shard/sharded_unit.h"
+#include "shard/table_shard.h"
 
 namespace fsdp {
 namespace {
 
 // This rank's part of the table (Note [Vocab-parallel tables]), in the table's elements.
 struct TablePart {
-  FlatParam* fp = nullptr;
+  std::optional<TableShard> fp;
   int64_t vocab = 0, dim = 0;
   int64_t begin = 0, end = 0;            // elements [begin, end) of the V*D table are here
   int64_t full_begin = 0, full_end = 0;  // whole rows held here
   int64_t local_at = 0;                  // the table's element `begin` is shard element local_at
   std::vector<int64_t> split_rows;       // every rank's (same list)
   std::vector<int> split_owner;          // the rank holding each split row's first element
-  Communicator& group() const { return fp->shard_group(); }
-  std::string tag(const char* what) const { return fp->config().tag + "/vocab/" + what; }
-  at::ScalarType dtype() const { return fp->config().compute_dtype; }
+  Communicator& group() const { return fp->group(); }
+  std::string tag(const char* what) const { return fp->tag() + "/vocab/" + what; }
+  at::ScalarType dtype() const { return fp->compute_dtype(); }
 
   // Columns [c0, c1) of split row q held here, at shard element `at`; false when none are.
   bool piece(int64_t q, int64_t& c0, int64_t& c1, int64_t& at) const {
@@ -65,50 +65,26 @@ struct TablePart {
   }
 };
 
-TablePart table_part(FlatParam& fp) {
+TablePart table_part(const TableShard& fp) {
   TablePart t;
-  t.fp = &fp;
-  const FlatParamEntry& e = fp.entries()[0];
-  t.vocab = e.shape[0];
-  t.dim = e.shape[1];
-  const int64_t numel = t.vocab * t.dim, S = fp.shard_numel(), N = fp.shard_group().size();
-  t.begin = std::clamp<int64_t>(fp.shard_offset() - e.offset, 0, numel);
-  t.end = std::clamp<int64_t>(fp.shard_offset() + S - e.offset, 0, numel);
-  t.local_at = e.offset + t.begin - fp.shard_offset();
+  t.fp = fp;
+  t.vocab = fp.shape()[0];
+  t.dim = fp.shape()[1];
+  const int64_t numel = t.vocab * t.dim, S = fp.shard_numel(), N = fp.group().size();
+  t.begin = std::clamp<int64_t>(fp.shard_offset() - fp.offset(), 0, numel);
+  t.end = std::clamp<int64_t>(fp.shard_offset() + S - fp.offset(), 0, numel);
+  t.local_at = fp.offset() + t.begin - fp.shard_offset();
   t.full_begin = (t.begin + t.dim - 1) / t.dim;
   t.full_end = std::max(t.full_begin, t.end / t.dim);
   for (int64_t k = 1; k < N; ++k) {
-    const int64_t x = k * S - e.offset;
+    const int64_t x = k * S - fp.offset();
     if (x <= 0 || x >= numel || x % t.dim == 0) continue;
     const int64_t q = x / t.dim;
     if (!t.split_rows.empty() && t.split_rows.back() == q) continue;
     t.split_rows.push_back(q);
-    t.split_owner.push_back(static_cast<int>((e.offset + q * t.dim) / S));
+    t.split_owner.push_back(static_cast<int>((fp.offset() + q * t.dim) / S));
   }
   return t;
-}
-
-// The vocab-parallel unit of `module`, or null when it is not sharded; UsageError when it is
-// sharded otherwise, or used before its root's lazy init.
-FlatParam* vocab_table(const torch::nn::Module& module, const char* fn) {
-  ShardedUnit* unit = detail::unit_of(module);
-  if (unit == nullptr) return nullptr;
-  if (!unit->options().vocab_parallel) {
-    throw UsageError(std::string("fsdp::") + fn + ": module '" + unit->path_before_root() +
-                     "' is sharded without FullyShardOptions::vocab_parallel: run it through fsdp::call, or "
-                     "shard it with vocab_parallel(true)");
-  }
-  if (unit->root() == nullptr) {
-    throw UsageError(std::string("fsdp::") + fn + ": vocab-parallel table '" + unit->path_before_root() +
-                     "' used before its root's lazy init: call it inside the forward the root runs through "
-                     "fsdp::call");
-  }
-  if (unit->root_state().joined) {
-    throw UsageError(std::string("fsdp::") + fn + ": vocab-parallel table '" + unit->name() +
-                     "' inside an fsdp::Join: a rank that has finished takes no part in its collectives; "
-                     "gather the table instead (shard it without vocab_parallel)");
-  }
-  return unit->flat_params()[0].get();
 }
 
 // The one parameter of an unsharded table module.
@@ -163,12 +139,12 @@ at::Tensor sharded_embedding(const torch::nn::Module& module, const at::Tensor& 
     throw UsageError("fsdp::sharded_embedding: tokens must be int64, got " +
                      std::string(c10::toString(tokens.scalar_type())));
   }
-  FlatParam* fp = vocab_table(module, "sharded_embedding");
-  if (fp == nullptr) return at::embedding(plain_table(module, "sharded_embedding"), tokens);
+  const std::optional<TableShard> fp = TableShard::of(module, "sharded_embedding");
+  if (!fp) return at::embedding(plain_table(module, "sharded_embedding"), tokens);
   c10::NoGradGuard no_grad;
   const TablePart t = table_part(*fp);
   Communicator& g = t.group();
-  const c10::Device dev = fp->config().device;
+  const c10::Device dev = fp->device();
   const at::Tensor ids_here = tokens.reshape({-1}).to(dev);
   const int64_t n = ids_here.numel();
   const at::Tensor counts = gather_counts(g, n, dev, t.tag("counts"));
@@ -176,7 +152,7 @@ at::Tensor sharded_embedding(const torch::nn::Module& module, const at::Tensor& 
   const at::Tensor ids = gather_padded(g, ids_here, m, -1, t.tag("ids"));
   check_ids(ids, counts, m, t.vocab, /*ignore=*/-1, "embedding");
   at::Tensor rows = at::zeros({ids.size(0), t.dim}, ids.options().dtype(at::kFloat));
-  fp->with_shard_values([&](const at::Tensor& shard) {
+  fp->with_values([&](const at::Tensor& shard) {
     if (t.full_end > t.full_begin) {
       const at::Tensor table =
           shard.narrow(0, t.local_at + t.full_begin * t.dim - t.begin, (t.full_end - t.full_begin) * t.dim)
@@ -314,7 +290,7 @@ at::Tensor forward_loss(Saved& s, bool grad) {
   at::Tensor sum = at::zeros({M}, f32), tl = at::zeros({M}, f32);
   GradSums sums;
   if (grad) sums = {at::zeros({M, t.dim}, f32), at::zeros({M, t.dim}, f32), mx.clone()};
-  t.fp->with_shard_values([&](const at::Tensor& shard) {
+  t.fp->with_values([&](const at::Tensor& shard) {
     for_each_chunk(s, shard, [&](int64_t a, int64_t, const at::Tensor& W, const at::Tensor& z) {
       auto [e, cm] = fold(z, a, s.T, mx, sum, tl);
       if (grad) sums.add(e, cm, a, W, s.T);
@@ -358,8 +334,7 @@ at::Tensor backward_hidden(const Saved& s, const at::Tensor& grad) {
 }
 
 struct VocabCrossEntropyBackward : torch::autograd::Node {
-  std::shared_ptr<ShardedUnit> unit;  // keeps the table's flat param alive
-  Saved saved;
+  Saved saved;  // its table part keeps the table's flat param alive
   std::string name() const override { return "fsdp::VocabCrossEntropyBackward"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     c10::NoGradGuard no_grad;
@@ -388,10 +363,8 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
                      c10::str(hidden.sizes()) + ", targets " + c10::str(targets.sizes()) + " " +
                      c10::toString(targets.scalar_type()));
   }
-  FlatParam* fp = vocab_table(module, "sharded_cross_entropy");
-  if (fp == nullptr)
-    return plain_cross_entropy(plain_table(module, "sharded_cross_entropy"), hidden, targets, ignore_index);
-  ShardedUnit* unit = detail::unit_of(module);
+  const std::optional<TableShard> fp = TableShard::of(module, "sharded_cross_entropy");
+  if (!fp) return plain_cross_entropy(plain_table(module, "sharded_cross_entropy"), hidden, targets, ignore_index);
   Saved s(table_part(*fp));
   if (hidden.size(-1) != s.t.dim) {
     throw UsageError("fsdp::sharded_cross_entropy: hidden's last dimension is " + std::to_string(hidden.size(-1)) +
@@ -402,7 +375,7 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
   {
     c10::NoGradGuard no_grad;
     Communicator& g = s.t.group();
-    const c10::Device dev = fp->config().device;
+    const c10::Device dev = fp->device();
     const at::Tensor h = hidden.reshape({-1, s.t.dim}).to(dev, s.t.dtype());
     const at::Tensor tg = targets.reshape({-1}).to(dev);
     s.n = h.size(0);
@@ -422,7 +395,6 @@ at::Tensor sharded_cross_entropy(const torch::nn::Module& module, const at::Tens
   if (grad) {
     auto node =
         std::shared_ptr<VocabCrossEntropyBackward>(new VocabCrossEntropyBackward(), torch::autograd::deleteNode);
-    node->unit = unit->shared_from_this();
     node->saved = std::move(s);
     node->set_next_edges(torch::autograd::collect_next_edges(hidden));
     torch::autograd::set_history(loss, node);
