@@ -14,6 +14,7 @@
 #include "fsdp/mixed_precision.h"
 #include "fsdp/frozen_storage.h"
 #include "fsdp/offload_policy.h"
+#include "fsdp/param_init.h"
 
 namespace fsdp {
 
@@ -35,12 +36,6 @@ ShardingStrategy parse_strategy(const std::string& name);  // "FULL_SHARD", "ful
 // and the rest in group 0.
 using ParamGroupFn = std::function<int(const std::string& name, const at::Tensor& param)>;
 int default_param_group(const std::string& name, const at::Tensor& param);
-
-// Deferred initialisation: fills `out` with elements [offset, offset + out.numel()) of the
-// row-major flattened parameter `name` of shape `shape`. Must give the same values whatever the
-// range, so that every rank can materialise only its shard. See fsdp/init.h for ready-made ones.
-using ParamInitFn =
-    std::function<void(const std::string& name, at::IntArrayRef shape, int64_t offset, at::Tensor& out)>;
 
 // How each frozen parameter is stored, by its name (relative to the unit's module) and tensor.
 using FrozenStorageFn = std::function<FrozenStorage(const std::string& name, const at::Tensor& param)>;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/local_group.h"
 #include "comm/transport.h"
 #include "fsdp/comm.h"
 
@@ -36,11 +37,5 @@ struct CommunicatorOptions {
 // A communicator over `transport`'s ranks. Throws ConfigError when options.global_ranks does not
 // have one entry per rank.
 std::shared_ptr<Communicator> make_communicator(std::unique_ptr<Transport> transport, CommunicatorOptions options);
-
-// The one way to make a one-rank group (a single process's world, a mesh dimension of size 1,
-// NO_SHARD's shard group): every collective is a local copy, run at once on the calling thread.
-// `global_rank` is this process's rank in the world.
-std::shared_ptr<Communicator> make_local_group(const std::string& name, int global_rank,
-                                               std::chrono::milliseconds timeout = CommunicatorOptions{}.timeout);
 
 }  // namespace fsdp

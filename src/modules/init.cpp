@@ -10,7 +10,7 @@
 #include <unordered_set>
 
 #include "fsdp/errors.h"
-#include "shard/param_data.h"
+#include "flat/param_data.h"
 
 namespace fsdp::init {
 namespace {

@@ -11,7 +11,7 @@
 #include <unordered_set>
 
 #include "fsdp/errors.h"
-#include "shard/param_data.h"
+#include "flat/param_data.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

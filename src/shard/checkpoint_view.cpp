@@ -7,7 +7,7 @@
 
 #include "offload/buffer_storage.h"
 #include "offload/tier_tensors.h"
-#include "shard/flat_param.h"
+#include "flat/flat_param.h"
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"
 

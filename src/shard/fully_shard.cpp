@@ -61,7 +61,7 @@ void FSDPModule::set_requires_all_reduce(bool all_reduce) {
       // Parameters kept whole on every rank have no replicas' all-reduce to skip without a replica
       // dimension: their all-reduce is their whole reduction.
       if (fp->config().replicated && unit->mesh().replicate_size() == 1) continue;
-      fp->set_requires_all_reduce(all_reduce);
+      fp->grads().set_requires_all_reduce(all_reduce);
     }
   }
 }

@@ -27,13 +27,13 @@ at::Tensor GradShard::new_state_tensor(const std::string& what, at::ScalarType d
   return flat_->new_state_tensor(what, dtype);
 }
 
-void GradShard::check_all_reduced(const std::string& what) const { flat_->check_no_partial_grads(what); }
-bool GradShard::reduced_since_zero_grad() const { return flat_->grads_reduced_since_zero(); }
+void GradShard::check_all_reduced(const std::string& what) const { flat_->grads().check_no_partial(what); }
+bool GradShard::reduced_since_zero_grad() const { return flat_->grads().reduced_since_zero(); }
 
 at::Tensor GradShard::collect_grad() {
-  flat_->finalize_grads();
-  flat_->check_no_partial_grads("the optimizer");
-  flat_->master_will_change();  // TorchOptimizer steps what it collects
+  flat_->grads().finalize();
+  flat_->grads().check_no_partial("the optimizer");
+  flat_->gathered().master_will_change();  // TorchOptimizer steps what it collects
   return flat_->sharded_grad();
 }
 
@@ -42,8 +42,8 @@ at::Tensor& GradShard::grad() { return flat_->sharded_grad(); }
 at::Tensor GradShard::grad_for_step() { return flat_->optimizer_grad(); }
 
 void GradShard::zero_grad() {
-  flat_->finalize_grads();
-  flat_->zero_grad();
+  flat_->grads().finalize();
+  flat_->grads().zero();
 }
 
 Communicator* GradShard::norm_group() const {

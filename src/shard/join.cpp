@@ -44,7 +44,7 @@ RoundResult run_round(RootState& rs, Communicator& world, size_t key) {
 }
 
 void shadow(RootState& rs, size_t unit) {
-  for (auto& fp : rs.units[unit]->flat_params()) fp->shadow_gather();
+  for (auto& fp : rs.units[unit]->flat_params()) fp->gathered().shadow_gather();
 }
 
 UsageError finished_while_training() {

@@ -34,7 +34,7 @@ FlatFigures figures_of(FlatParam& fp, int gathers, bool forward_kept, bool devic
   f.grad = fp.sharded_grad();
   f.gathered_bytes = fp.unsharded_bytes();
   f.grad_buffer_bytes = fp.unsharded_grad_bytes();
-  f.partial_grad_bytes = fp.partial_grad_bytes();
+  f.partial_grad_bytes = fp.grads().partial_bytes();
   return f;
 }
 

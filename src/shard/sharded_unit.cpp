@@ -137,12 +137,12 @@ void ShardedUnit::reshard() {
 // reshard and when the master it came from changes (the unit then gathers from the master as
 // usual); a forward without gradients, a recomputation and a forward inside a Join reshard in full.
 void ShardedUnit::reshard_to_group() {
-  for (auto& fp : flat_params_) fp->reshard_to_group();
+  for (auto& fp : flat_params_) fp->gathered().reshard_to_group();
 }
 
 bool ShardedUnit::is_gathered_or_gathering() const {
   for (const auto& fp : flat_params_) {
-    if (fp->holds_current_gather()) return true;  // a stale kept gather is gathered again (Note [Kept gathers])
+    if (fp->gathered().holds_current()) return true;  // a stale kept gather is gathered again (Note [Kept gathers])
   }
   return false;
 }
@@ -228,8 +228,8 @@ void ShardedUnit::pre_forward() {
   }
   if (is_root() && !recompute) {
     for (ShardedUnit* unit : rs.units) {
-      for (auto& fp : unit->flat_params_) fp->unguard_grads();  // Note [Guarded gradients]
-      unit->inputs_pending_ = unit->inputs_seen_ = 0;           // a forward that no backward followed
+      for (auto& fp : unit->flat_params_) fp->grads().unguard();  // Note [Guarded gradients]
+      unit->inputs_pending_ = unit->inputs_seen_ = 0;             // a forward that no backward followed
       unit->awaits_backward_ = false;
     }
     if (!rs.joined) rs.order.begin_step();  // Note [Join rounds]: a Join's forwards are not recorded
@@ -311,13 +311,13 @@ void ShardedUnit::pre_backward() {
     prefetch::before_backward(rs.order, index_, explicit_targets(backward_prefetch_), prefetch_limits(), units);
   }
   wait_for_unshard();
-  for (auto& fp : flat_params_) fp->prepare_gradients();
+  for (auto& fp : flat_params_) fp->grads().prepare();
   note_memory();
   state_ = TrainingState::kPreBackward;
 }
 
 void ShardedUnit::on_grad_ready(size_t i, size_t k) {
-  if (!flat_params_[i]->gradients_prepared()) {
+  if (!flat_params_[i]->grads().prepared()) {
     // No pre-backward ran: the gradient came through a forward fsdp never saw, and it would be lost.
     auto module = module_.lock();
     throw UsageError("fsdp: a gradient reached sharded module '" + name() + "' (" +
@@ -326,7 +326,7 @@ void ShardedUnit::on_grad_ready(size_t i, size_t k) {
                      "the module as fsdp::call(module, args...) (a block inside a torch::nn::Sequential, ModuleList "
                      "or AnyModule: wrap it with fsdp::Sharded, docs/WRAPPING.md)");
   }
-  flat_params_[i]->gradient_landed(k);
+  flat_params_[i]->grads().landed(k);
   if (++grads_landed_[i] == flat_params_[i]->entries().size()) post_backward(i);
 }
 
@@ -334,7 +334,7 @@ void ShardedUnit::post_backward(size_t i) {
   if (post_backward_done_[i]) return;
   post_backward_done_[i] = true;
   FlatParam& flat = *flat_params_[i];
-  if (requires_gradient_sync_ && !flat.requires_all_reduce() && flat.replicate_group().size() > 1 &&
+  if (requires_gradient_sync_ && !flat.grads().requires_all_reduce() && flat.replicate_group().size() > 1 &&
       steps_in_backward()) {
     throw UsageError(
         "fsdp: " + name() + " reduces its gradients with set_requires_all_reduce(false) while the " +
@@ -356,15 +356,15 @@ void ShardedUnit::post_backward(size_t i) {
         own.push_back(fp);
         continue;
       }
-      fp->finalize_grads();
+      fp->grads().finalize();
       // Note [The step in backward]; sums still waiting for the replicas' all-reduce are no gradient yet.
-      if (rs.post_reduce_hook != nullptr && !fp->holds_partial_grads()) {
+      if (rs.post_reduce_hook != nullptr && !fp->grads().holds_partial()) {
         GradShard shard(fp);
         rs.post_reduce_hook->gradient_reduced(shard);
       }
     }
     rs.pending_reduces = std::move(own);
-    flat_params_[i]->reduce_scatter_grads();
+    flat_params_[i]->grads().reduce_scatter();
     rs.pending_reduces.push_back(flat_params_[i].get());
   }
   maybe_end_backward();
@@ -423,11 +423,11 @@ void ShardedUnit::finalize_backward() {
   for (ShardedUnit* unit : rs.units) {
     if (!unit->requires_gradient_sync_) continue;
     for (auto& fp : unit->flat_params_) {
-      if (rs.joined && fp->config().requires_grad && !fp->gradients_prepared()) fp->prepare_gradients();
-      if (fp->gradients_prepared()) {
-        fp->reduce_scatter_grads();
-      } else if (fp->requires_all_reduce()) {
-        fp->flush_partial_grads();  // Note [Accumulation without the all-reduce]: no gradient this time
+      if (rs.joined && fp->config().requires_grad && !fp->grads().prepared()) fp->grads().prepare();
+      if (fp->grads().prepared()) {
+        fp->grads().reduce_scatter();
+      } else if (fp->grads().requires_all_reduce()) {
+        fp->grads().flush_partial();  // Note [Accumulation without the all-reduce]: no gradient this time
       }
     }
   }
@@ -439,7 +439,7 @@ void ShardedUnit::finalize_backward() {
       t->span("fsdp::backward", "compute", unit->backward_begin_, std::chrono::steady_clock::now(), unit->name());
     }
     if (unit->reshard_after_backward_ || rs.joined) unit->reshard();  // Note [Kept gathers]; a Join keeps none
-    for (auto& fp : unit->flat_params_) fp->guard_grads();            // Note [Guarded gradients] in param_data.h
+    for (auto& fp : unit->flat_params_) fp->grads().guard();          // Note [Guarded gradients] in param_data.h
     unit->reset_after_backward();
   }
   rs.callback_queued = false;
@@ -471,7 +471,7 @@ void ShardedUnit::verify_collectives(RootState& rs) {
 }
 
 void ShardedUnit::collect_gradients() {
-  for (auto& fp : flat_params_) fp->finalize_grads();
+  for (auto& fp : flat_params_) fp->grads().finalize();
 }
 
 void ShardedUnit::reset_after_backward() {

@@ -12,10 +12,14 @@
 // Every transition is idempotent: a unit used twice in a forward, used by a recomputation
 // inside backward, or not used at all in a step goes through the same code.
 //
-// Three files, along FSDP2's seams: fully_shard.cpp (the public API: fully_shard, FSDPModule,
-// UnshardHandle, fsdp::call's scope), unit_init.cpp (parameter discovery and flat params, the
-// root's lazy init, option resolution, offload placement), sharded_unit.cpp (the forward and
-// backward state machine above).
+// Where its methods are defined, by concern: sharded_unit.cpp (the forward and backward state
+// machine above, prefetch and kept master reads, the collective check), unit_init.cpp
+// (construction, the gradient hooks, the root's lazy init and offload placement), unit_options.cpp
+// (options resolved against the mesh and inherited from the root), unit_params.cpp (parameter
+// discovery, flat params, a vocab-parallel table's checks), tied_params.cpp (parameters owned by a
+// unit, ties across units, paths for errors), buffers.cpp (the model's buffers), join.cpp
+// (fsdp::Join's rounds). The public API over it (fully_shard, FSDPModule, UnshardHandle,
+// fsdp::call's scope) is fully_shard.cpp.
 #pragma once
 
 #include <chrono>
@@ -34,7 +38,7 @@
 #include "prefetch/execution_order.h"
 #include "prefetch/keep_params.h"
 #include "prefetch/policy.h"
-#include "shard/flat_param.h"
+#include "flat/flat_param.h"
 #include "shard/post_reduce_hook.h"
 #include "shard/resolved_options.h"
 
@@ -287,6 +291,8 @@ class ShardedUnit : public std::enable_shared_from_this<ShardedUnit> {
 // ---- the units behind public handles (FSDPModule keeps its unit opaque)
 
 namespace detail {
+// The child a sharded module gets (unit_init.cpp's UnitAnchor): how fsdp::call finds its unit.
+inline constexpr const char* kUnitAnchorName = "_fsdp_unit";
 struct FSDPModuleAccess {
   static std::shared_ptr<FSDPModule> make(std::shared_ptr<ShardedUnit> unit) {
     return std::shared_ptr<FSDPModule>(new FSDPModule(std::move(unit)));

@@ -2,7 +2,7 @@
 #include "shard/table_shard.h"
 
 #include "fsdp/errors.h"
-#include "shard/flat_param.h"
+#include "flat/flat_param.h"
 #include "shard/sharded_unit.h"
 
 namespace fsdp {

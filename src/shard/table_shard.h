@@ -30,13 +30,13 @@ class TableShard {
   static std::optional<TableShard> of(const torch::nn::Module& module, const char* fn);
 
   Communicator& group() const;
-  const std::string& tag() const;         // the unit's, for collective errors
-  at::ScalarType compute_dtype() const;   // the unit's param_dtype
-  c10::Device device() const;             // the compute device
+  const std::string& tag() const;             // the unit's, for collective errors
+  at::ScalarType compute_dtype() const;       // the unit's param_dtype
+  c10::Device device() const;                 // the compute device
   const std::vector<int64_t>& shape() const;  // the table's [rows, cols]
-  int64_t offset() const;                 // the table's first element in the flat buffer
-  int64_t shard_numel() const;            // elements of this rank's shard
-  int64_t shard_offset() const;           // the flat element this rank's shard starts at
+  int64_t offset() const;                     // the table's first element in the flat buffer
+  int64_t shard_numel() const;                // elements of this rank's shard
+  int64_t shard_offset() const;               // the flat element this rank's shard starts at
   // Calls `fn` with this rank's shard (shard_numel() elements) read from its tier: in its
   // floating stored dtype, or decoded whole into the compute dtype from int8 or NF4 blocks.
   void with_values(const std::function<void(const at::Tensor&)>& fn) const;

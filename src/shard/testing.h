@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "fsdp/fully_shard.h"
-#include "shard/flat_param.h"
+#include "flat/flat_param.h"
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"
 

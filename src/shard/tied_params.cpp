@@ -14,6 +14,7 @@
 // gathered: a tied head outside its unit computes on its shards (fsdp/vocab_parallel.h).
 #include <torch/nn/module.h>
 
+#include <optional>
 #include <unordered_map>
 
 #include "fsdp/errors.h"
@@ -21,6 +22,14 @@
 
 namespace fsdp {
 namespace {
+
+// `inner`'s path in `outer`'s module tree ("" for outer itself), if it is there.
+std::optional<std::string> path_in(const torch::nn::Module& outer, const torch::nn::Module* inner) {
+  for (const auto& item : outer.named_modules("", /*include_self=*/true)) {
+    if (item.value().get() == inner) return item.key();
+  }
+  return std::nullopt;
+}
 
 std::string unit_display(const std::string& path) { return path.empty() ? "<root>" : path; }
 
@@ -92,6 +101,80 @@ std::string ShardedUnit::path_before_root() const {
   if (!enclosing) return "<root>";
   const std::string outer = enclosing->path_before_root();
   return outer == "<root>" ? path_in_enclosing_ : outer + "." + path_in_enclosing_;
+}
+
+// Note [Parameters already sharded]
+// Every parameter a unit takes is recorded (by TensorImpl) until the unit is destroyed, so a
+// module whose parameters another unit already owns is refused: fully_shard on a child after its
+// parent (the parent took the child's parameters) or on a module whose ancestor was sharded.
+namespace {
+std::mutex owned_mutex;
+std::unordered_map<const void*, std::weak_ptr<ShardedUnit>>& owned_params() {
+  static auto* owned = new std::unordered_map<const void*, std::weak_ptr<ShardedUnit>>();
+  return *owned;
+}
+
+std::shared_ptr<ShardedUnit> owner_of(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(owned_mutex);
+  auto it = owned_params().find(param.unsafeGetTensorImpl());
+  return it == owned_params().end() ? nullptr : it->second.lock();
+}
+}  // namespace
+
+// A parameter that another unit holds is tied across units when that unit is nested in this one
+// or sits beside it (its module does not contain this one); contained, this module is a child
+// sharded after its parent, which check_not_owned refuses.
+bool ShardedUnit::record_tie(const std::string& name, const at::Tensor& param, ShardedUnit* nested_owner) {
+  std::shared_ptr<ShardedUnit> owner = nested_owner ? nested_owner->shared_from_this() : owner_of(param);
+  if (!owner) return false;
+  if (nested_owner == nullptr) {
+    auto owner_module = owner->module_.lock();
+    if (!owner_module || path_in(*owner_module, module_.lock().get())) return false;
+  }
+  std::string owner_name = "?";
+  for (auto& fp : owner->flat_params_) {
+    for (const auto& e : fp->entries()) {
+      if (e.param.is_same(param)) owner_name = e.name;
+    }
+  }
+  tied_.push_back({name, owner, owner_name});
+  return true;
+}
+
+void ShardedUnit::check_not_owned(const std::string& name, const at::Tensor& param) const {
+  auto owner = owner_of(param);
+  if (!owner) return;
+  auto owner_module = owner->module().lock();
+  auto module = module_.lock();
+  const auto path = owner_module ? path_in(*owner_module, module.get()) : std::nullopt;
+  // Paths from the outermost sharded module: the owner's, then this module's in the owner.
+  const std::string owner_path = owner->path_before_root();
+  const bool outermost = owner_path == "<root>";
+  const std::string here = !path ? "" : outermost ? *path : owner_path + (path->empty() ? "" : "." + *path);
+  const std::string param_path = here.empty() ? name : here + "." + name;
+  throw ConfigError("fsdp: cannot shard " + (here.empty() ? std::string("this module") : "'" + here + "'") +
+                    ": its parameter '" + param_path + "' already belongs to the unit of " +
+                    (outermost ? std::string("a module around it") : "'" + owner_path + "'") +
+                    ", which was sharded first. Shard bottom-up: the blocks first, their parents after them, the "
+                    "root last");
+}
+
+void ShardedUnit::record_owned() {
+  std::lock_guard<std::mutex> lock(owned_mutex);
+  for (auto& fp : flat_params_) {
+    for (const auto& e : fp->entries()) owned_params()[e.param.unsafeGetTensorImpl()] = weak_from_this();
+  }
+}
+
+void ShardedUnit::forget_owned() {
+  std::lock_guard<std::mutex> lock(owned_mutex);
+  for (auto& fp : flat_params_) {
+    for (const auto& e : fp->entries()) {
+      auto it = owned_params().find(e.param.unsafeGetTensorImpl());
+      if (it != owned_params().end() && (it->second.expired() || it->second.lock().get() == this))
+        owned_params().erase(it);
+    }
+  }
 }
 
 }  // namespace fsdp

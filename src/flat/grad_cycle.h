@@ -2,10 +2,12 @@
 // backward the gradient buffer exists and the parameters' .grad are (or become) views of it; each
 // gradient lands in it; the buffer is reduce-scattered, the result added to the fp32 gradient
 // shard, and the buffer freed. Between backwards the parameters' .grad are guards. Part of a
-// FlatParam (its layout, groups and residency), which forwards its gradient calls here.
+// FlatParam (flat_param.h): it reads the flat param's layout and gathered buffer, and hands the
+// reduced shard to its residency.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -14,21 +16,38 @@
 
 namespace fsdp {
 
-class FlatParam;
+class FlatLayout;
+class GatheredParams;
+namespace offload {
+class Residency;
+}
 
 class GradCycle {
  public:
-  explicit GradCycle(FlatParam& fp) : fp_(fp) {}
-  void add_guard(at::Tensor guard) { guards_.push_back(std::move(guard)); }
+  // A trainable flat param's parameters get gradient guards (Note [Guarded gradients]).
+  GradCycle(FlatLayout& layout, offload::Residency& residency, const GatheredParams& gathered);
 
-  void prepare();  // FlatParam::prepare_gradients
+  // Before the unit's backward: the gradient buffer exists and params' .grad are views of it,
+  // after collecting a reduction still in flight (Note [Lazy gradient collection]).
+  void prepare();
   bool prepared() const { return prepared_; }
-  void landed(size_t k);  // FlatParam::gradient_landed
+  void landed(size_t k);  // AccumulateGrad is done with entry k's gradient (Note [The first gradient is copied])
+  // After a backward the parameters' .grad are guards; unguard(), at the root's next forward,
+  // points them back at the gradient buffer while gradients accumulate (no sync), else leaves them
+  // undefined.
   void guard();
   void unguard();
+  // Issues the reduction of the gradient buffer (reduce-scatter over the shard group).
   void reduce_scatter();
+  // FSDPModule::set_requires_all_reduce: read when the reduce-scatter is issued.
+  void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  // Waits for the reduction, all-reduces across replicas when hybrid, and adds the result to the
+  // fp32 gradient shard, then frees the gradient buffer.
   void finalize();
-  void zero();
+  void zero();  // the gradient shard's values to zero (keeps the buffer)
+  // UsageError when partial sums wait for an all-reduce that never came, naming `what` read them.
+  void check_no_partial(const std::string& what) const;
   at::Tensor& shard() { return shard_; }  // fp32 gradient shard, undefined until the first reduction
   bool reduced_since_zero() const { return reduced_since_zero_; }  // a reduction was issued since zero()
   int64_t buffer_bytes() const;
@@ -46,7 +65,10 @@ class GradCycle {
   void finalize_deferred();  // Note [Accumulation without the all-reduce]
   void fill_uncopied();      // zeroes what no gradient reached, and the padding
 
-  FlatParam& fp_;
+  FlatLayout& layout_;
+  offload::Residency& residency_;
+  const GatheredParams& gathered_;
+  bool requires_all_reduce_ = true;
   at::Tensor shard_;
   at::Tensor buffer_;  // [padded] compute dtype; storage freed between backwards
   // The buffer is the gradient shard itself (Note [One-rank gradients] in grad_cycle.cpp).

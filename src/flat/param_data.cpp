@@ -1,5 +1,5 @@
 // See param_data.h.
-#include "shard/param_data.h"
+#include "flat/param_data.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -7,7 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "fsdp/options.h"
+#include "fsdp/param_init.h"
 
 namespace fsdp {
 

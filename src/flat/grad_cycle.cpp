@@ -1,6 +1,6 @@
 // GradCycle: one flat param's gradient from its unit's backward to the optimizer. See the Notes
 // below and Note [Flat buffer lifetime] in flat_param.h.
-#include "shard/grad_cycle.h"
+#include "flat/grad_cycle.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -10,7 +10,10 @@
 #include "kernels/ops.h"
 #include "offload/residency.h"
 #include "offload/buffer_storage.h"
-#include "shard/flat_param.h"
+#include "flat/flat_layout.h"
+#include "flat/gathered_params.h"
+#include "flat/param_data.h"
+#include "fsdp/errors.h"
 
 namespace fsdp {
 namespace {
@@ -28,8 +31,22 @@ void add_into_shard(const at::Tensor& reduced, at::Tensor& shard) {
 
 }  // namespace
 
+GradCycle::GradCycle(FlatLayout& layout, offload::Residency& residency, const GatheredParams& gathered)
+    : layout_(layout), residency_(residency), gathered_(gathered) {
+  if (!layout_.config().requires_grad) return;
+  for (auto& e : layout_.entries())
+    guards_.push_back(make_param_guard(e.param, gathered_.guard_info(), e.name, /*gradient=*/true));
+}
+
+void GradCycle::check_no_partial(const std::string& what) const {
+  if (!holds_partial()) return;
+  throw UsageError("fsdp: " + what + " read the gradient of " + layout_.config().tag +
+                   ", whose last reductions ran with set_requires_all_reduce(false) and were never all-reduced " +
+                   "across the replicas; call set_requires_all_reduce(true) before the last micro-batch's backward");
+}
+
 void GradCycle::guard() {
-  for (size_t i = 0; i < guards_.size(); ++i) fp_.entries_[i].param.mutable_grad() = guards_[i];
+  for (size_t i = 0; i < guards_.size(); ++i) layout_.entries()[i].param.mutable_grad() = guards_[i];
   guarded_ = !guards_.empty();
 }
 
@@ -39,13 +56,13 @@ void GradCycle::unguard() {
     point_at_buffer();
     return;
   }
-  for (size_t i = 0; i < guards_.size(); ++i) fp_.entries_[i].param.mutable_grad() = at::Tensor();
+  for (size_t i = 0; i < guards_.size(); ++i) layout_.entries()[i].param.mutable_grad() = at::Tensor();
   guarded_ = false;
 }
 
 void GradCycle::point_at_buffer() {
-  for (size_t k = 0; k < fp_.entries_.size(); ++k) {
-    FlatParamEntry& e = fp_.entries_[k];
+  for (size_t k = 0; k < layout_.entries().size(); ++k) {
+    FlatParamEntry& e = layout_.entries()[k];
     if (!copied_.empty() && !copied_[k]) {
       e.param.mutable_grad() = at::Tensor();  // its part holds no gradient yet: the first is copied in
       continue;
@@ -62,33 +79,33 @@ void GradCycle::point_at_buffer() {
 // backward, no copy out after it, no second buffer. zero_grad zeroes the shard, as always. The
 // sums are the same bits: the copy-out added the buffer's (0 + g) into a zeroed shard.
 bool GradCycle::can_alias_shard() const {
-  const OffloadPlacement& p = fp_.residency_->placement();
-  return fp_.aliases_master_ && fp_.shard_group_.size() == 1 && fp_.replicate_group_.size() == 1 &&
-         fp_.config_.reduce_dtype == at::kFloat && fp_.unsharded_.scalar_type() == at::kFloat &&
-         p.grads == OffloadTier::kNone && !fp_.residency_->master_follows_state();
+  const offload::OffloadPlacement& p = residency_.placement();
+  return gathered_.aliases_master() && layout_.shard_group().size() == 1 && layout_.replicate_group().size() == 1 &&
+         layout_.config().reduce_dtype == at::kFloat && layout_.config().compute_dtype == at::kFloat &&
+         p.grads == OffloadTier::kNone && !residency_.master_follows_state();
 }
 
 void GradCycle::prepare() {
   finalize();  // the buffer may still belong to the last step's reduce-scatter
-  if (!fp_.config_.requires_grad) return;
+  if (!layout_.config().requires_grad) return;
   const bool alias = can_alias_shard();
   if (aliases_shard_ && !alias) {  // the placement changed: a buffer of its own
     buffer_ = at::Tensor();
     aliases_shard_ = false;
   }
   if (!prepared_ && alias) {
-    if (!shard_.defined()) shard_ = at::zeros({fp_.padded_numel_}, fp_.unsharded_.options());
+    if (!shard_.defined()) shard_ = at::zeros({layout_.padded_numel()}, layout_.compute_options());
     buffer_ = shard_;
     aliases_shard_ = true;
   } else if (!prepared_) {
     // Note [The first gradient is copied]: not zeroed; each entry's first gradient is copied in.
     if (!buffer_.defined()) {
-      buffer_ = at::empty({fp_.padded_numel_}, fp_.unsharded_.options());
+      buffer_ = at::empty({layout_.padded_numel()}, layout_.compute_options());
     } else {
       offload::set_storage_alive(buffer_, true);
     }
-    copied_.assign(fp_.entries_.size(), 0);
-    for (auto& e : fp_.entries_) e.param.mutable_grad() = at::Tensor();
+    copied_.assign(layout_.entries().size(), 0);
+    for (auto& e : layout_.entries()) e.param.mutable_grad() = at::Tensor();
     guarded_ = false;
     prepared_ = true;
     return;
@@ -109,7 +126,7 @@ void GradCycle::prepare() {
 // are the same bits, except that a gradient element of -0.0 stays -0.0 instead of 0 + -0.0 = +0.0.
 void GradCycle::landed(size_t k) {
   if (copied_.empty() || copied_[k] || reduce_issued_) return;
-  FlatParamEntry& e = fp_.entries_[k];
+  FlatParamEntry& e = layout_.entries()[k];
   at::Tensor part = buffer_.narrow(0, e.offset, e.numel).view(e.shape);
   const at::Tensor& g = e.param.grad();
   c10::NoGradGuard no_grad;
@@ -128,13 +145,13 @@ void GradCycle::landed(size_t k) {
 void GradCycle::fill_uncopied() {
   if (copied_.empty()) return;
   int64_t end = 0;
-  for (size_t k = 0; k < fp_.entries_.size(); ++k) {
-    const FlatParamEntry& e = fp_.entries_[k];
+  for (size_t k = 0; k < layout_.entries().size(); ++k) {
+    const FlatParamEntry& e = layout_.entries()[k];
     end = std::max(end, e.offset + e.numel);
     // No gradient reached it (whatever .grad holds now is a guard or nothing).
     if (!copied_[k]) buffer_.narrow(0, e.offset, e.numel).zero_();
   }
-  if (end < fp_.padded_numel_) buffer_.narrow(0, end, fp_.padded_numel_ - end).zero_();
+  if (end < layout_.padded_numel()) buffer_.narrow(0, end, layout_.padded_numel() - end).zero_();
   copied_.clear();
 }
 
@@ -143,20 +160,22 @@ void GradCycle::reduce_scatter() {
   fill_uncopied();
   // The buffer now belongs to the collective: detach the params' views from it.
   guard();
-  reduce_input_ = fp_.config_.reduce_dtype == buffer_.scalar_type() ? buffer_ : buffer_.to(fp_.config_.reduce_dtype);
-  if (fp_.shard_group_.size() == 1) {
+  reduce_input_ =
+      layout_.config().reduce_dtype == buffer_.scalar_type() ? buffer_ : buffer_.to(layout_.config().reduce_dtype);
+  if (layout_.shard_group().size() == 1) {
     reduce_output_ = reduce_input_;
   } else {
-    reduce_output_ = at::empty({fp_.shard_numel_}, reduce_input_.options());
-    reduce_handle_ = fp_.shard_group_.reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, fp_.config_.tag);
+    reduce_output_ = at::empty({layout_.shard_numel()}, reduce_input_.options());
+    reduce_handle_ =
+        layout_.shard_group().reduce_scatter(reduce_output_, reduce_input_, ReduceOp::kAvg, layout_.config().tag);
   }
-  defer_all_reduce_ = fp_.replicate_group_.size() > 1 && !fp_.requires_all_reduce_;
+  defer_all_reduce_ = layout_.replicate_group().size() > 1 && !requires_all_reduce_;
   // Replicated params (FullyShardOptions::replicate_params): the all-reduce is the whole reduction,
   // on a communicator of their own; issued now, it overlaps the rest of backward.
   all_reduce_issued_ =
-      fp_.config_.replicated && fp_.replicate_group_.size() > 1 && !defer_all_reduce_ && !partial_.defined();
+      layout_.config().replicated && layout_.replicate_group().size() > 1 && !defer_all_reduce_ && !partial_.defined();
   if (all_reduce_issued_) {
-    reduce_handle_ = fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag);
+    reduce_handle_ = layout_.replicate_group().all_reduce(reduce_output_, ReduceOp::kAvg, layout_.config().tag);
   }
   reduce_issued_ = reduced_since_zero_ = true;
 }
@@ -183,17 +202,17 @@ void GradCycle::finalize_deferred() {
 
 int64_t GradCycle::partial_bytes() const {
   if (partial_.defined()) return partial_.numel() * 4;
-  return reduce_issued_ && defer_all_reduce_ ? fp_.shard_numel_ * 4 : 0;  // its sums, once collected
+  return reduce_issued_ && defer_all_reduce_ ? layout_.shard_numel() * 4 : 0;  // its sums, once collected
 }
 
 void GradCycle::flush_partial() {
   if (reduce_issued_ || !partial_.defined()) return;
   at::Tensor sums =
-      partial_.scalar_type() == fp_.config_.reduce_dtype ? partial_ : partial_.to(fp_.config_.reduce_dtype);
-  fp_.replicate_group_.all_reduce(sums, ReduceOp::kAvg, fp_.config_.tag).wait();
+      partial_.scalar_type() == layout_.config().reduce_dtype ? partial_ : partial_.to(layout_.config().reduce_dtype);
+  layout_.replicate_group().all_reduce(sums, ReduceOp::kAvg, layout_.config().tag).wait();
   partial_ = at::Tensor();
-  add_into_shard(fp_.residency_->stage_reduced(sums), shard_);
-  fp_.residency_->place_grad(shard_);
+  add_into_shard(residency_.stage_reduced(sums), shard_);
+  residency_.place_grad(shard_);
 }
 
 void GradCycle::finalize() {
@@ -215,15 +234,15 @@ void GradCycle::finalize() {
     reduce_output_ =
         partial_.scalar_type() == reduce_output_.scalar_type() ? partial_ : partial_.to(reduce_output_.scalar_type());
   }
-  if (fp_.replicate_group_.size() > 1 && !all_reduce_issued_) {
-    fp_.replicate_group_.all_reduce(reduce_output_, ReduceOp::kAvg, fp_.config_.tag).wait();
+  if (layout_.replicate_group().size() > 1 && !all_reduce_issued_) {
+    layout_.replicate_group().all_reduce(reduce_output_, ReduceOp::kAvg, layout_.config().tag).wait();
   }
   all_reduce_issued_ = false;
   if (with_partial) partial_ = at::Tensor();
   // The collectives already averaged (ReduceOp::kAvg).
-  reduce_output_ = fp_.residency_->stage_reduced(reduce_output_);
+  reduce_output_ = residency_.stage_reduced(reduce_output_);
   if (!aliases_shard_) add_into_shard(reduce_output_, shard_);  // else already in place (Note [One-rank gradients])
-  fp_.residency_->place_grad(shard_);
+  residency_.place_grad(shard_);
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
   if (!aliases_shard_) offload::set_storage_alive(buffer_, false);
@@ -235,7 +254,7 @@ void GradCycle::zero() {
   partial_ = at::Tensor();
   reduced_since_zero_ = false;
   if (shard_.defined()) shard_.zero_();
-  fp_.residency_->grad_written(shard_);
+  residency_.grad_written(shard_);
 }
 
 int64_t GradCycle::buffer_bytes() const {

@@ -1,0 +1,66 @@
+// See flat/stored_shard.h.
+#include "flat/stored_shard.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "offload/frozen_storage.h"
+#include "offload/residency.h"
+
+namespace fsdp {
+
+StoredShard::StoredShard(FrozenStorage storage, bool requires_grad, bool meta)
+    : storage_(storage), active_(!requires_grad && storage != FrozenStorage::kFloat32) {
+  awaits_encode_ = meta && active_;
+}
+
+bool StoredShard::decodes_to(at::ScalarType compute) const {
+  return active_ && frozen::stored_dtype(storage_) != compute;
+}
+
+at::Tensor StoredShard::initial(const at::Tensor& fp32_shard) const {
+  return active_ && !awaits_encode_ ? frozen::encode(storage_, fp32_shard) : fp32_shard;
+}
+
+void StoredShard::decode(const at::Tensor& stored, const at::Tensor& out) const {
+  c10::NoGradGuard no_grad;
+  frozen::decode(storage_, stored, out);
+}
+
+void StoredShard::encode_filled(Residency& residency) {
+  if (!awaits_encode_) return;
+  residency.replace_stored(frozen::encode(storage_, residency.master()));
+  awaits_encode_ = false;
+}
+
+void StoredShard::values_into(const Residency& residency, const at::Tensor& out) const {
+  if (awaits_encode_) {
+    out.zero_();  // not materialised yet
+    return;
+  }
+  frozen::decode(storage_, residency.master(), out);
+}
+
+void StoredShard::store(Residency& residency, const at::Tensor& values) {
+  c10::NoGradGuard no_grad;
+  residency.encode_stored(storage_, values, /*in_place=*/!awaits_encode_);  // deferred init: fp32 values
+  awaits_encode_ = false;
+}
+
+void StoredShard::store_range(Residency& residency, int64_t begin, const at::Tensor& values, int64_t shard_numel,
+                              int64_t values_in_shard, c10::Device device) {
+  c10::NoGradGuard no_grad;
+  if (awaits_encode_) {  // deferred init left the values to this load: the stored form starts here
+    const auto options = at::TensorOptions().dtype(frozen::stored_dtype(storage_)).device(device);
+    residency.replace_stored(at::empty({frozen::stored_numel(storage_, shard_numel)}, options));
+    int64_t pad = values_in_shard;  // the padding's blocks: zeros
+    if (frozen::quantized(storage_)) pad = (pad + frozen::kBlock - 1) / frozen::kBlock * frozen::kBlock;
+    if (pad < shard_numel)
+      frozen::encode_range(storage_, at::zeros({shard_numel - pad}, at::kFloat), residency.master(), shard_numel, pad);
+    awaits_encode_ = false;
+  }
+  frozen::encode_range(storage_, values, residency.master(), shard_numel, begin);
+  ranges_stored_ = true;
+}
+
+}  // namespace fsdp
