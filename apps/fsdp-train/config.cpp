@@ -136,7 +136,7 @@ void check_train(const TrainConfig& c) {
            "cannot go with optim.step_in_backward=true and several micro-batches (each backward that reduces "
            "is an optimizer step there): use \"no_sync\"");
   }
-  if (c.train.save_in_step == "on" && c.train.async_save) {
+  if (c.train.save_in_step == Switch::kOn && c.train.async_save) {
     reject("train.save_in_step", json("on"),
            "cannot go with train.async_save=true (a background save writes a snapshot instead): set one of them off");
   }
