@@ -20,12 +20,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
-}
-
 // The bytes of the files under `path`.
 int64_t tree_bytes(const std::string& path) {
   if (!fsdp::io::is_dir(path)) return static_cast<int64_t>(fsdp::io::File::open_read(path).size());
@@ -216,17 +210,17 @@ void Loop::save() {
   }
   if (ranks_.rank != 0) return;
   const int64_t bytes = tree_bytes(r_.last_checkpoint);
-  std::string line = " in " + fixed(seconds, 1) + " s (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
-                     fixed(static_cast<double>(bytes) / 1e6 / seconds, 0) + " MB/s)";
+  std::string line = " in " + format("%.1f", seconds) + " s (" + format("%.1f", static_cast<double>(bytes) / 1e6) +
+                     " MB, " + format("%.0f", static_cast<double>(bytes) / 1e6 / seconds) + " MB/s)";
   // A save fused into the step (train.save_in_step): what the step wrote, and how long the step's
   // optimizer phase took with it, for comparison with the steps without a save.
   if (in_step_bytes > 0) {
-    line = " in " + fixed(seconds, 2) + " s after the step (" + fixed(static_cast<double>(bytes) / 1e6, 1) + " MB, " +
-           fixed(in_step_bytes / 1e6, 1) + " MB of it written during step " + std::to_string(r_.step) +
-           "'s optimizer phase, which took " + fixed(last_optimizer_s_, 2) + " s)";
+    line = " in " + format("%.2f", seconds) + " s after the step (" + format("%.1f", static_cast<double>(bytes) / 1e6) +
+           " MB, " + format("%.1f", in_step_bytes / 1e6) + " MB of it written during step " + std::to_string(r_.step) +
+           "'s optimizer phase, which took " + format("%.2f", last_optimizer_s_) + " s)";
   }
   line += "; peak RSS per rank during the save:";
-  for (const auto& r : all) line += " " + fixed(r.peak_rss_bytes / (1 << 20), 1) + " MiB";
+  for (const auto& r : all) line += " " + format("%.1f", r.peak_rss_bytes / (1 << 20)) + " MiB";
   progress_->note("saved checkpoint " + r_.last_checkpoint + line);
 }
 

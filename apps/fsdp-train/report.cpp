@@ -15,12 +15,6 @@
 namespace train {
 namespace {
 
-std::string fmt(const char* format, double x) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, x);
-  return buf;
-}
-
 // --trace FILE on several ranks: each rank writes FILE with ".rankK" before the extension, so ranks
 // never share a file (trace.json -> trace.rank1.json).
 std::string trace_path(const std::string& path, int rank, int world_size) {
@@ -67,9 +61,9 @@ void print_run(const Session& s) {
               o.lr, o.betas[0], o.betas[1], o.eps, o.weight_decay, name_of(kSchedules, o.schedule),
               static_cast<long long>(o.warmup_steps),
               o.schedule == Schedule::kCosine
-                  ? (", min_lr " + fmt("%g", o.min_lr) + " at step " + std::to_string(cfg.train.steps)).c_str()
+                  ? (", min_lr " + format("%g", o.min_lr) + " at step " + std::to_string(cfg.train.steps)).c_str()
                   : "",
-              o.grad_clip > 0 ? fmt("%g", o.grad_clip).c_str() : "off",
+              o.grad_clip > 0 ? format("%g", o.grad_clip).c_str() : "off",
               o.step_in_backward ? "; steps in backward" : "");
 }
 

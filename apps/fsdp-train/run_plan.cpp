@@ -13,6 +13,7 @@
 #include "base/strings.h"
 #include "fsdp/errors.h"
 #include "fsdp/lora.h"
+#include "metrics.h"
 #include "shape.h"
 
 namespace train {
@@ -20,11 +21,7 @@ namespace {
 
 using fsdp::base::mib;
 
-std::string percent(double fraction) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g%%", 100 * fraction);
-  return buf;
-}
+std::string percent(double fraction) { return format("%g%%", 100 * fraction); }
 
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
