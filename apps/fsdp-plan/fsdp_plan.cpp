@@ -183,8 +183,7 @@ Args parse(int argc, char** argv) {
   const Owned by_flag[] = {{"fsdp.device", "--device", true},
                            {"train.budget.host_bytes", "--host-memory", a.host_memory > 0},
                            {"train.budget.device_bytes", "--device-memory", a.device_memory > 0},
-                           {"train.budget.disk_bytes", "--disk", a.disk > 0},
-                           {"train.budget.margin_pct", "--margin", true}};
+                           {"train.budget.disk_bytes", "--disk", a.disk > 0}};
   for (const auto& [key, value] : a.sets) {
     for (const auto& o : by_flag) {
       if (key == o.key && o.given)
