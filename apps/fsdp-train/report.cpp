@@ -107,10 +107,7 @@ void print_plans(const Session& s) {
 void report_levers(const Session& s, const LoopResult& r) {
   if (!s.plan().plan) return;
   const Training& t = s.training();
-  MeasuredLevers got;
-  got.activations = t.stepper->measured().activations;
-  got.accum_grads = t.stepper->measured().accum_grads;
-  got.partial_grads = t.stepper->measured().partial_grads;
+  MeasuredLevers got = t.stepper->measured();
   if (t.checkpointer->async() && r.last_saved_step >= 0) got.async_snapshot = t.checkpointer->snapshot_bytes();
   const auto report = lever_report(*s.plan().plan, got);
   if (report.empty()) return;
