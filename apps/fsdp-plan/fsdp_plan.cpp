@@ -17,7 +17,7 @@
 #include "base/strings.h"
 #include "config.h"
 #include "hf.h"
-#include "memory_plan.h"
+#include "run_plan.h"
 #include "shape.h"
 
 namespace {
@@ -60,7 +60,7 @@ struct Args {
   int ranks_per_node = 1, nodes = 1;
   std::string device = "cpu", dtype;
   int64_t device_memory = 0, host_memory = 0, disk = 0, seq_len = 0, batch = 0;
-  double margin = 0.10;
+  double margin = fsdp::kDefaultMargin;
   bool choose = false;
   std::string load;  // empty: import with --hf-config, init with --config
   bool save = true;
@@ -255,7 +255,8 @@ int run(const Args& a) {
   if (a.host_memory > 0) cfg.train.budget_host_bytes = a.host_memory;
   if (a.device_memory > 0) cfg.train.budget_device_bytes = a.device_memory;
   if (a.disk > 0) cfg.train.budget_disk_bytes = a.disk;
-  fsdp::PlanRequest req = train::plan_request(cfg, a.ranks_per_node, a.nodes);
+  const train::Resolved choices = train::resolve(cfg, a.ranks_per_node, a.nodes);
+  fsdp::PlanRequest req = train::plan_request(cfg, choices, a.ranks_per_node, a.nodes);
   req.margin = a.margin;
   req.load = fsdp::parse_load_kind(a.load.empty() ? (a.hf.empty() ? "init" : "import") : a.load);
   req.saves = a.save;
@@ -274,7 +275,7 @@ int run(const Args& a) {
     if (!user_set(a, "fsdp.strategy")) req.strategy.reset();
     if (!user_set(a, "train.async_save")) req.async_save = false;
   }
-  const fsdp::Plan plan = fsdp::plan(train::plan_shape(cfg, req), req);
+  const fsdp::Plan plan = fsdp::plan(train::plan_shape(cfg, choices), req);
   const auto& m = cfg.model;
   std::printf(
       "model: %s, %lld layers, hidden %lld, vocab %lld: %.3fB params; %d node(s) x %d rank(s) on %s; "

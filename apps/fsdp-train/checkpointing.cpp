@@ -15,32 +15,33 @@ std::string checkpoint_name(int64_t step) {
   return buf;
 }
 
-Checkpointer::Checkpointer(std::string save_dir, bool async, int64_t keep_last, bool frozen_params)
+Checkpointer::Checkpointer(std::string save_dir, bool async, int64_t keep_last, bool frozen_params,
+                           std::function<void(const std::string& phase)> on_phase)
     : save_dir_(std::move(save_dir)),
-      options_(fsdp::checkpoint::SaveOptions().keep_last(static_cast<int>(keep_last)).frozen_params(frozen_params)) {
+      options_(fsdp::checkpoint::SaveOptions()
+                   .keep_last(static_cast<int>(keep_last))
+                   .frozen_params(frozen_params)
+                   .on_phase(std::move(on_phase))) {
   if (async) saver_ = std::make_unique<fsdp::checkpoint::AsyncSaver>();
 }
 
 std::string Checkpointer::save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root,
-                               fsdp::ShardedOptimizer& optim, const nlohmann::json& extra,
-                               const std::function<void(const std::string&)>& on_phase) {
+                               fsdp::ShardedOptimizer& optim, const nlohmann::json& extra) {
   fsdp::checkpoint::TrainState state;
   state.step = step;
   state.samples_seen = samples_seen;
   state.extra = extra;
-  auto options = options_;
-  options.on_phase(on_phase);
   last_in_step_bytes_ = 0;
+  // One begun for this very step finishes; any other is dropped unfinished (nothing committed)
+  // and the save is made whole.
   std::unique_ptr<fsdp::checkpoint::SaveInStep> begun = std::move(in_step_);
-  // One begun without a phase hook (a test's pause) for this very step finishes; any other is
-  // dropped unfinished (nothing committed) and the save is made whole.
-  if (begun && in_step_step_ == step && !on_phase) {
+  if (begun && in_step_step_ == step) {
     last_in_step_bytes_ = begun->bytes_written_in_step();
     return begun->finish(state);
   }
   begun.reset();
-  if (!saver_) return fsdp::checkpoint::save(save_dir_, checkpoint_name(step), root, &optim, state, options);
-  saver_->save(save_dir_, checkpoint_name(step), root, &optim, state, options);
+  if (!saver_) return fsdp::checkpoint::save(save_dir_, checkpoint_name(step), root, &optim, state, options_);
+  saver_->save(save_dir_, checkpoint_name(step), root, &optim, state, options_);
   return save_dir_ + "/" + checkpoint_name(step);
 }
 

@@ -24,14 +24,15 @@ std::string checkpoint_name(int64_t step);
 class Checkpointer {
  public:
   // keep_last = 0 keeps every checkpoint; frozen_params: SaveOptions::frozen_params (a LoRA run
-  // without lora.save_base saves its adapters and their state only).
-  Checkpointer(std::string save_dir, bool async, int64_t keep_last, bool frozen_params);
+  // without lora.save_base saves its adapters and their state only); on_phase, when set, is called
+  // as each phase of every save begins (SaveOptions::on_phase; TrainHooks::save_phases).
+  Checkpointer(std::string save_dir, bool async, int64_t keep_last, bool frozen_params,
+               std::function<void(const std::string& phase)> on_phase = nullptr);
   // Collective. Returns the checkpoint's directory (committed when synchronous; being written when
-  // asynchronous, committed by the next save, wait() or the end of the run).
-  // `extra` goes to TrainState.extra; on_phase, when set, is called as each save phase begins
-  // (fsdp::checkpoint::SaveOptions::on_phase).
+  // asynchronous, committed by the next save, wait() or the end of the run). `extra` goes to
+  // TrainState.extra.
   std::string save(int64_t step, int64_t samples_seen, fsdp::FSDPModule& root, fsdp::ShardedOptimizer& optim,
-                   const nlohmann::json& extra, const std::function<void(const std::string&)>& on_phase = nullptr);
+                   const nlohmann::json& extra);
   // Begins the synchronous save of step `step` before that step, so that its optimizer step writes
   // its trainable shards as it holds them (fsdp::checkpoint::SaveInStep); save(step, ...) finishes
   // it. Collective. Not with async saves (std::logic_error).

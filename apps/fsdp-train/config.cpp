@@ -136,7 +136,7 @@ void check_train(const TrainConfig& c) {
            "cannot go with optim.step_in_backward=true and several micro-batches (each backward that reduces "
            "is an optimizer step there): use \"no_sync\"");
   }
-  if (c.train.save_in_step == "on" && c.train.async_save) {
+  if (c.train.save_in_step == Switch::kOn && c.train.async_save) {
     reject("train.save_in_step", json("on"),
            "cannot go with train.async_save=true (a background save writes a snapshot instead): set one of them off");
   }
@@ -240,35 +240,22 @@ std::string TrainConfig::config_hash() const {
 // Note [Config nesting limit]
 // nlohmann::json parses deep nesting iteratively but dumps and compares it recursively, and the
 // errors here quote the offending value: a config value nested 100,000 levels deep overflowed the
-// stack (found by tests/e2e/faults_e2e_test.sh). No config key nests deeper than 3, so text nested
-// deeper than kMaxConfigDepth is refused before it is parsed.
+// stack (found by tests/e2e/faults_e2e_test.sh). No config key nests deeper than 3, so the parser
+// refuses text nested deeper than kMaxConfigDepth as it reaches that depth.
 namespace {
 constexpr int kMaxConfigDepth = 64;
 
-// Throws std::invalid_argument naming `what` when `text` nests arrays/objects too deeply.
-void check_nesting(const std::string& text, const std::string& what) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char ch : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (ch == '\\') {
-        escaped = true;
-      } else if (ch == '"') {
-        in_string = false;
-      }
-      continue;
+// json::parse(text), refusing (std::invalid_argument naming `what`) arrays and objects nested deeper
+// than kMaxConfigDepth as the parser reaches them. `allow_exceptions` as json::parse's.
+json parse_shallow(const std::string& text, const std::string& what, bool allow_exceptions) {
+  auto depth_check = [&what](int depth, json::parse_event_t, json&) {
+    if (depth > kMaxConfigDepth) {
+      throw std::invalid_argument(what + ": nested deeper than " + std::to_string(kMaxConfigDepth) +
+                                  " levels; no config value needs that");
     }
-    if (ch == '"') in_string = true;
-    if (ch == '[' || ch == '{') {
-      if (++depth > kMaxConfigDepth) {
-        throw std::invalid_argument(what + ": nested deeper than " + std::to_string(kMaxConfigDepth) +
-                                    " levels; no config value needs that");
-      }
-    }
-    if (ch == ']' || ch == '}') --depth;
-  }
+    return true;
+  };
+  return json::parse(text, depth_check, allow_exceptions);
 }
 }  // namespace
 
@@ -277,8 +264,8 @@ void set_dotted(json& doc, const std::string& dotted_key, const std::string& val
       dotted_key.find("..") != std::string::npos) {
     throw std::invalid_argument("config: bad key '" + dotted_key + "' in --set (expected section.key=value)");
   }
-  check_nesting(value, "config: --set " + dotted_key);  // See Note [Config nesting limit]
-  json parsed = json::parse(value, nullptr, /*allow_exceptions=*/false);
+  // See Note [Config nesting limit].
+  json parsed = parse_shallow(value, "config: --set " + dotted_key, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) parsed = value;
   json* node = &doc;
   std::string path;
@@ -306,9 +293,8 @@ json read_config_file(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   json doc;
-  check_nesting(ss.str(), "config file '" + path + "'");  // See Note [Config nesting limit]
   try {
-    doc = json::parse(ss.str());
+    doc = parse_shallow(ss.str(), "config file '" + path + "'", true);  // See Note [Config nesting limit]
   } catch (const json::exception& e) {  // parse_error, and out_of_range for a number such as 1e999
     throw std::invalid_argument("config file '" + path + "': not valid JSON: " + e.what());
   }

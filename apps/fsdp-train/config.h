@@ -84,12 +84,12 @@ struct FsdpConfig {
   int64_t replicate = 1;                     // HYBRID_SHARD: number of replicas (rows of the mesh)
   // The layers' FullyShardOptions::reshard_after_forward_group (0: off).
   int64_t reshard_after_forward_group = 0;
-  // The embedding and the head as units of their own (llama::shard_embedding_and_head): "on",
-  // "off", or "auto": when the head is not tied and the plan's peak is lower that way.
-  std::string split_root = "auto";
-  // The embedding and the head as vocab-parallel tables (llama::shard_vocab_parallel): "on",
-  // "off", or "auto": whenever they are frozen (a LoRA run whose targets leave out lm_head).
-  std::string vocab_parallel = "auto";
+  // The embedding and the head as units of their own (llama::shard_embedding_and_head): on, off,
+  // or auto: when the head is not tied and the plan's peak is lower that way.
+  Switch split_root = Switch::kAuto;
+  // The embedding and the head as vocab-parallel tables (llama::shard_vocab_parallel): on, off, or
+  // auto: whenever they are frozen (a LoRA run whose targets leave out lm_head).
+  Switch vocab_parallel = Switch::kAuto;
   // fsdp.offload, set on the root unit (the layers inherit it); validated by the library.
   fsdp::OffloadPolicy offload;
   bool check_collectives = false;  // fsdp.debug.check_collectives: see fsdp::InitOptions
@@ -137,14 +137,17 @@ struct RunConfig {
   int64_t loss_chunk_tokens = 0;
   bool async_save = false;  // write checkpoints in the background (one in flight)
   // A synchronous save written during the optimizer step before it (fsdp::checkpoint::SaveInStep):
-  // "on", "off", or "auto": when a master or optimizer state is in the disk tier, which a save
-  // would otherwise read back.
-  std::string save_in_step = "auto";
+  // on, off, or auto: when a master or optimizer state is in the disk tier, which a save would
+  // otherwise read back.
+  Switch save_in_step = Switch::kAuto;
   // train.budget: per-rank budgets the run's plan (fsdp/plan.h) must fit before anything is
   // allocated; 0: this machine's (host: MemAvailable / ranks on the node; disk: free space under
   // fsdp.offload.dir; device: not checked). check false: the plan is printed, not enforced.
   int64_t budget_host_bytes = 0, budget_device_bytes = 0, budget_disk_bytes = 0;
   bool check_budget = true;
+  // The percentage of the device's budget (on CPU runs the host's) held free for what the plan does
+  // not count (PlanRequest::margin): fsdp-plan's default margin (fsdp::kDefaultMargin) unless set.
+  double budget_margin_pct = 100 * fsdp::kDefaultMargin;
   // train.max_consecutive_skips (a step whose loss or gradient norm is not finite is skipped on
   // every rank; this many in a row stop the run with an error instead, 0: never) is kept in
   // FsdpConfig::scaler, the library's option.

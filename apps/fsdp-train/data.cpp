@@ -1,6 +1,7 @@
 // The synthetic and file token sources, and batch slicing. See data.h for the sample stream.
 #include "data.h"
 
+#include "base/strings.h"
 #include "token_file.h"
 
 #include <fcntl.h>
@@ -105,10 +106,6 @@ class SyntheticSource : public TokenSource {
   throw std::invalid_argument(label + ": " + why);
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // A read-only mapping of a whole file, unmapped when the last source using it goes.
 class MappedFile {
  public:
@@ -153,8 +150,8 @@ class FileSource : public TokenSource {
         file_(path, label_),
         seed_(seed) {
     const int64_t window = data.seq_len + 1;
-    layout_ = parse_token_layout(file_.data(), file_.size(), label_, ends_with(path, ".bin"), data.token_dtype,
-                                 "data.token_dtype");
+    layout_ = parse_token_layout(file_.data(), file_.size(), label_, fsdp::base::ends_with(path, ".bin"),
+                                 data.token_dtype, "data.token_dtype");
     if (layout_.count < window) {
       file_error(label_, "holds " + std::to_string(layout_.count) + " tokens (" + layout_.format +
                              "), fewer than one sample needs: data.seq_len + 1 = " + std::to_string(window) +

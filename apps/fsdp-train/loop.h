@@ -38,12 +38,14 @@ class Loop {
   void train_step();
   void evaluate();
   void stop_on_request();
-  void save(double pause_s = 0);
+  void save();
   // Whether a save follows step `step` (train.save_every, or the run's last step).
   bool save_due(int64_t step) const;
 
   Session& s_;
   const TrainConfig& cfg_;
+  const Ranks& ranks_;
+  Training& t_;
   MetricsLog metrics_;
   std::unique_ptr<Progress> progress_;
   int64_t samples_seen_ = 0;

@@ -1,6 +1,5 @@
 // Metrics lines, the progress display and communication counters.
 #include "base/host_malloc.h"
-#include "base/strings.h"
 #include "metrics.h"
 
 #include <sys/resource.h>
@@ -21,18 +20,8 @@
 namespace train {
 namespace {
 
-using fsdp::base::mib;
-
 std::string human_count(double x) {
-  char buf[32];
-  if (x >= 1e6) {
-    std::snprintf(buf, sizeof buf, "%.2fM", x / 1e6);
-  } else if (x >= 1e3) {
-    std::snprintf(buf, sizeof buf, "%.1fk", x / 1e3);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.0f", x);
-  }
-  return buf;
+  return x >= 1e6 ? format("%.2fM", x / 1e6) : x >= 1e3 ? format("%.1fk", x / 1e3) : format("%.0f", x);
 }
 
 std::string duration(double s) {
@@ -48,6 +37,12 @@ std::string duration(double s) {
 }
 
 }  // namespace
+
+std::string format(const char* conversion, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, conversion, x);
+  return buf;
+}
 
 std::vector<double> RankCounters::values() const {
   return {loss,        allgather_bytes, reduce_scatter_bytes, all_reduce_bytes,  group_allgather_bytes,
@@ -145,13 +140,8 @@ void MetricsLog::step(const StepMetrics& m) {
                               {"tokens_per_s", m.tokens_per_s}};
   auto column = [&](double RankCounters::*field, bool integral) {
     nlohmann::ordered_json a = nlohmann::ordered_json::array();
-    for (const auto& r : m.ranks) {
-      if (integral) {
-        a.push_back(static_cast<int64_t>(r.*field));
-      } else {
-        a.push_back(r.*field);
-      }
-    }
+    for (const auto& r : m.ranks)
+      a.push_back(integral ? nlohmann::ordered_json(static_cast<int64_t>(r.*field)) : nlohmann::ordered_json(r.*field));
     return a;
   };
   j["allgather_bytes"] = column(&RankCounters::allgather_bytes, true);

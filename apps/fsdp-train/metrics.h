@@ -1,5 +1,5 @@
 // What the trainer reports: per-step metrics (JSON lines for --metrics, a progress bar or log
-// lines on stdout) and the communication counters behind them. The memory plan is memory_plan.h.
+// lines on stdout) and the communication counters behind them. The run's plan is run_plan.h.
 //
 // One --metrics line per step, written by rank 0:
 //   {"step": 12, "loss": 2.31, "lr": 0.003, "step_time_s": 0.21, "tokens_per_s": 4876.2,
@@ -78,6 +78,9 @@ class CommCounter {
   static fsdp::CommStats sum(const std::vector<fsdp::Communicator*>& comms);
   std::vector<fsdp::Communicator*> comms_, made_on_use_;
 };
+
+// One printf conversion of a double ("%.1f", "%g%%") as a string.
+std::string format(const char* conversion, double x);
 
 // This process's peak resident set size so far (getrusage's ru_maxrss, and the marks that
 // rss_watermark_reset cleared).

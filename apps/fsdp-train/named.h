@@ -30,5 +30,9 @@ inline constexpr Named<TokenDtype> kTokenDtypes[] = {{TokenDtype::kUint16, "uint
 // optim.schedule: cosine decay to min_lr at train.steps, or constant (both after the warmup).
 enum class Schedule { kCosine, kConstant };
 inline constexpr Named<Schedule> kSchedules[] = {{Schedule::kCosine, "cosine"}, {Schedule::kConstant, "constant"}};
+// fsdp.split_root, fsdp.vocab_parallel, train.save_in_step: "auto", "on" or "off", resolved once per
+// run into what the run does (run_plan.h: Resolved).
+enum class Switch { kAuto, kOn, kOff };
+inline constexpr Named<Switch> kSwitches[] = {{Switch::kAuto, "auto"}, {Switch::kOn, "on"}, {Switch::kOff, "off"}};
 
 }  // namespace train

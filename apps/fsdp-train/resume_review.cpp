@@ -8,6 +8,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "metrics.h"
 #include "schedule.h"
 
 namespace train {
@@ -15,11 +16,7 @@ namespace {
 
 using nlohmann::json;
 
-std::string num(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.4g", x);
-  return buf;
-}
+std::string num(double x) { return format("%.4g", x); }
 
 std::string join(const std::vector<std::string>& parts, const std::string& sep) {
   std::string out;

@@ -25,30 +25,17 @@
 #include "fsdp/errors.h"
 #include "fsdp/launcher_error.h"
 #include "hooks.h"
-#include "memory_plan.h"
 #include "preemption.h"
+#include "run_plan.h"
 #include "trainer.h"
 
 namespace train {
 namespace {
 
-int print_plan(const TrainConfig& config) {
-  const fsdp::Plan plan = plan_run(config);
-  std::printf("plan per rank for this config (fsdp-train --plan):\n%s", plan.to_string().c_str());
-  return plan.fits ? 0 : 2;
-}
-
-// The plan in one line: its totals per rank and its choices (the first line of Plan::to_string).
-std::string plan_summary(const fsdp::Plan& plan) {
-  auto mib = [](int64_t bytes) { return fsdp::base::mib(bytes, 1); };
-  std::string line = "plan per rank for the training step: " + std::string(plan.host.items.empty() ? "" : "device ") +
-                     "memory " + mib(plan.device.total());
-  if (!plan.host.items.empty()) line += ", host memory " + mib(plan.host.total());
-  if (!plan.disk.items.empty()) line += ", disk " + mib(plan.disk.total());
-  line += "; " + fsdp::base::first_line(plan.to_string());
-  line += "; the load (" + std::string(fsdp::load_kind_name(plan.load_kind)) + ") " + mib(plan.load.total());
-  if (!plan.save.items.empty()) line += ", a save " + mib(plan.save.total());
-  return line + "; peak " + mib(plan.peak()) + " in the " + plan.peak_phase();
+int print_plan(const RunPlan& run) {
+  if (!run.plan) throw std::invalid_argument(run.refused);
+  std::printf("plan per rank for this config (fsdp-train --plan):\n%s", run.plan->to_string().c_str());
+  return run.plan->fits ? 0 : 2;
 }
 
 // Half-precision compute on a CPU without bf16 / fp16 matrix instructions (AVX512-BF16, AMX, AVX512-FP16):
@@ -74,23 +61,10 @@ std::string slow_half_note(const TrainConfig& config) {
 // Before the job joins and before anything is allocated: a run that cannot fit is refused on every
 // rank. A run that goes on prints its plan first (rank 0) and leaves it where a launcher looks
 // after a rank that died without a word (FSDP_RUN_PLAN_FILE, set by fsdp-run).
-void check_plan(const TrainConfig& config) {
-  fsdp::Plan plan;
-  if (config.train.check_budget) {
-    plan = plan_run(config);
-  } else {
-    try {  // unchecked: a config the planner cannot take still runs, without a plan to print
-      plan = plan_run(config);
-    } catch (const std::exception&) {
-      return;
-    }
-  }
-  if (!plan.fits && config.train.check_budget) {
-    throw std::invalid_argument("the run does not fit this machine's budgets (train.budget): " + plan.shortfall +
-                                " fsdp-train --plan prints the whole plan; train.budget.check=false runs it anyway.");
-  }
-  pin_host_budget(run_request(config).budget.host_bytes);
-  const std::string summary = plan_summary(plan);
+void check_plan(const TrainConfig& config, const RunPlan& run) {
+  check_budget(config, run);
+  if (!run.plan) return;  // unchecked, and the planner refused the config: no plan to print
+  const std::string summary = plan_summary(run);
   const char* rank = std::getenv("RANK");
   if (rank == nullptr || std::string(rank) == "0") {
     std::printf("%s\n", summary.c_str());
@@ -118,6 +92,7 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
   Flags flags;
   TrainConfig config;
   std::optional<Dataset> data;
+  RunPlan run;
   // Every line goes out as it is written, also into a launcher's pipe: a rank killed from outside
   // (the OOM killer) has printed all it got to.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -131,12 +106,15 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     // Opened and validated before joining the job: a bad data file fails at once, not after the
     // rendezvous.
     data.emplace(config.data, config.model.vocab_size, config.train.seed);
-    set_run_phases(!flags.resume.empty()      ? fsdp::LoadKind::kResume
-                   : !flags.init_from.empty() ? fsdp::LoadKind::kImport
-                                              : fsdp::LoadKind::kInit,
-                   !flags.save_dir.empty());
-    if (flags.plan) return print_plan(config);
-    if (!flags.init_only) check_plan(config);
+    if (!flags.init_only || flags.plan) {  // --init-only measures the process before any model or plan
+      run = plan_run(config,
+                     !flags.resume.empty()      ? fsdp::LoadKind::kResume
+                     : !flags.init_from.empty() ? fsdp::LoadKind::kImport
+                                                : fsdp::LoadKind::kInit,
+                     !flags.save_dir.empty());
+    }
+    if (flags.plan) return print_plan(run);
+    if (!flags.init_only) check_plan(config, run);
     // Note [fsdp-train's threads] (flags.cpp): ranks on one machine share its cores.
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -150,7 +128,7 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
     // Before the job joins: a SIGTERM during start-up stops it after its first step.
     install_stop_handlers();
     hooks.check();  // a bad test setting fails now, not at the stop
-    return run_training(config, flags, std::move(*data), hooks);
+    return run_training(config, flags, run, std::move(*data), hooks);
   } catch (const std::invalid_argument& e) {
     return report_error(e, 2);
   } catch (const fsdp::ConfigError& e) {

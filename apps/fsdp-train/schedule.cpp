@@ -2,23 +2,6 @@
 #include "schedule.h"
 
 namespace train {
-namespace {
-
-// Linear warmup to base_lr (as WarmupCosine's), then constant.
-class WarmupConstant : public fsdp::LRScheduler {
- public:
-  WarmupConstant(double base_lr, int64_t warmup_steps) : base_lr_(base_lr), warmup_steps_(warmup_steps) {}
-  double lr_at(int64_t step) const override {
-    if (step < warmup_steps_) return base_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_steps_);
-    return base_lr_;
-  }
-
- private:
-  double base_lr_;
-  int64_t warmup_steps_;
-};
-
-}  // namespace
 
 ScheduleSpec ScheduleSpec::of(const TrainConfig& config) {
   ScheduleSpec s;
@@ -59,9 +42,10 @@ std::optional<ScheduleSpec> ScheduleSpec::from_json(const nlohmann::json& j) {
   return s;
 }
 
+// Constant: the cosine's warmup, then a decay to lr itself, which is lr exactly.
 std::unique_ptr<fsdp::LRScheduler> make_schedule(const ScheduleSpec& spec) {
-  if (spec.schedule == Schedule::kConstant) return std::make_unique<WarmupConstant>(spec.lr, spec.warmup_steps);
-  return std::make_unique<fsdp::WarmupCosine>(spec.lr, spec.warmup_steps, spec.total_steps, spec.min_lr);
+  const double floor = spec.schedule == Schedule::kConstant ? spec.lr : spec.min_lr;
+  return std::make_unique<fsdp::WarmupCosine>(spec.lr, spec.warmup_steps, spec.total_steps, floor);
 }
 
 }  // namespace train

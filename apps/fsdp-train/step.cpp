@@ -18,12 +18,12 @@
 namespace train {
 namespace {
 
-// Adds the seconds of its scope to `into` (a PhaseTimes field), and with `peak` keeps there the
-// most RSS the scope reached (rss_watermark).
+// A phase of the step: a span `name` of the trace, its seconds added to `into` (a PhaseTimes
+// field) and, with `peak`, the most RSS it reached kept there (rss_watermark).
 class PhaseTimer {
  public:
-  explicit PhaseTimer(double& into, int64_t* peak = nullptr)
-      : into_(into), peak_(peak), t0_(std::chrono::steady_clock::now()) {
+  PhaseTimer(fsdp::Tracer* tracer, const char* name, double& into, int64_t* peak = nullptr)
+      : span_(tracer, name, "train", ""), into_(into), peak_(peak), t0_(std::chrono::steady_clock::now()) {
     if (peak_ != nullptr) rss_watermark_reset();
   }
   ~PhaseTimer() {
@@ -34,6 +34,7 @@ class PhaseTimer {
   PhaseTimer& operator=(const PhaseTimer&) = delete;
 
  private:
+  fsdp::Tracer::Scope span_;
   double& into_;
   int64_t* peak_;
   std::chrono::steady_clock::time_point t0_;
@@ -100,16 +101,14 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
   const int64_t accum = cfg_.train.grad_accum_steps;
   Batch batch;
   {
-    fsdp::Tracer::Scope s(tracer, "train::data", "train", "");
-    PhaseTimer t(phases.data);
+    PhaseTimer t(tracer, "train::data", phases.data);
     batch = micro_batch(data_, first, cfg_.data.batch_size_per_rank, rank_, Split::kTrain, micro, accum);
   }
   const int64_t used0 = measure ? bytes_in_use(device_) : 0;
   const int64_t gathered0 = measure ? fsdp::memory_report(*root_).unsharded_alive : 0;
   at::Tensor loss;
   {
-    fsdp::Tracer::Scope s(tracer, "train::forward", "train", "");
-    PhaseTimer t(phases.forward, peak_of(phases.peak_forward));
+    PhaseTimer t(tracer, "train::forward", phases.forward, peak_of(phases.peak_forward));
     // A test's injected inf goes into the first logit's gradient, or the loss's when chunked.
     auto poison = [](const at::Tensor& g) {
       at::Tensor h = g.clone();
@@ -131,8 +130,7 @@ at::Tensor Stepper::micro_step(int64_t first, int64_t micro, bool measure, bool 
     measured_.activations = (bytes_in_use(device_) - used0) - (fsdp::memory_report(*root_).unsharded_alive - gathered0);
   }
   {
-    fsdp::Tracer::Scope s(tracer, "train::backward", "train", "");
-    PhaseTimer t(phases.backward, peak_of(phases.peak_backward));
+    PhaseTimer t(tracer, "train::backward", phases.backward, peak_of(phases.peak_backward));
     scaler_->scale(loss).backward();
   }
   if (measure && micro == 0 && accum > 1) {
@@ -169,21 +167,18 @@ StepOutcome Stepper::run(int64_t first, int64_t step, fsdp::Tracer* tracer) {
   if (cfg_.optim.step_in_backward) return finish_in_backward(step, local, tracer, out.phases);
   bool skip;
   {
-    fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    PhaseTimer t(out.phases.check_finite, peak_of(out.phases.peak_optimizer));
+    PhaseTimer t(tracer, "train::check_finite", out.phases.check_finite, peak_of(out.phases.peak_optimizer));
     // With clipping on, the clipping norm decides for the gradients (no second pass over them).
     skip = scaler_->unscale_and_check(local, /*gradients_by_norm=*/cfg_.optim.grad_clip > 0);
   }
   double norm = 0;
   if (!skip && cfg_.optim.grad_clip > 0) {
-    fsdp::Tracer::Scope s(tracer, "train::clip_grad_norm", "train", "");
-    PhaseTimer t(out.phases.clip, peak_of(out.phases.peak_optimizer));
+    PhaseTimer t(tracer, "train::clip_grad_norm", out.phases.clip, peak_of(out.phases.peak_optimizer));
     norm = fsdp::clip_grad_norm(*root_, cfg_.optim.grad_clip);
     out.grad_norm = norm;
   }
   {
-    fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
-    PhaseTimer t(out.phases.optimizer, peak_of(out.phases.peak_optimizer));
+    PhaseTimer t(tracer, "train::optimizer", out.phases.optimizer, peak_of(out.phases.peak_optimizer));
     out.stepped = scaler_->step(optim_, norm);
     optim_.zero_grad();
   }
@@ -201,15 +196,13 @@ StepOutcome Stepper::finish_in_backward(int64_t step, const at::Tensor& local, f
   out.phases = phases;
   out.local_loss = local.item<double>();
   {
-    fsdp::Tracer::Scope s(tracer, "train::optimizer", "train", "");
-    PhaseTimer t(out.phases.optimizer, peak_of(out.phases.peak_optimizer));
+    PhaseTimer t(tracer, "train::optimizer", out.phases.optimizer, peak_of(out.phases.peak_optimizer));
     optim_.step();
   }
   out.stepped = true;
   bool bad;
   {
-    fsdp::Tracer::Scope s(tracer, "train::check_finite", "train", "");
-    PhaseTimer t(out.phases.check_finite, peak_of(out.phases.peak_optimizer));
+    PhaseTimer t(tracer, "train::check_finite", out.phases.check_finite, peak_of(out.phases.peak_optimizer));
     bad = scaler_->unscale_and_check(local, /*gradients_by_norm=*/false);
   }
   optim_.zero_grad();

@@ -17,6 +17,7 @@
 #include "fsdp/optim.h"
 #include "fsdp/trace.h"
 #include "llama.h"
+#include "run_plan.h"
 
 namespace train {
 
@@ -33,15 +34,6 @@ struct StepOutcome {
   double local_loss = 0;  // this rank's mean over its micro-batches
   bool stepped = true;    // false: skipped on every rank (a non-finite loss or gradient somewhere)
   double grad_norm = -1;  // before clipping; -1 when clipping is off or the step was skipped
-};
-
-// Bytes measured on this rank during the second step it trains (the first materialises shards and
-// optimizer state); -1 until then.
-struct LeverMeasurements {
-  int64_t activations = -1;    // growth of the compute device's memory in use over one micro-batch's
-                               // forward, gathered params excluded
-  int64_t accum_grads = -1;    // unreduced gradient buffers alive between micro-batches
-  int64_t partial_grads = -1;  // partial sums awaiting the replicas' all-reduce (accumulation reduce_scatter)
 };
 
 // This process's heap in use now (malloc'd arena bytes plus mmapped blocks).
@@ -70,7 +62,11 @@ class Stepper {
   StepOutcome run(int64_t first, int64_t step, fsdp::Tracer* tracer);
 
   fsdp::GradScaler& scaler() { return *scaler_; }
-  const LeverMeasurements& measured() const { return measured_; }
+  // The levers measured on this rank during the second step it trains (the first materialises
+  // shards and optimizer state): the activations as the growth of the compute device's memory in
+  // use over one micro-batch's forward, gathered params excluded; the gradient buffers and partial
+  // sums alive between micro-batches. -1 until then (and async_snapshot always: the saves').
+  const MeasuredLevers& measured() const { return measured_; }
   // Per-phase peak RSS (PhaseTimes::peak_*): two /proc accesses per phase, so only when asked
   // (fsdp-train does with --metrics, whose lines carry them).
   void track_phase_peaks(bool on) { track_peaks_ = on; }
@@ -88,7 +84,7 @@ class Stepper {
   c10::Device device_;
   int rank_;
   std::unique_ptr<fsdp::GradScaler> scaler_;
-  LeverMeasurements measured_;
+  MeasuredLevers measured_;
   int64_t steps_run_ = 0;
   bool track_peaks_ = false;
   int64_t* peak_of(int64_t& field) const { return track_peaks_ ? &field : nullptr; }

@@ -10,8 +10,9 @@
 
 namespace train {
 
-int run_training(const TrainConfig& config, const Flags& flags, Dataset data, const TrainHooks& hooks) {
-  Session session(config, flags, std::move(data), hooks);
+int run_training(const TrainConfig& config, const Flags& flags, const RunPlan& plan, Dataset data,
+                 const TrainHooks& hooks) {
+  Session session(config, flags, plan, std::move(data), hooks);
   session.join();
   if (flags.init_only) {
     report_baseline(session);

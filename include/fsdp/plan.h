@@ -123,6 +123,11 @@ enum class LoadKind { kInit, kImport, kResume };
 const char* load_kind_name(LoadKind k);             // "init", "import", "resume"
 LoadKind parse_load_kind(const std::string& name);  // throws ConfigError naming it
 
+// The margin fsdp's programs hold free by default (fsdp-plan --margin, fsdp-train's
+// train.budget.margin_pct; PlanRequest::margin): a tenth of the budget, for what the plan does not
+// count.
+inline constexpr double kDefaultMargin = 0.10;
+
 // fsdp-ckpt export's window: at most this many bytes of a tensor's fp32 values at a time (its rows
 // read, converted and written in chunks of this size).
 constexpr int64_t kExportChunkBytes = int64_t{64} << 20;

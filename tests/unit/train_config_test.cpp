@@ -12,7 +12,9 @@
 #include "config.h"
 #include "config_fields.h"
 #include "flags.h"
-#include "memory_plan.h"
+#include "base/strings.h"
+#include "run_plan.h"
+#include "shape.h"
 #include "support/ranks.h"
 
 namespace {
@@ -157,7 +159,7 @@ TEST(TrainConfig, SplitRootAutoNeedsAGainWorthTheExtraGather) {
     std::vector<std::string> args = small;
     args.insert(args.end(), {"--set", group});
     const TrainConfig c = from_args(args);
-    EXPECT_FALSE(splits_root(c, plan_request(c, 4, 1))) << group;
+    EXPECT_FALSE(train::resolve(c, 4, 1).split_root) << group;
   }
   const TrainConfig big = from_args({"--set", "model.vocab_size=128256",
                                      "--set", "model.hidden_size=4096",
@@ -171,51 +173,144 @@ TEST(TrainConfig, SplitRootAutoNeedsAGainWorthTheExtraGather) {
                                      "--set", "lora.r=16",
                                      "--set", "lora.base_dtype=nf4"});
   // A LoRA run keeps its frozen tables vocab-parallel (fsdp.vocab_parallel auto): nothing to split.
-  EXPECT_FALSE(splits_root(big, plan_request(big, 2, 1)));
+  EXPECT_FALSE(train::resolve(big, 2, 1).split_root);
   TrainConfig gathered = big;
-  gathered.fsdp.vocab_parallel = "off";
-  EXPECT_TRUE(splits_root(gathered, plan_request(gathered, 2, 1)));
+  gathered.fsdp.vocab_parallel = train::Switch::kOff;
+  EXPECT_TRUE(train::resolve(gathered, 2, 1).split_root);
   TrainConfig tied = gathered;
   tied.model.tie_word_embeddings = true;
-  EXPECT_FALSE(splits_root(tied, plan_request(tied, 2, 1)));
+  EXPECT_FALSE(train::resolve(tied, 2, 1).split_root);
 }
 
 // fsdp.vocab_parallel: auto is on exactly when the tables are frozen (LoRA without lm_head among its
 // targets); "on" otherwise, or beside fsdp.split_root=on, is refused naming the keys. The plan of a
 // vocab-parallel run gathers no table.
 TEST(TrainConfig, VocabParallelAutoWhenTheTablesAreFrozen) {
+  using train::resolve;
   const TrainConfig lora = from_args({"--set", "lora.r=8", "--set", "model.tie_word_embeddings=false"});
-  EXPECT_TRUE(vocab_parallel_on(lora));
+  EXPECT_TRUE(resolve(lora, 2, 1).vocab_parallel);
   TrainConfig head_trained = lora;
   head_trained.lora.targets.push_back("lm_head");
-  EXPECT_FALSE(vocab_parallel_on(head_trained));
+  EXPECT_FALSE(resolve(head_trained, 2, 1).vocab_parallel);
   TrainConfig head_by_pattern = lora;  // a regular expression reaches the head too
   head_by_pattern.lora.targets = {".*_proj", "lm_he[a]d"};
-  EXPECT_FALSE(vocab_parallel_on(head_by_pattern));
+  EXPECT_FALSE(resolve(head_by_pattern, 2, 1).vocab_parallel);
   const TrainConfig full = from_args({});
-  EXPECT_FALSE(vocab_parallel_on(full));
+  EXPECT_FALSE(resolve(full, 2, 1).vocab_parallel);
   TrainConfig forced = full;
-  forced.fsdp.vocab_parallel = "on";
+  forced.fsdp.vocab_parallel = train::Switch::kOn;
   try {
-    vocab_parallel_on(forced);
+    resolve(forced, 2, 1);
     ADD_FAILURE() << "fsdp.vocab_parallel=on without a frozen base was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fsdp.vocab_parallel=on"), std::string::npos) << e.what();
   }
   TrainConfig both = lora;
-  both.fsdp.split_root = "on";
+  both.fsdp.split_root = train::Switch::kOn;
   try {
-    splits_root(both, plan_request(both, 2, 1));
+    resolve(both, 2, 1);
     ADD_FAILURE() << "fsdp.split_root=on beside vocab-parallel tables was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fsdp.split_root=on"), std::string::npos) << e.what();
   }
-  const fsdp::Plan plan = fsdp::plan(plan_shape(lora, plan_request(lora, 2, 1)), plan_request(lora, 2, 1));
+  auto plan_of = [](const TrainConfig& c) {
+    const train::Resolved r = resolve(c, 2, 1);
+    return fsdp::plan(train::plan_shape(c, r), train::plan_request(c, r, 2, 1));
+  };
   TrainConfig off = lora;
-  off.fsdp.vocab_parallel = "off";
-  const fsdp::Plan gathered = fsdp::plan(plan_shape(off, plan_request(off, 2, 1)), plan_request(off, 2, 1));
+  off.fsdp.vocab_parallel = train::Switch::kOff;
+  const fsdp::Plan plan = plan_of(lora), gathered = plan_of(off);
   EXPECT_LT(plan.all_gather_bytes, gathered.all_gather_bytes);
   EXPECT_LT(plan.device.total(), gathered.device.total());
+}
+
+// The "auto / on / off" keys are read into an enum (a misspelt value is refused naming the key) and
+// resolved once; train.save_in_step auto follows the disk tier, on is kept, off is off.
+TEST(TrainConfig, SwitchesAreReadOnceAndResolved) {
+  EXPECT_EQ(from_args({"--set", "fsdp.split_root=off"}).fsdp.split_root, train::Switch::kOff);
+  EXPECT_EQ(from_args({}).to_json()["train"]["save_in_step"], "auto");
+  try {
+    from_args({"--set", "fsdp.vocab_parallel=yes"});
+    ADD_FAILURE() << "fsdp.vocab_parallel=yes was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fsdp.vocab_parallel=\"yes\""), std::string::npos) << e.what();
+  }
+  const TrainConfig disk = from_args({"--set", "fsdp.offload.optimizer_state=disk", "--set", "fsdp.offload.dir=/tmp"});
+  EXPECT_TRUE(train::resolve(disk, 1, 1).save_in_step);
+  EXPECT_FALSE(train::resolve(from_args({}), 1, 1).save_in_step);
+  EXPECT_TRUE(train::resolve(from_args({"--set", "train.save_in_step=on"}), 1, 1).save_in_step);
+  TrainConfig off = disk;
+  off.train.save_in_step = train::Switch::kOff;
+  EXPECT_FALSE(train::resolve(off, 1, 1).save_in_step);
+}
+
+// The end-of-run report sets each lever measured beside the library's plan of the run: its items,
+// not formulas of fsdp-train's own. With 4 micro-batches every gradient buffer (the step's and the
+// unreduced rest) is alive between them: the whole model's gradients in the compute dtype.
+TEST(TrainConfig, LeverReportReadsThePlansItems) {
+  const TrainConfig c =
+      from_args({"--set", "train.grad_accum_steps=4", "--set", "train.async_save=true", "--set",
+                 "train.budget.host_bytes=1000000000000", "--set", "train.budget.disk_bytes=1000000000000"});
+  const train::RunPlan run = train::plan_run(c, fsdp::LoadKind::kInit, true);
+  ASSERT_TRUE(run.plan.has_value());
+  train::MeasuredLevers got;
+  got.activations = got.accum_grads = got.async_snapshot = 1 << 20;
+  got.partial_grads = 1 << 20;  // no replicas: the plan has no partial sums, so none is reported
+  const auto report = train::lever_report(*run.plan, got);
+  ASSERT_TRUE(report.contains("activations") && report.contains("accumulated_gradients") &&
+              report.contains("async_snapshot"))
+      << report.dump();
+  EXPECT_FALSE(report.contains("partial_gradient_sums")) << report.dump();
+  const int64_t params = llama::param_counts(c.model).total(c.model);
+  EXPECT_EQ(report["accumulated_gradients"]["plan"].get<int64_t>(), 4 * params);
+  // The activations of one micro-batch of 16: the root's and every layer's (Note [Activation bytes]).
+  const int64_t B = c.data.batch_size_per_rank, T = c.data.seq_len;
+  EXPECT_EQ(report["activations"]["plan"].get<int64_t>(),
+            llama::root_activation_bytes(c.model, B, T, at::kFloat, 0) +
+                c.model.num_hidden_layers * llama::layer_activation_bytes(c.model, B, T, at::kFloat));
+  // The snapshot: the fp32 master and AdamW's two moments of this (only) rank's shard.
+  EXPECT_EQ(report["async_snapshot"]["plan"].get<int64_t>(), 12 * params);
+  EXPECT_DOUBLE_EQ(report["activations"]["error"].get<double>(),
+                   static_cast<double>((1 << 20) - report["activations"]["plan"].get<int64_t>()) /
+                       report["activations"]["plan"].get<double>());
+}
+
+// train.budget keeps fsdp-plan's margin by default (fsdp::kDefaultMargin, 10%): a run whose plan
+// peaks at 95% of the budget is refused, naming the budget, the plan and the margin; with
+// train.budget.margin_pct=0 the same run goes on.
+TEST(TrainConfig, BudgetCheckKeepsFsdpPlansMargin) {
+  EXPECT_DOUBLE_EQ(TrainConfig().train.budget_margin_pct, 100 * fsdp::kDefaultMargin);
+  const std::vector<std::string> disk = {"--set", "train.budget.disk_bytes=1000000000000"};
+  std::vector<std::string> args = disk;
+  args.insert(args.end(), {"--set", "train.budget.host_bytes=1000000000000"});
+  const int64_t peak = train::plan_run(from_args(args), fsdp::LoadKind::kInit, false).plan->peak();
+  const int64_t budget = static_cast<int64_t>(static_cast<double>(peak) / 0.95);
+  args = disk;
+  args.insert(args.end(), {"--set", "train.budget.host_bytes=" + std::to_string(budget)});
+  const TrainConfig tight = from_args(args);
+  const train::RunPlan run = train::plan_run(tight, fsdp::LoadKind::kInit, false);
+  ASSERT_TRUE(run.plan.has_value());
+  EXPECT_FALSE(run.plan->fits);
+  EXPECT_EQ(run.plan->margin_bytes, static_cast<int64_t>(static_cast<double>(budget) * fsdp::kDefaultMargin));
+  try {
+    train::check_budget(tight, run);
+    ADD_FAILURE() << "a plan at 95% of the budget was accepted with a 10% margin";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    for (const std::string& part : {fsdp::base::mib(budget, 1), fsdp::base::mib(run.plan->peak(), 1),
+                                    std::string("margin of 10% held free"), std::string("train.budget.margin_pct")}) {
+      EXPECT_NE(what.find(part), std::string::npos) << part << " not in: " << what;
+    }
+  }
+  EXPECT_NE(train::plan_summary(run).find("margin held free " + fsdp::base::mib(run.plan->margin_bytes, 1)),
+            std::string::npos)
+      << train::plan_summary(run);
+  args.insert(args.end(), {"--set", "train.budget.margin_pct=0"});
+  const TrainConfig none = from_args(args);
+  const train::RunPlan kept = train::plan_run(none, fsdp::LoadKind::kInit, false);
+  EXPECT_TRUE(kept.plan->fits) << kept.plan->to_string();
+  EXPECT_NO_THROW(train::check_budget(none, kept));
+  EXPECT_THROW(from_args({"--set", "train.budget.margin_pct=91"}), std::invalid_argument);
 }
 
 // Note [fsdp-train's threads]: FSDP_THREADS, else OMP_NUM_THREADS (as fsdp-run and torchrun set it),
