@@ -111,7 +111,7 @@ def bnb_reference(model, q_dir):
             absmax = F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
         fp32 = copy.copy(qs)
         fp32.dtype = torch.float32
-        key = name.removeprefix("base_model.model.") + ".weight"
+        key = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
         out[key] = {
             "codes": saved[key].view(torch.uint8).reshape(-1).numpy(),
             "absmax": absmax.float().numpy(),
