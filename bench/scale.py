@@ -531,7 +531,9 @@ def report(r):
         if r.get("lora"):
             b = max((c.get("lora_B_abs_max", 0) for c in r["logits"].values()), default=0)
             md.append("Both sides run the same bf16 base values and the trained adapters (largest |lora_B| "
-                      f"{b:.3g}; it starts at zero) in fp32; tolerance 1e-3 x max |logit|.")
+                      f"{b:.3g}; it starts at zero) in fp32; tolerance 1e-3 x max |logit|. This checks the adapters' "
+                      "training and their PEFT export, not NF4: fsdp's NF4 base against bitsandbytes' is "
+                      "bench/results/nf4-check-llama-3.1-8b.md (bench/nf4_check.py).")
         md.append(f"Tolerances: {FP32_TOL} where both sides run the same bf16-stored weights in fp32 (only the order "
                   f"of operations differs); {BF16_REL_TOL} x max |logit| where one side has the fp32 master weights "
                   "and the other their bf16 export, or computes in bf16 (2^-9 relative rounding per weight or "

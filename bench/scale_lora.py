@@ -153,8 +153,9 @@ def peft_check(args, bin_dir, work, env, floor, prompt, tokens, phase):
     phase("check-logits-fsdp", [ckpt_tool, "logits", final, prompt, ours])
     me = [sys.executable, os.path.join(scale.ROOT, "bench", "scale.py"), "--peft-logits", hf, adapter]
     phase("check-logits-peft", me + [prompt, theirs])
-    name = (f"fsdp-ckpt logits(LoRA checkpoint, NF4 base decoded) vs transformers + peft fp32 (bf16 base + exported "
-            f"adapter), {args.check_layers} layers")
+    name = (f"fsdp-ckpt logits(LoRA checkpoint: its trained adapters on the bf16 base it imports from the run's "
+            f"--init-from; the NF4 base is not in this comparison) vs transformers + peft fp32 (the same bf16 base "
+            f"+ exported adapter), {args.check_layers} layers")
     if not (os.path.exists(ours) and os.path.exists(theirs)):
         return {name: {"error": "a side did not run", "ok": False}}
     # The checkpoint holds the adapters; fsdp-ckpt logits runs them on the bf16 base it imports (the

@@ -2,7 +2,8 @@
 // four groups, each handled once below: the model's own keys (passed to LlamaConfig::from_json),
 // keys renamed or reshaped on the way (rope_scaling, torch_dtype), keys that must hold the one
 // value the model implements (hidden_act "silu", no MLP bias, no dropout, no sliding-window layers
-// for Qwen), and keys that describe no computation (dropped). Anything else is refused by name.
+// for Qwen; a quantization_config of bitsandbytes 4-bit NF4), and keys that describe no computation
+// (dropped). Anything else is refused by name.
 #include "hf.h"
 
 #include <cstdio>
@@ -92,6 +93,19 @@ void check_architectures(const std::string& where, const std::string& family, co
   }
 }
 
+// quantization_config: a bitsandbytes 4-bit NF4 save, whose weights the import reads as they are
+// (Note [bitsandbytes 4-bit weights] in src/bnb/bnb4.cpp); any other quantization is refused by name.
+void check_quantization(const std::string& where, const json& v) {
+  const std::string key = "quantization_config.";
+  const json method = v.is_object() ? v.value("quant_method", json()) : v;
+  const std::string only = "only bitsandbytes 4-bit NF4 weights (load_in_4bit, bnb_4bit_quant_type \"nf4\") import";
+  if (method != "bitsandbytes") refuse(where, key + "quant_method", method, "is not supported: " + only);
+  if (v.value("load_in_8bit", false)) refuse(where, key + "load_in_8bit", true, "is not supported: " + only);
+  if (!v.value("load_in_4bit", false)) refuse(where, key + "load_in_4bit", v.value("load_in_4bit", json()), only);
+  const json type = v.value("bnb_4bit_quant_type", json("fp4"));  // bitsandbytes' default
+  if (type != "nf4") refuse(where, key + "bnb_4bit_quant_type", type, "is not supported: " + only);
+}
+
 // The LlamaConfig JSON of a config.json: see Note [Hugging Face config keys].
 json model_json(const std::string& where, const std::string& family, const json& doc) {
   json out = json::object();
@@ -110,6 +124,8 @@ json model_json(const std::string& where, const std::string& family, const json&
       out["dtype"] = v;
     } else if (key == "architectures") {
       check_architectures(where, family, v);
+    } else if (key == "quantization_config") {
+      check_quantization(where, v);
     } else if (!kDropped.count(key) && !check_fixed(where, family, key, v, doc)) {
       refuse(where, key, v,
              "is not an option this importer knows for model_type " + family +

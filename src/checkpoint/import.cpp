@@ -16,6 +16,7 @@
 
 #include "base/file_io.h"
 #include "base/strings.h"
+#include "bnb/bnb4.h"
 #include "checkpoint/layout.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/errors.h"
@@ -60,7 +61,8 @@ Source open_source(const std::string& dir, const std::string& file) {
 struct Located {
   std::string file;
   const st::TensorEntry* entry = nullptr;
-  bool grown = false;  // the source has fewer rows than the model (Note [Grown rows])
+  bool grown = false;                         // the source has fewer rows than the model (Note [Grown rows])
+  std::shared_ptr<bnb::Reader4> q = nullptr;  // a bitsandbytes 4-bit weight (Note [bitsandbytes 4-bit weights])
 };
 
 bool may_grow(const ShardedTensorView& t, const std::set<std::string>& grow_rows) {
@@ -116,6 +118,10 @@ std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorVi
       continue;
     }
     const auto& e = *out[i].entry;
+    std::string problem;
+    out[i].q = bnb::find_weight4(src, src.dir, e.name, t.shape, problem, claimed);
+    if (!problem.empty()) add_problem(problems, out[i].file + ": " + problem);
+    if (out[i].q || !problem.empty()) continue;
     if (e.dtype != st::DType::BF16 && e.dtype != st::DType::F16 && e.dtype != st::DType::F32) {
       add_problem(problems, out[i].file + ": tensor '" + t.name + "' is " + st::dtype_name(e.dtype) +
                                 "; import reads BF16, F16 and F32");
@@ -141,18 +147,22 @@ using ValuesWritten = std::function<void(int64_t begin, const at::Tensor& values
 // Reads elements [begin, begin + count) of the tensor at `loc` into dst[shard_begin, ...),
 // converting to dst's dtype through `staging` (the source dtype) in chunks; `written` (if set)
 // sees each chunk's fp32 values where they were written (FlatShardView::values_written). With
-// `store` (FlatShardView::store_values) each chunk is stored as read instead, dst left alone.
+// `store` (FlatShardView::store_values) each chunk is stored as read instead, dst left alone. A
+// bitsandbytes 4-bit weight is read by its reader: its NF4 stored form where a store takes whole
+// blocks, else its values (bnb/bnb4.h).
 uint64_t read_converted(File& file, const st::Header& header, const Located& loc, int64_t begin, int64_t count,
                         const ShardTensor& shard, int64_t shard_begin, at::Tensor& staging,
                         const ValuesWritten& written = nullptr, const ValuesWritten& store = nullptr) {
   const at::Tensor& dst = shard.values();
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
-  const bool f32 = loc.entry->dtype == st::DType::F32;
+  const bool f32 = loc.entry->dtype == st::DType::F32 && !loc.q;
   // Straight into the state's memory when it is fp32 RAM; a disk-tier master gets host chunks its
   // tier writes (ShardTensor::Writer), so its mapping is not paged through.
   const bool in_file = shard.in_file();
   const bool direct = f32 && dst.is_cpu() && dst.scalar_type() == at::kFloat && !in_file && !store;
+  const bool blocks = store && begin % bnb::kBlock == 0 && shard_begin % bnb::kBlock == 0 && count % bnb::kBlock == 0;
+  const uint64_t q_before = loc.q ? loc.q->bytes_read() : 0;
   ShardTensor::Writer out(shard, "import of " + loc.entry->name);
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(kChunkElements, count - done);
@@ -164,16 +174,17 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
     } else {
       const auto type = st::to_scalar_type(loc.entry->dtype);
       if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
-      file.pread_all(staging.data_ptr(), n * item, at_byte);
+      if (!loc.q) file.pread_all(staging.data_ptr(), n * item, at_byte);
+      const at::Tensor part = loc.q ? loc.q->chunk(begin + done, n, blocks) : staging.narrow(0, 0, n);
       if (store) {
-        store(at_elem, staging.narrow(0, 0, n));
+        store(at_elem, part);
       } else if (in_file) {
         out.make_room();
-        const at::Tensor values = staging.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+        const at::Tensor values = part.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
         if (written) written(at_elem, values);
         out.put(at_elem, values);
       } else {
-        dst.narrow(0, at_elem, n).copy_(staging.narrow(0, 0, n));
+        dst.narrow(0, at_elem, n).copy_(part);
         if (written && dst.is_cpu()) written(at_elem, dst.narrow(0, at_elem, n));
       }
     }
@@ -181,10 +192,11 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
   }
   out.finish();
   shard.done(shard_begin, shard_begin + count);  // a disk tier: now on disk
-  return static_cast<uint64_t>(count * item);
+  return loc.q ? loc.q->bytes_read() - q_before : static_cast<uint64_t>(count * item);
 }
 
 int64_t source_numel(const Located& l) {
+  if (l.q) return l.q->numel();
   int64_t n = 1;
   for (const int64_t d : l.entry->shape) n *= d;
   return n;
@@ -314,7 +326,7 @@ ImportReport report_of(const Source& src, const std::vector<Located>& located) {
   std::set<std::string> dtypes;
   for (const auto& l : located) {
     report.total_bytes += l.entry->nbytes();
-    dtypes.insert(st::dtype_name(l.entry->dtype));
+    dtypes.insert(l.q ? "NF4 (bitsandbytes)" : st::dtype_name(l.entry->dtype));
   }
   for (const auto& d : dtypes) report.dtypes += (report.dtypes.empty() ? "" : ", ") + d;
   return report;

@@ -114,6 +114,19 @@ void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& st
 }
 
 void encode_range(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored, int64_t numel, int64_t begin) {
+  if (values.scalar_type() == at::kByte) {  // whole blocks already in the NF4 stored form
+    const int64_t blocks = values.numel() / (kBlock / 2 + 4), codes = blocks * kBlock / 2;
+    if (s != FrozenStorage::kNF4) {
+      at::Tensor decoded = at::empty({blocks * kBlock}, at::kFloat);
+      decode(FrozenStorage::kNF4, values, decoded);
+      return encode_range(s, decoded, stored, numel, begin);
+    }
+    check_blocks(begin);
+    check_blocks(numel);
+    stored.narrow(0, begin / 2, codes).copy_(values.narrow(0, 0, codes));
+    stored.narrow(0, numel / 2 + begin / kBlock * 4, blocks * 4).copy_(values.narrow(0, codes, blocks * 4));
+    return;
+  }
   const int64_t n = values.numel();
   if (!quantized(s)) {
     stored.narrow(0, begin, n).copy_(values.reshape({-1}));

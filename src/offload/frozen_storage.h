@@ -32,6 +32,9 @@ void encode_into(FrozenStorage s, const at::Tensor& values, const at::Tensor& st
 // Writes the stored form of elements [begin, begin + values.numel()) of a shard of `numel` values
 // into `stored` (that shard's stored form, on the CPU or a device), leaving the rest alone:
 // `begin` starts a block, and a last block that `values` ends inside is completed with zeros.
+// `values` of dtype uint8 are whole blocks already in NF4's stored form ([codes | absmax as fp32
+// bytes], as bitsandbytes keeps them: bnb/bnb4.h): copied as they are into an NF4 stored form,
+// decoded and stored again into any other.
 void encode_range(FrozenStorage s, const at::Tensor& values, const at::Tensor& stored, int64_t numel, int64_t begin);
 // Writes the values of `stored` (encode's output, `out.numel()` values) into `out` (floating, any
 // dtype: cast from fp32; fp32, bf16 and fp16 contiguous outputs are written in one pass).

@@ -108,14 +108,21 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& tokens) {
 }
 
 TEST(MetaBuild, StockModulesBuildOnMetaAndPlanWithoutAllocating) {
+  const c10::impl::LocalDispatchKeySet before = c10::impl::tls_local_dispatch_key_set();
   StockNet net = build_on_meta(50, 16, 3);
   for (const auto& p : net->named_parameters()) EXPECT_TRUE(p.value().is_meta()) << p.key();
   EXPECT_TRUE(net->bn->running_mean.is_meta());
   // Built from a value, the counter stays real (it already holds its value).
   EXPECT_FALSE(net->bn->num_batches_tracked.is_meta());
   EXPECT_EQ(at::zeros({2}).device().type(), at::kCPU) << "the guard ended with its scope";
-  // The thread's dispatch state is restored exactly: CPU operators run on the CPU again.
-  EXPECT_TRUE(at::equal(at::ones({2}), at::ones({2})));
+  // The thread's dispatch state is restored exactly: CPU operators compute on the CPU again.
+  const c10::impl::LocalDispatchKeySet after = c10::impl::tls_local_dispatch_key_set();
+  EXPECT_EQ(after.included_, before.included_);
+  EXPECT_EQ(after.excluded_, before.excluded_);
+  const at::Tensor y = at::arange(4, at::kFloat) * 2 + 1;  // 1, 3, 5, 7
+  ASSERT_FALSE(y.is_meta());
+  EXPECT_EQ(y.sum().item<float>(), 16.0f);
+  EXPECT_EQ(y[3].item<float>(), 7.0f);
   const ModelShape shape = model_shape(*net, is_block);
   ASSERT_EQ(shape.units.size(), 4u);  // the root's own parameters, then three blocks
   int64_t numel = 0;
