@@ -112,6 +112,7 @@ fsdp::PlanRequest plan_request(const TrainConfig& cfg, int ranks_per_node, int n
   r.load = run_load;
   r.saves = run_saves;
   r.save_frozen = !cfg.lora.enabled || cfg.lora.save_base;
+  r.measured_process_bytes = fsdp::process_resident_bytes();  // first called before the job is joined
   // HYBRID_SHARD shards over world / fsdp.replicate ranks and replicates across fsdp.replicate rows:
   // the planner's nodes and ranks per node, wherever the ranks run.
   const int world = ranks_per_node * nodes;
