@@ -168,6 +168,27 @@ def warm(bin_dir):
         subprocess.run([prog, "--help"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def read_libraries_whole(bin_dir, work):
+    """The libraries fsdp-train maps (all but the system's: LibTorch's, CUDA's), copied into WORK/lib
+    past the page cache (dd oflag=direct) and read whole (cat), as an install or a copy leaves them:
+    the page cache holds them in large folios, whatever other processes map of the originals. The
+    programs load them from there (LD_LIBRARY_PATH, returned). Then each program is started once."""
+    libdir = os.path.join(work, "lib")
+    os.makedirs(libdir, exist_ok=True)
+    ldd = subprocess.run(["ldd", os.path.join(bin_dir, "fsdp-train")], capture_output=True, text=True).stdout
+    libs = [m.group(1) for m in re.finditer(r"=> (/\S+)", ldd) if not re.match(r"/(usr/)?lib(64)?/", m.group(1))]
+    for lib in libs:
+        subprocess.run(["dd", f"if={lib}", f"of={os.path.join(libdir, os.path.basename(lib))}", "bs=8M",
+                        "oflag=direct", "status=none"], check=True)
+    for lib in sorted(os.listdir(libdir)):
+        with open(os.path.join(libdir, lib), "rb") as f:
+            while f.read(1 << 24):
+                pass
+    os.environ["LD_LIBRARY_PATH"] = libdir + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else "")
+    warm(bin_dir)
+    return libdir
+
+
 def mem_available():
     for line in open("/proc/meminfo"):
         if line.startswith("MemAvailable:"):
@@ -472,6 +493,12 @@ def report(r):
         status = "ok" if p["rc"] == 0 else "not run" if p.get("not_run") else f"FAILED ({p['rc']})"
         rows.append(f"| {p['phase']} | {status} | {wall:.1f} | {' / '.join(mib(x) for x in rss)} | {mib(plan)} | "
                     f"{ratio} | {above} | {mib(rd)} / {mib(wr)} | {rates} |")
+        # Each save's own peak (fsdp-train measures it apart) against the plan's save phase.
+        for sv in p.get("save_metrics", []) if p.get("plan_save_bytes") else []:
+            save_plan = p["plan_save_bytes"]
+            rows.append(f"| {p['phase']}: save of step {sv['step']} | ok | {sv['seconds']:.1f} | "
+                        f"{' / '.join(mib(x) for x in sv['peak_rss_bytes'])} | {mib(save_plan)} | "
+                        f"{' / '.join(f'{x / save_plan:.2f}' for x in sv['peak_rss_bytes'])} | - | - | - |")
     md = [f"# Scale run: {r['model']}{' QLoRA (NF4 base)' if r.get('lora') else ''} ({r['params'] / 1e6:.1f}M parameters, {r['weights_bytes'] / MIB:,.0f} MiB "
           f"of bf16 weights in {r['files']} files)", "",
           f"Commit: {r.get('commit', 'not recorded')}. Conditions: {r['conditions']}.", "",
@@ -481,7 +508,8 @@ def report(r):
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
           "The plan column: for import (no step) the plan's load phase; for a run with steps the plan's peak "
           "over its load, its steps and a save (`peak per rank` in fsdp-train's plan), where fsdp-train printed "
-          "one; before the plan had phases, the step's total.", ""]
+          "one; before the plan had phases, the step's total; a save's row, its own peak (fsdp-train's "
+          "`peak RSS per rank during the save`) against the plan's save phase (`a save per rank`).", ""]
     s = r.get("sizes", {})
     for p in r["phases"]:
         # A save written during its step: its span holds only what follows the step (costed below).
@@ -589,6 +617,9 @@ def main():
                     help="--lora nf4: fsdp.param_dtype of the training phases (default float32)")
     ap.add_argument("--check-layers", type=int, default=2,
                     help="--lora: decoder layers of the truncated model whose logits are checked against peft")
+    ap.add_argument("--libraries", choices=["started-once", "read-whole"], default="started-once",
+                    help="the libraries' page cache: faulted in by starting each program once, or read whole "
+                         "first from a copy of their own (as an install leaves them), then started once")
     ap.add_argument("--mem-floor-mib", type=int, default=1024, help="kill a phase below this MemAvailable")
     ap.add_argument("--tmp-dir", default=os.environ.get("FSDP_BENCH_DIR", tempfile.gettempdir()))
     ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder, removed)")

@@ -70,7 +70,10 @@ def run_lora(args, spec, bin_dir, work):
     np.save(prompt, np.random.default_rng(1).integers(0, vocab, size=(1, scale.PROMPT_LEN), dtype=np.int64))
     say(f"{params / 1e6:.1f}M parameters, {weights / MIB:,.0f} MiB in {files} files; dd on as many bytes")
     dd = dd_bandwidth(work, weights)
-    warm(bin_dir)
+    if args.libraries == "read-whole":
+        scale.read_libraries_whole(bin_dir, work)
+    else:
+        warm(bin_dir)
     data = [hf, ckpt, adapter, merged, tokens]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     floor = args.mem_floor_mib * MIB
@@ -130,7 +133,10 @@ def run_lora(args, spec, bin_dir, work):
                        f"checkpoints, seq_len {args.seq_len}, batch {args.batch} per rank, random uint32 tokens; "
                        f"before each phase the model, checkpoint, export and token files are evicted from the page "
                        f"cache (posix_fadvise DONTNEED), each program started once (--help) before the "
-                       f"phases, its libraries cached as a process maps them; nothing else ran on the machine"),
+                       f"phases, " + ("its libraries read whole first from a copy of their own (dd oflag=direct, "
+                                      "then a whole read: large folios, as an install leaves them)"
+                                      if args.libraries == "read-whole" else
+                                      "its libraries cached as a process maps them")),
     }
 
 

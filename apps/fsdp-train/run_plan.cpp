@@ -104,6 +104,7 @@ fsdp::PlanRequest request_of(const TrainConfig& cfg, const Resolved& choices, in
   if (cfg.train.save_in_step != Switch::kAuto || cfg.train.async_save) r.save_in_step = choices.save_in_step;
   r.save_frozen = !cfg.lora.enabled || cfg.lora.save_base;
   r.margin = cfg.train.budget_margin_pct / 100;
+  r.measured_process_bytes = fsdp::process_resident_bytes();  // first called before the job is joined
   // HYBRID_SHARD shards over world / fsdp.replicate ranks and replicates across fsdp.replicate rows:
   // the planner's nodes and ranks per node, wherever the ranks run.
   const int world = ranks_per_node * nodes;

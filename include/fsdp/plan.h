@@ -148,6 +148,10 @@ struct PlanRequest {
   // The process without a model (libraries, communicator, threads); on CUDA the context's device
   // memory. Defaults are this project's measured figures (the printout says which).
   std::optional<int64_t> process_host_bytes, process_device_bytes;
+  // On the CPU, unless process_host_bytes is given: the planning process's own resident size
+  // before it joins the job (process_resident_bytes()); the process item is it and what joining
+  // adds (Note [The process measured by the process]). Unset: the constant default.
+  std::optional<int64_t> measured_process_bytes;
   PlanBudget budget;
   // The fraction of the device's memory (on CPU runs the host's) held free when choosing, for what
   // the plan does not count (the allocator's slack and fragmentation, the data pipeline): a plan
@@ -249,5 +253,10 @@ struct Plan {
 // and the shortfall filled. Throws ConfigError on a malformed request (no ranks, a negative budget,
 // a margin outside [0, 0.9]) and on a shape or request whose bytes overflow 64 bits.
 Plan plan(const ModelShape& shape, const PlanRequest& request);
+
+// This process's resident set size (/proc/self/status VmRSS) at its first call; every later call
+// returns that figure (0 where the kernel has none). A program calls it first when it plans, its
+// libraries mapped, before it joins the job: PlanRequest::measured_process_bytes.
+int64_t process_resident_bytes();
 
 }  // namespace fsdp

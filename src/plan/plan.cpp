@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -271,11 +272,15 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
   }
   if (r.replicate_adapters) p.settings.push_back(setting(r, "PlanRequest::replicate_adapters", "true"));
   auto& a = p.assumptions;
-  const std::string process = base::mib(r.process_host_bytes.value_or(planning::default_process_host_bytes(r.device)));
+  const std::string process = base::mib(planning::process_host_bytes(r));
   a.push_back("process: " + process + " of host memory" +
               (r.process_host_bytes ? " (given)"
-               : cpu                ? " (fsdp-train --init-only on 2 ranks, measured here)"
-                                    : " (assumed for LibTorch with CUDA and NCCL)"));
+               : cpu && r.measured_process_bytes
+                   ? " (this process's resident size when it planned, " + base::mib(*r.measured_process_bytes) +
+                         ", its libraries mapped as the page cache holds them, and " + base::mib(planning::kJoinBytes) +
+                         " that joining the job adds)"
+               : cpu ? " (fsdp-train --init-only on 2 ranks, measured here, the libraries started once)"
+                     : " (assumed for LibTorch with CUDA and NCCL)"));
   if (!cpu) {
     a.push_back("CUDA: a prediction, not validated on a GPU here; the context and workspaces taken as " +
                 base::mib(r.process_device_bytes.value_or(planning::default_process_device_bytes(r.device))));
@@ -451,5 +456,38 @@ std::string Plan::to_string() const {
   if (!fits) s << "short: " << shortfall << "\n";
   return s.str();
 }
+
+// Note [The process measured by the process]
+// Most of a process without a model is its libraries' mapped pages, and how many of them it maps
+// depends on the page cache, not on fsdp: libraries read whole (as an install or a copy leaves
+// them) sit in large folios, which a fault maps whole. fsdp-train --init-only on 2 ranks measured
+// 518 MiB per rank that way and 351 MiB with the libraries faulted in by a program started once
+// (the constant default, 350 MiB). So a program that plans measures itself: its resident size when
+// it first plans (process_resident_bytes), its libraries mapped, its configuration and data opened,
+// before it joins the job; the process item is that and kJoinBytes, what joining adds (the
+// communicator's shared-memory channels, its threads, the code they run: --init-only's peak less
+// the resident size at the plan, 32 MiB per rank with the libraries read whole, 6 MiB started once).
+// What the first step maps later is the compute libraries' item. On CUDA the context's host side
+// comes after the plan: the constant stays.
+int64_t process_resident_bytes() {
+  static const int64_t bytes = [] {
+    std::ifstream status("/proc/self/status");
+    std::string key;
+    int64_t kib = 0;
+    while (status >> key && key != "VmRSS:") status.ignore(1 << 12, '\n');
+    return status >> kib ? kib * 1024 : int64_t{0};
+  }();
+  return bytes;
+}
+
+namespace planning {
+
+int64_t process_host_bytes(const PlanRequest& req) {
+  if (req.process_host_bytes) return *req.process_host_bytes;
+  if (req.device == c10::kCPU && req.measured_process_bytes) return *req.measured_process_bytes + kJoinBytes;
+  return default_process_host_bytes(req.device);
+}
+
+}  // namespace planning
 
 }  // namespace fsdp

@@ -529,8 +529,7 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   const States s = sharded_states(shape, req, c, N);
   // On the CPU the device is the host: one RAM, one list.
   PlanTier& host = cpu ? p.device : p.host;
-  host.add("process (libraries, communicator, threads)",
-           req.process_host_bytes.value_or(default_process_host_bytes(req.device)));
+  host.add("process (libraries, communicator, threads)", process_host_bytes(req));
   if (cpu) host.add("the compute libraries' code and work buffers, from the first step on", compute_libraries(req));
   if (!cpu)
     p.device.add("process (CUDA context, workspaces)",
@@ -542,8 +541,8 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
   host.add("disk tier's mapped window", p.disk_memory_budget);
   add_saves_in_step(req, c, s.master + s.optimizer, host, p);
   PhaseInputs phases;
-  phases.process = cpu ? req.process_host_bytes.value_or(default_process_host_bytes(req.device))
-                       : req.process_device_bytes.value_or(default_process_device_bytes(req.device));
+  phases.process =
+      cpu ? process_host_bytes(req) : req.process_device_bytes.value_or(default_process_device_bytes(req.device));
   phases.loaded = s.loaded[OffloadTier::kNone];
   phases.at_rest = s.tier[OffloadTier::kNone];
   phases.stored_largest = s.stored_largest;

@@ -23,6 +23,10 @@ struct Choices {
 // The process's own memory when the request leaves it unset (this project's measured figures).
 int64_t default_process_host_bytes(c10::DeviceType device);
 int64_t default_process_device_bytes(c10::DeviceType device);
+// The plan's process item in host memory: given, measured (Note [The process measured by the
+// process], plan.cpp), or the default.
+int64_t process_host_bytes(const PlanRequest& req);
+constexpr int64_t kJoinBytes = int64_t{32} << 20;  // what joining the job adds to a process measured before it
 
 // The ranks one parameter is sharded over under `strategy`.
 int shard_size_of(ShardingStrategy strategy, const PlanRequest& req);

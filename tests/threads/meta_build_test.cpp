@@ -238,11 +238,10 @@ void expect_plan_near_the_peak(bool lora_nf4) {
   auto results = testing::run_processes(
       2,
       [&](int rank) {
+        // The process as a program that plans measures itself: before it joins the job (Note [The
+        // process measured by the process]).
+        const int64_t process = process_resident_bytes();
         DeviceMesh mesh(process_rank());
-        // The process as it stands before any model: its libraries and communicator, measured here
-        // in place of the plan's constant, which a page cache of huge folios can put 150 MiB under
-        // a process's own (docs/NOTES.md, "The process's own RSS depends on the page cache").
-        const int64_t process = peak_rss_bytes();
         StockNet net = build_on_meta(kVocab, kD, kBlocks);
         std::optional<LoraModel> adapted;
         if (lora_nf4) adapted = lora(*net, nf4_lora());
@@ -281,7 +280,7 @@ void expect_plan_near_the_peak(bool lora_nf4) {
         req.offload = OffloadPolicy();
         req.checkpoint_every = 0;
         req.budget = {int64_t{64} << 30, int64_t{64} << 30, 0};
-        req.process_host_bytes = process;
+        req.measured_process_bytes = process;
         const Plan p = plan(shape, req);
         ASSERT_TRUE(p.fits) << p.to_string();
 

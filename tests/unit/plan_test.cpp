@@ -7,6 +7,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "fsdp/errors.h"
 #include "fsdp/plan.h"
@@ -704,6 +705,45 @@ TEST(Plan, TheLoadAndTheSaveArePhasesOfTheirOwn) {
   EXPECT_FALSE(short_of_load.fits);
   EXPECT_NE(short_of_load.shortfall.find("RAM (in the load)"), std::string::npos) << short_of_load.shortfall;
   EXPECT_NE(short_of_load.to_string().find("peak per rank: "), std::string::npos);
+}
+
+// Note [The process measured by the process]: a process's resident size when it planned, with what
+// joining the job adds, stands for the process in the step and in every phase; a given size wins
+// over it; without either the constant stays; on CUDA the measure (taken before the context) is not
+// used. process_resident_bytes() reads VmRSS once: a later call returns the first figure.
+TEST(Plan, TheProcessItemIsTheProcessMeasuredWhenItPlanned) {
+  const ModelShape shape = llama::plan_shape(qwen_like(true));
+  auto process_item = [](const PlanTier& t) {
+    for (const auto& [name, bytes] : t.items)
+      if (name.rfind("process (", 0) == 0) return bytes;
+    return int64_t{-1};
+  };
+  PlanRequest r = request(int64_t{8} << 30);
+  r.process_host_bytes.reset();
+  r.load = LoadKind::kImport;
+  r.saves = true;
+  const int64_t fallback = process_item(plan(shape, r).device);
+  EXPECT_EQ(fallback, int64_t{350} << 20);
+  const int64_t measured = int64_t{611} << 20;
+  r.measured_process_bytes = measured;
+  const Plan p = plan(shape, r);
+  const int64_t join = process_item(p.device) - measured;
+  EXPECT_GT(join, 0) << "joining the job adds its communicator and threads";
+  EXPECT_LE(join, int64_t{64} << 20);
+  for (const PlanTier* t : {&p.load, &p.save, &p.exporting}) EXPECT_EQ(process_item(*t), measured + join);
+  EXPECT_NE(p.to_string().find("resident size when it planned, 611.00 MiB"), std::string::npos) << p.to_string();
+  r.process_host_bytes = int64_t{100} << 20;  // given: taken as is
+  EXPECT_EQ(process_item(plan(shape, r).device), int64_t{100} << 20);
+  r.process_host_bytes.reset();
+  r.device = c10::kCUDA;
+  r.budget.device_bytes = int64_t{80} << 30;
+  r.budget.host_bytes = int64_t{64} << 30;
+  EXPECT_EQ(process_item(plan(shape, r).host), int64_t{3} << 30);
+
+  const int64_t first = process_resident_bytes();
+  EXPECT_GT(first, int64_t{10} << 20) << "this process maps LibTorch";
+  const std::vector<char> touched(int64_t{64} << 20, 1);  // 64 MiB more resident
+  EXPECT_EQ(process_resident_bytes(), first) << int(touched[0]);
 }
 
 }  // namespace
