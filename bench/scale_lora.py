@@ -26,15 +26,15 @@ import os
 import subprocess
 import sys
 
-import scale
-from scale import MIB, dd_bandwidth, dir_bytes, parse_train_log, run_phase, say, warm
+from scale_common import (MIB, PROMPT_LEN, ROOT, compare_logits, cpu_bf16_text, dd_bandwidth, dir_bytes,
+                          parse_ckpt_peak, parse_train_log, run_phase, say, warm, read_libraries_whole)
 
 LORA = ["--set", "lora.r=16", "--set", "lora.alpha=32", "--set", "lora.base_dtype=nf4"]
 CHECK_TOL = 1e-3  # fp32 on both sides, the same bf16 base values and adapters: only the order of operations differs
 
 
 def write_model(hf, model, layers=0):
-    cmd = [sys.executable, os.path.join(scale.ROOT, "bench", "write_model.py"), "--model", model, hf]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "write_model.py"), "--model", model, hf]
     if layers:
         cmd += ["--layers", str(layers)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -67,11 +67,11 @@ def run_lora(args, spec, bin_dir, work):
     tokens = os.path.join(work, "train.bin")
     np.random.default_rng(0).integers(0, vocab, size=args.tokens, dtype=np.uint32).tofile(tokens)
     prompt = os.path.join(work, "prompt.npy")
-    np.save(prompt, np.random.default_rng(1).integers(0, vocab, size=(1, scale.PROMPT_LEN), dtype=np.int64))
+    np.save(prompt, np.random.default_rng(1).integers(0, vocab, size=(1, PROMPT_LEN), dtype=np.int64))
     say(f"{params / 1e6:.1f}M parameters, {weights / MIB:,.0f} MiB in {files} files; dd on as many bytes")
     dd = dd_bandwidth(work, weights)
     if args.libraries == "read-whole":
-        scale.read_libraries_whole(bin_dir, work)
+        read_libraries_whole(bin_dir, work)
     else:
         warm(bin_dir)
     data = [hf, ckpt, adapter, merged, tokens]
@@ -94,7 +94,7 @@ def run_lora(args, spec, bin_dir, work):
         res, out = run_phase(name, cmd, logs, env, floor, data)
         if train_log:
             parse_train_log(out, res, metrics, trace)
-        scale.parse_ckpt_peak(out, res)
+        parse_ckpt_peak(out, res)
         phases.append(res)
         ok[name] = res["rc"] == 0
         return res
@@ -128,7 +128,7 @@ def run_lora(args, spec, bin_dir, work):
                                                   for s in p.get("steps", [])[-1:]],
         "conditions": (f"2 ranks on {os.cpu_count()} cores, OMP_NUM_THREADS=1; fsdp-run, shared-memory transport, "
                        f"FULL_SHARD, QLoRA: r=16, alpha=32 on the seven projections, their weights in NF4, "
-                       f"{args.param_dtype} compute ({scale.cpu_bf16_text()}), "
+                       f"{args.param_dtype} compute ({cpu_bf16_text()}), "
                        f"activation checkpointing on every layer, fsdp.split_root auto, AdamW, adapters-only "
                        f"checkpoints, seq_len {args.seq_len}, batch {args.batch} per rank, random uint32 tokens; "
                        f"before each phase the model, checkpoint, export and token files are evicted from the page "
@@ -157,7 +157,7 @@ def peft_check(args, bin_dir, work, env, floor, prompt, tokens, phase):
     ours, theirs = os.path.join(work, "logits-fsdp.npy"), os.path.join(work, "logits-peft.npy")
     phase("check-export", [ckpt_tool, "export", final, adapter])
     phase("check-logits-fsdp", [ckpt_tool, "logits", final, prompt, ours])
-    me = [sys.executable, os.path.join(scale.ROOT, "bench", "scale.py"), "--peft-logits", hf, adapter]
+    me = [sys.executable, os.path.join(ROOT, "bench", "scale.py"), "--peft-logits", hf, adapter]
     phase("check-logits-peft", me + [prompt, theirs])
     name = (f"fsdp-ckpt logits(LoRA checkpoint: its trained adapters on the bf16 base it imports from the run's "
             f"--init-from; the NF4 base is not in this comparison) vs transformers + peft fp32 (the same bf16 base "
@@ -167,7 +167,7 @@ def peft_check(args, bin_dir, work, env, floor, prompt, tokens, phase):
     # The checkpoint holds the adapters; fsdp-ckpt logits runs them on the bf16 base it imports (the
     # run's --init-from), as peft does: both sides have the same weights, in fp32.
     scale_ = max(1.0, float(np.abs(np.load(ours)).max()))
-    result = scale.compare_logits(ours, theirs, CHECK_TOL * scale_)
+    result = compare_logits(ours, theirs, CHECK_TOL * scale_)
     # The adapters moved from their start (lora_B starts at zero): the check compares trained adapters.
     from safetensors.numpy import load_file
     tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))

@@ -21,20 +21,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale import LLAMA32_1B, QWEN25_05B, TINY  # noqa: E402
-
-LLAMA31_8B = {  # meta-llama/Llama-3.1-8B config.json
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
-}
-CONFIGS = {"llama-3.1-8b": LLAMA31_8B, "llama-3.2-1b": LLAMA32_1B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
+from scale_common import CONFIGS  # noqa: E402,F401  (bench/vs_peft.py takes them from here)
 
 
 def tensor_list(spec):
