@@ -43,9 +43,7 @@ FlatLayout::FlatLayout(std::vector<FlatParamEntry> entries, FlatParamConfig conf
   }
 }
 
-int64_t FlatLayout::values_in_shard() const {
-  return std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_);
-}
+int64_t FlatLayout::values_in_shard() const { return std::clamp<int64_t>(numel_ - shard_offset_, 0, shard_numel_); }
 
 at::TensorOptions FlatLayout::compute_options() const {
   return at::TensorOptions().dtype(config_.compute_dtype).device(config_.device);

@@ -36,7 +36,6 @@
 #include "flat/stored_shard.h"
 
 namespace fsdp {
-
 namespace offload {
 struct OffloadPlacement;
 struct StateTiers;
