@@ -6,7 +6,8 @@
 //    the optimizer's state too; no gradient shard yet (the first reduction makes it). A frozen flat
 //    param kept in a stored form (NF4, int8, bf16 beside fp32 compute) is filled by deferred init,
 //    or resumed, through an fp32 copy of its shard, stored and freed once written: one such copy
-//    at a time, the largest counted. An import stores each chunk of it as read instead
+//    at a time, the largest counted. An import stores each chunk of it as read instead, and so
+//    does a resume from checkpoints without the frozen params, which imports them again
 //    (FlatParam::store_values: no fp32 shard; a tensor whose rows grow, or a flat param imported
 //    in part, still goes through the copy, which the plan does not count). An import converts the
 //    source's values through a staging buffer of 4M elements (fp32 and bf16: 24 MiB); a resume
@@ -18,7 +19,8 @@
 //    (SaveOptions::frozen_params) the fp32 values of one stored frozen shard, which the save
 //    decodes just before writing it and frees after (one at a time, the largest counted), and the
 //    checkpoint writer's two staging buffers (io::DirectWriter: one fills while the other is
-//    written). A state in the disk tier is read through the tier's chunks, within its window.
+//    written), beside what the steps before it mapped (the compute libraries' item). A state in
+//    the disk tier is read through the tier's chunks, within its window.
 // Both add the process. Neither holds the streamed step's window of the disk tier: a load writes
 // the tier through chunks of its own (counted above), and a save reads a state there two chunks
 // at a time (read_streamed). Not counted: the writer's and reader's page cache (not the process's
@@ -53,12 +55,14 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
   load.add(req.load == LoadKind::kResume ? "sharded states once loaded (masters, stored frozen, optimizer state)"
                                          : "sharded states once loaded (masters, stored frozen; no gradient yet)",
            in.loaded);
-  // An import stores each chunk of a frozen shard as it reads it (FlatParam::store_values).
-  if (req.load != LoadKind::kImport)
-    load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
+  // An import stores each chunk of a frozen shard as it reads it (FlatParam::store_values); so does
+  // a resume from checkpoints without the frozen parameters (the base imported again).
+  const bool imports =
+      req.load == LoadKind::kImport || (req.load == LoadKind::kResume && in.has_frozen && !req.save_frozen);
+  if (!imports) load.add("a stored frozen shard's fp32 values until stored (the largest)", in.stored_largest);
   else if (in.stored_largest > 0)
     load.add("a chunk's stored form (int8 at most: 1 + 4/64 bytes a value)", kImportChunk * 17 / 16);
-  if (req.load == LoadKind::kImport) load.add("the conversion's staging", kImportStaging);
+  if (imports) load.add("the conversion's staging", kImportStaging);
   // A resume reads fp32 RAM straight into the state; a state in the disk tier through the tier's
   // write (a chunk read, two in flight), one on a device or in bf16 through a chunk of host fp32.
   if (req.load == LoadKind::kResume && in.state_on_disk)
@@ -83,6 +87,9 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
   PlanTier& save = p.save;
   save.add("process (libraries, communicator, threads)", in.process);
   save.add("sharded states (the step's)", in.at_rest);
+  // A save follows steps, whose compute libraries stay mapped.
+  if (req.device == c10::kCPU)
+    save.add("the compute libraries' code and work buffers (the steps')", compute_libraries(req));
   if (req.save_frozen) save.add("a stored frozen shard's fp32 values while written (the largest)", in.stored_largest);
   save.add("the checkpoint writer's staging (two buffers)", io::DirectWriter::memory_bytes());
   if (in.disk_read_chunk > 0) save.add("the disk tier's reads of a state (two chunks)", 2 * in.disk_read_chunk);

@@ -294,7 +294,8 @@ void describe(const ModelShape& shape, const PlanRequest& r, Plan& p) {
   a.push_back("optimizer: " + std::to_string(r.optimizer_state_tensors) + " " +
               (r.optimizer_state_dtype == at::kFloat ? "fp32" : "bf16") + " state tensor(s) per trainable parameter");
   a.push_back("collectives: rings; each rank sends (N - 1) shards per gathered unit and per reduced gradient");
-  a.push_back("not counted: the allocator's slack and fragmentation, the data pipeline, the page cache");
+  a.push_back(std::string(cpu ? "the heap's slack: half the activations kept (Note [The heap's slack]); " : "") +
+              "not counted: the allocator's other slack, the data pipeline beyond the process, the page cache");
 }
 
 std::string with_more_ranks(const ModelShape& shape, const PlanRequest& r) {

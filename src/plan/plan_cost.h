@@ -26,6 +26,8 @@ int64_t default_process_device_bytes(c10::DeviceType device);
 // The plan's process item in host memory: given, measured (Note [The process measured by the
 // process], plan.cpp), or the default.
 int64_t process_host_bytes(const PlanRequest& req);
+// What a step maps on the CPU beyond the process (Note [The compute libraries' first use], plan_cost.cpp).
+int64_t compute_libraries(const PlanRequest& req);
 constexpr int64_t kJoinBytes = int64_t{32} << 20;  // what joining the job adds to a process measured before it
 
 // The ranks one parameter is sharded over under `strategy`.
@@ -58,11 +60,15 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p);
 // unit of its own for an embedding or a head is no layer.
 std::vector<bool> layers_of(const ModelShape& shape);
 
+constexpr int64_t kHeapBlockLimit = int64_t{4}
+                                    << 20;  // the mmap threshold tune_host_malloc sets (base/host_malloc.cpp)
+
 // Activations kept over the whole model, and the backward's transients: the largest extra of the
 // units that are not layers (the loss's, in the root's backward before any layer's), that of the
 // layers', and the largest checkpointed unit's activations rebuilt in its backward.
 struct ActivationBytes {
   int64_t kept = 0, first_extra = 0, layer_extra = 0, rebuilt = 0;
+  int64_t heap_slack = 0;  // Note [The heap's slack] (backward_start.cpp)
   int64_t largest_extra() const { return std::max(first_extra, layer_extra); }
 };
 ActivationBytes activations(const ModelShape& shape, const PlanRequest& req, const Choices& c);

@@ -167,8 +167,9 @@ timeout -k 5 280 "$FSDP_CKPT" export --merged --dtype bfloat16 "$TMP/ckpt/step-0
   >"$TMP/export.out" 2>&1
 record "fsdp-ckpt export --merged of the checkpoint" $([ $? -eq 0 ] && echo 1 || echo 0) "$TMP/export.out"
 ok=0
+# Its fp32 chunk is 96 MiB of about 490 (the process measured: 374 MiB started once): 15% at least.
 "$PY" "$TMP/compare.py" "$TMP/save.plan" "$TMP/export.out" "$TMP/ckpt_base.out" \
-  "an export (fsdp-ckpt export: one process, not a rank)" >"$TMP/export.cmp" 2>&1 && ok=1
+  "an export (fsdp-ckpt export: one process, not a rank)" 0.10 0.15 >"$TMP/export.cmp" 2>&1 && ok=1
 record "plan against measured, within 10% of the export's peak RSS: $(head -1 "$TMP/export.cmp")" $ok \
   "$TMP/export.cmp" "$TMP/export.out" "$TMP/save.plan"
 

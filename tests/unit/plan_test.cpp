@@ -687,8 +687,13 @@ TEST(Plan, TheLoadAndTheSaveArePhasesOfTheirOwn) {
   shape.units[1].largest_param_numel = 0;
 
   r.load = LoadKind::kResume;  // the optimizer's state is loaded too
-  // A resume reads the fp32 states in place: no staging.
+  // From checkpoints without the frozen params (r.save_frozen false), the base is imported again.
+  EXPECT_EQ(plan(shape, r).load.total(), imported.load.total() + 2 * masters);
+  // From checkpoints with them, a resume reads the fp32 states in place: no staging.
+  r.save_frozen = true;
   EXPECT_EQ(plan(shape, r).load.total(), imported.load.total() - stored_chunk - staging + window + 2 * masters);
+  // A save follows steps, whose compute libraries stay mapped (fp32 compute here).
+  EXPECT_EQ(item(imported.save, "the compute libraries"), int64_t{16} << 20) << imported.to_string();
 
   // A small model, whose import's staging outweighs its step: with a budget between the step's
   // peak and the load's the load does not fit, and the shortfall says so.
@@ -744,6 +749,33 @@ TEST(Plan, TheProcessItemIsTheProcessMeasuredWhenItPlanned) {
   EXPECT_GT(first, int64_t{10} << 20) << "this process maps LibTorch";
   const std::vector<char> touched(int64_t{64} << 20, 1);  // 64 MiB more resident
   EXPECT_EQ(process_resident_bytes(), first) << int(touched[0]);
+}
+
+// Note [The heap's slack]: on the CPU, half the activations a layer keeps, where its input (a hidden
+// state: its blocks' size) is a heap block, under the 4 MiB mmap threshold; none where it is mapped
+// apart, none on CUDA.
+TEST(Plan, TheHeapsSlackIsHalfTheLayersActivationsInHeapBlocks) {
+  const llama::LlamaConfig c = qwen_like(true);
+  auto at_start = [](const Plan& p, const std::string& prefix) {
+    for (const auto& [name, bytes] : p.device.at_backward_start)
+      if (name.rfind(prefix, 0) == 0) return bytes;
+    return int64_t{-1};
+  };
+  PlanRequest r = request(int64_t{64} << 30);
+  r.checkpoint_every = 0;
+  r.micro_batch = r.batch_per_rank = 1;
+  const ModelShape shape = llama::plan_shape(c);
+  const int64_t layer = llama::layer_activation_bytes(c, 1, r.seq_len, r.param_dtype);
+  ASSERT_LT(2 * r.seq_len * c.hidden_size, int64_t{4} << 20);  // a hidden state in bf16: a heap block
+  const Plan p = plan(shape, r);
+  EXPECT_EQ(at_start(p, "the heap's freed blocks"), c.num_hidden_layers * layer / 2) << p.to_string();
+  EXPECT_NE(p.to_string().find("the heap's slack: half the activations kept"), std::string::npos);
+  r.seq_len = (int64_t{4} << 20) / (2 * c.hidden_size);  // a hidden state of 4 MiB: mapped apart
+  EXPECT_EQ(at_start(plan(shape, r), "the heap's freed blocks"), -1);
+  r.seq_len = 128;
+  r.device = c10::kCUDA;
+  r.budget.device_bytes = int64_t{64} << 30;
+  EXPECT_EQ(at_start(plan(shape, r), "the heap's freed blocks"), -1);
 }
 
 }  // namespace
