@@ -44,7 +44,8 @@ at::Tensor read_entry(const st::FileSet& src, const std::string& dir, const std:
   std::string file;
   const st::TensorEntry* e = entry_of(src, name, &file);
   at::Tensor t = at::empty({static_cast<int64_t>(e->nbytes() / st::itemsize(e->dtype))}, st::to_scalar_type(e->dtype));
-  io::File::open_read(io::join(dir, file)).pread_all(t.data_ptr(), e->nbytes(), src.headers.at(file).data_start() + e->begin);
+  io::File::open_read(io::join(dir, file))
+      .pread_all(t.data_ptr(), e->nbytes(), src.headers.at(file).data_start() + e->begin);
   return t;
 }
 
@@ -82,8 +83,9 @@ std::string state_problem(const json& q, Weight4& w, const std::vector<int64_t>&
   w.nested = q.contains("nested_blocksize");
   if (!w.nested) return "";
   if (q["nested_blocksize"] != kNestedBlock || q.value("nested_dtype", "") != "float32")
-    return tensor + " has nested_blocksize=" + q["nested_blocksize"].dump() + ", nested_dtype=" +
-           q.value("nested_dtype", json()).dump() + "; the import reads double quantization in blocks of 256, float32";
+    return tensor + " has nested_blocksize=" + q["nested_blocksize"].dump() +
+           ", nested_dtype=" + q.value("nested_dtype", json()).dump() +
+           "; the import reads double quantization in blocks of 256, float32";
   w.offset = static_cast<float>(q.value("nested_offset", 0.0));  // an fp32 value, written as a double
   return "";
 }
@@ -147,8 +149,8 @@ std::shared_ptr<Reader4> find_weight4(const st::FileSet& src, const std::string&
     return std::make_shared<Reader4>(src, dir, w);
   }
   const auto& all = src.index.weight_map;  // refused as a whole: its companions are not listed again
-  for (auto it = all.lower_bound(name + "."); !problem.empty() && it != all.end() && it->first.rfind(name + ".", 0) == 0;
-       ++it) {
+  for (auto it = all.lower_bound(name + ".");
+       !problem.empty() && it != all.end() && it->first.rfind(name + ".", 0) == 0; ++it) {
     claimed.insert(it->first);
   }
   return nullptr;
@@ -166,17 +168,20 @@ at::Tensor Reader4::read(const std::string& tensor, uint64_t offset, uint64_t by
   std::string file;
   const st::TensorEntry* e = entry_of(src_, tensor, &file);
   at::Tensor out = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
-  io::File::open_read(io::join(dir_, file)).pread_all(out.data_ptr(), bytes, src_.headers.at(file).data_start() + e->begin + offset);
+  io::File::open_read(io::join(dir_, file))
+      .pread_all(out.data_ptr(), bytes, src_.headers.at(file).data_start() + e->begin + offset);
   bytes_read_ += bytes;
   return out;
 }
 
 at::Tensor Reader4::absmax(int64_t block0, int64_t blocks) {
   const std::string name = w_->name + ".absmax";
-  if (!w_->nested) return read(name, static_cast<uint64_t>(block0) * 4, static_cast<uint64_t>(blocks) * 4).view(at::kFloat);
+  if (!w_->nested)
+    return read(name, static_cast<uint64_t>(block0) * 4, static_cast<uint64_t>(blocks) * 4).view(at::kFloat);
   // bitsandbytes' dequantize_blockwise, then the offset: two fp32 operations, each rounded.
   const at::Tensor codes = read(name, static_cast<uint64_t>(block0), static_cast<uint64_t>(blocks)).to(at::kLong);
-  const at::Tensor scale = nested_absmax_.index_select(0, at::arange(block0, block0 + blocks, at::kLong).div(kNestedBlock, "floor"));
+  const at::Tensor scale =
+      nested_absmax_.index_select(0, at::arange(block0, block0 + blocks, at::kLong).div(kNestedBlock, "floor"));
   return nested_map_.index_select(0, codes).mul(scale).add(at::scalar_tensor(w_->offset, at::kFloat));
 }
 

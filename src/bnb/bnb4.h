@@ -22,8 +22,8 @@ constexpr int64_t kNestedBlock = 256;  // absmax values per nested absmax (doubl
 
 // One 4-bit weight of a file set, checked: where its tensors are and what its quant_state says.
 struct Weight4 {
-  std::string name;                  // the weight's tensor, e.g. "model.layers.0.mlp.up_proj.weight"
-  std::vector<int64_t> shape;        // quant_state's "shape": the weight's own
+  std::string name;            // the weight's tensor, e.g. "model.layers.0.mlp.up_proj.weight"
+  std::vector<int64_t> shape;  // quant_state's "shape": the weight's own
   int64_t numel = 0;
   bool nested = false;               // double-quantized absmax
   float offset = 0.0f;               // nested_offset, added to each decoded absmax

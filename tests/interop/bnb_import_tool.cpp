@@ -65,11 +65,10 @@ json dump_weights(fsdp::FSDPModule& root, torch::nn::Module& model, Out& out) {
       const at::Tensor absmax = stored.narrow(0, all_codes + e.offset / 64 * 4, blocks * 4);
       at::Tensor decoded = at::empty({blocks * 64}, at::kFloat);
       fsdp::frozen::decode(fsdp::FrozenStorage::kNF4, at::cat({codes, absmax}), decoded);
-      weights[names.at(e.param.unsafeGetTensorImpl())] = {
-          {"shape", e.shape},
-          {"codes", out.put(codes.narrow(0, 0, (e.numel + 1) / 2))},
-          {"absmax", out.put(absmax)},
-          {"decoded", out.put(decoded.narrow(0, 0, e.numel))}};
+      weights[names.at(e.param.unsafeGetTensorImpl())] = {{"shape", e.shape},
+                                                          {"codes", out.put(codes.narrow(0, 0, (e.numel + 1) / 2))},
+                                                          {"absmax", out.put(absmax)},
+                                                          {"decoded", out.put(decoded.narrow(0, 0, e.numel))}};
     }
   }
   return weights;
@@ -89,22 +88,23 @@ void run(int argc, char** argv) {
 
   const llama::LlamaConfig config = llama::hf::read_hf_config(dir);
   llama::LlamaForCausalLM model(config, at::kMeta);
-  const auto lm = fsdp::lora(*model, fsdp::LoraOptions()
-                                         .r(std::stoi(argv[4]))
-                                         .alpha(std::stod(argv[5]))
-                                         .base_dtype(fsdp::FrozenStorage::kNF4));
+  const auto lm = fsdp::lora(
+      *model,
+      fsdp::LoraOptions().r(std::stoi(argv[4])).alpha(std::stod(argv[5])).base_dtype(fsdp::FrozenStorage::kNF4));
   const auto opts = fsdp::FullyShardOptions()
                         .frozen_storage(lm.frozen_storage())
                         .init(lm.init(fsdp::init::constant(0.0), /*seed=*/0));
   for (auto& layer : model->model->layers) fsdp::fully_shard(layer, mesh, opts);
   auto root = fsdp::fully_shard(model, mesh, opts);
   namespace ck = fsdp::checkpoint;
-  ck::import_weights(dir, *root, ck::ImportOptions().select([](const std::string& n) { return !fsdp::is_lora_adapter(n); }));
+  ck::import_weights(dir, *root,
+                     ck::ImportOptions().select([](const std::string& n) { return !fsdp::is_lora_adapter(n); }));
   if (argc > 6) {
-    ck::import_weights(argv[6], *root, ck::ImportOptions()
-                                           .select(fsdp::is_lora_adapter)
-                                           .source_prefix("base_model.model.")
-                                           .file_name("adapter_model.safetensors"));
+    ck::import_weights(argv[6], *root,
+                       ck::ImportOptions()
+                           .select(fsdp::is_lora_adapter)
+                           .source_prefix("base_model.model.")
+                           .file_name("adapter_model.safetensors"));
   }
   Out out{std::ofstream(prefix + ".bin", std::ios::binary | std::ios::trunc)};
   json doc = {{"weights", dump_weights(*root, *model, out)}};
