@@ -21,7 +21,9 @@
 //     quantization): inv = 1 / max(absmax, 1e-38), s = clamp(x * inv, -1, 1), q = the number of
 //     midpoints between consecutive levels that are below s (so a value on a midpoint takes the
 //     lower level); element 2i in the high nibble of byte i, 2i + 1 in the low; value =
-//     level[q] * absmax. 0.5 + 4/64 bytes per element.
+//     level[q] * absmax. 0.5 + 4/64 bytes per element. A bitsandbytes 4-bit save (NF4, blocks of
+//     64) holds this form: the import copies its codes as they are and decodes a double-quantized
+//     absmax to fp32 once (Note [bitsandbytes 4-bit weights] in src/bnb/bnb4.cpp).
 // Every product is rounded to fp32 as written, so a numpy script of the same formulas (and
 // bitsandbytes on CPU, for NF4) gives the same codes and values bit for bit
 // (tests/interop/frozen_storage_test.py); the twins below are that definition, equal bit for bit to

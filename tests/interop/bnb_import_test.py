@@ -9,12 +9,13 @@ here by bitsandbytes on the CPU (NF4, blocks of 64, double-quantized absmax):
     weights within EXACT_TOL x max |logit|, and those of transformers running the quantized model
     (bitsandbytes' CPU Linear4bit) within BNB_TOL x max |logit|; so too with a random peft adapter
     on both sides;
+  - fsdp-ckpt logits of the save (import_unsharded, the values decoded) equal the latter's;
   - fsdp-train --init-from the save with lora.base_dtype=nf4 trains; from a save without double
     quantization (an fp32 absmax) its losses equal, bitwise, those of the same run from the bf16
     weights the save was made from (fsdp's own NF4 encode of them is the same stored form);
   - clear errors naming the tensor and the setting for FP4, another blocksize and 8-bit weights.
 
-Usage: FSDP_RUN=... FSDP_TRAIN=... bnb_import_test.py PATH/TO/bnb_import_tool (the venv's python;
+Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... bnb_import_test.py PATH/TO/bnb_import_tool (the venv's python;
 ctest sets the variables; prints "N passed, M failed")
 """
 import json
@@ -61,13 +62,20 @@ def check_parity(tool, q, work):
             record(f"{n} NF4 weights: codes, absmax and decoded values (fp32, bf16) equal bitsandbytes'",
                    n == 14 and not bad, "\n".join(bad) or f"{n} weights")
         ours = bc.tool_logits(doc, data)
-        for what, model, tol in (("transformers fp32 on bitsandbytes' dequantized weights", bc.dequantized_model(q, extra),
-                                  EXACT_TOL),
-                                 ("transformers + bitsandbytes' CPU Linear4bit", quant, BNB_TOL)):
-            theirs = bc.logits_of(model, tokens)
+        exact = bc.logits_of(bc.dequantized_model(q, extra), tokens)
+        for what, theirs, tol in (("transformers fp32 on bitsandbytes' dequantized weights", exact, EXACT_TOL),
+                                  ("transformers + bitsandbytes' CPU Linear4bit", bc.logits_of(quant, tokens), BNB_TOL)):
             diff, scale = float(np.abs(ours - theirs).max()), float(np.abs(theirs).max())
             record(f"{label}: logits within {tol} x max |logit| of {what} "
                    f"(max diff {diff:.3g}, max |logit| {scale:.3g})", diff <= tol * max(1.0, scale))
+        if extra is None:  # import_unsharded: the same values decoded into an ordinary module
+            np.save(os.path.join(work, "tokens.npy"), tokens.reshape(1, -1).astype(np.int64))
+            rc, out = run([os.environ["FSDP_CKPT"], "logits", q, os.path.join(work, "tokens.npy"),
+                           os.path.join(work, "ckpt.npy")])
+            diff = float(np.abs(np.load(os.path.join(work, "ckpt.npy"))[0] - exact).max()) if rc == 0 else None
+            record(f"fsdp-ckpt logits of the bnb-4bit save (import_unsharded) equal transformers' on bitsandbytes' "
+                   f"dequantized weights within {EXACT_TOL} x max |logit| (max diff {diff})",
+                   rc == 0 and diff <= EXACT_TOL * max(1.0, float(np.abs(exact).max())), out)
 
 
 def losses(metrics):

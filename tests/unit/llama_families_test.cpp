@@ -184,6 +184,15 @@ std::string hf_error(const std::string& text) {
   return "(accepted)";
 }
 
+TEST(LlamaFamilies, HfConfigTakesABitsandbytes4BitNf4Save) {
+  const auto c = llama::hf::config_from_hf_json(R"({"model_type": "llama", "hidden_size": 64,
+      "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 100,
+      "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true, "load_in_8bit": false,
+        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true, "bnb_4bit_compute_dtype": "bfloat16"}})",
+                                                "config.json");
+  EXPECT_EQ(c.hidden_size, 64);
+}
+
 TEST(LlamaFamilies, HfConfigRefusesWhatIsNotImplementedByName) {
   const std::string base =
       R"("hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96, )"
@@ -232,6 +241,16 @@ TEST(LlamaFamilies, HfConfigRefusesWhatIsNotImplementedByName) {
       {R"({"model_type": "llama", "hidden_size": 1048576, "num_attention_heads": 8, "num_hidden_layers": 65536,
           "intermediate_size": 4194304, "vocab_size": 100})",
        "more than the 1e15 this model supports"},
+      // quantization_config: bitsandbytes 4-bit NF4 only (its weights import as they are).
+      {R"({"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}, )" + base + "}",
+       "quantization_config.quant_method=\"gptq\" is not supported"},
+      {R"({"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": true}, )" +
+           base + "}",
+       "quantization_config.load_in_8bit=true is not supported"},
+      {R"({"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true, )"
+       R"("bnb_4bit_quant_type": "fp4"}, )" +
+           base + "}",
+       "quantization_config.bnb_4bit_quant_type=\"fp4\" is not supported"},
       {R"({"model_type": "llama", )", "not valid JSON"},
       {"[1, 2]", "expected a JSON object"},
   };
