@@ -103,15 +103,18 @@ std::shared_ptr<const Weight4> check_weight4(const st::FileSet& src, const std::
   if (entry_of(src, nf4) == nullptr && !is_fp4) return nullptr;
   auto w = std::make_shared<Weight4>();
   w->name = name;
-  json q;
-  try {
-    const at::Tensor text = read_entry(src, dir, is_fp4 ? fp4 : nf4);
-    q = json::parse(std::string(static_cast<const char*>(text.const_data_ptr()), text.nbytes()));
-  } catch (const json::exception& e) {
-    problem = "tensor '" + name + "': its quant_state is not valid JSON: " + e.what();
+  if (entry_of(src, is_fp4 ? fp4 : nf4)->nbytes() > (1u << 16)) {
+    problem = "tensor '" + name + "': its quant_state is larger than 64 KiB, not a bitsandbytes state";
     return nullptr;
   }
-  if (problem = state_problem(q, *w, want); !problem.empty()) return nullptr;
+  try {
+    const at::Tensor text = read_entry(src, dir, is_fp4 ? fp4 : nf4);
+    problem = state_problem(json::parse(std::string(static_cast<const char*>(text.const_data_ptr()), text.nbytes())),
+                            *w, want);
+  } catch (const json::exception& e) {
+    problem = "tensor '" + name + "': its quant_state is not a bitsandbytes 4-bit state: " + e.what();
+  }
+  if (!problem.empty()) return nullptr;
   const int64_t blocks = (w->numel + kBlock - 1) / kBlock;
   w->tensors = {name, nf4, name + ".quant_map", name + ".absmax"};
   const st::TensorEntry* codes = entry_of(src, name);

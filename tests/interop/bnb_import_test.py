@@ -13,7 +13,8 @@ here by bitsandbytes on the CPU (NF4, blocks of 64, double-quantized absmax):
   - fsdp-train --init-from the save with lora.base_dtype=nf4 trains; from a save without double
     quantization (an fp32 absmax) its losses equal, bitwise, those of the same run from the bf16
     weights the save was made from (fsdp's own NF4 encode of them is the same stored form);
-  - clear errors naming the tensor and the setting for FP4, another blocksize and 8-bit weights.
+  - clear errors naming the tensor and the setting for FP4, another blocksize, 8-bit weights and a
+    malformed quant_state.
 
 Usage: FSDP_RUN=... FSDP_TRAIN=... FSDP_CKPT=... bnb_import_test.py PATH/TO/bnb_import_tool (the venv's python;
 ctest sets the variables; prints "N passed, M failed")
@@ -128,6 +129,8 @@ def check_errors(tool, work):
     shutil.copytree(os.path.join(work, "q"), block)
     bc.edit_quant_state(block, name, blocksize=128)
     expect_error(tool, block, "blocksize 128", name, "blocksize=128")
+    bc.edit_quant_state(block, name, blocksize=64, shape="[256, 128]")  # a string where a list belongs
+    expect_error(tool, block, "a malformed quant_state", name, "not a bitsandbytes 4-bit state")
     # An 8-bit save as transformers writes it: int8 weights with their row scales, W.SCB.
     int8 = os.path.join(work, "q-int8")
     shutil.copytree(bf16, int8)
