@@ -160,7 +160,7 @@ void report_header(const Session& s) {
   const RunPlan& run = s.plan();
   if (run.plan) std::printf("plan per rank (fsdp/plan.h): %s", run.plan->to_string().c_str());
   if (!run.plan) std::printf("plan: none (train.budget.check false; the planner refused: %s)\n", run.refused.c_str());
-  std::printf("%s\n", levers_summary(s.cfg(), run.resolved, s.ranks().global_batch).c_str());
+  std::printf("%s\n", levers_summary(s.cfg(), run.resolved).c_str());
   print_plans(s);
   std::fflush(stdout);
 }

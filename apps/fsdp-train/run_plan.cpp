@@ -12,7 +12,7 @@
 
 #include "base/strings.h"
 #include "fsdp/errors.h"
-#include "fsdp/lora.h"
+#include "lora_setup.h"
 #include "metrics.h"
 #include "shape.h"
 
@@ -123,11 +123,7 @@ bool vocab_parallel_of(const TrainConfig& cfg) {
     // The adapted model itself decides, as the session's llama::shard_vocab_parallel will: a target
     // pattern may reach lm_head by a regular expression as well as by its name. On the meta device.
     llama::LlamaForCausalLM meta(cfg.model, at::kMeta);
-    try {
-      fsdp::lora(*meta, cfg.lora.options());
-    } catch (const fsdp::ConfigError& e) {
-      throw std::invalid_argument("config: lora.targets=" + nlohmann::json(cfg.lora.targets).dump() + ": " + e.what());
-    }
+    apply_lora(meta, cfg.lora, cfg.train.seed);
     frozen = llama::can_shard_vocab_parallel(meta);
   }
   if (frozen || cfg.fsdp.vocab_parallel == Switch::kAuto) return frozen;
@@ -291,19 +287,13 @@ nlohmann::json lever_report(const fsdp::Plan& plan, const MeasuredLevers& got) {
   return j;
 }
 
-std::string levers_summary(const TrainConfig& cfg, const Resolved& choices, int64_t global_batch) {
+std::string levers_summary(const TrainConfig& cfg, const Resolved& choices) {
   const auto& t = cfg.train;
-  std::string s = "levers: activation checkpointing ";
-  s += t.activation_checkpointing == 0   ? "off"
-       : t.activation_checkpointing == 1 ? "every layer"
-                                         : "every " + std::to_string(t.activation_checkpointing) + " layers";
-  s += "; " + std::to_string(t.grad_accum_steps) + " micro-batch(es) of " +
-       std::to_string(cfg.data.batch_size_per_rank) + " per rank per step (" + std::to_string(global_batch) +
-       " samples per step)";
-  s += std::string("; checkpoints ") +
-       (t.async_save           ? "saved in the background"
-        : choices.save_in_step ? "saved synchronously, written during the step before each (train.save_in_step)"
-                               : "saved synchronously");
+  std::string s =
+      std::string("levers: checkpoints ") +
+      (t.async_save           ? "saved in the background"
+       : choices.save_in_step ? "saved synchronously, written during the step before each (train.save_in_step)"
+                              : "saved synchronously");
   s += cfg.fsdp.loss_scaling() ? "; dynamic loss scaling from " + nlohmann::json(cfg.fsdp.scaler.init_scale()).dump()
                                : std::string("; no loss scaling");
   const int64_t max_skips = cfg.fsdp.scaler.max_consecutive_skips();

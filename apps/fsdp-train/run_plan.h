@@ -69,8 +69,8 @@ struct MeasuredLevers {
 // each lever the plan counts and the run measured, the plan's bytes summed from its items.
 nlohmann::json lever_report(const fsdp::Plan& plan, const MeasuredLevers& measured);
 
-// One line naming the levers in use: activation checkpointing, accumulation, the saves, loss
-// scaling and the skip policy.
-std::string levers_summary(const TrainConfig& cfg, const Resolved& choices, int64_t global_batch);
+// One line naming the levers in use that the plan does not print (its first line gives activation
+// checkpointing and the micro-batches): how checkpoints are saved, loss scaling, the skip policy.
+std::string levers_summary(const TrainConfig& cfg, const Resolved& choices);
 
 }  // namespace train
