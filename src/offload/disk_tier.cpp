@@ -3,6 +3,7 @@
 #include "base/strings.h"
 #include "offload/disk_tier.h"
 #include "offload/testing.h"
+#include "offload/tier_rules.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -27,7 +28,6 @@ namespace fsdp::offload {
 namespace {
 
 constexpr int64_t kPage = 4096;
-constexpr int64_t kDefaultChunkElements = 1 << 20;  // 4 MiB of fp32 per tensor with no budget
 
 void delete_mapping(void* ctx) {
   auto* m = static_cast<Mapping*>(ctx);
@@ -170,9 +170,7 @@ at::Tensor FileTier::zeros(int64_t numel, const std::string& what) {
 }
 
 int64_t FileTier::chunk_elements(int tensors, const std::string& unit) const {
-  if (budget_bytes_ <= 0) return kDefaultChunkElements;
-  const int64_t per = budget_bytes_ / (3 * std::max(tensors, 1) * static_cast<int64_t>(sizeof(float)));
-  const int64_t elems = per / 1024 * 1024;
+  const int64_t elems = offload::chunk_elements(budget_bytes_, tensors);  // offload/tier_rules.h
   if (elems < 1024) {
     const int64_t need = 3 * tensors * kPage;
     throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(budget_bytes_) + " is smaller than " +
