@@ -12,10 +12,12 @@
 // Every transition is idempotent: a unit used twice in a forward, used by a recomputation
 // inside backward, or not used at all in a step goes through the same code.
 //
-// Three files, along FSDP2's seams: fully_shard.cpp (the public API: fully_shard, FSDPModule,
-// UnshardHandle, fsdp::call's scope), unit_init.cpp (parameter discovery and flat params, the
-// root's lazy init, option resolution, offload placement), sharded_unit.cpp (the forward and
-// backward state machine above).
+// Along FSDP2's seams: fully_shard.cpp (the public API: fully_shard, FSDPModule, UnshardHandle,
+// fsdp::call's scope), unit_init.cpp (parameter discovery and flat params, the root's lazy init,
+// option resolution, offload placement), sharded_unit.cpp (the forward and backward state machine
+// above); and by concern: buffers.cpp (the buffers' init and sync), join.cpp (Join's rounds),
+// tied_params.cpp (ties across units, paths in errors before the root is known),
+// reshard_rules.cpp (what a unit frees after forward, resolved from its options).
 #pragma once
 
 #include <chrono>
