@@ -35,7 +35,7 @@ constexpr int64_t kBatch = 8;
 
 struct Layout {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
-  int group = 0;  // the blocks' reshard_after_forward_group
+  int group = 0;            // the blocks' reshard_after_forward_group
   int shard_size = kWorld;  // a 2-D mesh of kWorld / shard_size rows when less than kWorld
 };
 
@@ -107,10 +107,10 @@ uint64_t all_gathers(const DeviceMesh& mesh) {
 
 TEST(PlanRules, TheStepRunsTheGathersThePlanCounts) {
   const std::vector<Layout> layouts{
-      {ShardingStrategy::kFullShard, 0, kWorld},    {ShardingStrategy::kFullShard, 1, kWorld},
-      {ShardingStrategy::kFullShard, 2, kWorld},    {ShardingStrategy::kFullShard, 4, kWorld},
-      {ShardingStrategy::kShardGradOp, 0, kWorld},  {ShardingStrategy::kShardGradOp, 2, kWorld},
-      {ShardingStrategy::kNoShard, 0, kWorld},      {ShardingStrategy::kHybridShard, 0, 2},
+      {ShardingStrategy::kFullShard, 0, kWorld},   {ShardingStrategy::kFullShard, 1, kWorld},
+      {ShardingStrategy::kFullShard, 2, kWorld},   {ShardingStrategy::kFullShard, 4, kWorld},
+      {ShardingStrategy::kShardGradOp, 0, kWorld}, {ShardingStrategy::kShardGradOp, 2, kWorld},
+      {ShardingStrategy::kNoShard, 0, kWorld},     {ShardingStrategy::kHybridShard, 0, 2},
       {ShardingStrategy::kHybridShard, 2, 2}};
   for (const Layout& l : layouts) {
     testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
@@ -130,8 +130,8 @@ TEST(PlanRules, TheStepRunsTheGathersThePlanCounts) {
 
 TEST(PlanRules, FullyShardAndThePlannerRefuseTheSameGroupSizes) {
   int refused = 0, checked = 0;
-  for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                              ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+  for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                              ShardingStrategy::kHybridShard}) {
     for (const int group : {-1, 0, 1, 2, 3, 4}) {
       const Layout l{strategy, group, strategy == ShardingStrategy::kHybridShard ? 2 : kWorld};
       bool planner = false;
@@ -197,8 +197,8 @@ TierSeen disk_run(const std::string& dir, int64_t budget) {
     }
     // Every tensor of a flat param streamed (master, gradient, AdamW's two states), at the tier's chunk.
     const int streamed = r.optimizer_state_tensors + 2;
-    seen.window = offload::step_window(tier.budget_bytes(),
-                                       streamed * offload::whole_pages(4 * tier.chunk_elements(streamed)));
+    seen.window =
+        offload::step_window(tier.budget_bytes(), streamed * offload::whole_pages(4 * tier.chunk_elements(streamed)));
     seen.planned_window = p.disk_memory_budget;
     seen.peak = disk_tier_stats(*root).peak_resident_bytes;
   });
