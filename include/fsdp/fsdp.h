@@ -30,6 +30,7 @@
 #include "fsdp/meta.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/offload.h"
+#include "fsdp/offload_io.h"
 #include "fsdp/offload_policy.h"
 #include "fsdp/optim.h"
 #include "fsdp/plan.h"

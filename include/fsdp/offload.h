@@ -1,7 +1,7 @@
 // Offload: where sharded states live between uses, chosen per unit and per state with
 // FullyShardOptions::offload (an OffloadPolicy, fsdp/options.h). This header holds the per-rank
-// figures the disk tier reports (its error type, OffloadError, is in fsdp/errors.h); the
-// mechanisms are private (src/offload/).
+// figures offload reports (src/optim/memory.cpp, beside memory_report; its error type,
+// OffloadError, is in fsdp/errors.h); the mechanisms are private (src/offload/).
 //
 //   auto policy = fsdp::OffloadPolicy().params(fsdp::OffloadTier::kDisk)
 //                     .optimizer_state(fsdp::OffloadTier::kDisk).dir("/nvme/offload")
@@ -14,6 +14,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/offload_io.h"
 
 namespace fsdp {
 
@@ -31,16 +32,6 @@ struct DiskTierStats {
 DiskTierStats disk_tier_stats(FSDPModule& root);
 
 class ShardedOptimizer;
-
-// Bytes offload moves, per rank: through the disk tier's I/O threads (reads and writes of its
-// files) and through the stager (copies between host and device memory; clones on CPU runs).
-struct OffloadIo {
-  int64_t disk_read = 0, disk_write = 0;
-  int64_t to_device = 0, to_host = 0;
-  OffloadIo operator-(const OffloadIo& earlier) const;
-  OffloadIo per_step(int64_t steps) const;  // this / steps
-  std::string to_string() const;
-};
 
 // What offload will hold and move, per rank, predicted at the start of a run from the flat
 // params' sizes and tiers: the bytes each tier holds (params, gradients, optimizer state and the

@@ -30,7 +30,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 
-#include "fsdp/offload.h"
+#include "fsdp/offload_io.h"
 #include "fsdp/options.h"
 
 namespace fsdp {

@@ -1,8 +1,9 @@
 // The disk tier's files and mappings: creation with reserved blocks, the residency controls the
-// streamed optimizer step uses, and the audit. See Note [Disk tier residency] in disk_tier.h.
+// streamed optimizer step uses, and its test hooks (tier_hooks.h). See Note [Disk tier residency] in disk_tier.h.
 #include "base/strings.h"
 #include "offload/disk_tier.h"
-#include "offload/testing.h"
+#include "offload/tier_hooks.h"
+#include "offload/tier_rules.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -27,7 +28,6 @@ namespace fsdp::offload {
 namespace {
 
 constexpr int64_t kPage = 4096;
-constexpr int64_t kDefaultChunkElements = 1 << 20;  // 4 MiB of fp32 per tensor with no budget
 
 void delete_mapping(void* ctx) {
   auto* m = static_cast<Mapping*>(ctx);
@@ -36,17 +36,6 @@ void delete_mapping(void* ctx) {
   ::close(m->fd);
   if (m->direct_fd >= 0) ::close(m->direct_fd);
   delete m;
-}
-
-// mmap(MAP_SHARED), or MAP_FAILED with errno set; testing::fail_mmap() makes it fail with ENODEV,
-// as on a file system without mmap support.
-std::atomic<bool> g_fail_mmap{false};
-void* map_shared(int fd, size_t bytes) {
-  if (g_fail_mmap.load()) {
-    errno = ENODEV;
-    return MAP_FAILED;
-  }
-  return ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 }
 
 std::string mib(int64_t bytes) { return std::to_string(bytes) + " bytes (" + base::mib(bytes, 1) + ")"; }
@@ -96,7 +85,7 @@ std::shared_ptr<DiskTier> DiskTier::open(const std::string& dir, int64_t budget_
   }
   // The tier's tensors are shared mappings of its files: a file system that cannot map them
   // (some network and FUSE file systems) is refused now, naming it.
-  void* probe_map = map_shared(fd, kPage);
+  void* probe_map = hooks_for_new_tiers()->map_shared(fd, kPage);
   const int map_err = errno;
   ::close(fd);
   if (probe_map == MAP_FAILED) {
@@ -150,7 +139,7 @@ at::Tensor FileTier::zeros(int64_t numel, const std::string& what) {
     throw OffloadError("fsdp: offload.dir " + dir_ + ": cannot reserve " + mib(static_cast<int64_t>(bytes)) + " for " +
                        what + ": " + std::strerror(rc) + "; free space or choose another offload.dir");
   }
-  void* base = map_shared(fd, bytes);
+  void* base = hooks_->map_shared(fd, bytes);
   if (base == MAP_FAILED) {
     const int err = errno;
     ::close(fd);
@@ -170,9 +159,7 @@ at::Tensor FileTier::zeros(int64_t numel, const std::string& what) {
 }
 
 int64_t FileTier::chunk_elements(int tensors, const std::string& unit) const {
-  if (budget_bytes_ <= 0) return kDefaultChunkElements;
-  const int64_t per = budget_bytes_ / (3 * std::max(tensors, 1) * static_cast<int64_t>(sizeof(float)));
-  const int64_t elems = per / 1024 * 1024;
+  const int64_t elems = offload::chunk_elements(budget_bytes_, tensors);  // offload/tier_rules.h
   if (elems < 1024) {
     const int64_t need = 3 * tensors * kPage;
     throw ConfigError("fsdp: offload.memory_budget_bytes=" + std::to_string(budget_bytes_) + " is smaller than " +
@@ -214,12 +201,8 @@ int64_t FileTier::resident_bytes() const {
   return total;
 }
 
-void FileTier::audit() {
-  if (!audit_) return;
-  const int64_t r = resident_bytes() + buffered_bytes();
-  int64_t seen = peak_resident_.load();
-  while (r > seen && !peak_resident_.compare_exchange_weak(seen, r)) {
-  }
+void* TierHooks::map_shared(int fd, size_t bytes) const {
+  return ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 }
 
 bool is_disk_backed(const at::Tensor& t) { return mapping_of(t) != nullptr; }
@@ -291,11 +274,5 @@ at::Tensor clone_in_tier(const at::Tensor& t) {
   copy_streamed(out, t);
   return out.view(t.sizes());
 }
-
-namespace testing {
-void fail_mmap(bool on) { g_fail_mmap = on; }
-void set_audit(DiskTier& tier, bool on) { static_cast<FileTier&>(tier).set_audit(on); }
-void drop_page_cache(DiskTier& tier) { static_cast<FileTier&>(tier).drop_page_cache(); }
-}  // namespace testing
 
 }  // namespace fsdp::offload

@@ -42,6 +42,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "base/worker_queue.h"
+#include "offload/tier_hooks.h"
 #include "offload/tier_tensors.h"
 
 namespace fsdp::offload {
@@ -84,9 +85,10 @@ class FileTier final : public DiskTier, public std::enable_shared_from_this<File
 
   int64_t file_bytes() const override;
   int64_t resident_bytes() const override;  // mincore over every live mapping
-  void set_audit(bool on) { audit_ = on; }
-  void audit() override;  // records resident_bytes() into the peak when auditing
-  int64_t peak_resident_bytes() const override { return peak_resident_.load(); }
+  // The test hooks (tier_hooks.h): the product's unless offload/testing.h set others.
+  void set_hooks(std::shared_ptr<TierHooks> hooks) { hooks_ = std::move(hooks); }
+  void audit() override { hooks_->audit(*this); }
+  int64_t peak_resident_bytes() const override { return hooks_->peak_resident_bytes(); }
 
   // ---- the I/O threads (Note [Disk tier I/O threads], disk_io.cpp)
   // Starts reading elements [begin, end) of the disk-backed 1-D tensor `t` into a new host
@@ -143,8 +145,7 @@ class FileTier final : public DiskTier, public std::enable_shared_from_this<File
 
   std::string dir_;
   int64_t budget_bytes_ = 0;
-  bool audit_ = false;
-  std::atomic<int64_t> peak_resident_{0};  // audit() runs on the optimizer's thread too
+  std::shared_ptr<TierHooks> hooks_ = hooks_for_new_tiers();
   int64_t counter_ = 0;
   mutable std::mutex mu_;
   std::set<Mapping*> mappings_;

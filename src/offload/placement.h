@@ -1,7 +1,7 @@
 // The placement rulebook: where one flat param's sharded states live under its unit's
 // OffloadPolicy, what they hold in each tier, and what a training step moves between the tiers.
 // The runtime places states and predicts its I/O by these rules (shard/unit_init.cpp, Residency,
-// shard/offload_plan.cpp), and the planner costs a configuration by the same ones (src/plan), so
+// offload_plan in optim/memory.cpp), and the planner costs a configuration by the same ones (src/plan), so
 // a plan describes the run it plans. See Note [Placement rules] in placement.cpp.
 #pragma once
 

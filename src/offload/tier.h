@@ -44,7 +44,7 @@ class DiskTier {  // fp32 tensors in files under dir(), at most budget_bytes() o
   virtual void bump_generation() = 0;
   virtual int64_t file_bytes() const = 0;
   virtual int64_t resident_bytes() const = 0;
-  virtual void audit() = 0;  // records resident_bytes() in the peak while auditing (offload/testing.h)
+  virtual void audit() = 0;  // the test hooks' audit point (offload/tier_hooks.h); a product run's does nothing
   virtual int64_t peak_resident_bytes() const = 0;
   virtual IoCounters io_counters() const = 0;
   virtual void set_tracer(std::shared_ptr<Tracer> tracer) = 0;

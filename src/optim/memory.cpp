@@ -90,6 +90,12 @@ MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer) 
   return r;
 }
 
+std::string OffloadPlan::to_string() const {
+  auto b = [](int64_t bytes) { return base::mib(bytes, 1); };
+  return "holds: device " + b(device_bytes) + ", host " + b(host_bytes) + ", disk " + b(disk_bytes) +
+         "; moves per step: " + per_step.to_string();
+}
+
 OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
   OffloadPlan plan;
   for (FlatFigures f : model_figures(root).flats) {

@@ -11,6 +11,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/trace.h"
+#include "offload/tier_rules.h"
 #include "offload/tier_tensors.h"
 
 namespace fsdp::offload {
@@ -27,13 +28,8 @@ struct Chunk {
 
 std::string tag_of(const ShardState& s) { return s.tag.empty() ? std::string("?") : s.tag; }
 
-// The bytes of budgeted buffers the step holds at most: the budget, or without one three chunks
-// (read-ahead, current, write-behind). Unbounded, the write-behind grew whenever the step outran
-// the disk (a first step, whose reads of new zero states are quick: 0.6 GiB above the plan at
-// 0.5B), and every job's prefetched first chunk was held through the backward.
-int64_t window_of(const DiskTier& tier, int64_t chunk_bytes) {
-  return tier.budget_bytes() > 0 ? tier.budget_bytes() : 3 * chunk_bytes;
-}
+// The bytes of budgeted buffers the step holds at most (offload/tier_rules.h).
+int64_t window_of(const DiskTier& tier, int64_t chunk_bytes) { return step_window(tier.budget_bytes(), chunk_bytes); }
 
 void check_streamable(const StepJob& job) {
   for (const auto& [name, t] : job.state->tensors) {

@@ -13,6 +13,7 @@
 #include "fsdp/errors.h"
 #include "offload/placement.h"
 #include "plan/plan_cost.h"
+#include "shard/resolved_options.h"
 
 namespace fsdp {
 
@@ -160,16 +161,12 @@ void check_request(const ModelShape& shape, const PlanRequest& r) {
   if (r.seq_len < 0 || r.prefetch_depth < 0 || r.optimizer_state_tensors < 0) {
     bad("seq_len, prefetch_depth and optimizer_state_tensors must be >= 0");
   }
-  const int k = r.reshard_after_forward_group;
-  if (k < 0 || (k > 1 && r.ranks_per_node * r.nodes % k != 0)) {
-    bad("reshard_after_forward_group must be 0 or divide the ranks (" + std::to_string(r.ranks_per_node * r.nodes) +
-        "), got " + std::to_string(k));
-  }
-  if (k > 0 && r.strategy == ShardingStrategy::kNoShard)
-    bad("reshard_after_forward_group with NO_SHARD: nothing to reshard");
-  if (k > 1 && r.strategy == ShardingStrategy::kHybridShard && r.ranks_per_node % k != 0) {
-    bad("reshard_after_forward_group " + std::to_string(k) + " must divide HYBRID_SHARD's shard group (" +
-        std::to_string(r.ranks_per_node) + " ranks)");
+  {  // The runtime's rule: the refusal fully_shard would give a block (FULL_SHARD when the search picks)
+    const ShardingStrategy s = r.strategy.value_or(ShardingStrategy::kFullShard);
+    ResolvedOptions unused;
+    resolve_reshard_after_forward(
+        FullyShardOptions().strategy(s).reshard_after_forward_group(r.reshard_after_forward_group),
+        planning::shard_size_of(s, r), unused, "fsdp::plan");
   }
   if (r.optimizer_state_dtype != at::kFloat && r.optimizer_state_dtype != at::kBFloat16) {
     bad(std::string("optimizer_state_dtype must be Float or BFloat16, got ") + c10::toString(r.optimizer_state_dtype));

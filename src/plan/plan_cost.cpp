@@ -40,7 +40,10 @@
 #include "base/direct_writer.h"
 #include "offload/placement.h"
 #include "offload/frozen_storage.h"
+#include "offload/tier_rules.h"
 #include "fsdp/errors.h"
+#include "prefetch/keep_params.h"
+#include "shard/resolved_options.h"
 
 namespace fsdp::planning {
 
@@ -156,20 +159,27 @@ std::vector<bool> runs_backward(const ModelShape& shape) {
   return out;
 }
 
-// What a unit holds between its forward and its backward, by the runtime's rules (Note [The last
-// unit keeps its params]; resolve_group_size in shard/unit_init.cpp for
-// PlanRequest::reshard_after_forward_group, given to every unit but the root): its params gathered
-// whole, nothing, or its part for a group (the group size). Kept across micro-batches
-// (Choices::keep_gathered) is decided apart.
+// What a unit holds between its forward and its backward, by the runtime's rules: its options
+// resolved as fully_shard resolves them (resolve_reshard_after_forward, with
+// PlanRequest::reshard_after_forward_group given to every unit but the root), then
+// prefetch::keeps_params_after_forward (Note [The last unit keeps its params]; the last unit's
+// forward taken to run with gradients on): its params gathered whole, nothing, or its part for a
+// group (the group size). Kept across micro-batches (Choices::keep_gathered) is decided apart.
 struct AfterForward {
   bool keeps = false;
   int group = 0;
 };
 AfterForward after_forward(const UnitShape& u, bool last, const PlanRequest& req, const Choices& c, int N) {
+  ResolvedOptions o;
   const int k = u.is_root ? 0 : req.reshard_after_forward_group;
-  if (c.strategy == ShardingStrategy::kNoShard || k == 1) return {true, 0};
-  if (k > 1) return k < N ? AfterForward{false, k} : AfterForward{false, 0};  // the shard size: true, the last too
-  return {c.strategy == ShardingStrategy::kShardGradOp || u.is_root || last, 0};
+  resolve_reshard_after_forward(FullyShardOptions().strategy(c.strategy).reshard_after_forward_group(k), N, o,
+                                "fsdp::plan");
+  prefetch::ForwardEnd f;
+  f.reshard_after_forward = o.reshard_after_forward;
+  f.option_explicit = o.reshard_after_forward_explicit;
+  f.is_root = u.is_root;
+  f.ran_last = last;
+  return {prefetch::keeps_params_after_forward(f), o.reshard_after_forward_group};
 }
 
 // Bytes of a unit's whole gathered buffers as they travel (the compute dtype, an int8 / NF4 frozen
@@ -245,9 +255,11 @@ int64_t disk_window(const Choices& c, int state_tensors) {
   if (c.params != OffloadTier::kDisk && c.grads != OffloadTier::kDisk && c.optimizer_state != OffloadTier::kDisk) {
     return 0;
   }
-  // Without a budget the streamed step holds three chunks (read-ahead, current, write-behind) of
-  // 4 MiB per tensor streamed (master, gradient, states) at most.
-  return c.disk_memory_budget > 0 ? c.disk_memory_budget : 3 * (int64_t{4} << 20) * (state_tensors + 2);
+  // The streamed step's window (offload/tier_rules.h), its chunks at most the tier's for every
+  // tensor streamed (master, gradient, states): 3 chunks of 4 MiB per tensor without a budget.
+  const int streamed = state_tensors + 2;
+  const int64_t chunk = offload::chunk_elements(c.disk_memory_budget, streamed);
+  return offload::step_window(c.disk_memory_budget, streamed * offload::whole_pages(4 * chunk));
 }
 
 void add_traffic(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N, Plan& p) {
@@ -551,12 +563,8 @@ Plan cost(const ModelShape& shape, const PlanRequest& req, const Choices& c) {
       c.params == OffloadTier::kDisk || c.grads == OffloadTier::kDisk || c.optimizer_state == OffloadTier::kDisk;
   phases.state_via_host = !cpu || req.optimizer_state_dtype != at::kFloat;
   phases.working_cast_element = s.cast_working ? elem(req.param_dtype) : 0;
-  // read_streamed's chunks: the tier's chunk for two tensors (FileTier::chunk_elements(2): a third
-  // of the budget split over two fp32 tensors, in whole 1024-element pages; 1M elements without one).
-  if (phases.state_on_disk && cpu) {
-    const int64_t elements = c.disk_memory_budget > 0 ? c.disk_memory_budget / (3 * 2 * 4) / 1024 * 1024 : 1 << 20;
-    phases.disk_read_chunk = 4 * elements;
-  }
+  // read_streamed's chunks: the tier's chunk for two tensors (offload/tier_rules.h).
+  if (phases.state_on_disk && cpu) phases.disk_read_chunk = 4 * offload::chunk_elements(c.disk_memory_budget, 2);
   phases.snapshot = cpu && req.async_save ? s.master + s.optimizer : 0;
   const Sizes z = sizes_of(shape);
   phases.largest_param = z.largest_param;

@@ -19,8 +19,6 @@
 #include "fsdp/comm.h"
 #include "fsdp/dist.h"
 #include "fsdp/fully_shard.h"
-#include "fsdp/memory.h"
-#include "fsdp/offload.h"
 #include "fsdp/options.h"
 #include "shard/post_reduce_hook.h"
 

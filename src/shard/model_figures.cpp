@@ -1,12 +1,7 @@
-// model_figures: the facts behind the memory figures (model_figures.h); the arithmetic of the
-// figures' public types (fsdp/offload.h).
+// model_figures: the facts behind the memory figures (model_figures.h).
 #include "shard/model_figures.h"
 
 #include <algorithm>
-#include <sstream>
-
-#include "base/strings.h"
-#include "fsdp/offload.h"
 
 #include "offload/residency.h"
 #include "offload/tier.h"
@@ -14,8 +9,6 @@
 
 namespace fsdp {
 namespace {
-
-std::string bytes(int64_t b) { return base::mib(b, 1); }
 
 FlatFigures figures_of(FlatParam& fp, int gathers, bool forward_kept, bool device_is_cpu) {
   FlatFigures f;
@@ -39,27 +32,6 @@ FlatFigures figures_of(FlatParam& fp, int gathers, bool forward_kept, bool devic
 }
 
 }  // namespace
-
-OffloadIo OffloadIo::operator-(const OffloadIo& e) const {
-  return {disk_read - e.disk_read, disk_write - e.disk_write, to_device - e.to_device, to_host - e.to_host};
-}
-
-OffloadIo OffloadIo::per_step(int64_t steps) const {
-  if (steps <= 0) return *this;
-  return {disk_read / steps, disk_write / steps, to_device / steps, to_host / steps};
-}
-
-std::string OffloadIo::to_string() const {
-  std::ostringstream s;
-  s << "disk read " << bytes(disk_read) << ", disk write " << bytes(disk_write) << ", to device " << bytes(to_device)
-    << ", to host " << bytes(to_host);
-  return s.str();
-}
-
-std::string OffloadPlan::to_string() const {
-  return "holds: device " + bytes(device_bytes) + ", host " + bytes(host_bytes) + ", disk " + bytes(disk_bytes) +
-         "; moves per step: " + per_step.to_string();
-}
 
 ModelFigures model_figures(FSDPModule& root) {
   ShardedUnit& top = unit_of(root);

@@ -3,6 +3,8 @@
 // here, and the rest of the shard core reads only this struct.
 #pragma once
 
+#include <string>
+
 #include "fsdp/device_mesh.h"
 #include "fsdp/options.h"
 
@@ -51,5 +53,10 @@ struct ResolvedOptions {
 // root's lazy init). Throws ConfigError for a strategy that does not fit `mesh` or a
 // non-floating mixed-precision dtype.
 ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const DeviceMesh& mesh);
+// Sets r's reshard_after_forward, its _explicit and reshard_after_forward_group from `options` (its
+// strategy included) for a shard group of `shard_size` ranks; throws ConfigError, the message
+// starting with `who`, for a group size it cannot use. The planner resolves by it too (reshard_rules.cpp).
+void resolve_reshard_after_forward(const FullyShardOptions& options, int shard_size, ResolvedOptions& r,
+                                   const std::string& who = "fsdp");
 
 }  // namespace fsdp

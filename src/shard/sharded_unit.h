@@ -15,7 +15,8 @@
 // Where its methods are defined, by concern: sharded_unit.cpp (the forward and backward state
 // machine above, prefetch and kept master reads, the collective check), unit_init.cpp
 // (construction, the gradient hooks, the root's lazy init and offload placement), unit_options.cpp
-// (options resolved against the mesh and inherited from the root), unit_params.cpp (parameter
+// (options resolved against the mesh and inherited from the root; the resharding rule the planner
+// applies too in reshard_rules.cpp), unit_params.cpp (parameter
 // discovery, flat params, a vocab-parallel table's checks), tied_params.cpp (parameters owned by a
 // unit, ties across units, paths for errors), buffers.cpp (the model's buffers), join.cpp
 // (fsdp::Join's rounds). The public API over it (fully_shard, FSDPModule, UnshardHandle,

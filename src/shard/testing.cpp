@@ -1,5 +1,4 @@
 // Test and benchmark switches of the disk tier (shard/testing.h): its page cache dropped, its residency audited.
-#include "fsdp/offload.h"
 #include "offload/testing.h"
 #include "offload/tier_tensors.h"
 #include "shard/sharded_unit.h"

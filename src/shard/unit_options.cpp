@@ -47,42 +47,13 @@ void check_floating(const char* field, const std::optional<at::ScalarType>& dtyp
   }
 }
 
-// FullyShardOptions::reshard_after_forward_group: 1 and the shard group's size are the bool modes;
-// any other size must divide the shard group and find the params resharded after forward.
-void resolve_group_size(const FullyShardOptions& options, const DeviceMesh& mesh, ResolvedOptions& r) {
-  const int k = options.reshard_after_forward_group();
-  if (k == 0) return;
-  const std::string what = "fsdp: reshard_after_forward_group=" + std::to_string(k);
-  if (k < 0) throw ConfigError(what + ": must be 0 (off) or a number of ranks");
-  if (r.strategy == ShardingStrategy::kNoShard) {
-    throw ConfigError(what + " with NO_SHARD: every rank keeps every parameter, there is nothing to reshard");
-  }
-  if (options.reshard_after_forward() == std::optional<bool>(false) && k > 1) {
-    throw ConfigError(what +
-                      " with reshard_after_forward false: the group size says how to reshard after "
-                      "forward; leave reshard_after_forward unset or true");
-  }
-  const int n = mesh.shard_size();
-  if (n % k != 0) {
-    throw ConfigError(what + " does not divide the shard group of " + std::to_string(n) +
-                      " ranks: give a divisor of it (e.g. the ranks of one node)");
-  }
-  r.reshard_after_forward_explicit = true;
-  r.reshard_after_forward = k > 1;
-  if (k > 1 && k < n) r.reshard_after_forward_group = k;
-}
-
 }  // namespace
 
 ResolvedOptions resolve_unit_options(const FullyShardOptions& options, const DeviceMesh& mesh) {
   ResolvedOptions r;
   r.strategy = options.strategy();
   check_strategy_fits_mesh(r.strategy, mesh);
-  r.reshard_after_forward_explicit = options.reshard_after_forward().has_value();
-  r.reshard_after_forward = options.reshard_after_forward().value_or(r.strategy == ShardingStrategy::kFullShard ||
-                                                                     r.strategy == ShardingStrategy::kHybridShard);
-  if (r.strategy == ShardingStrategy::kNoShard) r.reshard_after_forward = false;  // nothing to free
-  resolve_group_size(options, mesh, r);
+  resolve_reshard_after_forward(options, mesh.shard_size(), r);
   r.replicate_params = r.strategy == ShardingStrategy::kNoShard ? nullptr : options.replicate_params();
   r.mp_policy = options.mp_policy();
   check_floating("param_dtype", r.mp_policy.param_dtype());

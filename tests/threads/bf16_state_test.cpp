@@ -16,6 +16,7 @@
 #include "offload_job.h"
 #include "shard/testing.h"
 #include "support/ranks.h"
+#include "support/train_ranks.h"
 #include "support/state.h"
 
 namespace fsdp {
@@ -53,20 +54,17 @@ struct RunResult {
 RunResult train(at::ScalarType state_dtype, int steps, const std::optional<OffloadPolicy>& offload = std::nullopt,
                 double lr = 1e-2) {
   RunResult r;
-  testing::run_threads(
+  r.prints = testing::train_ranks(
       kWorld,
-      [&](const std::shared_ptr<Dist>& dist) {
-        at::set_num_threads(1);
-        DeviceMesh mesh(dist);
+      [&](DeviceMesh& mesh, int rank) {
         Job j = build_with(mesh, state_dtype, offload, lr);
-        const int rank = dist->rank();
         for (int s = 0; s < steps; ++s) r.losses[rank].push_back(train_step(j, s, rank));
         for (const auto& st : j.optim->states()) {
           for (const auto& [name, t] : st.tensors) EXPECT_EQ(t.scalar_type(), state_dtype) << name;
         }
         r.masters[rank] = masters(j);
         r.state_bytes[rank] = j.optim->state_bytes();
-        r.prints[rank] = testing::state_bytes(r.losses[rank], *j.root, j.optim.get());
+        return testing::state_bytes(r.losses[rank], *j.root, j.optim.get());
       },
       std::chrono::seconds(120));
   return r;

@@ -15,6 +15,7 @@
 #include "fsdp/memory.h"
 #include "shard/testing.h"
 #include "support/ranks.h"
+#include "support/train_ranks.h"
 #include "support/sharded_model.h"
 #include "support/state.h"
 
@@ -51,12 +52,9 @@ struct RunResult {
 
 RunResult train(bool keep) {
   RunResult r;
-  testing::run_threads(
+  r.prints = testing::train_ranks(
       kWorld,
-      [&](const std::shared_ptr<Dist>& dist) {
-        at::set_num_threads(1);
-        const int rank = dist->rank();
-        DeviceMesh mesh(dist);
+      [&](DeviceMesh& mesh, int rank) {
         auto j = build(mesh);
         std::vector<double> losses;
         for (int s = 0; s < kSteps; ++s) {
@@ -78,7 +76,7 @@ RunResult train(bool keep) {
           j.optim->step();
           j.optim->zero_grad();
         }
-        r.prints[rank] = testing::state_bytes(losses, *j.root, j.optim.get());
+        return testing::state_bytes(losses, *j.root, j.optim.get());
       },
       std::chrono::seconds(120));
   return r;

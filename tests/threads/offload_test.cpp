@@ -36,6 +36,7 @@
 #include "shard/testing.h"
 #include "support/models.h"
 #include "support/ranks.h"
+#include "support/train_ranks.h"
 #include "support/sharded_model.h"
 #include "support/state.h"
 
@@ -49,24 +50,20 @@ using namespace offload_job;
 // rank after training.
 std::vector<std::string> train(const std::optional<OffloadPolicy>& offload, int steps, bool meta = true,
                                const std::function<void(Job&, int)>& check = nullptr, int skip_losses = 0) {
-  std::vector<std::string> prints(kWorld);
-  testing::run_threads(
+  return testing::train_ranks(
       kWorld,
-      [&](const std::shared_ptr<Dist>& dist) {
-        at::set_num_threads(1);
-        DeviceMesh mesh(dist);
+      [&](DeviceMesh& mesh, int rank) {
         Job j = build(mesh, offload, meta);
         if (offload) set_disk_tier_audit(*j.root, true);
         std::vector<double> losses;
         for (int s = 0; s < steps; ++s) {
-          const double loss = train_step(j, s, dist->rank());
+          const double loss = train_step(j, s, rank);
           if (s >= skip_losses) losses.push_back(loss);
         }
-        if (check) check(j, dist->rank());
-        prints[dist->rank()] = testing::state_bytes(losses, *j.root, j.optim.get());
+        if (check) check(j, rank);
+        return testing::state_bytes(losses, *j.root, j.optim.get());
       },
       std::chrono::seconds(60));
-  return prints;
 }
 
 // Note [Reusing freed host buffers]: a freed buffer's block is handed to the next buffer of its

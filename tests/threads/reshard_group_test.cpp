@@ -16,6 +16,7 @@
 #include "fsdp/memory.h"
 #include "shard/testing.h"
 #include "support/ranks.h"
+#include "support/train_ranks.h"
 #include "support/sharded_model.h"
 #include "support/state.h"
 
@@ -41,12 +42,9 @@ struct GroupRun {
 
 GroupRun train(Mode mode, std::optional<at::ScalarType> param_dtype = std::nullopt, bool frozen_nf4 = false) {
   GroupRun out;
-  testing::run_threads(
+  out.prints = testing::train_ranks(
       kWorld,
-      [&](const std::shared_ptr<Dist>& dist) {
-        at::set_num_threads(1);
-        const int rank = dist->rank();
-        DeviceMesh mesh(dist);
+      [&](DeviceMesh& mesh, int rank) {
         testing::ShardedModelOptions o;
         o.net.in = 6, o.net.dim = 30, o.net.hidden = 50, o.net.out = 3, o.net.blocks = 3;
         o.net.device = at::kMeta;
@@ -107,7 +105,7 @@ GroupRun train(Mode mode, std::optional<at::ScalarType> param_dtype = std::nullo
           EXPECT_EQ(g.global_rank(0), rank / 2 * 2);
           EXPECT_EQ(g.global_rank(1), rank / 2 * 2 + 1);
         }
-        out.prints[rank] = testing::state_bytes(losses, *j.root, j.optim.get());
+        return testing::state_bytes(losses, *j.root, j.optim.get());
       },
       std::chrono::seconds(120));
   return out;

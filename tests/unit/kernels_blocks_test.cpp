@@ -1,9 +1,9 @@
 // The block codec of kernels/ops.h (encode_blocks, decode_blocks; Note [Frozen storage] in
 // kernels/cpu/blocks.cpp): the CPU twins against hand-computed blocks (zeros, the absmax, ties,
 // midpoints, denormal and huge scales) and, bit for bit, against the ATen expression that
-// src/shard/frozen_storage.cpp used before the twins (KernelBlocks.*); FrozenStorage's mapping onto
-// them; the CUDA kernels against the twins (KernelBlocksCuda.*, of the gpu tier, skipped without a
-// GPU: compiled, untested on a GPU).
+// frozen storage (now src/offload/frozen_storage.cpp) used before the twins (KernelBlocks.*); FrozenStorage's mapping
+// onto them; the CUDA kernels against the twins (KernelBlocksCuda.*, of the gpu tier, skipped without a GPU: compiled,
+// untested on a GPU).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -51,7 +51,7 @@ float absmax_of(BlockFormat f, const at::Tensor& stored, int64_t n, int64_t bloc
   return am;
 }
 
-// ---- the ATen expression the twins replaced (src/shard/frozen_storage.cpp before them) ----------
+// ---- the ATen expression the twins replaced (in frozen storage before them) ------------------------
 
 at::Tensor reference_encode(BlockFormat f, const at::Tensor& values) {
   const int64_t n = values.numel();
