@@ -464,8 +464,9 @@ std::string Plan::to_string() const {
 // it first plans (process_resident_bytes), its libraries mapped, its configuration and data opened,
 // before it joins the job; the process item is that and kJoinBytes, what joining adds (the
 // communicator's shared-memory channels, its threads, the code they run: --init-only's peak less
-// the resident size at the plan, 32 MiB per rank with the libraries read whole, 6 MiB started once).
-// What the first step maps later is the compute libraries' item. On CUDA the context's host side
+// the resident size at the plan, 31-32 MiB per rank with the libraries read whole, 6-8 MiB started
+// once: counted as 16, within 16 MiB of either). What the first step maps later is the compute
+// libraries' item. On CUDA the context's host side
 // comes after the plan: the constant stays.
 int64_t process_resident_bytes() {
   static const int64_t bytes = [] {

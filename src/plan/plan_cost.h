@@ -28,7 +28,7 @@ int64_t default_process_device_bytes(c10::DeviceType device);
 int64_t process_host_bytes(const PlanRequest& req);
 // What a step maps on the CPU beyond the process (Note [The compute libraries' first use], plan_cost.cpp).
 int64_t compute_libraries(const PlanRequest& req);
-constexpr int64_t kJoinBytes = int64_t{32} << 20;  // what joining the job adds to a process measured before it
+constexpr int64_t kJoinBytes = int64_t{16} << 20;  // what joining the job adds to a process measured before it
 
 // The ranks one parameter is sharded over under `strategy`.
 int shard_size_of(ShardingStrategy strategy, const PlanRequest& req);
