@@ -16,37 +16,17 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "launcher_internal.h"
+#include "sysinfo/sysinfo.h"
 
 namespace fsdp {
 namespace launch {
+using sysinfo::keyed_number;
+using sysinfo::read_text;
+
 namespace {
-
-// The value of "KEY <number>" or "KEY: <number> kB" lines; -1 when absent.
-int64_t keyed_number(const std::string& text, const std::string& key) {
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.compare(0, key.size(), key) != 0) continue;
-    size_t i = key.size();
-    while (i < line.size() && (line[i] == ':' || line[i] == ' ' || line[i] == '\t')) ++i;
-    if (i == line.size() || line[i] < '0' || line[i] > '9') continue;
-    return std::stoll(line.substr(i));
-  }
-  return -1;
-}
-
-bool read_text(const std::string& path, std::string* text) {
-  std::ifstream in(path);
-  if (!in) return false;
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  *text = buffer.str();
-  return true;
-}
 
 // The file that counts OOM kills in this process's memory cgroup, "" when there is none to read.
 std::string cgroup_oom_file() {
@@ -98,12 +78,10 @@ std::string cgroup_limit_line(const std::string& oom_file) {
 }  // namespace
 
 void sample_memory(pid_t pid, RankMemory* memory) {
-  std::string status;
-  if (!read_text("/proc/" + std::to_string(pid) + "/status", &status)) return;
-  const int64_t rss_kib = keyed_number(status, "VmRSS"), peak_kib = keyed_number(status, "VmHWM");
-  if (rss_kib < 0) return;  // a zombie: its memory is already gone, the last sample stands
-  memory->rss = rss_kib * 1024;
-  memory->peak = peak_kib >= 0 ? peak_kib * 1024 : memory->peak;
+  const sysinfo::ProcessMemory now = sysinfo::process_memory(pid);
+  if (now.rss < 0) return;  // a zombie: its memory is already gone, the last sample stands
+  memory->rss = now.rss;
+  memory->peak = now.peak >= 0 ? now.peak : memory->peak;
   memory->at = Clock::now();
 }
 
@@ -178,12 +156,8 @@ std::vector<std::string> explain_external_kill(const KillReport& r) {
   } else {
     lines.push_back(who + " died before its memory was sampled");
   }
-  std::string meminfo;
-  if (read_text("/proc/meminfo", &meminfo)) {
-    const int64_t total = keyed_number(meminfo, "MemTotal"), available = keyed_number(meminfo, "MemAvailable");
-    if (total >= 0 && available >= 0)
-      lines.push_back("this machine: " + mib(total * 1024) + " of memory, " + mib(available * 1024) + " available now");
-  }
+  if (const sysinfo::HostMemory host = sysinfo::host_memory(); host.total >= 0 && host.available >= 0)
+    lines.push_back("this machine: " + mib(host.total) + " of memory, " + mib(host.available) + " available now");
   if (const std::string limit = cgroup_limit_line(now.cgroup_file); !limit.empty()) lines.push_back(limit);
   std::string plan;
   if (!r.plan_file.empty() && read_text(r.plan_file, &plan) && !plan.empty()) {
