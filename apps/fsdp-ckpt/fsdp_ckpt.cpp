@@ -20,6 +20,7 @@
 #include <string>
 
 #include "base/host_malloc.h"
+#include "sysinfo/sysinfo.h"
 #include "ckpt_commands.h"
 #include "ckpt_view.h"
 #include "fsdp/launcher_error.h"
@@ -55,7 +56,7 @@ constexpr const char* kUsage =
 // The process's peak RSS (VmHWM), which fsdp-train's plan counts for an export (its "an export"
 // phase); read before exit, whose library teardown touches pages of its own.
 void print_peak_rss() {
-  if (const int64_t bytes = fsdp::base::rss_watermark(); bytes > 0) {
+  if (const int64_t bytes = fsdp::sysinfo::peak_rss_bytes(); bytes > 0) {
     std::printf("peak RSS: %.1f MiB\n", static_cast<double>(bytes) / (1 << 20));
   }
 }

@@ -17,7 +17,6 @@
 // peak returns to the system only in the part above 512 MiB at the heap's top.
 #include "base/host_malloc.h"
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -52,18 +51,6 @@ bool tune_host_malloc() {
 #endif
   });
   return tuned;
-}
-
-int64_t rss_watermark() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return 0;
-  char line[256];
-  long long kib = 0;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return static_cast<int64_t>(kib) * 1024;
 }
 
 void return_free_heap() {

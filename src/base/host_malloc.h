@@ -1,8 +1,6 @@
 // The host allocator's settings for a training process. See Note [Host malloc settings].
 #pragma once
 
-#include <cstdint>
-
 namespace fsdp::base {
 
 // Once per process, before its first collective: with glibc, allocations below 4 MiB come from
@@ -14,7 +12,5 @@ bool tune_host_malloc();
 // Returns the heap's free memory to the system (glibc's malloc_trim): what a training step freed
 // and the heap kept, before a phase that holds memory of its own (a checkpoint's save or load).
 void return_free_heap();
-// This process's RSS high-water mark in bytes (/proc/self/status VmHWM); 0 where the kernel has none.
-int64_t rss_watermark();
 
 }  // namespace fsdp::base

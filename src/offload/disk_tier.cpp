@@ -4,10 +4,10 @@
 #include "offload/disk_tier.h"
 #include "offload/tier_hooks.h"
 #include "offload/tier_rules.h"
+#include "sysinfo/sysinfo.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -100,9 +100,8 @@ std::shared_ptr<DiskTier> DiskTier::open(const std::string& dir, int64_t budget_
 FileTier::~FileTier() { stop_io(); }
 
 void FileTier::check_free_space(int64_t bytes, const std::string& what) const {
-  struct statvfs st {};
-  if (::statvfs(dir_.c_str(), &st) != 0) return;  // the reservation still guards
-  const int64_t avail = static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+  const int64_t avail = sysinfo::free_disk_bytes(dir_);
+  if (avail < 0) return;  // the reservation still guards
   if (avail < bytes) {
     throw OffloadError("fsdp: offload.dir " + dir_ + " has " + mib(avail) + " free but " + what + " needs " +
                        mib(bytes) + "; free space or choose another offload.dir");

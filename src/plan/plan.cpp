@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <array>
-#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -14,6 +13,7 @@
 #include "offload/placement.h"
 #include "plan/plan_cost.h"
 #include "shard/resolved_options.h"
+#include "sysinfo/sysinfo.h"
 
 namespace fsdp {
 
@@ -469,13 +469,7 @@ std::string Plan::to_string() const {
 // libraries' item. On CUDA the context's host side
 // comes after the plan: the constant stays.
 int64_t process_resident_bytes() {
-  static const int64_t bytes = [] {
-    std::ifstream status("/proc/self/status");
-    std::string key;
-    int64_t kib = 0;
-    while (status >> key && key != "VmRSS:") status.ignore(1 << 12, '\n');
-    return status >> kib ? kib * 1024 : int64_t{0};
-  }();
+  static const int64_t bytes = sysinfo::process_rss_bytes();
   return bytes;
 }
 
