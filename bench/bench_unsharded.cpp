@@ -48,6 +48,7 @@
 #include "kernels/ops.h"
 #include "llama.h"
 #include "metrics.h"
+#include "sysinfo/sysinfo.h"
 
 namespace {
 
@@ -181,11 +182,12 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
   if (init_only) {
     // The process's own baseline: libraries loaded, config and data ready, no model yet.
     if (metrics != nullptr) {
-      write_line(metrics, {{"init_only", true}, {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}}});
+      write_line(metrics, {{"init_only", true},
+                           {"peak_rss_bytes", {static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes())}}});
       std::fclose(metrics);
     }
     std::printf("bench_unsharded: init only, peak RSS %.1f MiB\n",
-                static_cast<double>(train::peak_rss_bytes()) / (1 << 20));
+                static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes()) / (1 << 20));
     return;
   }
   // The same initial values as fsdp-train's: its shards are materialised from this function too.
@@ -249,7 +251,7 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
                              {"allgather_bytes", {0.0}},
                              {"reduce_scatter_bytes", {0.0}},
                              {"comm_wait_s", {0.0}},
-                             {"peak_rss_bytes", {static_cast<double>(train::peak_rss_bytes())}},
+                             {"peak_rss_bytes", {static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes())}},
                              {"phase_s",
                               {{"data", data_s},
                                {"forward", forward_s},
@@ -265,7 +267,7 @@ void train_unsharded(const train::TrainConfig& cfg, const train::Flags& flags, c
   }
   if (metrics != nullptr) std::fclose(metrics);
   std::printf("bench_unsharded: %lld steps in %.2f s, peak RSS %.1f MiB\n", static_cast<long long>(cfg.train.steps),
-              total_s, static_cast<double>(train::peak_rss_bytes()) / (1 << 20));
+              total_s, static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes()) / (1 << 20));
 }
 
 }  // namespace

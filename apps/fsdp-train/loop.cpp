@@ -12,6 +12,7 @@
 #include "fsdp/stop.h"
 #include "preemption.h"
 #include "schedule.h"
+#include "sysinfo/sysinfo.h"
 
 namespace train {
 namespace {
@@ -97,7 +98,7 @@ void Loop::train_step() {
   mine.all_reduce_bytes = static_cast<double>(delta.of(fsdp::CollectiveKind::kAllReduce).bytes_sent);
   mine.group_allgather_bytes = static_cast<double>(groups_delta.of(fsdp::CollectiveKind::kAllGather).bytes_sent);
   mine.comm_wait_s = delta.total_wait_s();
-  mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+  mine.peak_rss_bytes = static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes());
   mine.peak_rss_forward = static_cast<double>(outcome.phases.peak_forward);
   mine.peak_rss_backward = static_cast<double>(outcome.phases.peak_backward);
   mine.peak_rss_optimizer = static_cast<double>(outcome.phases.peak_optimizer);
@@ -190,7 +191,7 @@ void Loop::save() {
                           {"grad_scaler", scaler_json(t_.stepper->scaler())}};
   if (!s_.start().init_from.is_null()) extra["init_from"] = s_.start().init_from;
   const auto t0 = Clock::now();
-  rss_watermark_reset();
+  fsdp::sysinfo::reset_peak_rss();
   r_.last_checkpoint = t_.checkpointer->save(r_.step, samples_seen_, *t_.root, *t_.optim, extra);
   r_.last_saved_step = r_.step;
   if (t_.checkpointer->async()) {
@@ -199,7 +200,7 @@ void Loop::save() {
   }
   const double seconds = seconds_since(t0);
   RankCounters mine;
-  mine.peak_rss_bytes = static_cast<double>(rss_watermark());
+  mine.peak_rss_bytes = static_cast<double>(fsdp::sysinfo::peak_rss_bytes());
   const auto all = gather_counters(ranks_.dist->world(), mine);
   // Every rank knows from the config whether saves are written during the step (the collective).
   double in_step_bytes = 0;

@@ -1,11 +1,7 @@
 // Metrics lines, the progress display and communication counters.
-#include "base/host_malloc.h"
 #include "metrics.h"
 
-#include <sys/resource.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -91,29 +87,6 @@ fsdp::CommStats CommCounter::sum(const std::vector<fsdp::Communicator*>& comms) 
     }
   }
   return total;
-}
-
-namespace {
-std::atomic<int64_t> cleared_peak{0};  // the highest mark rss_watermark_reset cleared
-}  // namespace
-
-int64_t rss_watermark() { return fsdp::base::rss_watermark(); }
-
-void rss_watermark_reset() {
-  const int64_t mark = rss_watermark();
-  int64_t seen = cleared_peak.load();
-  while (mark > seen && !cleared_peak.compare_exchange_weak(seen, mark)) {
-  }
-  std::FILE* f = std::fopen("/proc/self/clear_refs", "w");
-  if (f == nullptr) return;
-  std::fputs("5", f);
-  std::fclose(f);
-}
-
-int64_t peak_rss_bytes() {
-  struct rusage u {};
-  const int64_t usage = ::getrusage(RUSAGE_SELF, &u) == 0 ? static_cast<int64_t>(u.ru_maxrss) * 1024 : 0;  // KiB
-  return std::max({usage, rss_watermark(), cleared_peak.load()});
 }
 
 // ---- MetricsLog ----------------------------------------------------------------------------------

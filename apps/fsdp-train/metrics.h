@@ -37,7 +37,7 @@ struct RankCounters {
   double group_allgather_bytes = 0;
   double comm_wait_s = 0;
   double peak_rss_bytes = 0;
-  // The step's peaks by phase (rss_watermark): the forward, the backward, and the rest (checks,
+  // The step's peaks by phase (fsdp::sysinfo::peak_rss_bytes): the forward, the backward, and the rest (checks,
   // clipping, the optimizer step).
   double peak_rss_forward = 0, peak_rss_backward = 0, peak_rss_optimizer = 0;
 
@@ -81,15 +81,6 @@ class CommCounter {
 
 // One printf conversion of a double ("%.1f", "%g%%") as a string.
 std::string format(const char* conversion, double x);
-
-// This process's peak resident set size so far (getrusage's ru_maxrss, and the marks that
-// rss_watermark_reset cleared).
-int64_t peak_rss_bytes();
-// A phase's own peak (Linux): rss_watermark_reset() brings the kernel's high-water mark of this
-// process down to its current RSS (/proc/self/clear_refs "5"), rss_watermark() reads it (VmHWM).
-// 0 where the kernel offers neither.
-void rss_watermark_reset();
-int64_t rss_watermark();
 
 // The --metrics file. Writes nothing when constructed with an empty path (and on ranks other than
 // 0, whose caller passes ""). Each line is flushed, so a crashed run keeps its history.

@@ -11,6 +11,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/offload.h"
 #include "fsdp/options.h"
+#include "sysinfo/sysinfo.h"
 
 namespace train {
 namespace {
@@ -139,7 +140,7 @@ void print_outcome(const Session& s, const LoopResult& r) {
 
 void report_baseline(const Session& s) {
   RankCounters mine;
-  mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+  mine.peak_rss_bytes = static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes());
   const auto all = gather_counters(s.ranks().dist->world(), mine);
   if (s.ranks().rank != 0) return;
   std::printf("fsdp-train: init only, %d rank(s), no model built; ", s.ranks().world);
@@ -170,7 +171,7 @@ void report_final(const Session& s, const LoopResult& r) {
   const Training& t = s.training();
   const auto report = fsdp::memory_report(*t.root, t.optim.get());
   RankCounters mine;
-  mine.peak_rss_bytes = static_cast<double>(peak_rss_bytes());
+  mine.peak_rss_bytes = static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes());
   const auto all = gather_counters(k.dist->world(), mine);
   if (t.tracer) t.tracer->write(trace_path(s.flags().trace, k.rank, k.world));
   if (k.rank != 0) return;

@@ -2,11 +2,8 @@
 // the levers against the plan's items (run_plan.h).
 #include "run_plan.h"
 
-#include <sys/statvfs.h>
-
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <initializer_list>
 #include <stdexcept>
 
@@ -15,6 +12,7 @@
 #include "lora_setup.h"
 #include "metrics.h"
 #include "shape.h"
+#include "sysinfo/sysinfo.h"
 
 namespace train {
 namespace {
@@ -54,27 +52,10 @@ std::string config_key(const std::string& option) {
   return option;
 }
 
-// MemAvailable (/proc/meminfo).
-int64_t host_available_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  throw std::runtime_error("cannot read MemAvailable from /proc/meminfo: set train.budget.host_bytes");
-}
-
-// The free bytes of the file system holding `path` (or its nearest existing parent).
-int64_t disk_free_bytes(const std::string& path) {
-  std::string p = path.empty() ? "." : path;
-  struct statvfs st {};
-  while (::statvfs(p.c_str(), &st) != 0) {
-    const auto slash = p.find_last_of('/');
-    if (p == "/" || p == ".") throw std::runtime_error("cannot stat the file system of " + path);
-    p = slash == std::string::npos ? "." : slash == 0 ? "/" : p.substr(0, slash);
-  }
-  return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+// A figure the system reports (fsdp::sysinfo), or `why` thrown where it reports none.
+int64_t reported(int64_t bytes, const std::string& why) {
+  if (bytes < 0) throw std::runtime_error(why);
+  return bytes;
 }
 
 // The request without budgets: the config's choices, the ranks.
@@ -196,10 +177,16 @@ Resolved resolve(const TrainConfig& cfg, int ranks_per_node, int nodes) {
 fsdp::PlanRequest plan_request(const TrainConfig& cfg, const Resolved& choices, int ranks_per_node, int nodes) {
   fsdp::PlanRequest r = request_of(cfg, choices, ranks_per_node, nodes);
   const int64_t local = ranks_per_node;
-  r.budget.host_bytes = cfg.train.budget_host_bytes > 0 ? cfg.train.budget_host_bytes : host_available_bytes() / local;
+  const std::string dir = cfg.fsdp.offload.dir(), no_meminfo = "cannot read MemAvailable from /proc/meminfo";
+  r.budget.host_bytes =
+      cfg.train.budget_host_bytes > 0
+          ? cfg.train.budget_host_bytes
+          : reported(fsdp::sysinfo::host_memory().available, no_meminfo + ": set train.budget.host_bytes") / local;
   r.budget.device_bytes = cfg.train.budget_device_bytes > 0 ? cfg.train.budget_device_bytes : int64_t{1} << 60;
   r.budget.disk_bytes =
-      cfg.train.budget_disk_bytes > 0 ? cfg.train.budget_disk_bytes : disk_free_bytes(cfg.fsdp.offload.dir()) / local;
+      cfg.train.budget_disk_bytes > 0
+          ? cfg.train.budget_disk_bytes
+          : reported(fsdp::sysinfo::free_disk_bytes(dir), "cannot stat the file system of " + dir) / local;
   return r;
 }
 

@@ -2,7 +2,6 @@
 #include "step.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,21 +13,22 @@
 #include "fsdp/errors.h"
 #include "fsdp/memory.h"
 #include "metrics.h"
+#include "sysinfo/sysinfo.h"
 
 namespace train {
 namespace {
 
 // A phase of the step: a span `name` of the trace, its seconds added to `into` (a PhaseTimes
-// field) and, with `peak`, the most RSS it reached kept there (rss_watermark).
+// field) and, with `peak`, the most RSS it reached kept there (fsdp::sysinfo::peak_rss_bytes).
 class PhaseTimer {
  public:
   PhaseTimer(fsdp::Tracer* tracer, const char* name, double& into, int64_t* peak = nullptr)
       : span_(tracer, name, "train", ""), into_(into), peak_(peak), t0_(std::chrono::steady_clock::now()) {
-    if (peak_ != nullptr) rss_watermark_reset();
+    if (peak_ != nullptr) fsdp::sysinfo::reset_peak_rss();
   }
   ~PhaseTimer() {
     into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    if (peak_ != nullptr) *peak_ = std::max(*peak_, rss_watermark());
+    if (peak_ != nullptr) *peak_ = std::max(*peak_, fsdp::sysinfo::peak_rss_bytes());
   }
   PhaseTimer(const PhaseTimer&) = delete;
   PhaseTimer& operator=(const PhaseTimer&) = delete;
@@ -42,17 +42,8 @@ class PhaseTimer {
 
 }  // namespace
 
-int64_t heap_in_use_bytes() {
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
-  const struct mallinfo2 mi = ::mallinfo2();  // summed over every arena
-  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
-#else
-  return 0;
-#endif
-}
-
 int64_t bytes_in_use(const c10::Device& device) {
-  if (device.is_cpu()) return heap_in_use_bytes();
+  if (device.is_cpu()) return fsdp::sysinfo::heap_in_use_bytes();
   const auto stats = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index());
   return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
 }

@@ -25,7 +25,7 @@ namespace train {
 // metrics' phase_s breakdown.
 struct PhaseTimes {
   double data = 0, forward = 0, backward = 0, check_finite = 0, clip = 0, optimizer = 0;
-  // Peak RSS by phase (rss_watermark in metrics.h): forward, backward, and the rest of the step.
+  // Peak RSS by phase (fsdp::sysinfo::peak_rss_bytes): forward, backward, and the rest of the step.
   int64_t peak_forward = 0, peak_backward = 0, peak_optimizer = 0;
 };
 
@@ -35,9 +35,6 @@ struct StepOutcome {
   bool stepped = true;    // false: skipped on every rank (a non-finite loss or gradient somewhere)
   double grad_norm = -1;  // before clipping; -1 when clipping is off or the step was skipped
 };
-
-// This process's heap in use now (malloc'd arena bytes plus mmapped blocks).
-int64_t heap_in_use_bytes();
 
 // Bytes in use on `device` now: the heap for the CPU, the caching allocator's allocated bytes for
 // a CUDA device (where the activations live).
