@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -32,7 +33,7 @@ int64_t keyed_number(const std::string& text, const std::string& key) {
     size_t i = key.size();
     while (i < line.size() && (line[i] == ':' || line[i] == ' ' || line[i] == '\t')) ++i;
     if (i == line.size() || line[i] < '0' || line[i] > '9') continue;
-    return std::stoll(line.substr(i));
+    return std::strtoll(line.c_str() + i, nullptr, 10);  // no exception: LLONG_MAX past its range
   }
   return -1;
 }
