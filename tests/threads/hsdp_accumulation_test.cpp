@@ -50,7 +50,7 @@ at::Tensor grads_of(testing::ShardedModel& j) {
   std::vector<at::Tensor> parts;
   for (auto* unit : fsdp::testing::units(*j.root)) {
     for (auto& fp : unit->flat_params()) {
-      fp->finalize_grads();
+      fp->grads().finalize();
       parts.push_back(fp->sharded_grad().clone());
     }
   }
@@ -93,7 +93,7 @@ TEST(HsdpAccumulation, EqualsAllReducingEachMicroBatchWithOneAllReducePerStep) {
                 .backward();
             for (auto* unit : fsdp::testing::units(*j.root)) {
               for (auto& fp : unit->flat_params()) {
-                fp->finalize_grads();
+                fp->grads().finalize();
                 if (fp->config().requires_grad) trainable_shard[rank] += fp->shard_numel();
               }
             }

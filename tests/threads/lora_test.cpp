@@ -679,7 +679,7 @@ TEST(LoraOneRank, BFloat16BaseIsTheGatheredParamsAndStepsAsTheUnshardedModel) {
       int compared = 0;
       for (FlatParam* fp : fsdp::testing::flat_params(*root)) {
         if (!fp->config().requires_grad) continue;
-        fp->finalize_grads();
+        fp->grads().finalize();
         for (const auto& e : fp->entries()) {
           const std::string& name = names.at(e.param.unsafeGetTensorImpl());
           const at::Tensor got = fp->sharded_grad().narrow(0, e.offset, e.numel).view(e.shape);
