@@ -33,6 +33,7 @@
 #include "fsdp/offload_io.h"
 #include "fsdp/offload_policy.h"
 #include "fsdp/optim.h"
+#include "fsdp/param_init.h"
 #include "fsdp/plan.h"
 #include "fsdp/torch_optim.h"
 #include "fsdp/options.h"
