@@ -134,11 +134,15 @@ def mib(x):
 def phase_plan(p, export_plan=None):
     """The plan a phase's whole process is held to: a run with no step (import) its load's, one with
     steps the plan's peak over the load, the steps and a save; the step's alone in older results; an
-    export (fsdp-ckpt, one process) the plan's export, as the training run printed it."""
+    export (fsdp-ckpt, one process) the plan's export as the training run printed it: a PEFT
+    adapter export (export-adapter) the adapter export's, where the plan printed one."""
     if p.get("phase") == "import" and p.get("plan_load_bytes"):
         return p["plan_load_bytes"]
     if p.get("phase", "").startswith("export"):
-        return export_plan
+        plans = export_plan or {}
+        if p["phase"] == "export-adapter" and plans.get("adapter"):
+            return plans["adapter"]
+        return plans.get("converting")
     return p.get("plan_peak_bytes") or p.get("plan_bytes")
 
 
@@ -192,7 +196,8 @@ def in_step_save_line(r, p, sv, dd):
 def report(r):
     dd = r["dd"]
     rows = []
-    export_plan = next((p["plan_export_bytes"] for p in r["phases"] if p.get("plan_export_bytes")), None)
+    export_plan = {k: next((p[key] for p in r["phases"] if p.get(key)), None)
+                   for k, key in (("converting", "plan_export_bytes"), ("adapter", "plan_export_adapter_bytes"))}
     for p in r["phases"]:
         rss = p.get("peak_rss_bytes") or [p.get("maxrss_bytes")]
         plan = phase_plan(p, export_plan)

@@ -46,7 +46,10 @@ LLAMA31_8B = {  # meta-llama/Llama-3.1-8B config.json
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
 }
-CONFIGS = {"llama-3.1-8b": LLAMA31_8B, "llama-3.2-1b": LLAMA32_1B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
+# meta-llama/Llama-3.1-70B config.json: the 8B's but for its sizes.
+LLAMA31_70B = dict(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                   num_hidden_layers=80)
+CONFIGS = {"llama-3.1-70b": LLAMA31_70B, "llama-3.1-8b": LLAMA31_8B, "llama-3.2-1b": LLAMA32_1B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
 PROMPT_LEN = 16
 
 
@@ -257,6 +260,10 @@ def parse_train_log(out, res, metrics, trace):
     m = re.search(r"^\[rank 0\] an export \(fsdp-ckpt export: one process, not a rank\): ([0-9.]+) MiB", out, re.M)
     if m:
         res["plan_export_bytes"] = float(m.group(1)) * MIB
+    m = re.search(r"^\[rank 0\] an adapter export \(fsdp-ckpt export of the adapters alone: one process\): ([0-9.]+) MiB",
+                  out, re.M)
+    if m:
+        res["plan_export_adapter_bytes"] = float(m.group(1)) * MIB
     m = re.search(r"^\[rank 0\] settings: (.*)$", out, re.M)
     if m:
         res["plan_settings"] = m.group(1).strip()

@@ -328,7 +328,9 @@ std::vector<ConfigField> fsdp_fields() {
       checked_by(integer("fsdp", "loss_scale_growth_interval", MEMBER(fsdp.scaler.growth_interval()), kAnyInteger,
                          "good steps in a row before the scale doubles"),
                  "integer >= 1", check_scaler),
-      offload_tier("params", MEMBER(fsdp.offload.params()), "where the fp32 master parameter shards live"),
+      offload_tier(
+          "params", MEMBER(fsdp.offload.params()),
+          "where the parameter shards live: fp32 masters, and a frozen base in its stored form (bf16, int8, NF4)"),
       offload_tier("grads", MEMBER(fsdp.offload.grads()), "where gradient shards live"),
       offload_tier("optimizer_state", MEMBER(fsdp.offload.optimizer_state()), "where the optimizer state lives"),
       string("fsdp.offload", "dir", MEMBER(fsdp.offload.dir()),

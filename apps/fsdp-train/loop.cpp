@@ -9,6 +9,7 @@
 #include <ATen/ops/tensor.h>
 
 #include "base/file_io.h"
+#include "fsdp/memory.h"
 #include "fsdp/stop.h"
 #include "preemption.h"
 #include "schedule.h"
@@ -191,6 +192,9 @@ void Loop::save() {
                           {"grad_scaler", scaler_json(t_.stepper->scaler())}};
   if (!s_.start().init_from.is_null()) extra["init_from"] = s_.start().init_from;
   const auto t0 = Clock::now();
+  // The save's own peak: the step's freed blocks returned first (the save would return them itself,
+  // after the watermark had counted them).
+  fsdp::release_host_memory();
   fsdp::sysinfo::reset_peak_rss();
   r_.last_checkpoint = t_.checkpointer->save(r_.step, samples_seen_, *t_.root, *t_.optim, extra);
   r_.last_saved_step = r_.step;

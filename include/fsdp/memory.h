@@ -38,4 +38,9 @@ struct MemoryReport {
 
 MemoryReport memory_report(FSDPModule& root, const ShardedOptimizer* optimizer = nullptr);
 
+// Returns to the system the host memory this process keeps freed: the gather buffers kept for
+// reuse and the heap's free pages. A save or a load does it first; call it before resetting a
+// peak-RSS watermark to measure what follows alone (fsdp-train does, before a save).
+void release_host_memory();
+
 }  // namespace fsdp

@@ -22,7 +22,9 @@ OffloadTier parse_offload_tier(const std::string& name);  // throws ConfigError 
 // Per-state offload choices for one unit. Unset on a unit: the root's policy. dir and
 // memory_budget_bytes are per rank and taken from the root (one disk tier per rank).
 struct OffloadPolicy {
-  TORCH_ARG(OffloadTier, params) = OffloadTier::kNone;           // fp32 master shards
+  // The parameter shards: fp32 masters, and a frozen parameter's stored form (bf16, int8, NF4:
+  // FullyShardOptions::frozen_storage), read from the disk tier for each gather when there.
+  TORCH_ARG(OffloadTier, params) = OffloadTier::kNone;
   TORCH_ARG(OffloadTier, grads) = OffloadTier::kNone;            // fp32 gradient shards
   TORCH_ARG(OffloadTier, optimizer_state) = OffloadTier::kNone;  // e.g. AdamW exp_avg, exp_avg_sq
   // Directory for the disk tier's files (created if missing; must be writable).

@@ -230,6 +230,9 @@ struct Plan {
   // one process on the machine, not a rank, so not in peak(). It converts each tensor a chunk of
   // rows at a time (kExportChunkBytes of fp32 values at most).
   PlanTier exporting;
+  // fsdp-ckpt export of a LoRA run's adapters alone (a PEFT adapter directory): one process that
+  // converts no base rows, so the process and one adapter at a time. Empty without adapters.
+  PlanTier exporting_adapters;
   LoadKind load_kind = LoadKind::kInit;  // PlanRequest::load, for the printout
   int64_t peak() const;                  // the largest of device.total(), load.total(), save.total()
   const char* peak_phase() const;        // "step", "load" or "save": where peak() comes from

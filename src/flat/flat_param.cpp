@@ -155,7 +155,7 @@ void FlatParam::store_frozen(const at::Tensor& values) {
 }
 
 void FlatParam::store_values(int64_t begin, const at::Tensor& values) {
-  stored_.store_range(*residency_, begin, values, shard_numel(), values_in_shard(), config().device);
+  stored_.store_range(*residency_, begin, values, shard_numel(), values_in_shard());
 }
 
 void FlatParam::end_store_values() {

@@ -6,6 +6,7 @@
 
 #include "offload/frozen_storage.h"
 #include "offload/residency.h"
+#include "offload/tier_tensors.h"
 
 namespace fsdp {
 
@@ -39,6 +40,7 @@ void StoredShard::values_into(const Residency& residency, const at::Tensor& out)
     return;
   }
   frozen::decode(storage_, residency.master(), out);
+  offload::release(residency.master());  // a disk-tier stored form's pages, read through the mapping
 }
 
 void StoredShard::store(Residency& residency, const at::Tensor& values) {
@@ -48,11 +50,10 @@ void StoredShard::store(Residency& residency, const at::Tensor& values) {
 }
 
 void StoredShard::store_range(Residency& residency, int64_t begin, const at::Tensor& values, int64_t shard_numel,
-                              int64_t values_in_shard, c10::Device device) {
+                              int64_t values_in_shard) {
   c10::NoGradGuard no_grad;
   if (awaits_encode_) {  // deferred init left the values to this load: the stored form starts here
-    const auto options = at::TensorOptions().dtype(frozen::stored_dtype(storage_)).device(device);
-    residency.replace_stored(at::empty({frozen::stored_numel(storage_, shard_numel)}, options));
+    residency.allocate_stored(frozen::stored_dtype(storage_), frozen::stored_numel(storage_, shard_numel));
     int64_t pad = values_in_shard;  // the padding's blocks: zeros
     if (frozen::quantized(storage_)) pad = (pad + frozen::kBlock - 1) / frozen::kBlock * frozen::kBlock;
     if (pad < shard_numel)
@@ -60,6 +61,7 @@ void StoredShard::store_range(Residency& residency, int64_t begin, const at::Ten
     awaits_encode_ = false;
   }
   frozen::encode_range(storage_, values, residency.master(), shard_numel, begin);
+  residency.stored_written();
   ranges_stored_ = true;
 }
 

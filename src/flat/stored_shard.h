@@ -47,7 +47,7 @@ class StoredShard {
   // floating dtype, host), with no fp32 copy of the shard; end_ranges() ends the load.
   // `values_in_shard`: the elements that hold parameters (the blocks after them are zeros).
   void store_range(Residency& residency, int64_t begin, const at::Tensor& values, int64_t shard_numel,
-                   int64_t values_in_shard, c10::Device device);
+                   int64_t values_in_shard);
   bool ranges_stored() const { return ranges_stored_; }  // store_range() since the last end_ranges()
   void end_ranges() { ranges_stored_ = false; }
 

@@ -4,10 +4,11 @@
 //     optimizer state offloaded (ZeRO-Offload), the fp32 master lives with its state and is stepped
 //     there (on the CPU); the device keeps a working copy in the compute dtype, which the optimizer
 //     refreshes after each step and the all-gather reads. A frozen flat param has no state to follow.
-//  2. A frozen shard in a stored form (bf16, int8, NF4: no fp32 master) goes to the host tier when
-//     the params are offloaded, never the disk tier: it is read whole for every gather, which the
-//     disk tier would turn into reads of its file. A run with no host staging (a CPU run offloading
-//     to disk only) keeps it in memory. A frozen fp32 master is a master like a trainable one's.
+//  2. A frozen shard in a stored form (bf16, int8, NF4: no fp32 master) goes where the params go:
+//     the host tier (a run with no host staging, a CPU run, keeps it in memory), or the disk tier,
+//     read from its file for every gather like a master (Note [A stored form in the disk tier] in
+//     residency.cpp): a base larger than memory streams. A frozen fp32 master is a master like a
+//     trainable one's.
 //  3. On a device, a unit offloads all of its states, or its optimizer state alone (the master then
 //     follows it), or none: the optimizer steps where the master shard lives, on the CPU for an
 //     offloaded one, so its gradient must come to the host and its result go back.
@@ -56,7 +57,7 @@ StateTiers place(const OffloadPolicy& policy, FlatParamKind kind, bool has_stage
   t.working_copy = kind.trainable && master_follows_state(policy);
   if (t.working_copy) {
     t.master = policy.optimizer_state();
-  } else if (kind.stored_frozen && policy.params() != OffloadTier::kNone) {
+  } else if (kind.stored_frozen && policy.params() == OffloadTier::kHost) {
     t.master = has_stager ? OffloadTier::kHost : OffloadTier::kNone;
   } else {
     t.master = policy.params();

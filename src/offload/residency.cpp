@@ -91,7 +91,28 @@ bool Residency::crosses_to_device(OffloadTier tier) const {
 
 // ---- the gather
 
+// Note [A stored form in the disk tier]
+// A frozen shard in a stored form (bf16, int8, NF4) with the params in the disk tier lives in a
+// tier file like a master: the file holds its bytes as fp32 words (the tier streams floats), the
+// master is their view in the stored dtype, and each gather reads the words through the tier's
+// I/O threads (ahead of use by read_ahead(), kept for backward like a master's read), decoding
+// from that host buffer; its pages leave memory after each gather and after each write. It is
+// written through the mapping (an import's or a load's ranges, encoded in place), since it is
+// never stepped: the page faults that would read in a stepped master's pages before each write
+// happen once per load here. A base of 40 GB is then read once per forward and once per
+// backward gather, at 1/N of a unit per rank, instead of kept in memory.
 void Residency::replace_stored(at::Tensor stored) {
+  if (placement_.params == OffloadTier::kDisk && config_.stored && !stored.is_meta()) {
+    const int64_t bytes = stored.numel() * static_cast<int64_t>(stored.element_size());
+    const int64_t words = (bytes + 3) / 4;
+    if (!stored_words_.defined() || stored_words_.numel() != words)
+      stored_words_ = placement_.disk->zeros(words, "the stored form of " + config_.tag);
+    at::Tensor view = stored_words_.view(at::kByte).narrow(0, 0, bytes).view(stored.scalar_type());
+    if (!view.is_same(stored)) view.copy_(stored);
+    master_ = view;
+    stored_written();
+    return;
+  }
   if (placement_.params != OffloadTier::kHost) {
     master_ = std::move(stored);
     return;
@@ -104,17 +125,36 @@ void Residency::replace_stored(at::Tensor stored) {
   master_ = host;
 }
 
+void Residency::allocate_stored(at::ScalarType dtype, int64_t numel) {
+  if (placement_.params == OffloadTier::kDisk && config_.stored) {
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    stored_words_ = placement_.disk->zeros((bytes + 3) / 4, "the stored form of " + config_.tag);
+    master_ = stored_words_.view(at::kByte).narrow(0, 0, bytes).view(dtype);
+    stored_written();
+    return;
+  }
+  replace_stored(at::empty({numel}, at::TensorOptions().dtype(dtype).device(config_.device)));
+}
+
+void Residency::stored_written() {
+  if (!stored_words_.defined()) return;
+  kept_master_ = at::Tensor();
+  offload::release(stored_words_);
+  placement_.disk->bump_generation();
+}
+
 void Residency::encode_stored(FrozenStorage storage, const at::Tensor& values, bool in_place) {
   if (in_place && master_.defined() && !master_.is_meta() && master_.scalar_type() == frozen::stored_dtype(storage) &&
       master_.numel() == frozen::stored_numel(storage, values.numel())) {
     frozen::encode_into(storage, values.to(master_.device()), master_);
+    stored_written();
     return;
   }
   replace_stored(frozen::encode(storage, values.to(config_.device)));
 }
 
 at::Tensor Residency::gather_input(KeepMaster keep) {
-  if (config_.stored) {  // in its stored form, to the device from the host tier
+  if (config_.stored && !stored_words_.defined()) {  // in its stored form, to the device from the host tier
     return crosses_to_device(placement_.params) ? placement_.stager->to_device(master_) : master_;
   }
   at::Tensor input;
@@ -133,7 +173,10 @@ at::Tensor Residency::gather_input(KeepMaster keep) {
         kept_master_ = master;  // one shard's host buffer, kept until the unit's step
       }
     }
-    if (config_.compute_dtype == at::kFloat) {
+    if (config_.stored) {  // the words read: the stored form's bytes, gathered as they are
+      const int64_t bytes = master_.numel() * static_cast<int64_t>(master_.element_size());
+      input = master.view(at::kByte).narrow(0, 0, bytes).view(master_.scalar_type());
+    } else if (config_.compute_dtype == at::kFloat) {
       input = master;
     } else {  // mixed-precision copy-in (kernels/ops.h)
       input = at::empty({master.numel()}, master.options().dtype(config_.compute_dtype));
@@ -176,7 +219,8 @@ void Residency::start_master_read() {
   offload::DiskTier& tier = *placement_.disk;
   if (pending_read_.valid() && pending_read_generation_ == tier.generation()) return;
   pending_read_generation_ = tier.generation();
-  pending_read_ = tier.read_async(master_, 0, master_.numel(), "the master shard of " + config_.tag, false);
+  const at::Tensor& words = stored_words_.defined() ? stored_words_ : master_;
+  pending_read_ = tier.read_async(words, 0, words.numel(), "the master shard of " + config_.tag, false);
 }
 
 at::Tensor Residency::take_master_for_step() {

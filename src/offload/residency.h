@@ -48,7 +48,8 @@ class Residency {
     c10::Device device = c10::Device(c10::kCPU);
     bool requires_grad = true;
     // The master is a frozen param's stored form (Note [Frozen storage], kernels/cpu/blocks.cpp): gathered as
-    // it is, never stepped, offloaded to the host tier at most.
+    // it is, never stepped; in the host tier, or the disk tier read for each gather (Note [A stored
+    // form in the disk tier]).
     bool stored = false;
     std::string tag;      // "layers.0/0": names the states in errors and traces
     int64_t values = -1;  // the master's elements that hold parameters (the rest is padding); -1: all
@@ -97,6 +98,12 @@ class Residency {
   }
   // A stored frozen master gets a new stored form (its values were written), in its tier.
   void replace_stored(at::Tensor stored);
+  // Bytes of a stored master were written in place (a load's range): in the disk tier, they leave
+  // memory, and no read issued before them is used.
+  void stored_written();
+  // A new stored form of `numel` elements of `dtype`, its bytes to be written in place (a load's
+  // ranges): in the disk tier a fresh file range, never copied.
+  void allocate_stored(at::ScalarType dtype, int64_t numel);
   // The same from fp32 `values`; with `in_place`, encoded into the stored form when it is there (a
   // load or an import holds no second stored form beside the old: Note [The load and the save]).
   void encode_stored(FrozenStorage storage, const at::Tensor& values, bool in_place);
@@ -137,6 +144,9 @@ class Residency {
   offload::IoTicket pending_read_;  // read_ahead()'s read of the master
   uint64_t pending_read_generation_ = 0;
   at::Tensor kept_master_;  // a disk-tier master's values read for a gather, kept (KeepMaster)
+  // A stored master in the disk tier: the tier's fp32 words that hold its bytes (master_ is their
+  // view in the stored dtype); what the tier's I/O threads read.
+  at::Tensor stored_words_;
 };
 
 }  // namespace fsdp::offload

@@ -12,6 +12,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
+#include "offload/buffer_storage.h"
 #include "offload/device_stager.h"
 #include "offload/placement.h"
 #include "offload/tier_tensors.h"
@@ -129,6 +130,8 @@ OffloadIo offload_io(FSDPModule& root) {
   }
   return io;
 }
+
+void release_host_memory() { offload::release_freed_host_blocks(); }
 
 DiskTierStats disk_tier_stats(FSDPModule& root) {
   DiskTierStats s;

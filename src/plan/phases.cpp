@@ -82,6 +82,10 @@ void add_phases(const PlanRequest& req, const PhaseInputs& in, Plan& p) {
     p.exporting.add("a module's adapters in fp32 (a merged export; counted as a unit's)", 4 * in.largest_trainable);
     // The merge's products B A map the CPU's fp32 matrix kernels (Note [The compute libraries' first use]).
     p.exporting.add("the compute libraries' code and work buffers (the merge's products, fp32)", int64_t{16} << 20);
+    // A PEFT adapter export reads each adapter whole in fp32 and casts it for writing (bf16 at most
+    // half again; a float32 export writes the values themselves): no base row, no product.
+    p.exporting_adapters.add("process (libraries)", in.process);
+    p.exporting_adapters.add("an adapter in fp32 and its cast for writing (the largest)", 6 * in.largest_trainable);
   }
   if (!req.saves) return;
   PlanTier& save = p.save;

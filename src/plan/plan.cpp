@@ -440,6 +440,7 @@ std::string Plan::to_string() const {
   phase("a save per rank", save);
   s << "peak per rank: " << base::mib(peak(), 1) << ", in the " << peak_phase() << "\n";
   phase("an export (fsdp-ckpt export: one process, not a rank)", exporting);
+  phase("an adapter export (fsdp-ckpt export of the adapters alone: one process)", exporting_adapters);
   tier("host memory", host);
   tier("disk", disk);
   s << "per step per rank: all-gathers send " << base::mib(all_gather_bytes, 1) << " (" << gathers_per_step

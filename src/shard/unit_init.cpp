@@ -20,6 +20,7 @@
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"
 #include "offload/device_stager.h"
+#include "offload/frozen_storage.h"
 #include "offload/placement.h"
 #include "offload/rank_tiers.h"
 #include "offload/tier_tensors.h"
@@ -213,11 +214,15 @@ void ShardedUnit::place_offloaded_states() {
     const OffloadPolicy& policy = unit->options_.offload;
     for (auto& fp : unit->flat_params_) {
       const int64_t bytes = fp->shard_numel() * static_cast<int64_t>(sizeof(float));
-      if (policy.params() == OffloadTier::kDisk && !fp->stores_frozen()) disk_bytes += bytes;
+      const FrozenStorage storage = fp->config().storage;
+      const int64_t stored = frozen::stored_numel(storage, fp->shard_numel()) *
+                             static_cast<int64_t>(c10::elementSize(frozen::stored_dtype(storage)));
+      if (policy.params() == OffloadTier::kDisk) disk_bytes += fp->stores_frozen() ? stored : bytes;
       if (policy.grads() == OffloadTier::kDisk && fp->config().requires_grad) disk_bytes += bytes;
     }
   }
-  if (rs.disk_tier) rs.disk_tier->check_free_space(disk_bytes, "the offloaded master and gradient shards");
+  if (rs.disk_tier)
+    rs.disk_tier->check_free_space(disk_bytes, "the offloaded master, stored frozen and gradient shards");
   for (ShardedUnit* unit : rs.units) {
     const OffloadPolicy& policy = unit->options_.offload;
     if (!policy.any()) continue;

@@ -21,6 +21,7 @@ ctest sets the variables; prints "N passed, M failed")
 """
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -101,6 +102,23 @@ def check_train(work):
     a, b = runs["bnb-4bit save (fp32 absmax)"], runs["bf16 weights"]
     record(f"losses from the save without double quantization equal those from its bf16 weights: {a} vs {b}",
            a is not None and a == b)
+    # The frozen base in the disk tier (Note [A stored form in the disk tier]): the same run, the NF4
+    # stored form in each rank's tier file and read from it for every gather, gives the same losses.
+    metrics, tier = os.path.join(work, "m-disk.jsonl"), os.path.join(work, "tier")
+    rc, out = run([p["FSDP_RUN"], "--nproc-per-node", "2", "--timeout-s", "100", "--", p["FSDP_TRAIN"],
+                   "--init-from", os.path.join(work, "q"), *TRAIN, "--set", "fsdp.offload.params=disk",
+                   "--set", f"fsdp.offload.dir={tier}", "--metrics", metrics], timeout=180)
+    m = re.search(r"by tier: device ([0-9.]+) MiB, host [0-9.]+ MiB, disk ([0-9.]+) MiB", out)
+    disk = float(m.group(2)) if m else 0.0
+    c, d = runs["bnb-4bit save (double quantization)"], losses(metrics) if rc == 0 else None
+    # The base's stored form alone: 7 NF4 weights per layer (q, o 128x128; k, v 64x128; gate, up,
+    # down 128x256: half a byte a value and 4 bytes per block of 64) and the bf16 embedding and
+    # head, 1/2 of it per rank.
+    nf4 = 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 256) * (0.5 + 4 / 64)
+    base = (nf4 + 2 * 256 * 128 * 2) / 2 / (1 << 20)
+    record(f"fsdp.offload.params=disk: the NF4 base in the disk tier ({disk} MiB per rank, the base's stored form "
+           f"{base:.3f}), losses bitwise equal to the base in memory: {d} vs {c}",
+           rc == 0 and disk >= 0.95 * base and c is not None and d == c, out)
 
 
 def expect_error(tool, q, what, *needles):
