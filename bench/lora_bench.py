@@ -117,18 +117,23 @@ def report(r):
              "(MiB) | steps / plan | step time (s) | / full | sharded params, grads, optimizer (MiB, rank 0) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, run in r["runs"].items():
-        full = r["runs"].get(baseline_of(name), r["runs"]["full"])
+        # Its baseline (full or full-ckpt), when this invocation ran it (--runs may leave it out).
+        full = r["runs"].get(baseline_of(name)) or r["runs"].get("full")
         proc = max(run["peak_rss_process_mib"])
         steps = max(run["peak_rss_steps_mib"])
-        ratio = proc / max(full["peak_rss_process_mib"])
         goal = GOALS.get(name)
-        mark = f" (goal <= {goal}: {'met' if ratio <= goal else 'missed'})" if goal else ""
+        if full:
+            ratio = proc / max(full["peak_rss_process_mib"])
+            mark = f" (goal <= {goal}: {'met' if ratio <= goal else 'missed'})" if goal else ""
+            vs_full, time_vs_full = f"{ratio:.3f}{mark}", f"{run['step_time_s'] / full['step_time_s']:.2f}"
+        else:
+            vs_full, time_vs_full = "baseline not run", "-"
         plan = run["plan_device_mib"]
         lines.append(
             f"| {name} | {run['peak_rss_process_mib'][0]:,.0f} / {run['peak_rss_process_mib'][1]:,.0f} | "
-            f"{run['peak_rss_steps_mib'][0]:,.0f} / {run['peak_rss_steps_mib'][1]:,.0f} | {ratio:.3f}{mark} | "
+            f"{run['peak_rss_steps_mib'][0]:,.0f} / {run['peak_rss_steps_mib'][1]:,.0f} | {vs_full} | "
             f"{plan:,.0f} | {steps / plan:.2f} | {run['step_time_s']:.2f} | "
-            f"{run['step_time_s'] / full['step_time_s']:.2f} | {', '.join(f'{x:,.1f}' for x in run['sharded_mib'])} |")
+            f"{time_vs_full} | {', '.join(f'{x:,.1f}' for x in run['sharded_mib'])} |")
     lines += ["", "Losses (step 1 .. N):", ""]
     for name, run in r["runs"].items():
         lines.append(f"- {name}: " + ", ".join(f"{x:.4f}" for x in run["losses"]))

@@ -1,6 +1,6 @@
 // FrozenStorage: how a frozen parameter's shard is kept (FullyShardOptions::frozen_storage in
 // fsdp/options.h). Part of the offload layer, which keeps the shard in its stored form wherever it
-// lives (src/offload/frozen_storage.cpp).
+// lives (src/frozen/frozen_storage.cpp).
 #pragma once
 
 #include <string>

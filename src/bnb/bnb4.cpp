@@ -24,7 +24,7 @@
 #include <cstring>
 
 #include "base/file_io.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "safetensors/torch_dtypes.h"
 
 namespace fsdp::bnb {

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "fsdp/errors.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 
 namespace fsdp {
 

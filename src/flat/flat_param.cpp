@@ -9,7 +9,7 @@
 
 #include "flat/param_data.h"
 #include "fsdp/errors.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "offload/residency.h"
 #include "offload/tier_tensors.h"
 

@@ -6,7 +6,7 @@
 
 #include "flat/param_data.h"
 #include "offload/buffer_storage.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "offload/residency.h"
 #include "flat/stored_shard.h"
 

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "offload/residency.h"
 #include "offload/tier_tensors.h"
 

@@ -22,6 +22,8 @@
 //     state sends its gradient to the host and its updated working copy back.
 #include "offload/placement.h"
 
+#include <algorithm>
+
 #include "fsdp/errors.h"
 
 namespace fsdp::offload {
@@ -76,6 +78,22 @@ TierBytes state_bytes(const StateTiers& where, FlatParamKind kind, const FlatPar
     b[where.optimizer_state] += f.state_tensors * (f.master_bytes / 4) * f.state_element_bytes;  // fp32 master
   }
   return b;
+}
+
+std::vector<size_t> units_keeping_forward_reads(const std::vector<ForwardRead>& forward_order, int64_t budget_bytes) {
+  std::vector<size_t> out;
+  std::vector<const void*> kept;
+  int64_t room = budget_bytes / 2;
+  for (size_t i = forward_order.size(); i-- > 0;) {
+    const ForwardRead& u = forward_order[i];
+    if (std::find(kept.begin(), kept.end(), u.unit) != kept.end()) continue;
+    if (!u.forward_had_grad || !u.gathers_in_backward || u.disk_bytes == 0) continue;
+    if (u.disk_bytes > room) break;
+    room -= u.disk_bytes;
+    kept.push_back(u.unit);
+    out.push_back(i);
+  }
+  return out;
 }
 
 StepIo& StepIo::operator+=(const StepIo& o) {

@@ -5,6 +5,8 @@
 // a plan describes the run it plans. See Note [Placement rules] in placement.cpp.
 #pragma once
 
+#include <vector>
+
 #include <cstdint>
 #include <string>
 
@@ -73,6 +75,19 @@ struct StepIo {
   StepIo& operator+=(const StepIo& o);
 };
 StepIo step_io(const StateTiers& where, FlatParamKind kind, const FlatParamIo& f);
+
+// A unit as the choice of kept forward reads sees it (Note [Kept master reads] in
+// src/shard/sharded_unit.cpp).
+struct ForwardRead {
+  const void* unit = nullptr;       // its identity: a unit that runs forward twice keeps once
+  bool forward_had_grad = true;     // false under activation checkpointing: its read is not kept
+  bool gathers_in_backward = true;  // false when it keeps its params (or a group's part) for backward
+  int64_t disk_bytes = 0;           // whole pages of its disk-tier masters' reads
+};
+// Of the units in forward order, the indices of those that keep their forward all-gather's read
+// of a disk-tier master for their backward gather: the last to run forward that gather again in
+// backward, as many as fit in half of `budget_bytes`. The runtime and the planner both apply it.
+std::vector<size_t> units_keeping_forward_reads(const std::vector<ForwardRead>& forward_order, int64_t budget_bytes);
 
 // Whole pages: what the disk tier's direct I/O moves for `bytes`.
 inline int64_t whole_pages(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }

@@ -10,7 +10,7 @@
 #include "fsdp/trace.h"
 #include "kernels/ops.h"
 #include "offload/device_stager.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 
 namespace fsdp::offload {
 namespace {

@@ -39,7 +39,7 @@
 
 #include "base/direct_writer.h"
 #include "offload/placement.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "offload/tier_rules.h"
 #include "fsdp/errors.h"
 #include "prefetch/keep_params.h"
@@ -203,9 +203,11 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
   const bool stager = offload::needs_stager(policy, cpu);
   const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
   const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
-  auto add = [&](offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes, int gathers) {
+  auto add = [&](offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes, int gathers,
+                 bool forward_kept) {
     const offload::StateTiers where = offload::place(policy, kind, stager);
     offload::FlatParamIo f;
+    f.forward_kept = forward_kept;
     f.master_bytes = master_bytes;
     f.compute_bytes = e * shard_numel;
     f.reduced_bytes = r * shard_numel;
@@ -235,18 +237,43 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     }
   };
   const std::vector<bool> backward = runs_backward(shape);
+  // Each unit's flat params (kind, shard elements, master bytes), gathers per step, and whether it
+  // keeps its forward read of a disk-tier master for backward (offload::units_keeping_forward_reads,
+  // the runtime's rule, over the units in forward order: theirs here).
+  struct Part {
+    offload::FlatParamKind kind;
+    int64_t shard_numel, master_bytes;
+  };
+  std::vector<std::vector<Part>> parts(shape.units.size());
+  std::vector<int> gathers(shape.units.size());
+  std::vector<offload::ForwardRead> reads(shape.units.size());
+  int64_t layer = 0;
   for (size_t i = 0; i < shape.units.size(); ++i) {
     const auto& u = shape.units[i];
     // The root and the last unit to run forward keep their params for backward; a unit resharded to
     // a group gathers its parts in backward, reading no master.
     const AfterForward after = after_forward(u, i == last_layer, req, c, N);
-    const int gathers = after.keeps || after.group > 0 || !backward[i] ? 1 : 2;
+    gathers[i] = after.keeps || after.group > 0 || !backward[i] ? 1 : 2;
     // Replicated adapters (PlanRequest::replicate_adapters): whole on every rank, never gathered.
     const int64_t st = replicated_trainable(u, req) ? u.trainable_numel : ceil_div(u.trainable_numel, N);
-    if (st > 0) add({true, false}, st, 4 * st, gathers);
+    if (st > 0) parts[i].push_back({{true, false}, st, 4 * st});
     for (const auto& [storage, numel] : frozen_parts(u, req.param_dtype)) {
-      add({false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N), gathers);
+      parts[i].push_back(
+          {{false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N)});
     }
+    const bool checkpointed = c.checkpoint_every > 0 && u.checkpointable && layer % c.checkpoint_every == 0;
+    if (u.checkpointable) ++layer;
+    reads[i] = {&u, !checkpointed, gathers[i] == 2, 0};
+    for (const Part& p : parts[i]) {
+      const offload::StateTiers where = offload::place(policy, p.kind, stager);
+      if (where.master == OffloadTier::kDisk && !where.working_copy)
+        reads[i].disk_bytes += offload::whole_pages(p.master_bytes);
+    }
+  }
+  std::vector<bool> kept(shape.units.size(), false);
+  for (const size_t i : offload::units_keeping_forward_reads(reads, c.disk_memory_budget)) kept[i] = true;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    for (const Part& p : parts[i]) add(p.kind, p.shard_numel, p.master_bytes, gathers[i], kept[i]);
   }
   return s;
 }

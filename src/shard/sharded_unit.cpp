@@ -77,26 +77,22 @@ int64_t ShardedUnit::disk_master_bytes() const {
   int64_t bytes = 0;
   for (const auto& fp : flat_params_) {
     if (fp->master_follows_state() || !offload::is_disk_backed(fp->sharded_param())) continue;
-    bytes += offload::whole_pages(fp->shard_numel() * static_cast<int64_t>(sizeof(float)));
+    bytes += offload::whole_pages(fp->stored_bytes());  // an fp32 master, or a frozen shard's stored form
   }
   return bytes;
 }
 
 std::vector<ShardedUnit*> units_keeping_forward_masters(const std::vector<ShardedUnit*>& forward_order,
                                                         int64_t budget_bytes) {
-  std::vector<ShardedUnit*> out;
-  int64_t room = budget_bytes / 2;
-  for (size_t i = forward_order.size(); i-- > 0;) {
+  // A forward without gradients (activation checkpointing) cannot keep its read for backward.
+  std::vector<offload::ForwardRead> reads;
+  for (size_t i = 0; i < forward_order.size(); ++i) {
     ShardedUnit* unit = forward_order[i];
-    if (std::find(out.begin(), out.end(), unit) != out.end()) continue;
-    // A forward without gradients (activation checkpointing) cannot keep its read for backward.
-    if (!unit->forward_had_grad() || !unit->gathers_in_backward(i + 1 == forward_order.size())) continue;
-    const int64_t bytes = unit->disk_master_bytes();
-    if (bytes == 0) continue;
-    if (bytes > room) break;
-    room -= bytes;
-    out.push_back(unit);
+    reads.push_back({unit, unit->forward_had_grad(), unit->gathers_in_backward(i + 1 == forward_order.size()),
+                     unit->disk_master_bytes()});
   }
+  std::vector<ShardedUnit*> out;
+  for (const size_t i : offload::units_keeping_forward_reads(reads, budget_bytes)) out.push_back(forward_order[i]);
   return out;
 }
 

@@ -20,7 +20,7 @@
 #include "offload/residency.h"
 #include "shard/sharded_unit.h"
 #include "offload/device_stager.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "offload/placement.h"
 #include "offload/rank_tiers.h"
 #include "offload/tier_tensors.h"

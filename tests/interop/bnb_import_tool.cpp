@@ -29,7 +29,7 @@
 #include "fsdp/lora.h"
 #include "hf.h"
 #include "llama.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "shard/testing.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// frozen_storage_tool: a small command line over src/offload/frozen_storage, so that
+// frozen_storage_tool: a small command line over src/frozen/frozen_storage, so that
 // tests/interop/frozen_storage_test.py can check the quantized stored form of frozen parameters bit
 // for bit against a numpy reference of Note [Frozen storage] and, for NF4, against bitsandbytes.
 //   frozen_storage_tool STORAGE IN.f32 OUT_PREFIX
@@ -18,7 +18,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/options.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 
 namespace {
 

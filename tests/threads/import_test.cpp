@@ -23,7 +23,7 @@
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
 #include "llama.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "safetensors/index.h"
 #include "safetensors/safetensors.h"
 #include "safetensors/torch_dtypes.h"

@@ -14,7 +14,7 @@
 #include "base/file_io.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/fsdp.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 #include "shard/checkpoint_view.h"
 #include "shard/testing.h"
 #include "support/ranks.h"

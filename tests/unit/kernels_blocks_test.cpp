@@ -1,7 +1,7 @@
 // The block codec of kernels/ops.h (encode_blocks, decode_blocks; Note [Frozen storage] in
 // kernels/cpu/blocks.cpp): the CPU twins against hand-computed blocks (zeros, the absmax, ties,
 // midpoints, denormal and huge scales) and, bit for bit, against the ATen expression that
-// frozen storage (now src/offload/frozen_storage.cpp) used before the twins (KernelBlocks.*); FrozenStorage's mapping
+// frozen storage (now src/frozen/frozen_storage.cpp) used before the twins (KernelBlocks.*); FrozenStorage's mapping
 // onto them; the CUDA kernels against the twins (KernelBlocksCuda.*, of the gpu tier, skipped without a GPU: compiled,
 // untested on a GPU).
 #include <ATen/ATen.h>
@@ -18,7 +18,7 @@
 #include "fsdp/errors.h"
 #include "kernels/cpu/twins.h"
 #include "kernels/ops.h"
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 
 namespace fsdp::kernels {
 namespace {

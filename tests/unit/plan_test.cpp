@@ -778,5 +778,45 @@ TEST(Plan, TheHeapsSlackIsHalfTheLayersActivationsInHeapBlocks) {
   EXPECT_EQ(at_start(plan(shape, r), "the heap's freed blocks"), -1);
 }
 
+// A 70B QLoRA on a machine of 23 GiB (2 ranks of 11 GiB, 26 GiB of disk each): the NF4 base, 19.3
+// GiB per rank stored, does not fit in memory; in the disk tier with the params (Note [Placement
+// rules], 2) it does, read once per gather: the planner chooses it, and counts its bytes on disk
+// and its reads per step. Kept in memory (the params not offloaded), the plan says it is short.
+TEST(Plan, A70BQloraBaseStreamsFromTheDiskTierOnTwentyThreeGiB) {
+  llama::LlamaConfig c;  // meta-llama/Llama-3.1-70B's sizes
+  c.vocab_size = 128256, c.hidden_size = 8192, c.intermediate_size = 28672, c.num_hidden_layers = 80;
+  c.num_attention_heads = 64, c.num_key_value_heads = 8, c.max_position_embeddings = 131072;
+  const LoraOptions lora = LoraOptions().r(16).base_dtype(FrozenStorage::kNF4);
+  const ModelShape shape = llama::plan_shape(c, &lora);
+  PlanRequest r = request(int64_t{11} << 30);
+  r.batch_per_rank = 1;
+  r.budget.disk_bytes = int64_t{26} << 30;
+  r.margin = 0.1;
+  r.load = LoadKind::kImport;
+  r.saves = true;
+  r.save_frozen = false;
+  const Plan p = plan(shape, r);
+  ASSERT_TRUE(p.fits) << p.to_string();
+  EXPECT_EQ(p.params, OffloadTier::kDisk) << p.to_string();
+  // Per layer 855.6M NF4 values: 0.5 + 4/64 bytes each, half per rank.
+  const int64_t layer = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672;
+  const int64_t base = c.num_hidden_layers * layer / 2 * 9 / 16;
+  auto item = [](const PlanTier& t, const std::string& name) {
+    for (const auto& [n, bytes] : t.items) {
+      if (n == name) return bytes;
+    }
+    return int64_t{-1};
+  };
+  EXPECT_GE(item(p.disk, "sharded states in the disk tier"), base) << p.to_string();
+  EXPECT_LT(item(p.device, "sharded states not offloaded"), int64_t{1} << 30) << p.to_string();
+  // Each layer read twice a step (forward, and backward's gather with its recomputation).
+  EXPECT_GE(p.io_per_step.disk_read, 2 * base) << p.to_string();
+  PlanRequest in_memory = r;
+  in_memory.offload = OffloadPolicy();
+  const Plan q = plan(shape, in_memory);
+  EXPECT_FALSE(q.fits) << q.to_string();
+  EXPECT_NE(q.shortfall.find("OffloadPolicy::params"), std::string::npos) << q.shortfall;
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -2,7 +2,7 @@
 // block codec of kernels/ops.h (encode_blocks, decode_blocks; the format is Note [Frozen storage] in
 // kernels/cpu/blocks.cpp). This file only maps the option onto a kernels::BlockFormat and brings
 // tensors into the kernels' contract (fp32/bf16/fp16, contiguous, exact sizes).
-#include "offload/frozen_storage.h"
+#include "frozen/frozen_storage.h"
 
 #include <ATen/ATen.h>
 
