@@ -26,6 +26,7 @@
 #include "fsdp/launcher_error.h"
 #include "fsdp/lora.h"
 #include "fsdp/loss.h"
+#include "fsdp/measure.h"
 #include "fsdp/memory.h"
 #include "fsdp/meta.h"
 #include "fsdp/mixed_precision.h"

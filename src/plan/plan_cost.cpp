@@ -1,38 +1,4 @@
-// Note [The planner's arithmetic]
-// What one set of choices costs each rank, from the units' sizes only. The items follow what the
-// runtime allocates (docs/ARCHITECTURE.md, "A unit's life"):
-//  - the process itself (libraries, the communicator, threads): a measured constant, and on the
-//    CPU what a step's compute libraries map (Note [The compute libraries' first use]);
-//  - sharded states: each unit's trainable and frozen parameters are flat params padded to the
-//    shard size; the fp32 master (4 bytes per element), the fp32 gradient shard and the optimizer's
-//    fp32 state tensors, each in its tier. With only the optimizer state offloaded, the master
-//    follows it and the device keeps a working copy in the compute dtype. A frozen parameter is
-//    kept in its stored form (Note [Frozen storage]: the compute dtype by default, 2 bytes for
-//    bf16, 1 + 4/64 for int8, 0.5 + 4/64 for NF4) on the device, and is gathered in that form;
-//  - gathered parameters, in the compute dtype, at the moment most are alive: the units that keep
-//    theirs from forward to backward (the root, the last unit) once they have run, plus the unit
-//    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak); the
-//    layers' part of it at the start of backward only (Note [Two moments of backward]);
-//  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
-//    first, its embedding's last), one layer's is being filled and one (at the start) reduced;
-//  - on the CPU, two freed blocks of a layer's trainable size kept for reuse (Note [Reusing freed
-//    host buffers]): a gradient buffer is freed when its reduction is collected, after the next
-//    gathers have taken what they needed, so blocks that size wait beside the live ones. A frozen
-//    part's gathered block does not: at the moments counted, the prefetch has just taken the one
-//    the unit before it freed. (Counting whole layers made the plan 15-21% too high for QLoRA at
-//    1B and 8B, where a layer's decoded fp32 base is the largest block: bench/results/scale-*.)
-//  - the disk tier's mapped window (its memory budget), which on the CPU counts in the RSS;
-//  - with accumulation, every unit's unreduced gradient buffer; with an async save, the snapshot.
-// Then the larger of two moments that do not overlap. At the start of backward: every unit's
-// activations, the head's gradient as autograd makes it, before its hook copies it in, and the
-// larger of the loss's backward and the first layer's (with checkpointing, its activations
-// rebuilt; Note [Two moments of backward]). At the end: the activations are freed, the embedding's
-// gradient waits for its copy, and the root's reduction is in flight until the optimizer collects
-// it (its gradient cast to reduce_dtype, and the reduced shard). Measured on this machine, 2 ranks,
-// bf16 compute, the total is within 10% of each rank's peak RSS (tests/e2e/plan_e2e_test.sh,
-// bench/results/scale-*.md). Per step, each rank sends (N - 1) shards of every unit it gathers (a
-// ring) and of every gradient it reduces; the disk tier reads and writes what it holds once per
-// step, plus a disk-tier master's reads for the gathers.
+// One set of choices costed (Note [The planner's arithmetic] in plan_cost.h).
 #include "plan/plan_cost.h"
 
 #include <algorithm>
@@ -195,85 +161,96 @@ int64_t gathered_bytes(const UnitShape& u, const PlanRequest& req, int N) {
   return bytes;
 }
 
+// Which units keep their forward read of a disk-tier master for backward: the runtime's rule
+// (offload::units_keeping_forward_reads) over the units in forward order, theirs here.
+std::vector<bool> forward_reads_kept(const ModelShape& shape, const Choices& c, const std::vector<int>& gathers,
+                                     const std::vector<int64_t>& disk_bytes) {
+  std::vector<offload::ForwardRead> reads;
+  int64_t layer = 0;
+  for (size_t i = 0; i < shape.units.size(); ++i) {
+    const UnitShape& u = shape.units[i];
+    const bool checkpointed = c.checkpoint_every > 0 && u.checkpointable && layer % c.checkpoint_every == 0;
+    if (u.checkpointable) ++layer;
+    reads.push_back({&u, !checkpointed, gathers[i] == 2, disk_bytes[i]});
+  }
+  std::vector<bool> kept(shape.units.size(), false);
+  for (const size_t i : offload::units_keeping_forward_reads(reads, c.disk_memory_budget)) kept[i] = true;
+  return kept;
+}
+
+// One flat param placed, its bytes added to `s`; its step's I/O waits for the kept reads.
+struct Placed {
+  offload::StateTiers where;
+  offload::FlatParamKind kind;
+  offload::FlatParamIo f;
+  size_t unit;
+};
+
+Placed place_flat(States& s, const PlanRequest& req, const OffloadPolicy& policy, bool stager, int N, size_t unit,
+                  offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes, int gathers) {
+  const offload::StateTiers where = offload::place(policy, kind, stager);
+  const int64_t e = elem(req.param_dtype);
+  offload::FlatParamIo f;
+  f.master_bytes = master_bytes;
+  f.compute_bytes = e * shard_numel;
+  f.reduced_bytes = elem(req.reduce_dtype) * shard_numel;
+  f.state_tensors = req.optimizer_state_tensors;
+  f.state_element_bytes = static_cast<int>(elem(req.optimizer_state_dtype));
+  f.gathers = gathers;
+  f.device_is_cpu = req.device == c10::kCPU;
+  f.gathers_at_all = N > 1 || req.param_dtype != at::kFloat || where.master != OffloadTier::kNone;
+  const offload::TierBytes held = offload::state_bytes(where, kind, f);
+  for (int t = 0; t < 3; ++t) s.tier.bytes[t] += held.bytes[t];
+  s.loaded[where.master] += f.master_bytes;
+  if (where.working_copy) s.loaded[OffloadTier::kNone] += f.compute_bytes;
+  s.master_on_disk = s.master_on_disk || (where.master == OffloadTier::kDisk && master_bytes > 0);
+  s.cast_working = s.cast_working || (where.working_copy && e != 4);
+  if (kind.trainable && req.load == LoadKind::kResume) {
+    s.loaded[where.optimizer_state] += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
+  }
+  if (kind.stored_frozen) s.stored_largest = std::max(s.stored_largest, 4 * shard_numel);
+  s.master += master_bytes;
+  if (where.working_copy) s.working += f.compute_bytes;
+  if (kind.trainable) {
+    s.grads += master_bytes;
+    s.optimizer += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
+  }
+  return {where, kind, f, unit};
+}
+
 // Each unit's flat params placed and their I/O counted by the runtime's rules (offload/placement.h).
 States sharded_states(const ModelShape& shape, const PlanRequest& req, const Choices& c, int N) {
   States s;
   const auto policy = OffloadPolicy().params(c.params).grads(c.grads).optimizer_state(c.optimizer_state);
-  const bool cpu = req.device == c10::kCPU;
-  const bool stager = offload::needs_stager(policy, cpu);
-  const int64_t e = elem(req.param_dtype), r = elem(req.reduce_dtype);
-  const size_t last_layer = shape.units.empty() ? 0 : shape.units.size() - 1;
-  auto add = [&](offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes, int gathers,
-                 bool forward_kept) {
-    const offload::StateTiers where = offload::place(policy, kind, stager);
-    offload::FlatParamIo f;
-    f.forward_kept = forward_kept;
-    f.master_bytes = master_bytes;
-    f.compute_bytes = e * shard_numel;
-    f.reduced_bytes = r * shard_numel;
-    f.state_tensors = req.optimizer_state_tensors;
-    f.state_element_bytes = static_cast<int>(elem(req.optimizer_state_dtype));
-    f.gathers = gathers;
-    f.device_is_cpu = cpu;
-    f.gathers_at_all = N > 1 || req.param_dtype != at::kFloat || where.master != OffloadTier::kNone;
-    const offload::TierBytes held = offload::state_bytes(where, kind, f);
-    for (int t = 0; t < 3; ++t) s.tier.bytes[t] += held.bytes[t];
-    s.loaded[where.master] += f.master_bytes;
-    if (where.working_copy) s.loaded[OffloadTier::kNone] += f.compute_bytes;
-    s.master_on_disk = s.master_on_disk || (where.master == OffloadTier::kDisk && master_bytes > 0);
-    s.cast_working = s.cast_working || (where.working_copy && e != 4);
-    if (kind.trainable && req.load == LoadKind::kResume) {
-      s.loaded[where.optimizer_state] += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
-    }
-    if (kind.stored_frozen) {
-      s.stored_largest = std::max(s.stored_largest, 4 * shard_numel);
-    }
-    s.io += offload::step_io(where, kind, f);
-    s.master += master_bytes;
-    if (where.working_copy) s.working += f.compute_bytes;
-    if (kind.trainable) {
-      s.grads += master_bytes;
-      s.optimizer += f.state_tensors * (master_bytes / 4) * f.state_element_bytes;
-    }
-  };
+  const bool stager = offload::needs_stager(policy, req.device == c10::kCPU);
+  const size_t n = shape.units.size();
   const std::vector<bool> backward = runs_backward(shape);
-  // Each unit's flat params (kind, shard elements, master bytes), gathers per step, and whether it
-  // keeps its forward read of a disk-tier master for backward (offload::units_keeping_forward_reads,
-  // the runtime's rule, over the units in forward order: theirs here).
-  struct Part {
-    offload::FlatParamKind kind;
-    int64_t shard_numel, master_bytes;
-  };
-  std::vector<std::vector<Part>> parts(shape.units.size());
-  std::vector<int> gathers(shape.units.size());
-  std::vector<offload::ForwardRead> reads(shape.units.size());
-  int64_t layer = 0;
-  for (size_t i = 0; i < shape.units.size(); ++i) {
+  std::vector<int> gathers(n);
+  std::vector<int64_t> disk_reads(n, 0);  // whole pages of each unit's disk-tier reads
+  std::vector<Placed> placed;
+  for (size_t i = 0; i < n; ++i) {
     const auto& u = shape.units[i];
     // The root and the last unit to run forward keep their params for backward; a unit resharded to
     // a group gathers its parts in backward, reading no master.
-    const AfterForward after = after_forward(u, i == last_layer, req, c, N);
+    const AfterForward after = after_forward(u, i + 1 == n, req, c, N);
     gathers[i] = after.keeps || after.group > 0 || !backward[i] ? 1 : 2;
+    auto add = [&](offload::FlatParamKind kind, int64_t shard_numel, int64_t master_bytes) {
+      placed.push_back(place_flat(s, req, policy, stager, N, i, kind, shard_numel, master_bytes, gathers[i]));
+      const offload::StateTiers& where = placed.back().where;
+      if (where.master == OffloadTier::kDisk && !where.working_copy)
+        disk_reads[i] += offload::whole_pages(master_bytes);
+    };
     // Replicated adapters (PlanRequest::replicate_adapters): whole on every rank, never gathered.
     const int64_t st = replicated_trainable(u, req) ? u.trainable_numel : ceil_div(u.trainable_numel, N);
-    if (st > 0) parts[i].push_back({{true, false}, st, 4 * st});
+    if (st > 0) add({true, false}, st, 4 * st);
     for (const auto& [storage, numel] : frozen_parts(u, req.param_dtype)) {
-      parts[i].push_back(
-          {{false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N)});
-    }
-    const bool checkpointed = c.checkpoint_every > 0 && u.checkpointable && layer % c.checkpoint_every == 0;
-    if (u.checkpointable) ++layer;
-    reads[i] = {&u, !checkpointed, gathers[i] == 2, 0};
-    for (const Part& p : parts[i]) {
-      const offload::StateTiers where = offload::place(policy, p.kind, stager);
-      if (where.master == OffloadTier::kDisk && !where.working_copy)
-        reads[i].disk_bytes += offload::whole_pages(p.master_bytes);
+      add({false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N));
     }
   }
-  std::vector<bool> kept(shape.units.size(), false);
-  for (const size_t i : offload::units_keeping_forward_reads(reads, c.disk_memory_budget)) kept[i] = true;
-  for (size_t i = 0; i < shape.units.size(); ++i) {
-    for (const Part& p : parts[i]) add(p.kind, p.shard_numel, p.master_bytes, gathers[i], kept[i]);
+  const std::vector<bool> kept = forward_reads_kept(shape, c, gathers, disk_reads);
+  for (Placed& p : placed) {
+    p.f.forward_kept = kept[p.unit];
+    s.io += offload::step_io(p.where, p.kind, p.f);
   }
   return s;
 }

@@ -1,5 +1,40 @@
 // The planner's arithmetic for one set of choices (plan_cost.cpp); the search over choices and the
 // shortfall are in plan.cpp.
+// Note [The planner's arithmetic]
+// What one set of choices costs each rank, from the units' sizes only. The items follow what the
+// runtime allocates (docs/ARCHITECTURE.md, "A unit's life"):
+//  - the process itself (libraries, the communicator, threads): a measured constant, and on the
+//    CPU what a step's compute libraries map (Note [The compute libraries' first use]);
+//  - sharded states: each unit's trainable and frozen parameters are flat params padded to the
+//    shard size; the fp32 master (4 bytes per element), the fp32 gradient shard and the optimizer's
+//    fp32 state tensors, each in its tier. With only the optimizer state offloaded, the master
+//    follows it and the device keeps a working copy in the compute dtype. A frozen parameter is
+//    kept in its stored form (Note [Frozen storage]: the compute dtype by default, 2 bytes for
+//    bf16, 1 + 4/64 for int8, 0.5 + 4/64 for NF4) on the device, and is gathered in that form;
+//  - gathered parameters, in the compute dtype, at the moment most are alive: the units that keep
+//    theirs from forward to backward (the root, the last unit) once they have run, plus the unit
+//    computing and the `prefetch_depth` after it, in forward or in backward (gathered_peak); the
+//    layers' part of it at the start of backward only (Note [Two moments of backward]);
+//  - gradient buffers: the root's lives through the whole backward (its head's gradient comes
+//    first, its embedding's last), one layer's is being filled and one (at the start) reduced;
+//  - on the CPU, two freed blocks of a layer's trainable size kept for reuse (Note [Reusing freed
+//    host buffers]): a gradient buffer is freed when its reduction is collected, after the next
+//    gathers have taken what they needed, so blocks that size wait beside the live ones. A frozen
+//    part's gathered block does not: at the moments counted, the prefetch has just taken the one
+//    the unit before it freed. (Counting whole layers made the plan 15-21% too high for QLoRA at
+//    1B and 8B, where a layer's decoded fp32 base is the largest block: bench/results/scale-*.)
+//  - the disk tier's mapped window (its memory budget), which on the CPU counts in the RSS;
+//  - with accumulation, every unit's unreduced gradient buffer; with an async save, the snapshot.
+// Then the larger of two moments that do not overlap. At the start of backward: every unit's
+// activations, the head's gradient as autograd makes it, before its hook copies it in, and the
+// larger of the loss's backward and the first layer's (with checkpointing, its activations
+// rebuilt; Note [Two moments of backward]). At the end: the activations are freed, the embedding's
+// gradient waits for its copy, and the root's reduction is in flight until the optimizer collects
+// it (its gradient cast to reduce_dtype, and the reduced shard). Measured on this machine, 2 ranks,
+// bf16 compute, the total is within 10% of each rank's peak RSS (tests/e2e/plan_e2e_test.sh,
+// bench/results/scale-*.md). Per step, each rank sends (N - 1) shards of every unit it gathers (a
+// ring) and of every gradient it reduces; the disk tier reads and writes what it holds once per
+// step, plus a disk-tier master's reads for the gathers.
 #pragma once
 
 #include <algorithm>

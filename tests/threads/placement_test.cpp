@@ -150,5 +150,43 @@ TEST(Placement, RuntimeAndPlannerPlaceEveryStateAlike) {
   io::remove_tree(dir);
 }
 
+// Which units keep their forward read of a disk-tier master for their backward gather is one rule
+// (offload::units_keeping_forward_reads): the runtime keeps as many as fit in half the disk tier's
+// memory budget, so none with the default budget (0), and the planner counts the same reads. (It
+// once took every forward read as kept: one read a step where the runtime made two.)
+TEST(Placement, ForwardReadsKeptAsTheRuntimeKeepsThem) {
+  const std::string dir = testing::temp_path("placement-kept");
+  const std::vector<Kind> kinds{{"trainable", false, at::kFloat, FrozenStorage::kParamDtype},
+                                {"frozen base in NF4", true, at::kBFloat16, FrozenStorage::kNF4}};
+  int checked = 0;
+  for (const int64_t budget : {int64_t{0}, int64_t{64} << 20}) {
+    for (const auto& kind : kinds) {
+      const auto policy = OffloadPolicy().params(OffloadTier::kDisk).dir(dir).memory_budget_bytes(budget);
+      const std::string what = kind.name + ", disk memory budget " + std::to_string(budget);
+      testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+        at::set_num_threads(1);
+        DeviceMesh mesh(dist);
+        auto net = make_net(kind);
+        const Plan planned = planner_view(net, kind, policy);
+        for (auto& block : sharded_children(*net)) fully_shard(block, mesh, shard_options(kind, policy));
+        auto root = fully_shard(net, mesh, shard_options(kind, policy));
+        AdamW optim(root, AdamWOptions(1e-3));
+        step(net, optim, 0);  // the runtime chooses from the order a step recorded
+        const OffloadPlan runtime = offload_plan(*root, optim);
+        EXPECT_EQ(runtime.per_step.disk_read, planned.io_per_step.disk_read) << what;
+        const OffloadIo before = offload_io(*root);
+        for (int s = 1; s <= 2; ++s) step(net, optim, s);
+        const int64_t moved = (offload_io(*root) - before).per_step(2).disk_read;
+        EXPECT_LE(std::abs(static_cast<double>(moved - planned.io_per_step.disk_read)),
+                  0.1 * static_cast<double>(planned.io_per_step.disk_read))
+            << what << ": planned " << planned.io_per_step.disk_read << ", measured " << moved;
+      });
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 4);
+  io::remove_tree(dir);
+}
+
 }  // namespace
 }  // namespace fsdp

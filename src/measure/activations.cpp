@@ -1,4 +1,4 @@
-// fsdp::measure_activations (fsdp/plan.h): a unit's activation bytes from three short runs of it.
+// fsdp::measure_activations (fsdp/measure.h): a unit's activation bytes from three short runs of it.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
@@ -11,7 +11,7 @@
 #include <mutex>
 
 #include "fsdp/errors.h"
-#include "fsdp/plan.h"
+#include "fsdp/measure.h"
 
 namespace fsdp {
 namespace {
