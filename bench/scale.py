@@ -332,9 +332,10 @@ def main():
                     help="--lora nf4: fsdp.param_dtype of the training phases (default float32)")
     ap.add_argument("--check-layers", type=int, default=2,
                     help="--lora: decoder layers of the truncated model whose logits are checked against peft")
-    ap.add_argument("--libraries", choices=["started-once", "read-whole"], default="started-once",
+    ap.add_argument("--libraries", choices=["started-once", "read-whole", "fresh-install"], default="started-once",
                     help="the libraries' page cache: faulted in by starting each program once, or read whole "
-                         "first from a copy of their own (as an install leaves them), then started once")
+                         "first from a copy of their own (as an install leaves them), then started once "
+                         "(read-whole) or not (fresh-install: the phases are the first programs run)")
     ap.add_argument("--mem-floor-mib", type=int, default=1024, help="kill a phase below this MemAvailable")
     ap.add_argument("--tmp-dir", default=os.environ.get("FSDP_BENCH_DIR", tempfile.gettempdir()))
     ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder, removed)")

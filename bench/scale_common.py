@@ -94,11 +94,12 @@ def warm(bin_dir):
         subprocess.run([prog, "--help"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def read_libraries_whole(bin_dir, work):
+def read_libraries_whole(bin_dir, work, start_once=True):
     """The libraries fsdp-train maps (all but the system's: LibTorch's, CUDA's), copied into WORK/lib
     past the page cache (dd oflag=direct) and read whole (cat), as an install or a copy leaves them:
     the page cache holds them in large folios, whatever other processes map of the originals. The
-    programs load them from there (LD_LIBRARY_PATH, returned). Then each program is started once."""
+    programs load them from there (LD_LIBRARY_PATH, returned). Then each program is started once,
+    unless `start_once` is false (a fresh install: the first program a user runs is the phase's)."""
     libdir = os.path.join(work, "lib")
     os.makedirs(libdir, exist_ok=True)
     ldd = subprocess.run(["ldd", os.path.join(bin_dir, "fsdp-train")], capture_output=True, text=True).stdout
@@ -111,7 +112,8 @@ def read_libraries_whole(bin_dir, work):
             while f.read(1 << 24):
                 pass
     os.environ["LD_LIBRARY_PATH"] = libdir + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else "")
-    warm(bin_dir)
+    if start_once:
+        warm(bin_dir)
     return libdir
 
 

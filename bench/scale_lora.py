@@ -70,8 +70,8 @@ def run_lora(args, spec, bin_dir, work):
     np.save(prompt, np.random.default_rng(1).integers(0, vocab, size=(1, PROMPT_LEN), dtype=np.int64))
     say(f"{params / 1e6:.1f}M parameters, {weights / MIB:,.0f} MiB in {files} files; dd on as many bytes")
     dd = dd_bandwidth(work, weights)
-    if args.libraries == "read-whole":
-        read_libraries_whole(bin_dir, work)
+    if args.libraries in ("read-whole", "fresh-install"):
+        read_libraries_whole(bin_dir, work, start_once=args.libraries == "read-whole")
     else:
         warm(bin_dir)
     data = [hf, ckpt, adapter, merged, tokens]
@@ -132,11 +132,15 @@ def run_lora(args, spec, bin_dir, work):
                        f"activation checkpointing on every layer, fsdp.split_root auto, AdamW, adapters-only "
                        f"checkpoints, seq_len {args.seq_len}, batch {args.batch} per rank, random uint32 tokens; "
                        f"before each phase the model, checkpoint, export and token files are evicted from the page "
-                       f"cache (posix_fadvise DONTNEED), each program started once (--help) before the "
-                       f"phases, " + ("its libraries read whole first from a copy of their own (dd oflag=direct, "
-                                      "then a whole read: large folios, as an install leaves them)"
-                                      if args.libraries == "read-whole" else
-                                      "its libraries cached as a process maps them")),
+                       f"cache (posix_fadvise DONTNEED), " + {
+                           "read-whole": "each program started once (--help) before the phases, its libraries "
+                                         "read whole first from a copy of their own (dd oflag=direct, then a whole "
+                                         "read: large folios, as an install leaves them)",
+                           "fresh-install": "its libraries read whole from a copy of their own (dd oflag=direct, "
+                                            "then a whole read: large folios, as an install leaves them) and no "
+                                            "program started before the phases (a fresh install)",
+                           "started-once": "each program started once (--help) before the phases, its libraries "
+                                           "cached as a process maps them"}[args.libraries]),
     }
 
 

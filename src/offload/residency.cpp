@@ -26,6 +26,14 @@ at::Tensor zeros_in(const OffloadPlacement& p, OffloadTier tier, int64_t numel, 
   return at::zeros({numel}, options);
 }
 
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// The first `bytes` of a tier's fp32 words (the host tier's or the disk tier's, which hold bytes
+// of any dtype) seen as `dtype`.
+at::Tensor bytes_as(const at::Tensor& words, int64_t bytes, at::ScalarType dtype) {
+  return words.view(at::kByte).narrow(0, 0, bytes).view(dtype);
+}
+
 }  // namespace
 
 Residency::Residency(at::Tensor master, Config config) : master_(std::move(master)), config_(std::move(config)) {}
@@ -76,7 +84,7 @@ at::Tensor Residency::new_state_tensor(const std::string& what, at::ScalarType d
                         "RAM or the host tier (OffloadPolicy::optimizer_state), or in float32");
     case OffloadTier::kHost: {  // the stager's host memory (pinned on a device) holds bytes of any dtype
       const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-      return placement_.stager->host_zeros((bytes + 3) / 4).view(at::kByte).narrow(0, 0, bytes).view(dtype);
+      return bytes_as(placement_.stager->host_zeros((bytes + 3) / 4), bytes, dtype);
     }
     case OffloadTier::kNone: break;
   }
@@ -103,13 +111,8 @@ bool Residency::crosses_to_device(OffloadTier tier) const {
 // backward gather, at 1/N of a unit per rank, instead of kept in memory.
 void Residency::replace_stored(at::Tensor stored) {
   if (placement_.params == OffloadTier::kDisk && config_.stored && !stored.is_meta()) {
-    const int64_t bytes = stored.numel() * static_cast<int64_t>(stored.element_size());
-    const int64_t words = (bytes + 3) / 4;
-    if (!stored_words_.defined() || stored_words_.numel() != words)
-      stored_words_ = placement_.disk->zeros(words, "the stored form of " + config_.tag);
-    at::Tensor view = stored_words_.view(at::kByte).narrow(0, 0, bytes).view(stored.scalar_type());
-    if (!view.is_same(stored)) view.copy_(stored);
-    master_ = view;
+    allocate_stored(stored.scalar_type(), stored.numel());
+    master_.copy_(stored);
     stored_written();
     return;
   }
@@ -118,9 +121,8 @@ void Residency::replace_stored(at::Tensor stored) {
     return;
   }
   // The stager's host memory (pinned on a device) holds bytes of any dtype.
-  const int64_t bytes = stored.numel() * static_cast<int64_t>(stored.element_size());
-  at::Tensor host = placement_.stager->host_zeros((bytes + 3) / 4).view(at::kByte).narrow(0, 0, bytes);
-  host = host.view(stored.scalar_type());
+  at::Tensor host =
+      bytes_as(placement_.stager->host_zeros((nbytes(stored) + 3) / 4), nbytes(stored), stored.scalar_type());
   host.copy_(stored);
   master_ = host;
 }
@@ -129,7 +131,7 @@ void Residency::allocate_stored(at::ScalarType dtype, int64_t numel) {
   if (placement_.params == OffloadTier::kDisk && config_.stored) {
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
     stored_words_ = placement_.disk->zeros((bytes + 3) / 4, "the stored form of " + config_.tag);
-    master_ = stored_words_.view(at::kByte).narrow(0, 0, bytes).view(dtype);
+    master_ = bytes_as(stored_words_, bytes, dtype);
     stored_written();
     return;
   }
@@ -174,8 +176,7 @@ at::Tensor Residency::gather_input(KeepMaster keep) {
       }
     }
     if (config_.stored) {  // the words read: the stored form's bytes, gathered as they are
-      const int64_t bytes = master_.numel() * static_cast<int64_t>(master_.element_size());
-      input = master.view(at::kByte).narrow(0, 0, bytes).view(master_.scalar_type());
+      input = bytes_as(master, nbytes(master_), master_.scalar_type());
     } else if (config_.compute_dtype == at::kFloat) {
       input = master;
     } else {  // mixed-precision copy-in (kernels/ops.h)

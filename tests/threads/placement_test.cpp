@@ -95,6 +95,35 @@ void step(torch::nn::Sequential& net, ShardedOptimizer& optim, int64_t s) {
   optim.zero_grad();
 }
 
+// On each of kWorld ranks: the model of `kind` sharded under `policy`, its AdamW, and the planner's
+// view of the same model, handed to fn(net, root, optim, planned).
+template <typename Fn>
+void on_ranks(const Kind& kind, const OffloadPolicy& policy, Fn fn) {
+  testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
+    at::set_num_threads(1);
+    DeviceMesh mesh(dist);
+    auto net = make_net(kind);
+    const Plan planned = planner_view(net, kind, policy);
+    for (auto& block : sharded_children(*net)) fully_shard(block, mesh, shard_options(kind, policy));
+    auto root = fully_shard(net, mesh, shard_options(kind, policy));
+    AdamW optim(root, AdamWOptions(1e-3));
+    fn(net, *root, optim, planned);
+  });
+}
+
+// What the tiers move per step, measured over two steps.
+OffloadIo moved_per_step(torch::nn::Sequential& net, ShardedOptimizer& optim, FSDPModule& root) {
+  const OffloadIo before = offload_io(root);
+  for (int s = 1; s <= 2; ++s) step(net, optim, s);
+  return (offload_io(root) - before).per_step(2);
+}
+
+// Measured within 10% of planned.
+void expect_near(int64_t planned, int64_t measured, const std::string& what) {
+  EXPECT_LE(std::abs(static_cast<double>(measured - planned)), 0.1 * static_cast<double>(planned))
+      << what << ": planned " << planned << ", measured " << measured;
+}
+
 TEST(Placement, RuntimeAndPlannerPlaceEveryStateAlike) {
   const std::string dir = testing::temp_path("placement");
   constexpr auto N = OffloadTier::kNone, H = OffloadTier::kHost, D = OffloadTier::kDisk;
@@ -111,15 +140,8 @@ TEST(Placement, RuntimeAndPlannerPlaceEveryStateAlike) {
           OffloadPolicy().params(t[0]).grads(t[1]).optimizer_state(t[2]).dir(dir).memory_budget_bytes(64 << 20);
       const std::string what = kind.name + ", params " + offload_tier_name(t[0]) + ", grads " +
                                offload_tier_name(t[1]) + ", optimizer_state " + offload_tier_name(t[2]);
-      testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
-        at::set_num_threads(1);
-        DeviceMesh mesh(dist);
-        auto net = make_net(kind);
-        const Plan planned = planner_view(net, kind, policy);
-        for (auto& block : sharded_children(*net)) fully_shard(block, mesh, shard_options(kind, policy));
-        auto root = fully_shard(net, mesh, shard_options(kind, policy));
-        AdamW optim(root, AdamWOptions(1e-3));
-        const OffloadPlan runtime = offload_plan(*root, optim);
+      on_ranks(kind, policy, [&](torch::nn::Sequential& net, FSDPModule& root, AdamW& optim, const Plan& planned) {
+        const OffloadPlan runtime = offload_plan(root, optim);
         const PlanTier& ram = planned.device;  // on the CPU the host tier is in the same RAM
         EXPECT_EQ(runtime.device_bytes, item(ram, "sharded states not offloaded")) << what;
         EXPECT_EQ(runtime.host_bytes, item(ram, "sharded states in the host tier")) << what;
@@ -131,17 +153,11 @@ TEST(Placement, RuntimeAndPlannerPlaceEveryStateAlike) {
         EXPECT_GT(runtime.device_bytes + runtime.host_bytes + runtime.disk_bytes, 0) << what;
         // And what the tiers then move per step, measured, is what both planned.
         step(net, optim, 0);
-        const OffloadIo before = offload_io(*root);
-        for (int s = 1; s <= 2; ++s) step(net, optim, s);
-        const OffloadIo moved = (offload_io(*root) - before).per_step(2);
-        auto near = [&](int64_t planned, int64_t measured, const char* which) {
-          EXPECT_LE(std::abs(static_cast<double>(measured - planned)), 0.1 * static_cast<double>(planned))
-              << what << ": " << which << " planned " << planned << ", measured " << measured;
-        };
-        near(runtime.per_step.disk_read, moved.disk_read, "disk read");
-        near(runtime.per_step.disk_write, moved.disk_write, "disk write");
-        near(runtime.per_step.to_device, moved.to_device, "to device");
-        near(runtime.per_step.to_host, moved.to_host, "to host");
+        const OffloadIo moved = moved_per_step(net, optim, root);
+        expect_near(runtime.per_step.disk_read, moved.disk_read, what + ": disk read");
+        expect_near(runtime.per_step.disk_write, moved.disk_write, what + ": disk write");
+        expect_near(runtime.per_step.to_device, moved.to_device, what + ": to device");
+        expect_near(runtime.per_step.to_host, moved.to_host, what + ": to host");
       });
       ++checked;
     }
@@ -163,23 +179,10 @@ TEST(Placement, ForwardReadsKeptAsTheRuntimeKeepsThem) {
     for (const auto& kind : kinds) {
       const auto policy = OffloadPolicy().params(OffloadTier::kDisk).dir(dir).memory_budget_bytes(budget);
       const std::string what = kind.name + ", disk memory budget " + std::to_string(budget);
-      testing::run_threads(kWorld, [&](const std::shared_ptr<Dist>& dist) {
-        at::set_num_threads(1);
-        DeviceMesh mesh(dist);
-        auto net = make_net(kind);
-        const Plan planned = planner_view(net, kind, policy);
-        for (auto& block : sharded_children(*net)) fully_shard(block, mesh, shard_options(kind, policy));
-        auto root = fully_shard(net, mesh, shard_options(kind, policy));
-        AdamW optim(root, AdamWOptions(1e-3));
+      on_ranks(kind, policy, [&](torch::nn::Sequential& net, FSDPModule& root, AdamW& optim, const Plan& planned) {
         step(net, optim, 0);  // the runtime chooses from the order a step recorded
-        const OffloadPlan runtime = offload_plan(*root, optim);
-        EXPECT_EQ(runtime.per_step.disk_read, planned.io_per_step.disk_read) << what;
-        const OffloadIo before = offload_io(*root);
-        for (int s = 1; s <= 2; ++s) step(net, optim, s);
-        const int64_t moved = (offload_io(*root) - before).per_step(2).disk_read;
-        EXPECT_LE(std::abs(static_cast<double>(moved - planned.io_per_step.disk_read)),
-                  0.1 * static_cast<double>(planned.io_per_step.disk_read))
-            << what << ": planned " << planned.io_per_step.disk_read << ", measured " << moved;
+        EXPECT_EQ(offload_plan(root, optim).per_step.disk_read, planned.io_per_step.disk_read) << what;
+        expect_near(planned.io_per_step.disk_read, moved_per_step(net, optim, root).disk_read, what + ": disk read");
       });
       ++checked;
     }
