@@ -41,10 +41,12 @@ dd's (the write: the faster of conv=fdatasync and oflag=direct; a save that read
 disk tier is also set against dd's copy within the folder, which reads and writes each byte). Results: bench/results/scale-<model>.json and .md.
 
 With --lora nf4 (any model, llama-3.1-8b included) the run is QLoRA's instead: bench/scale_lora.py
-says what it runs; results go to bench/results/scale-<model>-qlora.json and .md.
+says what it runs; results go to bench/results/scale-<model>-qlora.json and .md. With --bnb-4bit too
+(llama-3.1-70b runs only so) the model is a bitsandbytes 4-bit save imported as it is, its base in
+the disk tier with the codes read in place from the save's files (-qlora-bnb results).
 
-Usage: bench/scale.py [--model qwen2.5-0.5b|llama-3.2-1b|llama-3.1-8b|tiny] [--lora nf4] [--bin build/bin]
-       [--keep DIR]   (the venv's python; scripts/bench scale runs it)
+Usage: bench/scale.py [--model qwen2.5-0.5b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b|tiny] [--lora nf4]
+       [--bnb-4bit] [--steps N] [--bin build/bin] [--keep DIR]   (the venv's python; scripts/bench scale runs it)
 """
 import argparse
 import ctypes
@@ -71,6 +73,7 @@ MODELS = {
     "llama-3.2-1b": (LLAMA32_1B, "350MB", []),  # about 9 files: the 525 MB embedding, 2 layers per file
     "tiny": (TINY, "50KB", []),  # 5 files
     "llama-3.1-8b": (None, "250MB", []),  # --lora nf4 only: bench/write_model.py writes it (66 files)
+    "llama-3.1-70b": (None, "2000MB", []),  # --lora nf4 --bnb-4bit only: a 40 GB bnb-4bit save
 }
 FP32_TOL = 1e-3  # same weights, fp32 in both: only the order of operations differs
 BF16_REL_TOL = 2**-5  # x max |logit|: bf16 weights (2^-9 relative) or bf16 compute across ~all layers
@@ -258,6 +261,22 @@ def report(r):
             md.append(f"- {p['phase']}: not run: {p['not_run']}.")
         elif "error" in p:
             md.append(f"- {p['phase']} failed: `{p['error'][-400:]}`")
+    for p in r["phases"]:
+        tb = p.get("trace_breakdown")
+        if tb:
+            md.append(f"- {p['phase']}: the traced step (rank 0, `--trace`): {tb['step_s']:.1f} s; the compute thread "
+                      f"decoding NF4 {tb['decode_s']:.1f} s, waiting for disk reads {tb['disk_wait_s']:.1f} s, for "
+                      f"all-gathers {tb['all_gather_wait_s']:.1f} s, the rest (products, norms, the loss, copies) "
+                      f"{tb['other_compute_s']:.1f} s; the tier's read thread busy {tb['disk_read_busy_s']:.1f} s, "
+                      f"{tb['disk_under_compute_s']:.1f} s of it under compute.")
+    fl = r.get("floors")
+    if fl:
+        rates = ", ".join(f"{x:.0f}" for x in fl["matmul_gflops"])
+        md.append(f"- Step floors: the products, {fl['flops_per_rank'] / 1e12:.1f} TFLOP per rank, at the matmul rate "
+                  f"measured before the phases (bench/matmul_rate.py on the step's [seq_len x hidden] by [hidden x "
+                  f"intermediate], 2 processes of 1 thread: {rates} GFLOP/s): {fl['compute_floor_s']:.0f} s" +
+                  (f"; the disk, {fl['disk_bytes_per_step'] / 1e9:.1f} GB read a step by both ranks at dd's cold "
+                   f"read rate: {fl['disk_floor_s']:.0f} s" if "disk_floor_s" in fl else "") + ".")
     md.append(f"- Sizes: HF dir {mib(s.get('hf_bytes'))} MiB, one checkpoint {mib(s.get('checkpoint_step_bytes'))} "
               f"MiB, checkpoint dir {mib(s.get('checkpoint_dir_bytes'))} MiB, export {mib(s.get('export_bytes'))} MiB"
               + (f", PEFT adapter {mib(s.get('adapter_bytes'))} MiB, merged bf16 export {mib(s.get('merged_bytes'))} MiB"
@@ -328,6 +347,10 @@ def main():
                     help="keep every config.json key (by default the keys MODELS lists are removed; none now)")
     ap.add_argument("--no-fsdp2", action="store_true")
     ap.add_argument("--lora", choices=["nf4"], help="QLoRA's run instead (bench/scale_lora.py)")
+    ap.add_argument("--bnb-4bit", action="store_true",
+                    help="with --lora: the model written as a bitsandbytes 4-bit save (random codes), imported as it "
+                         "is, the base in the disk tier (fsdp.offload.params=disk) with its codes read in place")
+    ap.add_argument("--steps", type=int, default=3, help="with --lora: the train phase's steps")
     ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="--lora nf4: fsdp.param_dtype of the training phases (default float32)")
     ap.add_argument("--check-layers", type=int, default=2,
@@ -342,6 +365,10 @@ def main():
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
     spec, shard_size, refused = MODELS[args.model]
+    if args.bnb_4bit and not args.lora:
+        ap.error("--bnb-4bit goes with --lora nf4")
+    if args.model == "llama-3.1-70b" and not args.bnb_4bit:
+        ap.error("--model llama-3.1-70b runs with --lora nf4 --bnb-4bit only (141 GB of bf16 do not fit this disk)")
     if args.lora:
         spec = CONFIGS[args.model]
     elif spec is None:
@@ -367,7 +394,8 @@ def main():
                            text=True).stdout.strip()
     result["commit"] = commit.strip() + (" (with uncommitted changes)" if dirty else "")
     os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"scale-{args.model}" + ("-qlora" if args.lora else ""))
+    base = os.path.join(args.out_dir, f"scale-{args.model}" + ("-qlora" if args.lora else "") +
+                        ("-bnb" if args.bnb_4bit else ""))
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     md = report(result)

@@ -17,6 +17,7 @@
 #include "base/strings.h"
 #include "config.h"
 #include "hf.h"
+#include "init_from.h"
 #include "run_plan.h"
 #include "shape.h"
 
@@ -260,6 +261,7 @@ int run(const Args& a) {
   req.margin = a.margin;
   req.load = fsdp::parse_load_kind(a.load.empty() ? (a.hf.empty() ? "init" : "import") : a.load);
   req.saves = a.save;
+  req.nf4_codes_in_place = !a.hf.empty() && cfg.lora.base_in_place && train::bnb_4bit_source(a.hf);
   if (!a.hf.empty() || a.choose) {  // the planner chooses what no --set fixed
     const bool tiers = user_set(a, "fsdp.offload.params") || user_set(a, "fsdp.offload.grads") ||
                        user_set(a, "fsdp.offload.optimizer_state");

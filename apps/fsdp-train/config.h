@@ -165,6 +165,9 @@ struct LoraConfig {
   // (the targets' weights; the other frozen parameters in fsdp.param_dtype).
   fsdp::FrozenStorage base_dtype = fsdp::FrozenStorage::kBFloat16;
   bool save_base = false;  // checkpoints hold the base too (else adapters and their state only)
+  // A bitsandbytes 4-bit --init-from base in the disk tier reads its NF4 codes from those files
+  // (fsdp::checkpoint::ImportOptions::codes_in_place) instead of a copy in the tier.
+  bool base_in_place = true;
   // The adapters whole on every rank, all-reduced (FullyShardOptions::replicate_params), not sharded.
   bool replicate_adapters = false;
   std::string adapter_from;  // a PEFT adapter directory the adapters start from

@@ -405,6 +405,10 @@ std::vector<ConfigField> lora_fields() {
              "how the frozen base is kept (int8, nf4: the targets' weights, in blocks of 64)"),
       boolean(FIELD(lora, save_base),
               "checkpoints hold the frozen base too (else the adapters and their optimizer state only)"),
+      boolean(FIELD(lora, base_in_place),
+              "a bitsandbytes 4-bit --init-from base in the disk tier (fsdp.offload.params=disk) reads its NF4 codes "
+              "from those files at every gather, which must then stay unchanged while training (false: a copy in "
+              "the tier)"),
       boolean(FIELD(lora, replicate_adapters),
               "keep the adapters whole on every rank and all-reduce their gradients, instead of sharding them"),
       string(FIELD(lora, adapter_from),

@@ -4,6 +4,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <set>
 #include <stdexcept>
 
@@ -51,10 +52,10 @@ void check_hf_vocab(const std::string& hf_dir, int64_t vocab_size) {
 }
 
 nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size,
-                                 std::function<bool(const std::string&)> select) {
+                                 std::function<bool(const std::string&)> select, bool codes_in_place) {
   const int64_t hf_vocab = llama::hf::read_hf_config(hf_dir).vocab_size;
   fsdp::checkpoint::ImportOptions options;
-  options.select(std::move(select));
+  options.select(std::move(select)).codes_in_place(codes_in_place);
   if (vocab_size > hf_vocab) options.grow_rows({"model.embed_tokens.weight", "lm_head.weight"});
   const auto report = fsdp::checkpoint::import_weights(hf_dir, root, options);
   if (rank == 0) {
@@ -78,6 +79,13 @@ nlohmann::json init_from_record(const std::string& hf_dir, int64_t vocab_size) {
   const std::string dir = real != nullptr ? real : hf_dir;
   std::free(real);
   return {{"dir", dir}, {"vocab_size", llama::hf::read_hf_config(hf_dir).vocab_size}, {"model_vocab_size", vocab_size}};
+}
+
+bool bnb_4bit_source(const std::string& hf_dir) {
+  const bool file = hf_dir.size() > 5 && hf_dir.compare(hf_dir.size() - 5, 5, ".json") == 0;
+  std::ifstream in(file ? hf_dir : hf_dir + "/config.json");
+  const nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return doc.is_object() && doc.contains("quantization_config");
 }
 
 }  // namespace train

@@ -34,10 +34,13 @@ void check_hf_vocab(const std::string& hf_dir, int64_t vocab_size);
 // grew). Returns what a checkpoint records of it (init_from_record).
 // `select`: only these tensors (fsdp::checkpoint::ImportOptions::select; null: all).
 nlohmann::json import_hf_weights(const std::string& hf_dir, fsdp::FSDPModule& root, int rank, int64_t vocab_size,
-                                 std::function<bool(const std::string&)> select = nullptr);
+                                 std::function<bool(const std::string&)> select = nullptr, bool codes_in_place = true);
 
 // TrainState.extra.init_from: {"dir": HF_DIR made absolute, "vocab_size": HF_DIR's, "model_vocab_size":
 // the run's}. fsdp-ckpt export copies the tokenizer and generation files from "dir".
 nlohmann::json init_from_record(const std::string& hf_dir, int64_t vocab_size);
+// HF_DIR's config.json (or HF_DIR itself, a .json file) has a quantization_config (a bitsandbytes
+// 4-bit save: read_hf_config refuses others).
+bool bnb_4bit_source(const std::string& hf_dir);
 
 }  // namespace train

@@ -170,6 +170,7 @@ void report_final(const Session& s, const LoopResult& r) {
   const Ranks& k = s.ranks();
   const Training& t = s.training();
   const auto report = fsdp::memory_report(*t.root, t.optim.get());
+  const fsdp::DiskTierStats disk = fsdp::disk_tier_stats(*t.root);  // the blocks its files take
   RankCounters mine;
   mine.peak_rss_bytes = static_cast<double>(fsdp::sysinfo::lifetime_peak_rss_bytes());
   const auto all = gather_counters(k.dist->world(), mine);
@@ -182,6 +183,8 @@ void report_final(const Session& s, const LoopResult& r) {
     const auto io = r.offload_io_of_steps.per_step(r.steps_trained - 1);
     std::printf("offload measured (rank 0, per step after the first): %s\n", io.to_string().c_str());
   }
+  if (disk.file_bytes > 0)
+    std::printf("disk tier (rank 0): %.3f MiB on disk under %s\n", disk.file_bytes / 1048576.0, disk.dir.c_str());
   print_peak_rss("peak RSS per rank:", all, s.plan().plan ? &*s.plan().plan : nullptr);
   if (!r.last_checkpoint.empty()) std::printf("checkpoint: %s\n", r.last_checkpoint.c_str());
   if (!s.flags().metrics.empty()) std::printf("metrics: %s\n", s.flags().metrics.c_str());

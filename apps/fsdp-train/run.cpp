@@ -25,6 +25,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/launcher_error.h"
 #include "hooks.h"
+#include "init_from.h"
 #include "preemption.h"
 #include "run_plan.h"
 #include "trainer.h"
@@ -111,7 +112,8 @@ int main_with_hooks(int argc, char** argv, const TrainHooks& hooks) {
                      !flags.resume.empty()      ? fsdp::LoadKind::kResume
                      : !flags.init_from.empty() ? fsdp::LoadKind::kImport
                                                 : fsdp::LoadKind::kInit,
-                     !flags.save_dir.empty());
+                     !flags.save_dir.empty(),
+                     !flags.init_from.empty() && config.lora.base_in_place && bnb_4bit_source(flags.init_from));
     }
     if (flags.plan) return print_plan(run);
     if (!flags.init_only) check_plan(config, run);

@@ -201,7 +201,7 @@ fsdp::ModelShape plan_shape(const TrainConfig& cfg, const Resolved& choices) {
   }
 }
 
-RunPlan plan_run(const TrainConfig& cfg, fsdp::LoadKind load, bool saves) {
+RunPlan plan_run(const TrainConfig& cfg, fsdp::LoadKind load, bool saves, bool bnb_source) {
   const int world = env_int("WORLD_SIZE", 1);
   const int local = env_int("LOCAL_WORLD_SIZE", world);
   if (world % local != 0) {
@@ -214,6 +214,7 @@ RunPlan plan_run(const TrainConfig& cfg, fsdp::LoadKind load, bool saves) {
     run.request = plan_request(cfg, run.resolved, local, world / local);
     run.request.load = load;
     run.request.saves = saves;
+    run.request.nf4_codes_in_place = bnb_source;
     run.plan = fsdp::plan(plan_shape(cfg, run.resolved), run.request);
   } catch (const std::exception& e) {
     if (cfg.train.check_budget) throw;  // unchecked: a config the planner cannot take still runs

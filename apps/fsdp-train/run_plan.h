@@ -51,7 +51,9 @@ struct RunPlan {
   std::optional<fsdp::Plan> plan;  // none: train.budget.check false and the planner refused the config
   std::string refused;             // then, why
 };
-RunPlan plan_run(const TrainConfig& cfg, fsdp::LoadKind load, bool saves);
+// `bnb_source`: the import reads a bitsandbytes 4-bit checkpoint, whose NF4 codes an NF4 base in
+// the disk tier reads in place (fsdp::PlanRequest::nf4_codes_in_place).
+RunPlan plan_run(const TrainConfig& cfg, fsdp::LoadKind load, bool saves, bool bnb_source = false);
 // Throws std::invalid_argument when train.budget.check is on and the plan does not fit: the budget,
 // the plan's peak and the margin held free by name, then what is short.
 void check_budget(const TrainConfig& cfg, const RunPlan& run);

@@ -136,7 +136,8 @@ void Session::build() {
   if (!base.empty()) {
     auto not_adapter = [](const std::string& name) { return !fsdp::is_lora_adapter(name); };
     start_.init_from = import_hf_weights(base, *t.root, r.rank, cfg_.model.vocab_size,
-                                         t.lora_model ? std::function<bool(const std::string&)>(not_adapter) : nullptr);
+                                         t.lora_model ? std::function<bool(const std::string&)>(not_adapter) : nullptr,
+                                         cfg_.lora.base_in_place);
   }
   if (t.lora_model && !resuming && !cfg_.lora.adapter_from.empty()) {
     load_peft_adapter(cfg_.lora.adapter_from, *t.root, cfg_.lora, r.rank);

@@ -176,6 +176,11 @@ struct ImportOptions {
   TORCH_ARG(std::string, source_prefix) = "";
   // The source's file, or with ".index.json" its index (PEFT: "adapter_model.safetensors").
   TORCH_ARG(std::string, file_name) = "model.safetensors";
+  // A bitsandbytes 4-bit weight imported into an NF4 stored form in the disk tier
+  // (OffloadPolicy::params kDisk) keeps its codes where they are: each gather and save reads them
+  // from the source's files, which stay open and must stay unchanged while the model lives; the
+  // tier holds the absmax alone. False: the tier holds a copy of the codes too.
+  TORCH_ARG(bool, codes_in_place) = true;
 };
 
 struct ImportReport {

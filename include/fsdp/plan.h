@@ -166,6 +166,9 @@ struct PlanRequest {
   LoadKind load = LoadKind::kInit;
   bool saves = false;
   bool save_frozen = true;
+  // An NF4 frozen base imported from a bitsandbytes 4-bit checkpoint with its codes read in place
+  // (ImportOptions::codes_in_place): in the disk tier, its codes take no disk (still read each step).
+  bool nf4_codes_in_place = false;
   // How the plan names an option in its settings and its shortfall. The planner speaks in library
   // option names ("FullyShardOptions::strategy", "OffloadPolicy::params", "OffloadPolicy::grads",
   // "OffloadPolicy::optimizer_state", "MixedPrecisionPolicy::reduce_dtype",

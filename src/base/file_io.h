@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,11 +36,19 @@ class File {
   void close();
   uint64_t size() const;
   const std::string& path() const { return path_; }
+  int fd() const { return fd_; }
 
  private:
   File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::string path_;
+};
+
+// Bytes [at, at + bytes) of a buffer that come from `file` at byte `offset` (a read that takes some
+// of its bytes from other files than its own).
+struct FileRange {
+  int64_t at = 0, bytes = 0, offset = 0;
+  std::shared_ptr<const File> file;
 };
 
 void fsync_dir(const std::string& dir);

@@ -46,12 +46,13 @@ class Reader4 {
   at::Tensor chunk(int64_t begin, int64_t count, bool whole_blocks) {
     return whole_blocks ? stored(begin, count) : values(begin, count);
   }
+  // The fp32 absmax of blocks [block0, block0 + blocks), decoded as bitsandbytes does.
+  at::Tensor absmax(int64_t block0, int64_t blocks);
   uint64_t bytes_read() const { return bytes_read_; }
   const Weight4& weight() const { return *w_; }
 
  private:
   at::Tensor read(const std::string& tensor, uint64_t offset, uint64_t bytes);
-  at::Tensor absmax(int64_t block0, int64_t blocks);  // fp32
   const safetensors::FileSet& src_;
   std::string dir_;
   std::shared_ptr<const Weight4> w_;

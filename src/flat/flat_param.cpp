@@ -158,8 +158,12 @@ void FlatParam::store_values(int64_t begin, const at::Tensor& values) {
   stored_.store_range(*residency_, begin, values, shard_numel(), values_in_shard());
 }
 
+bool FlatParam::store_codes_in_place(int64_t begin, int64_t count, const CodesInFile& codes) {
+  return stored_.store_codes_in_place(*residency_, begin, count, codes, shard_numel(), values_in_shard());
+}
+
 void FlatParam::end_store_values() {
-  stored_.end_ranges();
+  stored_.end_ranges(*residency_);
   loaded();
   gathered_.drop_stale();
 }

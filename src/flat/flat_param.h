@@ -78,9 +78,9 @@ class FlatParam {
   bool stores_frozen() const { return stored_.active(); }
   void frozen_values_into(const at::Tensor& out) const;  // fp32 values, shard_numel(), for a save
   void store_frozen(const at::Tensor& values);           // fp32 values, shard_numel(): a load
-  // A load range by range, with no fp32 copy of the shard (StoredShard::store_range); ended by
-  // end_store_values().
+  // A load range by range, no fp32 copy (StoredShard::store_range, store_codes_in_place); end_store_values() ends it.
   void store_values(int64_t begin, const at::Tensor& values);
+  bool store_codes_in_place(int64_t begin, int64_t count, const CodesInFile& codes);
   bool values_stored() const { return stored_.ranges_stored(); }
   void end_store_values();
   int64_t stored_bytes() const;  // bytes of the stored shard

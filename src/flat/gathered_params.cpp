@@ -5,7 +5,7 @@
 #include <c10/core/GradMode.h>
 
 #include "flat/param_data.h"
-#include "offload/buffer_storage.h"
+#include "buffers/buffer_storage.h"
 #include "frozen/frozen_storage.h"
 #include "offload/residency.h"
 #include "flat/stored_shard.h"
@@ -27,7 +27,7 @@ GatheredParams::GatheredParams(FlatLayout& layout, offload::Residency& residency
   for (auto& e : layout_.entries()) guards_.push_back(make_param_guard(e.param, guard_info_, e.name));
   state_ = alias ? ShardedState::kUnsharded : ShardedState::kSharded;
   if (!alias) {
-    offload::set_storage_alive(unsharded_, false);
+    buffers::set_storage_alive(unsharded_, false);
     use_guards();
   }
 }
@@ -64,13 +64,14 @@ void GatheredParams::unalias() {
   aliases_master_ = false;
   unsharded_ = at::empty({layout_.padded_numel()}, layout_.compute_options());
   use_views();
-  offload::set_storage_alive(unsharded_, false);
+  buffers::set_storage_alive(unsharded_, false);
   use_guards();
   state_ = ShardedState::kSharded;
 }
 
 // The gathered stored forms, rank by rank, decoded into the compute-dtype buffer.
 void GatheredParams::decode_gathered() {
+  Tracer::Scope span(residency_.tracer(), "fsdp::decode", "compute", layout_.config().tag);
   const int N = layout_.shard_group().size();
   const int64_t per_rank = stored_parts_.numel() / N, S = layout_.shard_numel();
   for (int r = 0; r < N; ++r) {
@@ -95,7 +96,7 @@ void GatheredParams::unshard(offload::KeepMaster keep) {
     post_forward_part_ = at::Tensor();  // stale: gathered anew from the master
   }
   gathered_version_ = version;
-  offload::set_storage_alive(unsharded_, true);
+  buffers::set_storage_alive(unsharded_, true);
   input_ = residency_.gather_input(keep);
   const bool decode = stored_.decodes_to(layout_.config().compute_dtype);
   Communicator& group = layout_.shard_group();
@@ -144,7 +145,7 @@ void GatheredParams::reshard() {
   wait();  // never free memory a collective is still writing
   post_forward_part_ = at::Tensor();
   stored_parts_ = at::Tensor();
-  offload::set_storage_alive(unsharded_, false);
+  buffers::set_storage_alive(unsharded_, false);
   use_guards();
   state_ = ShardedState::kSharded;
 }
@@ -163,7 +164,7 @@ void GatheredParams::reshard_to_group() {
 // The gathered params again from the parts the post-forward group's ranks kept (compute dtype, or
 // the stored form, decoded once gathered): no master read.
 void GatheredParams::gather_in_group() {
-  offload::set_storage_alive(unsharded_, true);
+  buffers::set_storage_alive(unsharded_, true);
   input_ = std::move(post_forward_part_);
   post_forward_part_ = at::Tensor();
   const bool stored = input_.scalar_type() != layout_.config().compute_dtype;  // the stored form's bytes

@@ -9,7 +9,7 @@
 
 #include "kernels/ops.h"
 #include "offload/residency.h"
-#include "offload/buffer_storage.h"
+#include "buffers/buffer_storage.h"
 #include "flat/flat_layout.h"
 #include "flat/gathered_params.h"
 #include "flat/param_data.h"
@@ -102,7 +102,7 @@ void GradCycle::prepare() {
     if (!buffer_.defined()) {
       buffer_ = at::empty({layout_.padded_numel()}, layout_.compute_options());
     } else {
-      offload::set_storage_alive(buffer_, true);
+      buffers::set_storage_alive(buffer_, true);
     }
     copied_.assign(layout_.entries().size(), 0);
     for (auto& e : layout_.entries()) e.param.mutable_grad() = at::Tensor();
@@ -223,7 +223,7 @@ void GradCycle::finalize() {
     finalize_deferred();
     reduce_input_ = at::Tensor();
     reduce_output_ = at::Tensor();
-    if (!aliases_shard_) offload::set_storage_alive(buffer_, false);
+    if (!aliases_shard_) buffers::set_storage_alive(buffer_, false);
     reduce_issued_ = false;
     prepared_ = false;
     return;
@@ -245,7 +245,7 @@ void GradCycle::finalize() {
   residency_.place_grad(shard_);
   reduce_input_ = at::Tensor();
   reduce_output_ = at::Tensor();
-  if (!aliases_shard_) offload::set_storage_alive(buffer_, false);
+  if (!aliases_shard_) buffers::set_storage_alive(buffer_, false);
   reduce_issued_ = false;
   prepared_ = false;
 }

@@ -6,10 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "base/file_io.h"
 #include "fsdp/frozen_storage.h"
 
 namespace fsdp {
@@ -18,6 +21,14 @@ namespace offload {
 class Residency;
 }
 using offload::Residency;
+
+// Whole NF4 blocks of a load whose codes stay in a file (StoredShard::store_codes_in_place): their
+// absmax (fp32, asked for only when the stored form takes them), the file and the codes' offset.
+struct CodesInFile {
+  std::function<at::Tensor()> absmax;
+  std::shared_ptr<const io::File> file;
+  int64_t offset = 0;
+};
 
 class StoredShard {
  public:
@@ -48,10 +59,17 @@ class StoredShard {
   // `values_in_shard`: the elements that hold parameters (the blocks after them are zeros).
   void store_range(Residency& residency, int64_t begin, const at::Tensor& values, int64_t shard_numel,
                    int64_t values_in_shard);
+  // The same for whole NF4 blocks [begin, begin + count): `absmax()` written, their codes read from
+  // `file` at `offset` whenever the stored form is read (Note [NF4 codes read in place],
+  // offload/residency.cpp). False, nothing done, unless the stored form is NF4 in the disk tier.
+  bool store_codes_in_place(Residency& residency, int64_t begin, int64_t count, const CodesInFile& codes,
+                            int64_t shard_numel, int64_t values_in_shard);
   bool ranges_stored() const { return ranges_stored_; }  // store_range() since the last end_ranges()
-  void end_ranges() { ranges_stored_ = false; }
+  void end_ranges(Residency& residency);
 
  private:
+  void start_ranges(Residency& residency, int64_t shard_numel, int64_t values_in_shard);
+
   FrozenStorage storage_;
   bool active_ = false;
   bool awaits_encode_ = false;

@@ -14,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <utility>
+#include <vector>
 
 #include "base/file_io.h"
 #include "base/strings.h"
@@ -31,6 +32,7 @@ struct IoJob {
   at::Tensor buffer;     // host memory: a read's destination, a write's source
   int64_t capacity = 0;  // bytes usable at buffer.data_ptr() (whole pages for direct transfers)
   std::string what;
+  std::vector<InPlaceRange> in_place;  // a read's ranges from other files
   uint64_t seq = 0;
   std::shared_ptr<Tracer> tracer;  // the tier's when the job was taken
   std::mutex mu;
@@ -129,7 +131,8 @@ void FileTier::set_host_allocator(std::function<at::Tensor(int64_t numel)> alloc
 
 // ---- submitting
 
-IoTicket FileTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted) {
+IoTicket FileTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted,
+                              std::vector<InPlaceRange> in_place) {
   Mapping* m = mapping_of(t);
   if (m == nullptr) throw ConfigError("fsdp: disk tier: read of a tensor that is not disk-backed (" + what + ")");
   auto job = std::make_shared<IoJob>();
@@ -140,6 +143,7 @@ IoTicket FileTier::read_async(const at::Tensor& t, int64_t begin, int64_t end, c
   job->buffer = host_buffer(end - begin, budgeted);
   job->capacity = whole_pages(job->bytes);
   job->what = what;
+  job->in_place = std::move(in_place);
   return submit(std::move(job));
 }
 
@@ -227,6 +231,7 @@ void FileTier::run_io(const std::shared_ptr<IoJob>& job, int lane) {
 }
 
 void FileTier::transfer(IoJob& job) {
+  if (!job.in_place.empty()) return read_in_place(job);
   char* data = static_cast<char*>(job.buffer.data_ptr());
   const int64_t direct = direct_length(job);
   int err = direct > 0 ? move_all(job.write, job.m->direct_fd, data, direct, job.offset) : EINVAL;
@@ -248,6 +253,38 @@ void FileTier::transfer(IoJob& job) {
               (job.write ? "; free space (or lift the file-size limit) under offload.dir, then resume from the last "
                            "checkpoint"
                          : "; check the disk under offload.dir, then resume from the last checkpoint");
+}
+
+// A read whose ranges in `in_place` come from their files: the tier's file is read between them
+// (buffered: the gaps need not start on pages), each file's range after it; nothing stays cached.
+void FileTier::read_in_place(IoJob& job) {
+  char* data = static_cast<char*>(job.buffer.data_ptr());
+  int64_t pos = 0;
+  auto gap = [&](int64_t to) {
+    const int err = to > pos ? move_all(false, job.m->fd, data + pos, to - pos, job.offset + pos) : 0;
+    if (err != 0 && job.error.empty()) {
+      job.error = "fsdp: offload.dir " + dir_ + ": reading " + describe(to - pos) + " of " + job.what +
+                  " from its disk-tier file failed: " + std::strerror(err) +
+                  "; check the disk under offload.dir, then resume from the last checkpoint";
+    }
+    pos = to;
+  };
+  for (const InPlaceRange& r : job.in_place) {
+    gap(r.at);
+    try {
+      r.file->pread_all(data + r.at, static_cast<uint64_t>(r.bytes), static_cast<uint64_t>(r.offset));
+    } catch (const std::exception& e) {
+      if (job.error.empty()) {
+        job.error = "fsdp: reading " + describe(r.bytes) + " of " + job.what + " in place from " + r.file->path() +
+                    " failed (" + e.what() + "); the imported files are read at every gather: keep them in place " +
+                    "and unchanged while training, then resume from the last checkpoint";
+      }
+    }
+    ::posix_fadvise(r.file->fd(), r.offset, r.bytes, POSIX_FADV_DONTNEED);
+    pos = r.at + r.bytes;
+  }
+  gap(job.bytes);
+  ::posix_fadvise(job.m->fd, job.offset, whole_pages(job.bytes), POSIX_FADV_DONTNEED);
 }
 
 void FileTier::flush() {

@@ -7,7 +7,9 @@
 #include "sysinfo/sysinfo.h"
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -184,7 +186,10 @@ void FileTier::remove(Mapping* m) {
 int64_t FileTier::file_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;
-  for (const Mapping* m : mappings_) total += static_cast<int64_t>(m->bytes);
+  for (const Mapping* m : mappings_) {  // the blocks the files take (holes take none)
+    struct stat st {};
+    total += ::fstat(m->fd, &st) == 0 ? static_cast<int64_t>(st.st_blocks) * 512 : static_cast<int64_t>(m->bytes);
+  }
   return total;
 }
 
@@ -231,6 +236,28 @@ void release(const at::Tensor& t, int64_t begin, int64_t end) {
   ::sync_file_range(m->fd, lo, hi - lo,
                     SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
   ::posix_fadvise(m->fd, lo, hi - lo, POSIX_FADV_DONTNEED);
+}
+
+void punch_hole(const at::Tensor& t, int64_t begin, int64_t end) {
+  Mapping* m = mapping_of(t);
+  if (m == nullptr) return;
+  const int64_t first = static_cast<const char*>(t.data_ptr()) - static_cast<const char*>(m->base);
+  const int64_t lo = (first + begin + kPage - 1) / kPage * kPage, hi = (first + end) / kPage * kPage;
+  if (hi <= lo) return;
+  ::madvise(static_cast<char*>(m->base) + lo, static_cast<size_t>(hi - lo), MADV_DONTNEED);
+  // A file system without holes keeps the blocks: the reads are the same, the disk holds more.
+  ::fallocate(m->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, lo, hi - lo);
+}
+
+void reserve_blocks(const at::Tensor& t, const std::string& what) {
+  Mapping* m = mapping_of(t);
+  if (m == nullptr) return;
+  const int rc = ::posix_fallocate(m->fd, 0, static_cast<off_t>(whole_pages(static_cast<int64_t>(m->bytes))));
+  if (rc != 0) {
+    throw OffloadError("fsdp: offload.dir " + m->tier->dir() + ": cannot reserve " +
+                       mib(static_cast<int64_t>(m->bytes)) + " for " + what + ": " + std::strerror(rc) +
+                       "; free space or choose another offload.dir");
+  }
 }
 
 at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what) {

@@ -94,7 +94,8 @@ class FileTier final : public DiskTier, public std::enable_shared_from_this<File
   // Starts reading elements [begin, end) of the disk-backed 1-D tensor `t` into a new host
   // buffer. `budgeted`: the buffer counts against the budget while it lives. `unit` names the
   // span in the trace.
-  IoTicket read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted) override;
+  IoTicket read_async(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what, bool budgeted,
+                      std::vector<InPlaceRange> in_place = {}) override;
   // Starts writing the host tensor `src` (contiguous fp32) into elements [begin, begin +
   // src.numel()) of `t`. Nobody waits for it until flush() or a read of the same range.
   IoTicket write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) override;
@@ -141,6 +142,7 @@ class FileTier final : public DiskTier, public std::enable_shared_from_this<File
   void take_io(const std::shared_ptr<IoJob>& job, int lane, std::unique_lock<std::mutex>& lock);
   void run_io(const std::shared_ptr<IoJob>& job, int lane);
   void transfer(IoJob& job);
+  void read_in_place(IoJob& job);
   void wait_for_overlapping_writes(const IoJob& job, std::unique_lock<std::mutex>& lock);
 
   std::string dir_;

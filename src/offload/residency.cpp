@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "fsdp/errors.h"
@@ -130,6 +131,7 @@ void Residency::replace_stored(at::Tensor stored) {
 void Residency::allocate_stored(at::ScalarType dtype, int64_t numel) {
   if (placement_.params == OffloadTier::kDisk && config_.stored) {
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    in_place_.clear();
     stored_words_ = placement_.disk->zeros((bytes + 3) / 4, "the stored form of " + config_.tag);
     master_ = bytes_as(stored_words_, bytes, dtype);
     stored_written();
@@ -148,6 +150,7 @@ void Residency::stored_written() {
 void Residency::encode_stored(FrozenStorage storage, const at::Tensor& values, bool in_place) {
   if (in_place && master_.defined() && !master_.is_meta() && master_.scalar_type() == frozen::stored_dtype(storage) &&
       master_.numel() == frozen::stored_numel(storage, values.numel())) {
+    before_stored_write(0, nbytes(master_));
     frozen::encode_into(storage, values.to(master_.device()), master_);
     stored_written();
     return;
@@ -221,13 +224,80 @@ void Residency::start_master_read() {
   if (pending_read_.valid() && pending_read_generation_ == tier.generation()) return;
   pending_read_generation_ = tier.generation();
   const at::Tensor& words = stored_words_.defined() ? stored_words_ : master_;
-  pending_read_ = tier.read_async(words, 0, words.numel(), "the master shard of " + config_.tag, false);
+  pending_read_ = tier.read_async(words, 0, words.numel(), "the master shard of " + config_.tag, false, in_place_);
 }
 
 at::Tensor Residency::take_master_for_step() {
   at::Tensor out = std::move(kept_master_);
   kept_master_ = at::Tensor();
   return out;
+}
+
+// ---- bytes read in place
+
+// Note [NF4 codes read in place]
+// A bitsandbytes 4-bit checkpoint holds a weight's NF4 codes exactly as an NF4 stored form does
+// (the same nibbles, blocks of 64: Note [bitsandbytes 4-bit weights] in bnb/bnb4.cpp). Imported
+// into a stored form in the disk tier, the codes need not be copied: the tier file holds the
+// absmax (decoded from double quantization at the import) and the codes' ranges are recorded
+// here as ranges of the source's files, which the import leaves open. Each read of the stored
+// form (a gather's, read ahead on the tier's read thread; a save's) reads the tier file between
+// those ranges and the ranges from their files, so a 40 GB base is on the disk once, not twice.
+// The tier file is allocated whole and its blocks under the ranges are punched out once the
+// import ends (a hole reads as zeros and takes no disk). Any other write of the stored form drops
+// the ranges it overlaps: one it covers whole is simply forgotten; one it covers in part is first
+// copied into the tier (its blocks reserved again), so no byte is lost. The source files must not
+// change while the model lives; deleting them is safe (their descriptors stay open).
+void Residency::read_in_place(int64_t at, int64_t bytes, std::shared_ptr<const io::File> file, int64_t offset) {
+  if (!in_place_.empty()) {  // an import's chunks of one tensor: one range
+    InPlaceRange& last = in_place_.back();
+    if (last.file == file && last.at + last.bytes == at && last.offset + last.bytes == offset) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  in_place_.push_back({at, bytes, offset, std::move(file)});
+  std::sort(in_place_.begin(), in_place_.end(),
+            [](const InPlaceRange& a, const InPlaceRange& b) { return a.at < b.at; });
+}
+
+void Residency::punch_in_place() {
+  for (const InPlaceRange& r : in_place_) offload::punch_hole(stored_words_, r.at, r.at + r.bytes);
+}
+
+int64_t Residency::in_place_bytes() const {
+  int64_t n = 0;
+  for (const InPlaceRange& r : in_place_) n += r.bytes;
+  return n;
+}
+
+void Residency::before_stored_write(int64_t a, int64_t b) {
+  bool reserved = false;
+  for (auto it = in_place_.begin(); it != in_place_.end();) {
+    if (it->at >= b || it->at + it->bytes <= a) {
+      ++it;
+      continue;
+    }
+    if (it->at < a || it->at + it->bytes > b) {  // kept in part: its bytes into the tier first
+      if (!reserved) offload::reserve_blocks(stored_words_, "the stored form of " + config_.tag);
+      reserved = true;
+      it->file->pread_all(static_cast<char*>(master_.data_ptr()) + it->at, static_cast<uint64_t>(it->bytes),
+                          static_cast<uint64_t>(it->offset));
+    } else if (!reserved) {
+      offload::reserve_blocks(stored_words_, "the stored form of " + config_.tag);
+      reserved = true;
+    }
+    it = in_place_.erase(it);
+  }
+  if (reserved) placement_.disk->bump_generation();
+}
+
+at::Tensor Residency::stored_bytes() const {
+  if (in_place_.empty()) return master_;
+  offload::IoTicket t = placement_.disk->read_async(stored_words_, 0, stored_words_.numel(),
+                                                    "the stored form of " + config_.tag, false, in_place_);
+  t.wait();
+  return bytes_as(t.buffer(), nbytes(master_), master_.scalar_type());
 }
 
 // ---- the master's writers

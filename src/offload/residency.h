@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -117,6 +118,23 @@ class Residency {
   // Null, or what brings the working copy up to date after the optimizer updated elements [a, b).
   std::function<void(int64_t a, int64_t b, const at::Tensor& updated)> after_update();
 
+  // ---- bytes of a stored form read in place (Note [NF4 codes read in place] in residency.cpp)
+  // A stored form in the disk tier (its file allocated by allocate_stored or not yet).
+  bool stored_in_disk_tier() const { return config_.stored && placement_.params == OffloadTier::kDisk; }
+  // Bytes [at, at + bytes) of the stored form are `file`'s from `offset` on: every read of the
+  // stored form takes them there; the tier's blocks under them go at punch_in_place().
+  void read_in_place(int64_t at, int64_t bytes, std::shared_ptr<const io::File> file, int64_t offset);
+  void punch_in_place();
+  int64_t in_place_bytes() const;
+  // The disk tier's tracer (null without a disk tier or a tracer): the gather's decode is traced there.
+  Tracer* tracer() const { return placement_.disk ? placement_.disk->tracer() : nullptr; }
+  // Bytes [a, b) of the stored form are about to be written: the ranges read in place that
+  // overlap them stop being read there (copied into the tier first unless [a, b) covers them).
+  void before_stored_write(int64_t a, int64_t b);
+  // The stored form's bytes, all of them readable (a save's decode): a read through the tier when
+  // some are read in place, else the master itself.
+  at::Tensor stored_bytes() const;
+
   // ---- the gradient shard
   // The reduce-scatter's output, brought to host memory when gradients live in the host tier.
   at::Tensor stage_reduced(const at::Tensor& reduce_output);
@@ -147,6 +165,7 @@ class Residency {
   // A stored master in the disk tier: the tier's fp32 words that hold its bytes (master_ is their
   // view in the stored dtype); what the tier's I/O threads read.
   at::Tensor stored_words_;
+  std::vector<InPlaceRange> in_place_;  // sorted by `at`, disjoint
 };
 
 }  // namespace fsdp::offload

@@ -5,7 +5,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 #include <ATen/core/Tensor.h>
+#include "base/file_io.h"
 #include "fsdp/trace.h"
 #include "offload/placement.h"  // whole_pages
 namespace fsdp::offload {
@@ -23,7 +25,8 @@ class IoTicket {  // a transfer on the disk tier's I/O threads; wait() throws it
 struct IoCounters {  // bytes moved by the I/O threads (whole pages; writes once queued), and transfers
   int64_t bytes_read = 0, bytes_written = 0, reads = 0, writes = 0;
 };
-class DiskTier {  // fp32 tensors in files under dir(), at most budget_bytes() of them in memory
+using InPlaceRange = io::FileRange;  // a read's bytes from another file (Note [NF4 codes read in place])
+class DiskTier {                     // fp32 tensors in files under dir(), at most budget_bytes() of them in memory
  public:
   static std::shared_ptr<DiskTier> open(const std::string& dir, int64_t budget_bytes);  // probes dir
   virtual ~DiskTier() = default;
@@ -33,7 +36,8 @@ class DiskTier {  // fp32 tensors in files under dir(), at most budget_bytes() o
   virtual const std::string& dir() const = 0;
   virtual int64_t budget_bytes() const = 0;
   virtual int64_t chunk_elements(int tensors, const std::string& unit = "") const = 0;
-  virtual IoTicket read_async(const at::Tensor& t, int64_t a, int64_t b, const std::string& what, bool budgeted) = 0;
+  virtual IoTicket read_async(const at::Tensor& t, int64_t a, int64_t b, const std::string& what, bool budgeted,
+                              std::vector<InPlaceRange> in_place = {}) = 0;  // sorted, disjoint, within [a, b)
   virtual IoTicket write_async(const at::Tensor& t, int64_t begin, const at::Tensor& src, const std::string& what) = 0;
   virtual at::Tensor count_in_budget(const at::Tensor& host) = 0;  // a kept read buffer
   virtual void flush() = 0;                                        // waits for the queued writes

@@ -22,6 +22,11 @@ void copy_streamed(const at::Tensor& dst, const at::Tensor& src);
 void read_streamed(const at::Tensor& t, int64_t begin, int64_t end, const std::string& what,
                    const std::function<void(const float* data, int64_t at, int64_t count)>& fn);
 at::Tensor zeros_in_tier(const at::Tensor& t, const std::string& what);
+// On the file under a disk-backed tensor (no-ops otherwise), bytes counted from t's first one:
+// the whole pages of [begin, end) give their blocks back (read as zeros until written again),
+void punch_hole(const at::Tensor& t, int64_t begin, int64_t end);
+// and every block is reserved again, before writes into holes (OffloadError naming the bytes on a full disk).
+void reserve_blocks(const at::Tensor& t, const std::string& what);
 
 // Host fp32 buffers written into ranges of t's elements: copied for a tensor in memory; for a
 // disk-backed one, written by the tier's write thread with at most two in flight (never through

@@ -12,7 +12,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/offload.h"
 #include "fsdp/optim.h"
-#include "offload/buffer_storage.h"
+#include "buffers/buffer_storage.h"
 #include "offload/device_stager.h"
 #include "offload/placement.h"
 #include "offload/tier_tensors.h"
@@ -106,7 +106,7 @@ OffloadPlan offload_plan(FSDPModule& root, const ShardedOptimizer& optimizer) {
     const offload::TierBytes held = offload::state_bytes(f.where, f.kind, f.io);
     plan.device_bytes += held[OffloadTier::kNone];
     plan.host_bytes += held[OffloadTier::kHost];
-    plan.disk_bytes += held[OffloadTier::kDisk];
+    plan.disk_bytes += held[OffloadTier::kDisk] - f.in_place_bytes;  // read from imported files
     const offload::StepIo io = offload::step_io(f.where, f.kind, f.io);
     plan.per_step.disk_read += io.disk_read;
     plan.per_step.disk_write += io.disk_write;
@@ -131,7 +131,7 @@ OffloadIo offload_io(FSDPModule& root) {
   return io;
 }
 
-void release_host_memory() { offload::release_freed_host_blocks(); }
+void release_host_memory() { buffers::release_freed_host_blocks(); }
 
 DiskTierStats disk_tier_stats(FSDPModule& root) {
   DiskTierStats s;

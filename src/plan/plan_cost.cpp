@@ -31,7 +31,8 @@ struct Sizes {
   // The same for gradients: trainable elements only (a frozen base has none).
   int64_t root_trainable = 0, layer_max_trainable = 0, largest_trainable = 0;
   int64_t unit_max = 0, unit_max_trainable = 0;
-  int64_t other_max_trainable = 0;  // the largest unit that is neither the root nor a layer (a head of its own)
+  int64_t other_max_trainable = 0;    // the largest unit that is neither the root nor a layer (a head of its own)
+  int64_t layer_max_frozen_part = 0;  // a layer's largest frozen part (one flat param of a storage)
   int64_t units = 0;
 };
 
@@ -45,6 +46,9 @@ Sizes sizes_of(const ModelShape& shape) {
       s.root_trainable += u.trainable_numel;
     } else if (layer[i]) {
       s.layer_max_trainable = std::max(s.layer_max_trainable, u.trainable_numel);
+      if (u.frozen_by_storage.empty()) s.layer_max_frozen_part = std::max(s.layer_max_frozen_part, u.frozen_numel);
+      for (const auto& [storage, numel] : u.frozen_by_storage)
+        s.layer_max_frozen_part = std::max(s.layer_max_frozen_part, numel);
     } else {
       s.other_max_trainable = std::max(s.other_max_trainable, u.trainable_numel);
     }
@@ -245,6 +249,8 @@ States sharded_states(const ModelShape& shape, const PlanRequest& req, const Cho
     if (st > 0) add({true, false}, st, 4 * st);
     for (const auto& [storage, numel] : frozen_parts(u, req.param_dtype)) {
       add({false, storage != FrozenStorage::kFloat32}, ceil_div(numel, N), stored_bytes(storage, numel, N));
+      if (req.nf4_codes_in_place && storage == FrozenStorage::kNF4 && placed.back().where.master == OffloadTier::kDisk)
+        s.tier[OffloadTier::kDisk] -= ceil_div(numel, N) / 2;  // read from the imported files
     }
   }
   const std::vector<bool> kept = forward_reads_kept(shape, c, gathers, disk_reads);
@@ -471,7 +477,8 @@ void add_working_set(const ModelShape& shape, const PlanRequest& req, const Choi
     ram.add("the root's reduction in flight (largest unit)", reducing, PlanTier::kBackwardEnd);
   }
   if (req.device == c10::kCPU && gathers && N > 1) {
-    ram.add("freed blocks of a layer's trainable size kept for reuse (2)", 2 * e * z.layer_max_trainable);
+    ram.add("freed blocks kept for reuse (2 of a layer's trainable size, 1 of its largest frozen part)",
+            2 * e * z.layer_max_trainable + e * z.layer_max_frozen_part);
   }
   add_backward_start(layers_gathered, acts, p);
   if (p.grad_accum_steps > 1 && !keeps_all && req.accumulation == Accumulation::kNoSync) {

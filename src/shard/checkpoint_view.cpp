@@ -5,7 +5,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "offload/buffer_storage.h"
+#include "buffers/buffer_storage.h"
 #include "offload/tier_tensors.h"
 #include "flat/flat_param.h"
 #include "offload/residency.h"
@@ -84,6 +84,12 @@ FlatShardView stored_view(FlatParam* flat, size_t index, bool values) {
   v.read_values = [flat, fp32] { flat->frozen_values_into(fp32); };
   if (values) v.drop_values = [fp32] { fp32.storage().unsafeGetStorageImpl()->reset(); };
   if (!values) v.store_values = [flat](int64_t begin, const at::Tensor& part) { flat->store_values(begin, part); };
+  if (!values) {
+    v.store_codes = [flat](int64_t begin, int64_t count, const std::function<at::Tensor()>& absmax,
+                           std::shared_ptr<const io::File> file, int64_t offset) {
+      return flat->store_codes_in_place(begin, count, {absmax, std::move(file), offset});
+    };
+  }
   return v;
 }
 
@@ -116,7 +122,7 @@ ModelView model_view(FSDPModule& root, bool frozen_values, const std::function<b
   // through this view waits for them.
   if (ShardedUnit& u = unit_of(root); u.root() != nullptr && u.root_state().disk_tier)
     u.root_state().disk_tier->flush();
-  offload::release_freed_host_blocks();  // not beside a save's or a load's memory
+  buffers::release_freed_host_blocks();  // not beside a save's or a load's memory
   // Tensor identity -> (flat index, entry, the unit's prefix). Units pre-order, then each unit's
   // flat params: the order the optimizer's states and the saved files follow.
   struct Placed {

@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "base/file_io.h"
 #include "fsdp/dist.h"
 #include "fsdp/fully_shard.h"
 
@@ -106,6 +107,13 @@ struct FlatShardView {
   // from `values` (any floating dtype, on the host; begin starts a 64-element block) straight
   // into the stored form (FlatParam::store_values); master_written then only ends the load.
   std::function<void(int64_t begin, const at::Tensor& values)> store_values;
+  // Null, or (the same, its stored form NF4 in the disk tier) what stores elements [begin, begin +
+  // count) (whole blocks) with `absmax()` (fp32) and their packed codes left in `file` at byte
+  // `offset`, read there by each gather (Note [NF4 codes read in place], offload/residency.cpp);
+  // false when the stored form cannot (the caller stores the values).
+  std::function<bool(int64_t begin, int64_t count, const std::function<at::Tensor()>& absmax,
+                     std::shared_ptr<const io::File> file, int64_t offset)>
+      store_codes;
   // Null, or (a frozen param kept in a stored form, viewed without its values) what fills `master`
   // with its current values: before writing part of it.
   std::function<void()> read_values;

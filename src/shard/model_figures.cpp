@@ -23,6 +23,7 @@ FlatFigures figures_of(FlatParam& fp, int gathers, bool forward_kept, bool devic
   f.io.gathers_at_all =
       fp.shard_group().size() > 1 || fp.config().compute_dtype != at::kFloat || f.where.master != OffloadTier::kNone;
   f.master = fp.sharded_param();
+  f.in_place_bytes = fp.residency().in_place_bytes();
   if (f.where.working_copy) f.working = fp.working_shard();
   f.grad = fp.sharded_grad();
   f.gathered_bytes = fp.unsharded_bytes();

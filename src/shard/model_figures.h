@@ -29,6 +29,7 @@ struct FlatFigures {
   at::Tensor master, working, grad;                   // working: when the master follows its state; grad: once reduced
   int64_t gathered_bytes = 0, grad_buffer_bytes = 0;  // alive now
   int64_t partial_grad_bytes = 0;  // sums waiting for the replicas' all-reduce (set_requires_all_reduce)
+  int64_t in_place_bytes = 0;      // of a disk-tier stored form, read from imported files (no tier blocks)
 };
 
 struct ModelFigures {

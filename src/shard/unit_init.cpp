@@ -217,7 +217,10 @@ void ShardedUnit::place_offloaded_states() {
       const FrozenStorage storage = fp->config().storage;
       const int64_t stored = frozen::stored_numel(storage, fp->shard_numel()) *
                              static_cast<int64_t>(c10::elementSize(frozen::stored_dtype(storage)));
-      if (policy.params() == OffloadTier::kDisk) disk_bytes += fp->stores_frozen() ? stored : bytes;
+      // A stored form deferred init or a load fills is reserved as it is allocated, its codes
+      // perhaps read in place (Note [NF4 codes read in place], offload/residency.cpp): not here.
+      if (policy.params() == OffloadTier::kDisk && !(fp->stores_frozen() && fp->needs_materialize()))
+        disk_bytes += fp->stores_frozen() ? stored : bytes;
       if (policy.grads() == OffloadTier::kDisk && fp->config().requires_grad) disk_bytes += bytes;
     }
   }

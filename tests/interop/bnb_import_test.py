@@ -13,6 +13,9 @@ here by bitsandbytes on the CPU (NF4, blocks of 64, double-quantized absmax):
   - fsdp-train --init-from the save with lora.base_dtype=nf4 trains; from a save without double
     quantization (an fp32 absmax) its losses equal, bitwise, those of the same run from the bf16
     weights the save was made from (fsdp's own NF4 encode of them is the same stored form);
+  - with the base in the disk tier, its NF4 codes read in place from the save's files: the same
+    losses as in memory and as with a copy of the codes in the tier, a fraction of that copy's disk,
+    and a save of the base equal to the run in memory's (check_in_place);
   - clear errors naming the tensor and the setting for FP4, another blocksize, 8-bit weights and a
     malformed quant_state.
 
@@ -102,23 +105,53 @@ def check_train(work):
     a, b = runs["bnb-4bit save (fp32 absmax)"], runs["bf16 weights"]
     record(f"losses from the save without double quantization equal those from its bf16 weights: {a} vs {b}",
            a is not None and a == b)
-    # The frozen base in the disk tier (Note [A stored form in the disk tier]): the same run, the NF4
-    # stored form in each rank's tier file and read from it for every gather, gives the same losses.
-    metrics, tier = os.path.join(work, "m-disk.jsonl"), os.path.join(work, "tier")
-    rc, out = run([p["FSDP_RUN"], "--nproc-per-node", "2", "--timeout-s", "100", "--", p["FSDP_TRAIN"],
-                   "--init-from", os.path.join(work, "q"), *TRAIN, "--set", "fsdp.offload.params=disk",
-                   "--set", f"fsdp.offload.dir={tier}", "--metrics", metrics], timeout=180)
-    m = re.search(r"by tier: device ([0-9.]+) MiB, host [0-9.]+ MiB, disk ([0-9.]+) MiB", out)
-    disk = float(m.group(2)) if m else 0.0
-    c, d = runs["bnb-4bit save (double quantization)"], losses(metrics) if rc == 0 else None
-    # The base's stored form alone: 7 NF4 weights per layer (q, o 128x128; k, v 64x128; gate, up,
-    # down 128x256: half a byte a value and 4 bytes per block of 64) and the bf16 embedding and
-    # head, 1/2 of it per rank.
-    nf4 = 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 256) * (0.5 + 4 / 64)
-    base = (nf4 + 2 * 256 * 128 * 2) / 2 / (1 << 20)
-    record(f"fsdp.offload.params=disk: the NF4 base in the disk tier ({disk} MiB per rank, the base's stored form "
-           f"{base:.3f}), losses bitwise equal to the base in memory: {d} vs {c}",
-           rc == 0 and disk >= 0.95 * base and c is not None and d == c, out)
+    check_in_place(work)
+
+
+def check_in_place(work):
+    """The frozen base in the disk tier (Note [A stored form in the disk tier]) with its NF4 codes read
+    in place from the save's files (Note [NF4 codes read in place]), on a wider model (hidden 512) so
+    that each rank's codes span many pages: the same losses as the base in memory and as the tier
+    holding a copy of the codes (lora.base_in_place=false), whose files take the codes' bytes more
+    disk; and a save of the base (lora.save_base) from it, read through those files, holds what the
+    run in memory saves."""
+    p = os.environ
+    wide = dict(SMALL, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**wide)).to(torch.bfloat16).save_pretrained(os.path.join(work, "wide-bf16"))
+    q = os.path.join(work, "wide-q")
+    bc.quantize(os.path.join(work, "wide-bf16"), q)
+    tier = ["--set", "fsdp.offload.params=disk", "--set", f"fsdp.offload.dir={os.path.join(work, 'tier')}"]
+    saved = {}
+    for label, extra in (("memory", []), ("in place", tier), ("copy", tier + ["--set", "lora.base_in_place=false"])):
+        metrics, ckpt = os.path.join(work, f"m-{label}.jsonl"), os.path.join(work, f"ckpt-{label}")
+        rc, out = run([p["FSDP_RUN"], "--nproc-per-node", "2", "--timeout-s", "100", "--", p["FSDP_TRAIN"],
+                       "--init-from", q, *TRAIN, *extra, "--set", "lora.save_base=true", "--save-dir", ckpt,
+                       "--metrics", metrics], timeout=180)
+        merged = os.path.join(work, f"merged-{label}")
+        rc2, _ = run([p["FSDP_CKPT"], "export", "--merged", "--dtype", "float32", os.path.join(ckpt, "step-00000003"),
+                      merged], timeout=120) if rc == 0 else (1, "")
+        m = re.search(r"disk tier \(rank 0\): ([0-9.]+) MiB on disk", out)
+        saved[label] = {"out": out, "losses": losses(metrics) if rc == 0 else None,
+                        "tensors": bc.read_dir(merged) if rc2 == 0 else None, "disk": float(m.group(1)) if m else None}
+        record(f"fsdp-train --init-from a bnb-4bit save, the base {label}" +
+               ("" if label == "memory" else " (fsdp.offload.params=disk)") + f": 3 steps, losses {saved[label]['losses']}",
+               rc == 0 and (label == "memory" or saved[label]["disk"] is not None), out)
+    a, b, c = (saved[k]["losses"] for k in ("memory", "in place", "copy"))
+    record(f"the base's codes read in place: losses bitwise equal to the base in memory and to a copy in the tier: "
+           f"{b} vs {a} vs {c}", a is not None and a == b == c)
+    # 7 NF4 weights per layer (q, o 512x512; k, v 256x512; gate, up, down 512x1024), 2 layers, half a
+    # byte a value, half of them per rank; whole pages of each range only (its edge pages stay).
+    codes = 2 * (2 * 512 * 512 + 2 * 256 * 512 + 3 * 512 * 1024) / 2 / 2 / (1 << 20)
+    d_in, d_copy = saved["in place"]["disk"], saved["copy"]["disk"]
+    record(f"the tier's files take {d_in} MiB of disk on rank 0 with the codes read in place, {d_copy} MiB with a "
+           f"copy of them ({codes:.3f} MiB of codes per rank)",
+           d_in is not None and d_copy is not None and d_copy - d_in >= 0.8 * codes and d_in < d_copy / 2)
+    mem, disk = saved["memory"]["tensors"], saved["in place"]["tensors"]
+    same = mem is not None and disk is not None and mem.keys() == disk.keys() and all(
+        np.array_equal(mem[k], disk[k]) for k in mem)
+    record(f"a save of the base read in place (lora.save_base, fsdp-ckpt export --merged) equals the run in "
+           f"memory's, tensor for tensor ({len(mem or {})} tensors)", same, saved["in place"]["out"])
 
 
 def expect_error(tool, q, what, *needles):

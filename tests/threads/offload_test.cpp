@@ -28,7 +28,7 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/memory.h"
 #include "fsdp/offload.h"
-#include "offload/buffer_storage.h"
+#include "buffers/buffer_storage.h"
 #include "offload/device_stager.h"
 #include "offload/testing.h"
 #include "offload_job.h"
@@ -76,24 +76,24 @@ TEST(Offload, AFreedBlockWaitsForItsOwnSizeOnly) {
     std::ifstream("/proc/self/statm") >> pages >> resident_pages;
     return static_cast<int64_t>(resident_pages) * ::sysconf(_SC_PAGESIZE);
   };
-  offload::release_freed_host_blocks();
+  buffers::release_freed_host_blocks();
   const int64_t big = int64_t{64} << 20;  // above glibc's largest mmap threshold: its own mapping
   at::Tensor t = at::ones({big / 4});
   const void* block = t.data_ptr();
-  offload::set_storage_alive(t, false);
-  offload::set_storage_alive(t, true);  // the same size: the block kept, its pages still there
+  buffers::set_storage_alive(t, false);
+  buffers::set_storage_alive(t, true);  // the same size: the block kept, its pages still there
   EXPECT_EQ(t.data_ptr(), block);
-  offload::set_storage_alive(t, false);
+  buffers::set_storage_alive(t, false);
   at::Tensor small = at::ones({1024});
-  offload::set_storage_alive(small, false);
+  buffers::set_storage_alive(small, false);
   const int64_t before = resident();
-  offload::set_storage_alive(small, true);  // another size: the 64 MiB block is freed
+  buffers::set_storage_alive(small, true);  // another size: the 64 MiB block is freed
   EXPECT_EQ(small.numel(), 1024);
   EXPECT_GT(before - resident(), big * 9 / 10) << "the kept 64 MiB block outlived an allocation of another size";
-  offload::set_storage_alive(t, true);
+  buffers::set_storage_alive(t, true);
   t.fill_(2.0f);
   EXPECT_EQ(t.sum().item<double>(), 2.0 * static_cast<double>(big / 4));
-  offload::release_freed_host_blocks();
+  buffers::release_freed_host_blocks();
 }
 
 TEST(Offload, DiskTierEqualsInMemoryTrainingBitwise) {

@@ -217,6 +217,23 @@ TEST(Plan, A70BQloraBaseStreamsFromTheDiskTierOnTwentyThreeGiB) {
   const Plan q = plan(shape, in_memory);
   EXPECT_FALSE(q.fits) << q.to_string();
   EXPECT_NE(q.shortfall.find("OffloadPolicy::params"), std::string::npos) << q.shortfall;
+  // Imported from a bitsandbytes 4-bit save with its codes read in place (Note [NF4 codes read in
+  // place]): the tier holds the absmax alone, the codes (half a byte a value) stay in the save's
+  // files, and every byte is still read each step: the same tiers fit 6 GiB of disk per rank, beside
+  // the 40 GB save on this machine's 57 GB free.
+  PlanRequest in_place = r;
+  in_place.nf4_codes_in_place = true;
+  in_place.offload = OffloadPolicy().params(p.params).grads(p.grads).optimizer_state(p.optimizer_state);
+  in_place.budget.disk_bytes = int64_t{6} << 30;
+  const Plan s = plan(shape, in_place);
+  ASSERT_TRUE(s.fits) << s.to_string();
+  const int64_t codes = c.num_hidden_layers * layer / 2 / 2;
+  EXPECT_EQ(item(p.disk, "sharded states in the disk tier") - item(s.disk, "sharded states in the disk tier"), codes)
+      << s.to_string();
+  EXPECT_EQ(s.io_per_step.disk_read, p.io_per_step.disk_read) << s.to_string();
+  PlanRequest copied = in_place;
+  copied.nf4_codes_in_place = false;
+  EXPECT_FALSE(plan(shape, copied).fits) << "a second copy of the codes does not fit 6 GiB of disk";
 }
 
 }  // namespace

@@ -171,3 +171,13 @@ def edit_quant_state(q_dir, name, **changes):
     state.update(changes)
     tensors[key] = torch.frombuffer(bytearray(json.dumps(state).encode()), dtype=torch.uint8)
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+def read_dir(hf_dir):
+    """Every tensor of a Hugging Face directory's safetensors files, by name (numpy)."""
+    import glob
+    from safetensors.numpy import load_file
+    out = {}
+    for f in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        out.update(load_file(f))
+    return out

@@ -1,5 +1,5 @@
 // set_storage_alive: a buffer's memory freed and grown back with its views intact.
-#include "offload/buffer_storage.h"
+#include "buffers/buffer_storage.h"
 
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
@@ -12,7 +12,7 @@
 #include "base/host_malloc.h"
 #include "fsdp/errors.h"
 
-namespace fsdp::offload {
+namespace fsdp::buffers {
 namespace {
 
 // Note [Reusing freed host buffers]
@@ -21,33 +21,45 @@ namespace {
 // on 2 ranks that kernel work was about a quarter of the step. A freed block is kept instead
 // and handed to the next buffer of the same size from the same allocator, which in a model of
 // repeated blocks is the next unit's gather or gradient. At most kKeptBlocks are kept, the most
-// recently freed, so the process holds at most that many blocks beyond what is alive. A kept block
-// is freed at the first allocation of another size from its allocator, taken from the kept ones or
-// not: the cycle it was kept for has ended. Kept until pushed out, blocks waited beside what the plan counts: a split
-// root's frozen embedding, freed after its forward, stayed through every layer's forward (1 GiB in
-// bf16 at Llama-3.1-8B: the forward's peak), and a layer's freed gather beside the head's, in fp32
-// at 8B 0.8 GiB over the plan.
+// recently freed, so the process holds at most that many blocks beyond what is alive: 3, a LoRA
+// layer's flat params (its adapters, its NF4 base, its bf16 norms), each freed after the unit's
+// forward and taken by the next unit's gather. A kept block is freed once a block freed after it
+// is taken, or at an allocation of another size that finds none of its own: the cycle it was kept
+// for has ended. (Freeing every block of another size at any allocation, as before, freed a LoRA
+// layer's decoded base at its adapters' gather: at Llama-3.1-8B QLoRA each gather then faulted in
+// 436 MiB of new pages, 41% of a step in the kernel.) Kept until pushed out, blocks waited beside what the plan counts:
+// a split root's frozen embedding, freed after its forward, stayed through every layer's forward (1 GiB in bf16 at
+// Llama-3.1-8B: the forward's peak), and a layer's freed gather beside the head's, in fp32 at 8B 0.8 GiB over the plan.
 class FreedBlocks {
  public:
-  static constexpr size_t kKeptBlocks = 2;
+  static constexpr size_t kKeptBlocks = 3;
 
   at::DataPtr take(c10::Allocator* allocator, size_t bytes) {
     std::vector<at::DataPtr> dropped;  // freed outside the lock
     std::lock_guard<std::mutex> lock(mu_);
     at::DataPtr out(nullptr, at::Device(at::kCPU));
-    for (auto it = blocks_.begin(); it != blocks_.end();) {
-      // Another allocator's block (pinned host memory beside pageable) is another cycle: kept.
-      if (it->allocator != allocator || (it->bytes == bytes && out.get() != nullptr)) {
-        ++it;
-        continue;
+    // The most recently freed block of this size, if any; every block of another size freed
+    // before it (all of them when there is none) has outlived its cycle and is freed.
+    size_t found = blocks_.size();
+    for (size_t i = blocks_.size(); i-- > 0;) {
+      if (blocks_[i].allocator == allocator && blocks_[i].bytes == bytes) {
+        found = i;
+        break;
       }
-      if (it->bytes == bytes) {
-        out = std::move(it->data);
-      } else {
-        dropped.push_back(std::move(it->data));
-      }
-      it = blocks_.erase(it);
     }
+    const size_t limit = found == blocks_.size() ? blocks_.size() : found;
+    std::deque<Block> kept;
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      Block& b = blocks_[i];
+      if (i == found) {
+        out = std::move(b.data);
+      } else if (b.allocator == allocator && b.bytes != bytes && i < limit) {
+        dropped.push_back(std::move(b.data));  // another allocator's block (pinned beside pageable): kept
+      } else {
+        kept.push_back(std::move(b));
+      }
+    }
+    blocks_.swap(kept);
     return out;
   }
 
@@ -135,4 +147,4 @@ void set_storage_alive(const at::Tensor& t, bool alive) {
   storage->set_nbytes(bytes);
 }
 
-}  // namespace fsdp::offload
+}  // namespace fsdp::buffers

@@ -143,16 +143,20 @@ std::vector<Located> locate(const Source& src, const std::vector<ShardedTensorVi
 }
 
 using ValuesWritten = std::function<void(int64_t begin, const at::Tensor& values)>;
+using StoreCodes = std::function<bool(int64_t begin, int64_t count, const std::function<at::Tensor()>& absmax,
+                                      std::shared_ptr<const File> file, int64_t offset)>;
 
 // Reads elements [begin, begin + count) of the tensor at `loc` into dst[shard_begin, ...),
 // converting to dst's dtype through `staging` (the source dtype) in chunks; `written` (if set)
 // sees each chunk's fp32 values where they were written (FlatShardView::values_written). With
 // `store` (FlatShardView::store_values) each chunk is stored as read instead, dst left alone. A
 // bitsandbytes 4-bit weight is read by its reader: its NF4 stored form where a store takes whole
-// blocks, else its values (bnb/bnb4.h).
-uint64_t read_converted(File& file, const st::Header& header, const Located& loc, int64_t begin, int64_t count,
-                        const ShardTensor& shard, int64_t shard_begin, at::Tensor& staging,
-                        const ValuesWritten& written = nullptr, const ValuesWritten& store = nullptr) {
+// blocks, else its values (bnb/bnb4.h); with `store_codes`, whole blocks take their codes in place
+// from `file` where the stored form can (FlatShardView::store_codes), their absmax from the reader.
+uint64_t read_converted(const std::shared_ptr<const File>& file, const st::Header& header, const Located& loc,
+                        int64_t begin, int64_t count, const ShardTensor& shard, int64_t shard_begin,
+                        at::Tensor& staging, const ValuesWritten& written = nullptr,
+                        const ValuesWritten& store = nullptr, const StoreCodes& store_codes = nullptr) {
   const at::Tensor& dst = shard.values();
   const auto item = static_cast<int64_t>(st::itemsize(loc.entry->dtype));
   const uint64_t base = header.data_start() + loc.entry->begin;
@@ -168,13 +172,20 @@ uint64_t read_converted(File& file, const st::Header& header, const Located& loc
     const int64_t n = std::min(kChunkElements, count - done);
     const uint64_t at_byte = base + static_cast<uint64_t>((begin + done) * item);
     const int64_t at_elem = shard_begin + done;
+    if (loc.q && blocks && store_codes &&
+        store_codes(
+            at_elem, n, [&] { return loc.q->absmax((begin + done) / bnb::kBlock, n / bnb::kBlock); }, file,
+            static_cast<int64_t>(base) + (begin + done) / 2)) {
+      done += n;
+      continue;
+    }
     if (direct) {
-      file.pread_all(dst.data_ptr<float>() + at_elem, n * item, at_byte);
+      file->pread_all(dst.data_ptr<float>() + at_elem, n * item, at_byte);
       if (written) written(at_elem, dst.narrow(0, at_elem, n));
     } else {
       const auto type = st::to_scalar_type(loc.entry->dtype);
       if (!staging.defined() || staging.scalar_type() != type) staging = at::empty({kChunkElements}, type);
-      if (!loc.q) file.pread_all(staging.data_ptr(), n * item, at_byte);
+      if (!loc.q) file->pread_all(staging.data_ptr(), n * item, at_byte);
       const at::Tensor part = loc.q ? loc.q->chunk(begin + done, n, blocks) : staging.narrow(0, 0, n);
       if (store) {
         store(at_elem, part);
@@ -207,14 +218,14 @@ int64_t source_numel(const Located& l) {
 // A frozen master kept in a stored form is then stored at once, so that the fp32 copy the import
 // writes into is alive for a few flat params at a time, not the whole model.
 uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::vector<Located>& located,
-                  const std::function<void(size_t flat)>& flat_done) {
+                  bool codes_in_place, const std::function<void(size_t flat)>& flat_done) {
   std::vector<int64_t> left(layout.flats.size(), 0);
   std::vector<bool> grows(layout.flats.size(), false);  // fill_grown reads its values back: not stored as read
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     left[layout.tensors[i].flat] += located[i].grown ? (int64_t{1} << 40) : 1;  // a grown one never finishes here
     grows[layout.tensors[i].flat] = grows[layout.tensors[i].flat] || located[i].grown;
   }
-  std::map<std::string, File> files;
+  std::map<std::string, std::shared_ptr<const File>> files;
   at::Tensor staging;
   uint64_t bytes = 0;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
@@ -230,10 +241,13 @@ uint64_t read_all(const Source& src, const CheckpointLayout& layout, const std::
     if (span->count <= 0) continue;
     const FlatShardView& flat = layout.flats[t.flat].shard;
     auto it = files.find(located[i].file);
-    if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(src.dir, located[i].file))).first;
+    if (it == files.end())
+      it =
+          files.emplace(located[i].file, std::make_shared<File>(File::open_read(join(src.dir, located[i].file)))).first;
     bytes += read_converted(it->second, src.headers.at(located[i].file), located[i], span->tensor_begin, span->count,
                             flat.master, span->shard_begin, staging, flat.values_written,
-                            grows[t.flat] ? nullptr : flat.store_values);
+                            grows[t.flat] ? nullptr : flat.store_values,
+                            grows[t.flat] || !codes_in_place ? nullptr : flat.store_codes);
     if (last) flat_done(t.flat);
   }
   return bytes;
@@ -387,7 +401,7 @@ ImportReport import_weights(const std::string& dir, FSDPModule& root, const Impo
   c10::NoGradGuard no_grad;
   std::vector<bool> written(layout.flats.size(), false);
   try {
-    report.bytes_read = read_all(src, layout, located, [&](size_t f) {
+    report.bytes_read = read_all(src, layout, located, options.codes_in_place(), [&](size_t f) {
       if (layout.flats[f].shard.master_written) layout.flats[f].shard.master_written();
       written[f] = true;
     });
@@ -431,12 +445,13 @@ ImportReport import_unsharded(const std::string& dir, torch::nn::Module& module)
   const Source src = open_source(dir, "model.safetensors");
   const std::vector<Located> located = locate(src, tensors, {}, "");
   ImportReport report = report_of(src, located);
-  std::map<std::string, File> files;
+  std::map<std::string, std::shared_ptr<const File>> files;
   std::vector<at::Tensor> values;  // read whole before any parameter changes
   at::Tensor staging;
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto it = files.find(located[i].file);
-    if (it == files.end()) it = files.emplace(located[i].file, File::open_read(join(dir, located[i].file))).first;
+    if (it == files.end())
+      it = files.emplace(located[i].file, std::make_shared<File>(File::open_read(join(dir, located[i].file)))).first;
     values.push_back(at::empty({tensors[i].numel}, at::kFloat));
     report.bytes_read += read_converted(it->second, src.headers.at(located[i].file), located[i], 0, tensors[i].numel,
                                         ShardTensor(values.back()), 0, staging);

@@ -5,7 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace fsdp::offload {
+namespace fsdp::buffers {
 
 // Frees (alive false) or allocates (true) `t`'s whole storage. On the CPU a freed block is kept
 // for the next buffer of its size (Note [Reusing freed host buffers] in buffer_storage.cpp).
@@ -14,4 +14,4 @@ void set_storage_alive(const at::Tensor& t, bool alive);
 // nothing and holds memory of its own (a checkpoint's save or load), whose peak they would add to.
 void release_freed_host_blocks();
 
-}  // namespace fsdp::offload
+}  // namespace fsdp::buffers
