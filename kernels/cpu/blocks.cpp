@@ -38,7 +38,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cpu/twins.h"
@@ -212,8 +214,11 @@ __attribute__((target("avx512f"))) void decode_nf4_block16(const NF4Table& t, co
 
 #pragma GCC diagnostic pop
 
+// FSDP_NF4_AVX512=0 keeps the eight-wide decode (the same values; for CPUs whose clock drops
+// under 512-bit instructions, and to measure the one against the other).
 bool has_avx512f() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
+  static const bool yes = __builtin_cpu_supports("avx512f") &&
+                          !(std::getenv("FSDP_NF4_AVX512") != nullptr && std::string(std::getenv("FSDP_NF4_AVX512")) == "0");
   return yes;
 }
 #endif
