@@ -217,8 +217,8 @@ __attribute__((target("avx512f"))) void decode_nf4_block16(const NF4Table& t, co
 // FSDP_NF4_AVX512=0 keeps the eight-wide decode (the same values; for CPUs whose clock drops
 // under 512-bit instructions, and to measure the one against the other).
 bool has_avx512f() {
-  static const bool yes = __builtin_cpu_supports("avx512f") &&
-                          !(std::getenv("FSDP_NF4_AVX512") != nullptr && std::string(std::getenv("FSDP_NF4_AVX512")) == "0");
+  static const bool yes = __builtin_cpu_supports("avx512f") && !(std::getenv("FSDP_NF4_AVX512") != nullptr &&
+                                                                 std::string(std::getenv("FSDP_NF4_AVX512")) == "0");
   return yes;
 }
 #endif
