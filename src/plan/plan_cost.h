@@ -20,9 +20,10 @@
 //  - on the CPU, freed blocks kept for reuse (Note [Reusing freed host buffers]): two of a
 //    layer's trainable size (a gradient buffer is freed when its reduction is collected, after the
 //    next gathers have taken what they needed, so blocks that size wait beside the live ones) and
-//    one of a layer's largest frozen part in the compute dtype (a QLoRA layer's decoded base: the
-//    tier keeps it through the layer's other gathers for the next layer's, measured +420 MiB at
-//    the forward's peak at Llama-3.1-8B, where dropping it cost 41% of a step in page faults);
+//    under activation checkpointing one of a layer's largest frozen part in the compute dtype (a
+//    QLoRA layer's decoded base, kept for the next gather of its size: +376 MiB measured at
+//    Llama-3.1-8B, where dropping it cost 41% of a step in page faults; without checkpointing the
+//    first backward unit's gradient buffer frees it before the peak: bench/results/plan-accuracy.md);
 //  - the disk tier's mapped window (its memory budget), which on the CPU counts in the RSS;
 //  - with accumulation, every unit's unreduced gradient buffer; with an async save, the snapshot.
 // Then the larger of two moments that do not overlap. At the start of backward: every unit's
